@@ -1,0 +1,201 @@
+"""The one error hierarchy of treepack.
+
+Every caller mistake raises a subclass of :class:`RequestError` (itself a ``ValueError``)
+whose message names the value, the rule and where, msgspec style::
+
+    sequence longer than seq_len: got 140000 tokens, seq_len is 131072 - at `$.sequences[3]`
+
+``path`` is a JSON-path-like location inside the request (``$.sequences[3].trainable``),
+``rule`` a short machine-readable rule name. The service maps the hierarchy to HTTP in
+one exception handler (:data:`HTTP_STATUS`), the client maps HTTP errors back through the
+same table, so an error raised by the embedded planner and one returned by the sidecar
+are the same type with the same message.
+
+Hierarchy::
+
+    TreepackError
+    +-- RequestError (ValueError)          422  the request breaks a rule
+    |   +-- InputTypeError (TypeError)     422  a value has the wrong type
+    |   +-- CapacityError                  422  a sequence does not fit a row
+    |   +-- DecodeError                    400  the body is not valid msgpack/JSON
+    |   +-- PayloadTooLargeError           413  a configured size limit is exceeded
+    |   +-- UnsupportedMediaTypeError      415  wrong Content-Type / Accept
+    |   +-- UnsupportedVersionError        422  wire version this build does not speak
+    +-- AuthError                          401  missing or wrong bearer token
+    +-- OverloadedError                    503  the planner queue is full (retry later)
+    +-- ServerError                        500  a bug on the server side
+    +-- TransportError                     ---  the client could not reach the server
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TreepackError",
+    "RequestError",
+    "InputTypeError",
+    "CapacityError",
+    "DecodeError",
+    "PayloadTooLargeError",
+    "UnsupportedMediaTypeError",
+    "UnsupportedVersionError",
+    "AuthError",
+    "OverloadedError",
+    "ServerError",
+    "TransportError",
+    "HTTP_STATUS",
+    "error_from_payload",
+]
+
+
+class TreepackError(Exception):
+    """Base of every error treepack raises on purpose.
+
+    Args:
+        message: what is wrong, naming the value and the rule.
+        path: where, as a JSON path into the request (``$`` is the request itself).
+        rule: a short machine-readable rule name (``max_len``, ``dtype``, ...).
+    """
+
+    kind = "treepack_error"
+
+    def __init__(self, message: str, *, path: str = "$", rule: str = "") -> None:
+        self.message = message
+        self.path = path
+        self.rule = rule or self.kind
+        super().__init__(f"{message} - at `{path}`" if path else message)
+
+    def to_payload(self) -> dict:
+        """The error as the service sends it: ``{"error": kind, "message", "path", "rule"}``."""
+        return {"error": self.kind, "message": self.message, "path": self.path, "rule": self.rule}
+
+
+class RequestError(TreepackError, ValueError):
+    """The request breaks a documented rule (HTTP 422)."""
+
+    kind = "invalid_request"
+
+
+class InputTypeError(RequestError, TypeError):
+    """A value of the request has the wrong type (HTTP 422)."""
+
+    kind = "invalid_type"
+
+
+class CapacityError(RequestError):
+    """A sequence is longer than ``seq_len`` and ``on_overflow`` is ``error`` (HTTP 422)."""
+
+    kind = "sequence_too_long"
+
+
+class DecodeError(RequestError):
+    """The body is not decodable msgpack/JSON (HTTP 400)."""
+
+    kind = "malformed_body"
+
+
+class PayloadTooLargeError(RequestError):
+    """A configured limit (body bytes, sequences, tokens) is exceeded (HTTP 413)."""
+
+    kind = "too_large"
+
+
+class UnsupportedMediaTypeError(RequestError):
+    """Content-Type or Accept names a format the service does not speak (HTTP 415)."""
+
+    kind = "unsupported_media_type"
+
+
+class UnsupportedVersionError(RequestError):
+    """The request's wire version is not one this build understands (HTTP 422)."""
+
+    kind = "unsupported_version"
+
+
+class AuthError(TreepackError):
+    """Missing or wrong bearer token (HTTP 401)."""
+
+    kind = "unauthorized"
+
+
+class OverloadedError(TreepackError):
+    """The service's planning queue is full; retry after ``retry_after`` seconds (HTTP 503)."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, *, path: str = "$", rule: str = "", retry_after: float = 1.0):
+        super().__init__(message, path=path, rule=rule)
+        self.retry_after = retry_after
+
+
+class ServerError(TreepackError):
+    """The server failed on a valid request (HTTP 5xx); a bug, please report it."""
+
+    kind = "server_error"
+
+
+class TransportError(TreepackError):
+    """The client could not talk to the server (connection refused, timeout, ...)."""
+
+    kind = "transport_error"
+
+
+HTTP_STATUS: dict[type[TreepackError], int] = {
+    DecodeError: 400,
+    AuthError: 401,
+    PayloadTooLargeError: 413,
+    UnsupportedMediaTypeError: 415,
+    CapacityError: 422,
+    InputTypeError: 422,
+    UnsupportedVersionError: 422,
+    RequestError: 422,
+    OverloadedError: 503,
+    ServerError: 500,
+}
+
+_BY_KIND: dict[str, type[TreepackError]] = {
+    cls.kind: cls
+    for cls in (
+        RequestError,
+        InputTypeError,
+        CapacityError,
+        DecodeError,
+        PayloadTooLargeError,
+        UnsupportedMediaTypeError,
+        UnsupportedVersionError,
+        AuthError,
+        OverloadedError,
+        ServerError,
+        TransportError,
+    )
+}
+
+
+def http_status(err: TreepackError) -> int:
+    """The HTTP status the service answers ``err`` with (most specific class wins)."""
+    for cls in type(err).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return 500
+
+
+def error_from_payload(payload: dict, status: int) -> TreepackError:
+    """Rebuild the exception a server sent as ``{"error", "message", "path", "rule"}``.
+
+    Unknown kinds map by status: 4xx to :class:`RequestError`, 503 to
+    :class:`OverloadedError`, anything else to :class:`ServerError`.
+    """
+    kind = str(payload.get("error", ""))
+    message = str(payload.get("message", "")) or f"HTTP {status}"
+    path = str(payload.get("path", "$"))
+    rule = str(payload.get("rule", ""))
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        if status == 503:
+            cls = OverloadedError
+        elif status == 401:
+            cls = AuthError
+        elif 400 <= status < 500:
+            cls = RequestError
+        else:
+            cls = ServerError
+    return cls(message, path=path, rule=rule)

@@ -1,0 +1,41 @@
+"""The pure planning core (numpy only, no I/O): tree, placement, layout, metadata.
+
+Entry point: :func:`plan_batch`. Invariants: :func:`validate_plan`.
+"""
+
+from treepack.service.planner.api import plan_batch, plan_normalized
+from treepack.service.planner.bounds import lower_bound_rows
+from treepack.service.planner.inputs import Batch, OverflowEvent, normalize_batch
+from treepack.service.planner.layout import Segments, layout_rows
+from treepack.service.planner.metadata import AttentionMeta, GdnLevel, GdnMeta
+from treepack.service.planner.placement import PLACEMENTS, naive_place, place_leaves
+from treepack.service.planner.plan import Plan, PlanStats
+from treepack.service.planner.ranks import Ranks
+from treepack.service.planner.tree import Tree, build_tree, naive_build_tree
+from treepack.service.planner.validate import PlanInvariantError, naive_tree_mask, validate_plan
+
+__all__ = [
+    "plan_batch",
+    "plan_normalized",
+    "validate_plan",
+    "PlanInvariantError",
+    "naive_tree_mask",
+    "lower_bound_rows",
+    "Batch",
+    "OverflowEvent",
+    "normalize_batch",
+    "Segments",
+    "layout_rows",
+    "AttentionMeta",
+    "GdnLevel",
+    "GdnMeta",
+    "PLACEMENTS",
+    "place_leaves",
+    "naive_place",
+    "Plan",
+    "PlanStats",
+    "Ranks",
+    "Tree",
+    "build_tree",
+    "naive_build_tree",
+]

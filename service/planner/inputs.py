@@ -1,0 +1,299 @@
+"""Request normalization: user sequences -> one validated :class:`Batch`.
+
+The planner works in metadata space: after this module, nothing reads token payloads
+except the tree builder (to find shared prefixes) and ``validate_plan`` (to check them).
+Sequences stay per-sequence uint32 views; nothing is concatenated or copied when the
+input already has the right dtype (the wire's columnar buffer is sliced, not copied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from treepack.proto.errors import CapacityError, InputTypeError, RequestError
+
+__all__ = ["Batch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
+
+ON_OVERFLOW = ("error", "truncate", "drop")
+_UINT32_MAX = np.iinfo(np.uint32).max
+_SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverflowEvent:
+    """A sequence longer than ``seq_len`` that was truncated or dropped."""
+
+    index: int
+    length: int
+    action: str  # "truncate" | "drop"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """A validated batch of sequences, in the planner's terms.
+
+    Attributes:
+        tokens: per sequence, a C-contiguous uint32 array of the kept tokens (a dropped
+            sequence keeps an empty array so indices stay those of the request).
+        lens: [S] int64 kept lengths (0 for dropped sequences).
+        orig_lens: [S] int64 lengths as submitted.
+        kept: [S] bool, False for sequences dropped by ``on_overflow="drop"``.
+        first_trainable: [S] int64 index of the first trainable token (== lens[s] if none).
+        trainable: per sequence bool arrays, or None when every sequence was given as a
+            prompt length (then ``prompt_lens`` holds them).
+        prompt_lens: [S] int64 or None; sequence s is trainable from prompt_lens[s] on.
+        group_codes: [S] int64 dense group ids in order of first appearance; a sequence
+            without a group gets a code of its own.
+        group_labels: the original label of each code (None for ungrouped sequences).
+        keys: per sequence uint64 arrays (or None for all-zero keys), or None if no keys.
+        overflow: sequences that were truncated or dropped.
+    """
+
+    tokens: tuple[np.ndarray, ...]
+    lens: np.ndarray
+    orig_lens: np.ndarray
+    kept: np.ndarray
+    first_trainable: np.ndarray
+    trainable: tuple[np.ndarray, ...] | None
+    prompt_lens: np.ndarray | None
+    group_codes: np.ndarray
+    group_labels: tuple[Any, ...]
+    keys: tuple[np.ndarray | None, ...] | None
+    overflow: tuple[OverflowEvent, ...] = field(default=())
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.tokens)
+
+    def trainable_of(self, s: int) -> np.ndarray:
+        """[lens[s]] bool trainable flags of sequence s."""
+        if self.trainable is not None:
+            return self.trainable[s]
+        out = np.zeros(int(self.lens[s]), dtype=bool)
+        out[int(self.prompt_lens[s]):] = True
+        return out
+
+    def shareable_lens(self) -> np.ndarray:
+        """[S] int64 default-mode shareable length: the index of the first scored position.
+
+        Position p is scored when token p+1 is trainable; a trainable token is never shared
+        either, so the shareable run ends before ``first_trainable - 1`` (or covers the whole
+        sequence when nothing is trainable).
+        """
+        ft = self.first_trainable
+        return np.where(ft >= self.lens, self.lens, np.maximum(ft - 1, 0)).astype(np.int64)
+
+
+def _as_tokens(x: Any, i: int) -> np.ndarray:
+    path = f"$.sequences[{i}]"
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise InputTypeError(f"expected a 1-D array of token ids, got shape {arr.shape}", path=path, rule="ndim")
+    if arr.dtype in _SAFE_UNSIGNED:
+        return np.ascontiguousarray(arr, dtype=np.uint32)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    if arr.dtype.kind not in "iu":
+        raise InputTypeError(f"expected integer token ids, got dtype {arr.dtype}", path=path, rule="dtype")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        j = int(np.argmax(arr < 0))
+        raise RequestError(f"token id must be >= 0, got {int(arr[j])}", path=f"{path}[{j}]", rule="token_range")
+    if hi > _UINT32_MAX:
+        j = int(np.argmax(arr > _UINT32_MAX))
+        raise RequestError(f"token id must fit uint32, got {int(arr[j])}", path=f"{path}[{j}]", rule="token_range")
+    return arr.astype(np.uint32)
+
+
+def _as_trainable(x: Any, n: int, i: int) -> tuple[np.ndarray | None, int]:
+    """Returns (bool array or None, prompt length or -1)."""
+    path = f"$.sequences[{i}].trainable"
+    if isinstance(x, (bool, np.bool_)):
+        raise InputTypeError(f"expected a bool array or a prompt length, got {x!r}", path=path, rule="type")
+    if isinstance(x, (int, np.integer)):
+        p = int(x)
+        if not 0 <= p <= n:
+            raise RequestError(f"prompt length must be in [0, {n}], got {p}", path=path, rule="prompt_len_range")
+        return None, p
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise InputTypeError(f"expected a 1-D bool array, got shape {arr.shape}", path=path, rule="ndim")
+    if arr.shape[0] != n:
+        raise RequestError(f"trainable has {arr.shape[0]} flags for {n} tokens", path=path, rule="length_mismatch")
+    if arr.dtype != np.bool_:
+        if arr.dtype.kind not in "iub" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
+            raise InputTypeError(f"expected bools or 0/1, got dtype {arr.dtype}", path=path, rule="dtype")
+        arr = arr.astype(bool)
+    return np.ascontiguousarray(arr), -1
+
+
+def _as_keys(x: Any, n: int, i: int) -> np.ndarray | None:
+    if x is None:
+        return None
+    path = f"$.sequences[{i}].keys"
+    arr = np.asarray(x)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise RequestError(f"keys must be one uint64 per token ({n}), got shape {arr.shape}", path=path, rule="length_mismatch")
+    if arr.dtype.kind not in "iu":
+        raise InputTypeError(f"expected integer keys, got dtype {arr.dtype}", path=path, rule="dtype")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        raise RequestError("keys must be >= 0 (uint64)", path=path, rule="key_range")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def _group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple[Any, ...]]:
+    if groups is None:
+        return np.arange(n, dtype=np.int64), (None,) * n
+    if len(groups) != n:
+        raise RequestError(f"groups has {len(groups)} entries for {n} sequences", path="$.groups", rule="length_mismatch")
+    codes = np.empty(n, dtype=np.int64)
+    index: dict[Any, int] = {}
+    labels: list[Any] = []
+    for s, g in enumerate(groups):
+        if g is None:
+            codes[s] = len(labels)
+            labels.append(None)
+            continue
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str, np.integer)):
+            raise InputTypeError(f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type")
+        key = int(g) if isinstance(g, np.integer) else g
+        c = index.get(key)
+        if c is None:
+            c = index[key] = len(labels)
+            labels.append(key)
+        codes[s] = c
+    return codes, tuple(labels)
+
+
+def normalize_batch(
+    sequences: Sequence[Any],
+    *,
+    seq_len: int,
+    trainable: Sequence[Any] | None = None,
+    groups: Sequence[Any] | None = None,
+    keys: Sequence[Any] | None = None,
+    on_overflow: str = "error",
+) -> Batch:
+    """Validate a request and bring it into the planner's :class:`Batch` form.
+
+    Args:
+        sequences: S sequences of token ids (lists, numpy arrays, anything ``np.asarray``
+            takes); ids must be integers in [0, 2**32).
+        seq_len: row capacity C (> 0).
+        trainable: None (no token is a loss target: every sequence is fully shareable),
+            or per sequence a bool array of its length or a prompt length p (tokens p.. are
+            trainable).
+        groups: None, or per sequence an int/str group id (or None: a group of its own).
+        keys: None, or per sequence None or one uint64 per token that must also match for
+            two sequences to share a token.
+        on_overflow: what to do with a sequence longer than seq_len: ``error`` (raise
+            :class:`CapacityError`), ``truncate`` (keep its first seq_len tokens) or ``drop``.
+
+    Returns:
+        The validated :class:`Batch`.
+
+    Raises:
+        RequestError: (or a subclass) naming the rule and the request path.
+    """
+    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+        raise InputTypeError(f"seq_len must be an int, got {type(seq_len).__name__}", path="$.seq_len", rule="type")
+    if seq_len <= 0:
+        raise RequestError(f"seq_len must be > 0, got {seq_len}", path="$.seq_len", rule="positive")
+    if on_overflow not in ON_OVERFLOW:
+        raise RequestError(f"on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}", path="$.on_overflow", rule="enum")
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
+        raise InputTypeError("sequences must be a list of token arrays", path="$.sequences", rule="type")
+    n = len(sequences)
+    if n == 0:
+        raise RequestError("the batch is empty: at least one sequence is needed", path="$.sequences", rule="non_empty")
+    if trainable is not None and len(trainable) != n:
+        raise RequestError(f"trainable has {len(trainable)} entries for {n} sequences", path="$.trainable", rule="length_mismatch")
+    if keys is not None and len(keys) != n:
+        raise RequestError(f"keys has {len(keys)} entries for {n} sequences", path="$.keys", rule="length_mismatch")
+
+    toks: list[np.ndarray] = []
+    trains: list[np.ndarray] | None = [] if trainable is not None else None
+    prompt = np.zeros(n, dtype=np.int64)
+    first = np.empty(n, dtype=np.int64)
+    all_prompt = True
+    key_list: list[np.ndarray | None] | None = [] if keys is not None else None
+    lens = np.empty(n, dtype=np.int64)
+    orig = np.empty(n, dtype=np.int64)
+    kept = np.ones(n, dtype=bool)
+    overflow: list[OverflowEvent] = []
+    for s in range(n):
+        arr = _as_tokens(sequences[s], s)
+        m = arr.shape[0]
+        orig[s] = m
+        if m == 0:
+            raise RequestError("sequence has no tokens", path=f"$.sequences[{s}]", rule="non_empty")
+        tr, p = (None, m) if trainable is None else _as_trainable(trainable[s], m, s)
+        ky = None if keys is None else _as_keys(keys[s], m, s)
+        if m > seq_len:
+            if on_overflow == "error":
+                raise CapacityError(
+                    f"sequence {s} has {m} tokens, longer than seq_len {seq_len} "
+                    "(set on_overflow='truncate' or 'drop' to allow)",
+                    path=f"$.sequences[{s}]",
+                    rule="max_len",
+                )
+            overflow.append(OverflowEvent(index=s, length=m, action=on_overflow))
+            if on_overflow == "truncate":
+                m = seq_len
+                arr = arr[:m]
+                tr = None if tr is None else tr[:m]
+                p = min(p, m)
+                ky = None if ky is None else ky[:m]
+            else:
+                kept[s] = False
+                m = 0
+                arr = arr[:0]
+                tr = None if tr is None else tr[:0]
+                p = 0
+                ky = None if ky is None else ky[:0]
+        lens[s] = m
+        toks.append(arr)
+        if tr is None:
+            prompt[s] = p
+            first[s] = p if p < m else m
+            if trains is not None:
+                trains.append(None)  # type: ignore[arg-type]
+        else:
+            all_prompt = False
+            if trains is not None:
+                trains.append(tr)
+            j = int(np.argmax(tr)) if m else 0
+            first[s] = j if m and tr[j] else m
+        if key_list is not None:
+            key_list.append(ky)
+
+    train_tuple: tuple[np.ndarray, ...] | None = None
+    prompt_lens: np.ndarray | None = prompt
+    if trains is not None and not all_prompt:
+        train_tuple = tuple(
+            t if t is not None else _prompt_mask(int(lens[s]), int(prompt[s])) for s, t in enumerate(trains)
+        )
+        prompt_lens = None
+    codes, labels = _group_codes(groups, n)
+    return Batch(
+        tokens=tuple(toks),
+        lens=lens,
+        orig_lens=orig,
+        kept=kept,
+        first_trainable=first,
+        trainable=train_tuple,
+        prompt_lens=prompt_lens,
+        group_codes=codes,
+        group_labels=labels,
+        keys=None if key_list is None else tuple(key_list),
+        overflow=tuple(overflow),
+    )
+
+
+def _prompt_mask(m: int, p: int) -> np.ndarray:
+    out = np.zeros(m, dtype=bool)
+    out[p:] = True
+    return out

@@ -1,0 +1,166 @@
+"""Kernel metadata derived from the segment tables (SPEC section 5).
+
+- Attention: each segment's ancestor chain (root first, itself last). For a varlen kernel
+  the segment is the query block and its chain the keys, causal aligned bottom-right: the
+  chain holds exactly the positions ``0 .. seq_start + length - 1`` of its sequence.
+- Gated DeltaNet: segments grouped by depth across all rows. Level d runs as one varlen
+  call (``cu_seqlens`` int32 from 0); a segment's initial recurrent state is its parent's
+  final state (``parent_slot`` indexes the previous level), roots start from zero. The
+  short causal conv of width W needs, at a segment's start, the last W-1 inputs along its
+  ancestor chain, which may span several short ancestors: ``conv_context`` holds their
+  flat row positions (``row * seq_len + index``), oldest first, -1 where the chain is
+  shorter (zero padding, as at a sequence start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.service.planner.arrays import ragged_arange
+from treepack.service.planner.layout import Segments
+
+__all__ = ["AttentionMeta", "GdnLevel", "GdnMeta", "attention_meta", "gdn_meta", "naive_conv_context", "segment_tokens"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionMeta:
+    """Ancestor chains of every segment (CSR).
+
+    Attributes:
+        anc_ptr: [G+1] int64 offsets into ``anc_segs``.
+        anc_segs: [A] int64 each segment's chain, root first, the segment itself last.
+        key_lens: [G] int64 keys each segment's queries see at its last token
+            (= the chain's token count = ``seq_start + length``).
+    """
+
+    anc_ptr: np.ndarray
+    anc_segs: np.ndarray
+    key_lens: np.ndarray
+
+    def chain(self, g: int) -> np.ndarray:
+        return self.anc_segs[self.anc_ptr[g] : self.anc_ptr[g + 1]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GdnLevel:
+    """One tree depth across all rows.
+
+    Attributes:
+        depth: the level's depth (0 = row roots).
+        segs: [n] int64 segments of this depth, in row-major order.
+        cu_seqlens: [n+1] int32 cumulative lengths, starting at 0.
+        parent: [n] int64 parent segment (global index), -1 at depth 0.
+        parent_slot: [n] int64 index of the parent within the previous level's ``segs``.
+        conv_context: [n, W-1] int64 flat row positions of the conv context, -1 = zero.
+    """
+
+    depth: int
+    segs: np.ndarray
+    cu_seqlens: np.ndarray
+    parent: np.ndarray
+    parent_slot: np.ndarray
+    conv_context: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GdnMeta:
+    """GDN execution schedule: ``levels[d]`` for d = 0 .. max depth."""
+
+    conv_width: int
+    levels: tuple[GdnLevel, ...]
+
+
+def attention_meta(seg: Segments) -> AttentionMeta:
+    """Ancestor chains of every segment, vectorized (one pass per depth level)."""
+    g = seg.num_segments
+    count = seg.depth + 1
+    ptr = np.zeros(g + 1, dtype=np.int64)
+    np.cumsum(count, out=ptr[1:])
+    out = np.empty(int(ptr[-1]), dtype=np.int64)
+    pos = ptr[1:] - 1
+    cur = np.arange(g, dtype=np.int64)
+    live = np.ones(g, dtype=bool)
+    while live.any():
+        out[pos[live]] = cur[live]
+        cur = np.where(live, seg.parent[np.maximum(cur, 0)], -1)
+        pos = pos - 1
+        live = cur >= 0
+    return AttentionMeta(anc_ptr=ptr, anc_segs=out, key_lens=seg.seq_start + seg.length)
+
+
+def _conv_context(seg: Segments, seq_len: int, width: int) -> np.ndarray:
+    """[G, W-1] flat row positions of the W-1 inputs before each segment on its chain."""
+    g = seg.num_segments
+    k = width - 1
+    out = np.full((g, max(k, 0)), -1, dtype=np.int64)
+    if k <= 0 or g == 0:
+        return out
+    base = seg.row * seq_len + seg.row_start  # flat position of each segment's first token
+    for back in range(1, k + 1):
+        # The `back`-th input before segment i's start: walk up while the ancestor is
+        # shorter than what remains.
+        cur = seg.parent.copy()
+        rem = np.full(g, back, dtype=np.int64)
+        live = cur >= 0
+        while True:
+            c = np.maximum(cur, 0)
+            deeper = live & (rem > seg.length[c])
+            if not deeper.any():
+                break
+            rem = np.where(deeper, rem - seg.length[c], rem)
+            cur = np.where(deeper, seg.parent[c], cur)
+            live = live & (cur >= 0)
+        c = np.maximum(cur, 0)
+        val = base[c] + seg.length[c] - rem
+        out[:, k - back] = np.where(live, val, -1)
+    return out
+
+
+def naive_conv_context(seg: Segments, seq_len: int, width: int) -> np.ndarray:
+    """Reference for ``conv_context``: concatenate each chain's flat positions, take the tail."""
+    g = seg.num_segments
+    k = width - 1
+    out = np.full((g, max(k, 0)), -1, dtype=np.int64)
+    for i in range(g):
+        chain: list[int] = []
+        p = int(seg.parent[i])
+        while p >= 0:
+            b = int(seg.row[p]) * seq_len + int(seg.row_start[p])
+            chain = list(range(b, b + int(seg.length[p]))) + chain
+            p = int(seg.parent[p])
+        tail = chain[-k:] if k > 0 else []
+        for j, v in enumerate(tail):
+            out[i, k - len(tail) + j] = v
+    return out
+
+
+def gdn_meta(seg: Segments, seq_len: int, conv_width: int = 4) -> GdnMeta:
+    """GDN levels and conv context for every segment (module docstring)."""
+    ctx = _conv_context(seg, seq_len, conv_width)
+    levels = []
+    slot = np.full(seg.num_segments, -1, dtype=np.int64)
+    for d in range(int(seg.depth.max(initial=-1)) + 1):
+        segs = np.flatnonzero(seg.depth == d)
+        slot[segs] = np.arange(segs.shape[0])
+        cu = np.zeros(segs.shape[0] + 1, dtype=np.int32)
+        np.cumsum(seg.length[segs], out=cu[1:])
+        par = seg.parent[segs]
+        levels.append(
+            GdnLevel(
+                depth=d,
+                segs=segs,
+                cu_seqlens=cu,
+                parent=par,
+                parent_slot=np.where(par >= 0, slot[np.maximum(par, 0)], -1),
+                conv_context=ctx[segs],
+            )
+        )
+    return GdnMeta(conv_width=conv_width, levels=tuple(levels))
+
+
+def segment_tokens(seg: Segments, seq_len: int, segs: np.ndarray) -> np.ndarray:
+    """Flat row positions of the tokens of ``segs``, concatenated in order."""
+    lens = seg.length[segs]
+    return np.repeat(seg.row[segs] * seq_len + seg.row_start[segs], lens) + ragged_arange(lens)

@@ -1,0 +1,187 @@
+"""Open rows and the sharing-aware best-fit query (the engine under ``bfd`` and ``auto``).
+
+An *item* is a leaf (or, for ``auto``, a whole subtree) with a full cost and a chain of
+internal ancestors ``anc[0..k)`` (root first) ending at ``ends[i]`` tokens. A row holds
+an ancestor-closed set of nodes, so the part of an item's path a row already holds is a
+prefix of its chain, up to the deepest ancestor ``d`` the row has; the item's marginal cost
+there is ``cost - ends[d]`` (``cost`` if it holds none).
+
+Best fit asks for the row minimizing ``room - marginal >= 0`` (ties: the row opened
+first). Rows split by the deepest ancestor they hold: class i = rows holding ``anc[i]``
+but not ``anc[i+1]``; class "none" = rows holding none. Each class is searched in
+increasing room from the smallest room that fits, skipping rows of deeper classes and
+stopping as soon as no better row can follow, so a query costs O(depth * log R) plus the
+skipped rows, not O(R):
+
+- a node held by few rows (``<= SMALL``) is scanned directly;
+- a node held by many rows keeps a sorted list of ``room << 32 | row`` keys;
+- the "none" class walks a global sorted list of every open row.
+
+:func:`naive_best_fit` is the obviously correct O(R) scan the tests compare against.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+__all__ = ["OpenRows", "naive_best_fit", "SMALL"]
+
+SMALL = 12
+_MASK = (1 << 32) - 1
+
+
+class OpenRows:
+    """Rows being filled, with the per-node indexes the best-fit query needs.
+
+    Args:
+        capacity: tokens per row (C).
+    """
+
+    __slots__ = ("capacity", "room", "held", "node_rows", "node_sorted", "row_big", "all_sorted")
+
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.room: list[int] = []
+        self.held: list[set[int]] = []  # per row: internal nodes it holds
+        self.node_rows: dict[int, set[int]] = {}  # node -> rows holding it
+        self.node_sorted: dict[int, list[int]] = {}  # big node -> sorted keys of its rows
+        self.row_big: list[list[int]] = []  # per row: big nodes it holds
+        self.all_sorted: list[int] = []  # every row's key
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.room)
+
+    def deepest(self, r: int, anc: list[int]) -> int:
+        """Index into ``anc`` of the deepest ancestor row r holds, -1 if none."""
+        held = self.held[r]
+        for i in range(len(anc) - 1, -1, -1):
+            if anc[i] in held:
+                return i
+        return -1
+
+    def marginal(self, r: int, anc: list[int], ends: list[int], cost: int) -> int:
+        d = self.deepest(r, anc)
+        return cost - (ends[d] if d >= 0 else 0)
+
+    def best_fit(self, anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:
+        """(row, marginal cost) of the best-fitting open row, or (-1, cost) if none fits."""
+        best_ra = self.capacity + 1  # room left after placing, of the best row so far
+        best_r = -1
+        best_m = cost
+        node_rows = self.node_rows
+        room = self.room
+        k = len(anc)
+        below: set[int] | None = None  # rows holding anc[i+1] (a deeper class)
+        for i in range(k - 1, -1, -1):
+            a = anc[i]
+            rows = node_rows.get(a)
+            if rows is None:
+                continue  # no row holds anc[i], hence none holds a shallower-class row either
+            m = cost - ends[i]
+            keys = self.node_sorted.get(a)
+            if keys is None:
+                for r in rows:
+                    ra = room[r] - m
+                    if ra >= 0 and (ra < best_ra or (ra == best_ra and r < best_r)):
+                        if below is not None and r in below:
+                            continue
+                        best_ra, best_r, best_m = ra, r, m
+            else:
+                j = bisect_left(keys, m << 32)
+                nk = len(keys)
+                while j < nk:
+                    key = keys[j]
+                    r = key & _MASK
+                    ra = (key >> 32) - m
+                    if ra > best_ra or (ra == best_ra and r > best_r):
+                        break
+                    if below is None or r not in below:
+                        best_ra, best_r, best_m = ra, r, m
+                        break
+                    j += 1
+            below = rows
+        keys = self.all_sorted
+        j = bisect_left(keys, cost << 32)
+        nk = len(keys)
+        top = node_rows.get(anc[0]) if k else None
+        while j < nk:
+            key = keys[j]
+            r = key & _MASK
+            ra = (key >> 32) - cost
+            if ra > best_ra or (ra == best_ra and r > best_r):
+                break
+            if top is None or r not in top:
+                best_ra, best_r, best_m = ra, r, cost
+                break
+            j += 1
+        return best_r, best_m
+
+    def open_row(self) -> int:
+        r = len(self.room)
+        self.room.append(self.capacity)
+        self.held.append(set())
+        self.row_big.append([])
+        insort(self.all_sorted, (self.capacity << 32) | r)
+        return r
+
+    def add(self, r: int, anc: list[int], marginal: int) -> None:
+        """Put an item with ancestors ``anc`` into row r, charging ``marginal`` tokens."""
+        old = self.room[r]
+        new = old - marginal
+        assert new >= 0, "row over capacity"
+        held = self.held[r]
+        for a in anc:
+            if a in held:
+                continue
+            held.add(a)
+            rows = self.node_rows.get(a)
+            if rows is None:
+                self.node_rows[a] = {r}
+                continue
+            rows.add(r)
+            keys = self.node_sorted.get(a)
+            if keys is not None:
+                insort(keys, (old << 32) | r)
+                self.row_big[r].append(a)
+            elif len(rows) > SMALL:
+                self.node_sorted[a] = sorted((self.room[x] << 32) | x for x in rows)
+                for x in rows:
+                    self.row_big[x].append(a)
+        if new != old:
+            self.room[r] = new
+            okey, nkey = (old << 32) | r, (new << 32) | r
+            for a in self.row_big[r]:
+                keys = self.node_sorted[a]
+                del keys[bisect_left(keys, okey)]
+                insort(keys, nkey)
+            keys = self.all_sorted
+            del keys[bisect_left(keys, okey)]
+            insort(keys, nkey)
+
+
+def naive_best_fit(held: list[set[int]], room: list[int], anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:
+    """Reference: scan every row, compute its marginal cost, keep the best fit.
+
+    Args:
+        held: per row, the internal nodes it holds.
+        room: per row, tokens left.
+        anc, ends, cost: the item (see module docstring).
+
+    Returns:
+        (row, marginal) minimizing room - marginal >= 0, ties to the lowest row; (-1, cost)
+        if no row fits.
+    """
+    best = (-1, cost)
+    best_ra = None
+    for r in range(len(room)):
+        e = 0
+        for a, end in zip(anc, ends):
+            if a in held[r]:
+                e = end
+        m = cost - e
+        ra = room[r] - m
+        if ra >= 0 and (best_ra is None or ra < best_ra):
+            best_ra, best = ra, (r, m)
+    return best

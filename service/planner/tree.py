@@ -1,0 +1,388 @@
+"""The global radix tree of a batch (SPEC section 2, default mode).
+
+All kept sequences of a request go into one tree, whatever their group. A node is a
+segment: a run of positions ``[start, start + length)`` that an identical set of sequences
+shares (an internal node, >= 2 sharers) or the unshared tail of one sequence (its leaf,
+possibly empty). Every sequence is a root-to-leaf path whose nodes cover ``[0, len)``
+contiguously, so a node's tokens can be read from any sharer (``source``, the lowest
+index).
+
+Node order is DFS pre-order; siblings are ordered by the lowest sequence index in their
+subtree (input order). The row layout inherits this order.
+
+Two builders with one output:
+
+- :func:`build_tree` inserts each sequence's shareable prefix into a compacted trie whose
+  edges are byte strings compared with one ``memcmp`` each (``bytes.startswith`` on a
+  zero-copy view), then applies the minimum-shared-length rule in one pass over the trie.
+  Work is O(total shareable tokens) in memcmp plus O(sum of path depths) in Python.
+- :func:`naive_build_tree` applies the SPEC's recursive rule 4 literally, token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.proto.errors import InputTypeError, RequestError
+from treepack.service.planner.arrays import forest_depth
+from treepack.service.planner.inputs import Batch
+
+__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree", "check_min_shared_len"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tree:
+    """The global prefix tree, nodes in DFS pre-order.
+
+    Attributes:
+        parent: [N] int64 parent node, -1 for roots.
+        start: [N] int64 first position (in its sequences) the node covers.
+        length: [N] int64 number of positions (0 only for an empty leaf).
+        source: [N] int64 lowest sequence index through the node (its tokens' source).
+        sharers: [N] int64 number of sequences through the node (1 for leaves).
+        depth: [N] int64 tree depth, roots 0.
+        leaf_of: [S] int64 leaf node of each sequence, -1 for dropped sequences.
+        path_ptr: [S+1] int64 CSR offsets into ``path_nodes``.
+        path_nodes: [P] int64 each sequence's nodes, root to leaf.
+        min_shared_len: the rule-4 threshold the tree was built with.
+    """
+
+    parent: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    source: np.ndarray
+    sharers: np.ndarray
+    depth: np.ndarray
+    leaf_of: np.ndarray
+    path_ptr: np.ndarray
+    path_nodes: np.ndarray
+    min_shared_len: int
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parent.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the tree: each shared run counted once."""
+        return int(self.length.sum())
+
+    @property
+    def end(self) -> np.ndarray:
+        """[N] int64 one past the last position of each node."""
+        return self.start + self.length
+
+    def path(self, s: int) -> np.ndarray:
+        """Nodes of sequence s, root to leaf."""
+        return self.path_nodes[self.path_ptr[s] : self.path_ptr[s + 1]]
+
+
+def check_min_shared_len(min_shared_len: object) -> int:
+    if isinstance(min_shared_len, (bool, np.bool_)) or not isinstance(min_shared_len, (int, np.integer)):
+        raise InputTypeError(
+            f"min_shared_len must be an int, got {type(min_shared_len).__name__}", path="$.min_shared_len", rule="type"
+        )
+    if min_shared_len < 1:
+        raise RequestError(f"min_shared_len must be >= 1, got {min_shared_len}", path="$.min_shared_len", rule="minimum")
+    return int(min_shared_len)
+
+
+class _Emitter:
+    """Collects nodes in pre-order and turns them into a :class:`Tree`."""
+
+    __slots__ = ("parent", "start", "length", "source", "sharers", "leaf_of")
+
+    def __init__(self, num_sequences: int) -> None:
+        self.parent: list[int] = []
+        self.start: list[int] = []
+        self.length: list[int] = []
+        self.source: list[int] = []
+        self.sharers: list[int] = []
+        self.leaf_of = np.full(num_sequences, -1, dtype=np.int64)
+
+    def node(self, parent: int, start: int, end: int, source: int, sharers: int) -> int:
+        self.parent.append(parent)
+        self.start.append(start)
+        self.length.append(end - start)
+        self.source.append(source)
+        self.sharers.append(sharers)
+        return len(self.parent) - 1
+
+    def leaf(self, parent: int, s: int, start: int, end: int) -> None:
+        self.leaf_of[s] = self.node(parent, start, end, s, 1)
+
+    def finish(self, min_shared_len: int) -> Tree:
+        parent = np.asarray(self.parent, dtype=np.int64)
+        n = parent.shape[0]
+        depth = forest_depth(parent)
+        leaf_of = self.leaf_of
+        kept = leaf_of >= 0
+        plen = np.where(kept, depth[np.maximum(leaf_of, 0)] + 1, 0)
+        path_ptr = np.zeros(leaf_of.shape[0] + 1, dtype=np.int64)
+        np.cumsum(plen, out=path_ptr[1:])
+        path_nodes = np.empty(int(path_ptr[-1]), dtype=np.int64)
+        # Fill each path from its leaf upwards, all sequences at once.
+        pos = path_ptr[1:] - 1
+        cur = leaf_of.copy()
+        live = kept.copy()
+        while live.any():
+            path_nodes[pos[live]] = cur[live]
+            cur = np.where(live, parent[np.maximum(cur, 0)], -1)
+            pos = pos - 1
+            live = cur >= 0
+        return Tree(
+            parent=parent,
+            start=np.asarray(self.start, dtype=np.int64),
+            length=np.asarray(self.length, dtype=np.int64),
+            source=np.asarray(self.source, dtype=np.int64),
+            sharers=np.asarray(self.sharers, dtype=np.int64),
+            depth=depth,
+            leaf_of=leaf_of,
+            path_ptr=path_ptr,
+            path_nodes=path_nodes,
+            min_shared_len=min_shared_len,
+        )
+
+
+class _TrieNode:
+    """A compacted-trie node: the edge into it is ``label`` (bytes) = positions [start, end)."""
+
+    __slots__ = ("label", "start", "end", "children", "terminals", "count", "minseq")
+
+    def __init__(self, label: bytes, start: int, end: int, minseq: int, terminal: bool = False) -> None:
+        self.label = label
+        self.start = start
+        self.end = end
+        self.children: dict[int, _TrieNode] = {}
+        self.terminals: list[int] = [minseq] if terminal else []
+        self.count = 1
+        self.minseq = minseq
+
+
+def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, memoryview | np.ndarray, int]:
+    """(byte view of the shareable prefix, per-record key source, bytes per record)."""
+    tok = batch.tokens[s]
+    if batch.keys is None:
+        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]), 4
+    key = batch.keys[s]
+    rec = np.empty(sh, dtype=[("t", "<u4"), ("k", "<u8")])
+    rec["t"] = tok[:sh]
+    rec["k"] = 0 if key is None else key[:sh]
+    # The child key must tell records apart on token *and* key.
+    keys = (rec["k"].astype(object) << 32) | rec["t"].astype(object) if sh else np.zeros(0, dtype=object)
+    return memoryview(rec).cast("B"), keys, 12
+
+
+def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
+    """Build the global radix tree of ``batch`` (fast path).
+
+    Args:
+        batch: the validated batch.
+        min_shared_len: no internal node shorter than this is created (rule 4).
+
+    Returns:
+        The :class:`Tree`, identical to :func:`naive_build_tree`'s.
+    """
+    msl = check_min_shared_len(min_shared_len)
+    n = batch.num_sequences
+    sh_all = batch.shareable_lens()
+    kept = batch.kept
+    root = _TrieNode(b"", 0, 0, -1)
+    root.count = 0
+    # Only a prefix of >= min_shared_len tokens can ever be shared: any internal node
+    # ends at depth >= its length >= min_shared_len.
+    candidates = np.flatnonzero(kept & (sh_all >= msl))
+    for s in candidates.tolist():
+        sh = int(sh_all[s])
+        buf, keyv, w = _record_views(batch, s, sh)
+        node = root
+        node.count += 1
+        pos = 0
+        while True:
+            if pos == sh:
+                node.terminals.append(s)
+                break
+            first = keyv[pos]
+            child = node.children.get(first)
+            if child is None:
+                node.children[first] = _TrieNode(bytes(buf[pos * w :]), pos, sh, s, True)
+                break
+            e = child.end - child.start
+            if sh - pos >= e and child.label.startswith(buf[pos * w : (pos + e) * w]):
+                child.count += 1
+                node = child
+                pos += e
+                continue
+            # Diverges inside the edge (or the sequence ends inside it): split it.
+            m = min(e, sh - pos)
+            a = np.frombuffer(child.label, dtype=np.uint8, count=m * w)
+            b = np.frombuffer(buf, dtype=np.uint8, count=m * w, offset=pos * w)
+            diff = a != b
+            k = int(np.argmax(diff)) // w if diff.any() else m
+            mid = _TrieNode(child.label[: k * w], child.start, child.start + k, child.minseq)
+            mid.count = child.count + 1
+            child.label = child.label[k * w :]
+            child.start += k
+            mid.children[_first_key(child, w)] = child
+            node.children[first] = mid
+            if pos + k == sh:
+                mid.terminals.append(s)
+            else:
+                mid.children[keyv[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
+            break
+
+    em = _Emitter(n)
+    # Sequences that can share nothing hang off the forest as root leaves, merged with the
+    # trie's top-level subtrees in order of lowest sequence index.
+    loners = np.flatnonzero(kept & (sh_all < msl)).tolist()
+    _emit_children(em, root, loners, batch.lens, msl)
+    return em.finish(msl)
+
+
+def _first_key(node: _TrieNode, w: int) -> int:
+    if w == 4:
+        return int.from_bytes(node.label[:4], "little")
+    t = int.from_bytes(node.label[:4], "little")
+    k = int.from_bytes(node.label[4:12], "little")
+    return (k << 32) | t
+
+
+def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.ndarray, msl: int) -> None:
+    """Emit the trie as tree nodes in pre-order, applying rule 4.
+
+    Iterative DFS over frames of (remaining children, tree parent); a node's children are
+    found by :func:`_final_children` and sorted by lowest sequence index.
+    """
+    frames = [(iter(_final_children(_ordered_items(root, loners), 0, msl)), -1)]
+    while frames:
+        items, par = frames[-1]
+        item = next(items, None)
+        if item is None:
+            frames.pop()
+            continue
+        _, kind, x, st = item
+        if kind == 0:
+            em.leaf(par, x, st, int(lens[x]))
+            continue
+        tn: _TrieNode = x
+        me = em.node(par, st, tn.end, tn.minseq, tn.count)
+        frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl)), me))
+
+
+def _final_children(items: list[tuple[int, object]], start: int, msl: int) -> list[tuple[int, int, object, int]]:
+    """The tree children under a node ending at ``start``, as (min seq, kind, x, start).
+
+    A trie node whose run from ``start`` is shorter than ``msl`` creates no node (rule 4):
+    its own children take its place, from the same ``start``, so the short run stays in
+    each descendant's segment. A trie node with one sequence is that sequence's leaf.
+    """
+    out: list[tuple[int, int, object, int]] = []
+    todo = list(reversed(items))
+    while todo:
+        kind, x = todo.pop()
+        if kind == 0:
+            out.append((x, 0, x, start))
+            continue
+        tn: _TrieNode = x
+        if tn.count == 1:
+            out.append((tn.terminals[0], 0, tn.terminals[0], start))
+        elif tn.end - start >= msl:
+            out.append((tn.minseq, 1, tn, start))
+        else:
+            todo.extend(reversed(_ordered_items(tn, [])))
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
+    """Children of a trie node and sequences ending there (plus ``extra``), by lowest sequence index."""
+    kids = list(tn.children.values())
+    terms = sorted(tn.terminals + extra) if extra else tn.terminals
+    if not terms:
+        return [(1, c) for c in kids]
+    if not kids:
+        return [(0, s) for s in terms]
+    out: list[tuple[int, object]] = []
+    i = j = 0
+    while i < len(kids) or j < len(terms):
+        if j == len(terms) or (i < len(kids) and kids[i].minseq < terms[j]):
+            out.append((1, kids[i]))
+            i += 1
+        else:
+            out.append((0, terms[j]))
+            j += 1
+    return out
+
+
+def naive_build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
+    """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
+
+    ``node(S, start)``: find the common run of S from ``start`` (within everyone's
+    shareable prefix); if it is at least ``min_shared_len`` long, it becomes an internal
+    node and S splits by the following token; otherwise S splits by the following token
+    and each part is retried from ``start``. A sequence left alone is a leaf from
+    ``start``.
+    """
+    msl = check_min_shared_len(min_shared_len)
+    n = batch.num_sequences
+    sh = batch.shareable_lens().tolist()
+    lens = batch.lens.tolist()
+    toks = [t.tolist() for t in batch.tokens]
+    keys = [None] * n if batch.keys is None else [None if k is None else k.tolist() for k in batch.keys]
+
+    def rec(s: int, p: int) -> tuple[int, int]:
+        return toks[s][p], (0 if keys[s] is None else keys[s][p])
+
+    em = _Emitter(n)
+
+    def split(S: list[int], at: int) -> list[list[int]]:
+        """Partition S by the record at ``at``; sequences with no shareable record there are singletons."""
+        parts: dict[tuple, list[int]] = {}
+        alone: list[list[int]] = []
+        for s in S:
+            if at < sh[s]:
+                parts.setdefault(rec(s, at), []).append(s)
+            else:
+                alone.append([s])
+        out = list(parts.values()) + alone
+        out.sort(key=min)
+        return out
+
+    def common_run(S: list[int], start: int) -> int:
+        run = 0
+        limit = min(sh[s] for s in S) - start
+        while run < limit and all(rec(s, start + run) == rec(S[0], start + run) for s in S):
+            run += 1
+        return run
+
+    def expand(S: list[int], start: int) -> list[tuple[list[int], int, int]]:
+        """The tree children S yields under a parent ending at ``start``: (S', start, run)."""
+        if len(S) == 1:
+            return [(S, start, 0)]
+        run = common_run(S, start)
+        if run >= msl:
+            return [(S, start, run)]
+        return [item for part in split(S, start + run) for item in expand(part, start)]
+
+    def emit(items: list[tuple[list[int], int, int]], parent: int) -> None:
+        for S, start, run in sorted(items, key=lambda it: min(it[0])):
+            if len(S) == 1:
+                em.leaf(parent, S[0], start, lens[S[0]])
+                continue
+            me = em.node(parent, start, start + run, min(S), len(S))
+            emit([it for part in split(S, start + run) for it in expand(part, start + run)], me)
+
+    kept = [s for s in range(n) if batch.kept[s]]
+    if kept:
+        emit(expand(kept, 0), -1)
+    return em.finish(msl)
+
+
+def flat_tree(batch: Batch) -> Tree:
+    """The tree without sharing: every kept sequence a root leaf (for ``no_share``)."""
+    em = _Emitter(batch.num_sequences)
+    for s in np.flatnonzero(batch.kept).tolist():
+        em.leaf(-1, s, 0, int(batch.lens[s]))
+    return em.finish(0)

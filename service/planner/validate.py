@@ -1,0 +1,247 @@
+"""Plan invariants: :func:`validate_plan` and the naive token-level mask.
+
+``validate_plan(plan)`` checks what a plan alone can prove; given the sequences it also
+checks them against the tokens:
+
+- rows: segments tile ``[0, row_len)`` contiguously in pre-order, ``row_len <= seq_len``;
+- tree: every parent precedes its child in the same row, depths follow parents, and
+  ``subtree_end`` is where the subtree ends;
+- mask: the interval form (``j <= i < subtree_end[j]``) equals the ancestor relation,
+  segment by segment for every row (and token by token via :func:`naive_tree_mask` when
+  ``dense_check_max`` allows);
+- no data loss: each kept sequence's segments form a root-to-leaf chain in its row that
+  covers positions ``0 .. len-1`` exactly once, strictly increasing in the row; every
+  segment's ``sharers`` counts the sequences through it; dropped sequences have none;
+- metadata: attention chains, GDN levels (each segment once, at its depth, ``cu_seqlens``,
+  parent slots, conv context equal to :func:`~.metadata.naive_conv_context`), ranks (each
+  row once, equal counts), stats;
+- with sequences: every token at ``idx(s, p)`` is ``s[p]`` (keys too), a shared segment holds
+  no trainable token and no scored position of any sharer, and is at least
+  ``min_shared_len`` long.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from treepack.service.planner.inputs import Batch, normalize_batch
+from treepack.service.planner.metadata import naive_conv_context
+from treepack.service.planner.plan import Plan
+
+__all__ = ["PlanInvariantError", "validate_plan", "naive_tree_mask", "interval_mask"]
+
+
+class PlanInvariantError(AssertionError):
+    """A plan breaks one of its invariants (a planner bug, never a caller mistake)."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise PlanInvariantError(what)
+
+
+def naive_tree_mask(plan: Plan, r: int) -> np.ndarray:
+    """[L, L] bool reference mask of row r from the ancestor relation, L = row_len.
+
+    ``m[i, j]`` is True iff token j is i itself, an earlier token of i's segment, or a
+    token of an ancestor segment (walking parent pointers; no interval arithmetic).
+    """
+    seg = plan.segments
+    lo, hi = int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])
+    L = int(seg.row_len[r])
+    m = np.zeros((L, L), dtype=bool)
+    for g in range(lo, hi):
+        a, n = int(seg.row_start[g]), int(seg.length[g])
+        for i in range(n):
+            m[a + i, a : a + i + 1] = True
+        p = int(seg.parent[g])
+        while p >= 0:
+            pa, pn = int(seg.row_start[p]), int(seg.length[p])
+            m[a : a + n, pa : pa + pn] = True
+            p = int(seg.parent[p])
+    return m
+
+
+def interval_mask(subtree_end: np.ndarray) -> np.ndarray:
+    """[L, L] bool mask of the interval contract: ``m[i, j] = j <= i < subtree_end[j]``."""
+    L = subtree_end.shape[0]
+    i = np.arange(L)[:, None]
+    j = np.arange(L)[None, :]
+    return (j <= i) & (i < subtree_end[None, :])
+
+
+def _as_batch(plan: Plan, sequences: Any, trainable: Any, keys: Any) -> Batch:
+    if isinstance(sequences, Batch):
+        return sequences
+    return normalize_batch(sequences, seq_len=plan.seq_len, trainable=trainable, keys=keys, on_overflow="truncate")
+
+
+def validate_plan(
+    plan: Plan,
+    sequences: Sequence[Any] | Batch | None = None,
+    *,
+    trainable: Sequence[Any] | None = None,
+    keys: Sequence[Any] | None = None,
+    dense_check_max: int = 2048,
+) -> None:
+    """Check every plan invariant (module docstring); raise :class:`PlanInvariantError`.
+
+    Args:
+        plan: the plan.
+        sequences: optionally the planned sequences (or their :class:`Batch`) for the
+            token-level checks; ``trainable`` and ``keys`` as given to the planner.
+        dense_check_max: rows up to this many tokens also get the token-level mask check.
+    """
+    seg = plan.segments
+    C, R, G, S = plan.seq_len, plan.num_rows, seg.num_segments, plan.num_sequences
+    _check(seg.row_ptr.shape == (R + 1,) and seg.row_ptr[0] == 0 and seg.row_ptr[-1] == G, "row_ptr shape/ends")
+    _check(bool(np.all(np.diff(seg.row_ptr) >= 0)), "row_ptr not monotone")
+    _check(bool(np.all(seg.row == np.repeat(np.arange(R), np.diff(seg.row_ptr)))), "segments not grouped by row")
+    _check(bool(np.all(seg.length >= 1)), "empty segment in a row")
+    _check(bool(np.all(seg.row_len <= C)), f"row over capacity: max {int(seg.row_len.max(initial=0))} > {C}")
+    _check(bool(np.all(seg.row_len == np.bincount(seg.row, weights=seg.length, minlength=R))), "row_len != segment sum")
+    expect_start = np.cumsum(seg.length) - seg.length
+    if G:
+        expect_start = expect_start - expect_start[seg.row_ptr[seg.row]]
+    _check(bool(np.array_equal(seg.row_start, expect_start)), "segments do not tile their row contiguously")
+
+    # Tree shape inside rows.
+    par = seg.parent
+    has = par >= 0
+    idx = np.arange(G)
+    _check(bool(np.all(par[has] < idx[has])), "parent does not precede child")
+    _check(bool(np.all(seg.row[par[has]] == seg.row[has])), "parent in another row")
+    _check(bool(np.all(seg.depth[~has] == 0)) and bool(np.all(seg.depth[has] == seg.depth[par[has]] + 1)), "depth mismatch")
+    _check(bool(np.all(seg.seq_start[has] == seg.seq_start[par[has]] + seg.length[par[has]])), "child does not continue its parent's positions")
+    _check(bool(np.all(seg.seq_start[~has] == 0)), "row root does not start at position 0")
+    for r in range(R):
+        lo, hi = int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])
+        k = hi - lo
+        if k == 0:
+            continue
+        d = seg.depth[lo:hi]
+        starts = seg.row_start[lo:hi]
+        end_row = int(seg.row_len[r])
+        # Naive subtree end: next segment at depth <= own depth, else the row's end.
+        exp = np.empty(k, dtype=np.int64)
+        stack: list[int] = []
+        for i in range(k):
+            while stack and d[stack[-1]] >= d[i]:
+                exp[stack.pop()] = starts[i]
+            stack.append(i)
+        for i in stack:
+            exp[i] = end_row
+        _check(bool(np.array_equal(exp, seg.subtree_end[lo:hi])), f"subtree_end wrong in row {r}")
+        # Segment-level mask == ancestor relation.
+        anc = np.zeros((k, k), dtype=bool)
+        for i in range(k):
+            p = int(par[lo + i])
+            while p >= 0:
+                anc[i, p - lo] = True
+                p = int(par[p])
+        sub_end = seg.subtree_end[lo:hi]
+        inside = (starts[None, :] < starts[:, None]) & (starts[:, None] < sub_end[None, :])
+        _check(bool(np.array_equal(inside, anc)), f"interval mask != ancestor relation in row {r}")
+        if end_row <= dense_check_max:
+            se = plan.subtree_end()[r, :end_row]
+            _check(bool(np.array_equal(interval_mask(se), naive_tree_mask(plan, r))), f"token mask mismatch in row {r}")
+
+    # Sequences: chains covering 0..len-1, sharers.
+    _check(seg.seq_ptr.shape == (S + 1,), "seq_ptr shape")
+    sharers = np.zeros(G, dtype=np.int64)
+    for s in range(S):
+        segs = seg.segments_of(s)
+        r = int(plan.row_of[s])
+        if r < 0:
+            _check(segs.shape[0] == 0 and plan.seq_lens[s] == 0, f"dropped sequence {s} has segments")
+            continue
+        _check(segs.shape[0] > 0, f"sequence {s} has no segments")
+        _check(bool(np.all(seg.row[segs] == r)), f"sequence {s} spans rows")
+        _check(par[segs[0]] == -1 and bool(np.all(par[segs[1:]] == segs[:-1])), f"sequence {s} is not a root-to-leaf chain")
+        _check(int(seg.length[segs].sum()) == int(plan.seq_lens[s]), f"sequence {s} covers {int(seg.length[segs].sum())} of {int(plan.seq_lens[s])} tokens")
+        sharers[segs] += 1
+    _check(bool(np.array_equal(sharers, seg.sharers)), "sharers count mismatch")
+    _check(bool(np.all(sharers >= 1)), "a segment belongs to no sequence")
+    src_row = plan.row_of[seg.seq]
+    _check(bool(np.all(src_row == seg.row)), "a segment's source sequence is in another row")
+
+    # Attention chains.
+    att = plan.attention
+    _check(bool(np.array_equal(np.diff(att.anc_ptr), seg.depth + 1)), "attention chain lengths")
+    for g in range(G):
+        ch = att.chain(g)
+        _check(ch[-1] == g and (ch.shape[0] == 1 or bool(np.all(par[ch[1:]] == ch[:-1]))), f"attention chain of segment {g}")
+    _check(bool(np.array_equal(att.key_lens, seg.seq_start + seg.length)), "key_lens")
+
+    # GDN levels.
+    seen = np.zeros(G, dtype=np.int64)
+    ctx_ref = naive_conv_context(seg, C, plan.gdn.conv_width)
+    for d, lv in enumerate(plan.gdn.levels):
+        _check(lv.depth == d and bool(np.all(seg.depth[lv.segs] == d)), f"GDN level {d} depth")
+        seen[lv.segs] += 1
+        _check(lv.cu_seqlens.dtype == np.int32 and lv.cu_seqlens[0] == 0, "cu_seqlens dtype/start")
+        _check(bool(np.array_equal(np.diff(lv.cu_seqlens), seg.length[lv.segs])), f"cu_seqlens of level {d}")
+        _check(bool(np.array_equal(lv.parent, par[lv.segs])), f"GDN parents of level {d}")
+        if d > 0:
+            prev = plan.gdn.levels[d - 1].segs
+            _check(bool(np.array_equal(prev[lv.parent_slot], lv.parent)), f"GDN parent slots of level {d}")
+        else:
+            _check(bool(np.all(lv.parent_slot == -1)), "GDN roots have parents")
+        _check(bool(np.array_equal(lv.conv_context, ctx_ref[lv.segs])), f"conv context of level {d}")
+    _check(bool(np.all(seen == 1)), "GDN levels do not cover every segment once")
+
+    # Ranks.
+    rr = plan.ranks.rank_rows
+    _check(rr.shape[0] == plan.ranks.num_ranks, "rank_rows shape")
+    got = np.sort(rr[rr >= 0])
+    _check(bool(np.array_equal(got, np.arange(R))), "ranks do not hold every row exactly once")
+
+    # Stats.
+    st = plan.stats
+    _check(st.rows == R and st.packed_tokens == int(seg.row_len.sum()), "stats rows/packed")
+    _check(st.padding_tokens == R * C - st.packed_tokens, "stats padding")
+    _check(st.unpacked_tokens == int(plan.seq_lens.sum()), "stats unpacked")
+    _check(0 <= st.lower_bound_rows <= R, f"lower bound {st.lower_bound_rows} > rows {R}")
+    _check(st.tree_tokens <= st.packed_tokens or plan.placement == "no_share", "packed below tree size")
+
+    if sequences is None:
+        return
+    batch = _as_batch(plan, sequences, trainable, keys)
+    _check(batch.num_sequences == S, "sequence count differs from the plan")
+    _check(bool(np.array_equal(batch.lens[plan.row_of >= 0], plan.seq_lens[plan.row_of >= 0])), "sequence lengths differ")
+    sh = batch.shareable_lens()
+    msl = plan.min_shared_len
+    for s in range(S):
+        if plan.row_of[s] < 0:
+            continue
+        tok = batch.tokens[s]
+        key = None if batch.keys is None else batch.keys[s]
+        for g in seg.segments_of(s).tolist():
+            a, n, src = int(seg.seq_start[g]), int(seg.length[g]), int(seg.seq[g])
+            _check(bool(np.array_equal(tok[a : a + n], batch.tokens[src][a : a + n])), f"sequence {s} tokens differ in segment {g}")
+            if batch.keys is not None:
+                k1 = np.zeros(n, np.uint64) if key is None else key[a : a + n]
+                k2 = batch.keys[src]
+                k2 = np.zeros(n, np.uint64) if k2 is None else k2[a : a + n]
+                _check(bool(np.array_equal(k1, k2)), f"sequence {s} keys differ in segment {g}")
+            if seg.sharers[g] >= 2:
+                _check(a + n <= sh[s], f"segment {g} shares a trainable token or scored position of sequence {s}")
+                _check(n >= msl or plan.placement == "no_share", f"shared segment {g} shorter than min_shared_len")
+    # The gather itself: materialize row tokens and read every sequence back.
+    src_seq, src_pos = plan.token_source()
+    offs = np.concatenate([[0], np.cumsum(batch.lens)])
+    flat_tokens = np.concatenate(batch.tokens) if S else np.zeros(0, np.uint32)
+    valid = src_seq >= 0
+    rows_tok = np.zeros(src_seq.shape, dtype=np.int64)
+    rows_tok[valid] = flat_tokens[offs[src_seq[valid]] + src_pos[valid]]
+    ptr, flat = plan.token_index()
+    kept = plan.row_of >= 0
+    want = np.concatenate([batch.tokens[s] for s in range(S) if kept[s]]) if kept.any() else np.zeros(0)
+    got_tok = rows_tok.reshape(-1)[flat]
+    _check(bool(np.array_equal(got_tok, want.astype(np.int64))), "row tokens do not reproduce the sequences")
+    pos = src_pos.reshape(-1)[flat]
+    exp_pos = np.concatenate([np.arange(int(plan.seq_lens[s])) for s in range(S) if kept[s]]) if kept.any() else np.zeros(0)
+    _check(bool(np.array_equal(pos, exp_pos)), "position_ids are not 0..len-1 per sequence")
+    _check(bool(np.array_equal(np.diff(ptr), plan.seq_lens)), "token_index pointer mismatch")
