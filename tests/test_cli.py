@@ -51,7 +51,7 @@ def test_plan_table_and_trainable_masks(tmp_path, capsys):
 @pytest.mark.parametrize(
     "content,needle",
     [
-        ('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting',' delimiter (column 17) - at line 2"),
+        ('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at line 2"),
         ('{"tokens": [1, -2, 3]}\n', "token id must be >= 0"),
         ('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable"),
         ('{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field"),
