@@ -29,6 +29,8 @@ Hierarchy::
 
 from __future__ import annotations
 
+from treepack.proto import WIRE_VERSION
+
 __all__ = [
     "TreepackError",
     "RequestError",
@@ -43,6 +45,7 @@ __all__ = [
     "ServerError",
     "TransportError",
     "HTTP_STATUS",
+    "http_status",
     "error_from_payload",
 ]
 
@@ -65,8 +68,8 @@ class TreepackError(Exception):
         super().__init__(f"{message} - at `{path}`" if path else message)
 
     def to_payload(self) -> dict:
-        """The error as the service sends it: ``{"error": kind, "message", "path", "rule"}``."""
-        return {"error": self.kind, "message": self.message, "path": self.path, "rule": self.rule}
+        """The error as the service sends it: ``{"version", "error": kind, "message", "path", "rule"}``."""
+        return {"version": WIRE_VERSION, "error": self.kind, "message": self.message, "path": self.path, "rule": self.rule}
 
 
 class RequestError(TreepackError, ValueError):
@@ -126,6 +129,9 @@ class OverloadedError(TreepackError):
         super().__init__(message, path=path, rule=rule)
         self.retry_after = retry_after
 
+    def to_payload(self) -> dict:
+        return {**super().to_payload(), "retry_after": self.retry_after}
+
 
 class ServerError(TreepackError):
     """The server failed on a valid request (HTTP 5xx); a bug, please report it."""
@@ -182,7 +188,8 @@ def error_from_payload(payload: dict, status: int) -> TreepackError:
     """Rebuild the exception a server sent as ``{"error", "message", "path", "rule"}``.
 
     Unknown kinds map by status: 4xx to :class:`RequestError`, 503 to
-    :class:`OverloadedError`, anything else to :class:`ServerError`.
+    :class:`OverloadedError`, anything else to :class:`ServerError`. An
+    :class:`OverloadedError` keeps the payload's ``retry_after`` (seconds).
     """
     kind = str(payload.get("error", ""))
     message = str(payload.get("message", "")) or f"HTTP {status}"
@@ -198,4 +205,10 @@ def error_from_payload(payload: dict, status: int) -> TreepackError:
             cls = RequestError
         else:
             cls = ServerError
+    if issubclass(cls, OverloadedError):
+        try:
+            retry_after = max(0.0, float(payload.get("retry_after", 1.0)))
+        except (TypeError, ValueError):
+            retry_after = 1.0
+        return cls(message, path=path, rule=rule, retry_after=retry_after)
     return cls(message, path=path, rule=rule)

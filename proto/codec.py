@@ -1,0 +1,245 @@
+"""Message bodies: msgpack (default) or JSON, content negotiation, and validation errors.
+
+Media types: ``application/msgpack`` (also ``application/x-msgpack``,
+``application/vnd.msgpack``) and ``application/json``. Never pickle.
+
+- :func:`request_format` reads ``Content-Type`` (missing: msgpack);
+- :func:`response_format` reads ``Accept`` (missing or ``*/*``: the request's format);
+- :func:`decode_body` / :func:`encode_body` turn bytes into Python objects and back;
+- :func:`parse_message` validates an object against a message model and turns pydantic's
+  errors into the project's (:class:`~treepack.proto.errors.RequestError` family) with a
+  JSON path such as ``$.compositions[2].by_tag``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from treepack.proto import WIRE_VERSION
+from treepack.proto.errors import (
+    DecodeError,
+    InputTypeError,
+    RequestError,
+    UnsupportedMediaTypeError,
+    UnsupportedVersionError,
+)
+
+__all__ = [
+    "MSGPACK",
+    "JSON",
+    "Format",
+    "request_format",
+    "response_format",
+    "decode_body",
+    "encode_body",
+    "parse_message",
+    "check_version",
+    "json_path",
+    "content_type",
+]
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+Format = Literal["msgpack", "json"]
+_TYPES: dict[str, Format] = {
+    "application/msgpack": "msgpack",
+    "application/x-msgpack": "msgpack",
+    "application/vnd.msgpack": "msgpack",
+    "application/json": "json",
+}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def content_type(fmt: Format) -> str:
+    return MSGPACK if fmt == "msgpack" else JSON
+
+
+def request_format(header: str | None, *, default: Format = "msgpack") -> Format:
+    """The body format named by a ``Content-Type`` header.
+
+    Raises:
+        UnsupportedMediaTypeError: for any other media type.
+    """
+    if not header or not header.strip():
+        return default
+    media = header.split(";", 1)[0].strip().lower()
+    fmt = _TYPES.get(media)
+    if fmt is None:
+        raise UnsupportedMediaTypeError(
+            f"Content-Type {media!r} is not spoken here; use {MSGPACK} or {JSON}", path="Content-Type", rule="media_type"
+        )
+    return fmt
+
+
+def response_format(header: str | None, *, default: Format) -> Format:
+    """The response format an ``Accept`` header asks for (highest q wins, ties: msgpack).
+
+    ``*/*``, ``application/*`` or no header give ``default`` (the request's own format).
+
+    Raises:
+        UnsupportedMediaTypeError: when every listed type is unsupported (or has q=0).
+    """
+    if not header or not header.strip():
+        return default
+    best: tuple[float, int, Format] | None = None
+    for i, part in enumerate(header.split(",")):
+        fields = [f.strip() for f in part.split(";")]
+        media = fields[0].lower()
+        q = 1.0
+        for f in fields[1:]:
+            if f.lower().startswith("q="):
+                try:
+                    q = float(f[2:])
+                except ValueError:
+                    q = 0.0
+        if q <= 0 or not media:
+            continue
+        fmt = default if media in ("*/*", "application/*") else _TYPES.get(media)
+        if fmt is None:
+            continue
+        key = (q, -i, fmt)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        raise UnsupportedMediaTypeError(
+            f"Accept {header!r} names no format spoken here; accept {MSGPACK} or {JSON}", path="Accept", rule="media_type"
+        )
+    return best[2]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_body(body: bytes, fmt: Format) -> Any:
+    """Parse a request or response body.
+
+    Raises:
+        DecodeError: the bytes are not one complete msgpack object / JSON document.
+    """
+    if not body:
+        raise DecodeError("the body is empty", path="$", rule="empty_body")
+    if fmt == "msgpack":
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except msgpack.ExtraData:
+            raise DecodeError("msgpack body has trailing bytes after the first object", path="$", rule="msgpack") from None
+        except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+            # Truncated data, bad type bytes, non-string map keys, invalid UTF-8 strings.
+            raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="msgpack") from None
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"JSON body is not UTF-8: {exc.reason} at byte {exc.start}", path="$", rule="json") from None
+    except json.JSONDecodeError as exc:
+        raise DecodeError(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", path="$", rule="json") from None
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"malformed JSON: {exc}", path="$", rule="json") from None
+
+
+def encode_body(obj: Any, fmt: Format) -> bytes:
+    """Serialize a message (buffers already in the format's form, see ``buffers``)."""
+    if fmt == "msgpack":
+        return msgpack.packb(obj, use_bin_type=True)
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def check_version(obj: Any) -> None:
+    """Reject a message of another wire version before its fields are looked at.
+
+    Raises:
+        InputTypeError: the body is not a map, or ``version`` is not an integer.
+        RequestError: ``version`` is missing.
+        UnsupportedVersionError: ``version`` is an integer other than :data:`WIRE_VERSION`.
+    """
+    if not isinstance(obj, dict):
+        raise InputTypeError(f"expected a map (object) at the top level, got {_type_name(obj)}", path="$", rule="type")
+    if "version" not in obj:
+        raise RequestError(f"missing required field `version` (this build speaks {WIRE_VERSION})", path="$.version", rule="required")
+    v = obj["version"]
+    if type(v) is not int:
+        raise InputTypeError(f"version must be an integer, got {_type_name(v)}", path="$.version", rule="type")
+    if v != WIRE_VERSION:
+        raise UnsupportedVersionError(f"wire version {v} is not supported; this build speaks {WIRE_VERSION}", path="$.version", rule="version")
+
+
+_TAG = re.compile(r"^(constrained-|function-|lax-|json-or-python|tagged-union|nullable|literal\[|list\[|dict\[|(int|str|float|bool|bytes|none)$)")
+
+
+def json_path(loc: tuple[Any, ...]) -> str:
+    """``("compositions", 2, "by_tag")`` -> ``$.compositions[2].by_tag`` (union tags dropped)."""
+    out = "$"
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _TAG.match(part):
+            continue
+        elif isinstance(part, str) and part.isidentifier():
+            out += f".{part}"
+        else:
+            out += f"[{json.dumps(str(part))}]"
+    return out
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return f"<{len(v)} bytes>"
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _convert(err: ValidationError) -> RequestError:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    path = json_path(first["loc"])
+    same = [e for e in errors if json_path(e["loc"]) == path]
+    more = len({json_path(e["loc"]) for e in errors}) - 1
+    tail = f" (and {more} more error{'s' * (more > 1)})" if more > 0 else ""
+    kind = first["type"]
+    got = first.get("input")
+    if kind == "missing":
+        return RequestError(f"missing required field `{first['loc'][-1]}`{tail}", path=path, rule="required")
+    if kind == "extra_forbidden":
+        return RequestError(f"unknown field `{first['loc'][-1]}`{tail}", path=path, rule="unknown_field")
+    if all(e["type"].endswith("_type") or e["type"] == "none_required" for e in same):
+        wanted = sorted({e["type"].removesuffix("_type").replace("none_required", "null") for e in same})
+        return InputTypeError(f"expected {' or '.join(wanted)}, got {_type_name(got)}{tail}", path=path, rule="type")
+    if kind.endswith("_type"):
+        return InputTypeError(f"{first['msg']}, got {_type_name(got)}{tail}", path=path, rule="type")
+    rule = {
+        "greater_than_equal": "range",
+        "less_than_equal": "range",
+        "greater_than": "range",
+        "less_than": "range",
+        "literal_error": "enum",
+        "too_long": "length",
+        "too_short": "length",
+        "string_too_long": "length",
+    }.get(kind, kind)
+    return RequestError(f"{first['msg']}, got {_short(got)}{tail}", path=path, rule=rule)
+
+
+def parse_message(model: type[M], obj: Any) -> M:
+    """Validate ``obj`` (a decoded body) as ``model``, version first.
+
+    Raises:
+        RequestError: (or a subclass) naming the first offending field, its rule and path.
+    """
+    if "version" in model.model_fields:
+        check_version(obj)
+    elif not isinstance(obj, dict):
+        raise InputTypeError(f"expected a map (object), got {_type_name(obj)}", path="$", rule="type")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as err:
+        raise _convert(err) from None
