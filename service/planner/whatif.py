@@ -1,0 +1,307 @@
+"""What-if planning: row distributions for candidate batch compositions, from recorded shapes.
+
+An autotuner asks "if the next batch held 48 groups (or 20 of task A and 28 of task B),
+how many rows would it need at seq_len C?". :func:`whatif` answers by sampling: each trial
+draws groups without replacement from a pool of recorded batch shapes, turns them back
+into a batch and plans it with :func:`~.api.plan_batch`, the very code ``/v1/pack`` runs.
+
+Why synthesize tokens instead of building a :class:`~.tree.Tree` from the hashes directly:
+the planner's input is a :class:`~.inputs.Batch` of token arrays; feeding it token runs
+made from the hashes (:func:`~.shapes.run_tokens`) exercises the whole real path
+(validation, tree builder with rule 4 and the shareable-length rule, placement, layout,
+metadata) with no second tree builder to keep in step. The made-up runs rebuild exactly
+the recorded tree (same nodes and sharers), so a trial that samples a whole recorded batch
+gets exactly the recorded plan's rows; the cost is generating the tokens (about 10 numpy
+passes over them), small next to planning.
+
+Sampling rules:
+
+- The unit is a group of one recorded batch (a sequence without a group is a group of
+  its own); a group's task tag is its first sequence's tag (``""`` when untagged).
+- A trial's batch lists the drawn groups' sequences in recorded order (batch by batch,
+  sequence index inside), so group order effects on placement stay realistic.
+- Groups of different recorded batches stay different groups, even with equal labels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
+from treepack.service.planner.api import plan_batch
+from treepack.service.planner.arrays import ragged_arange
+from treepack.service.planner.shapes import BatchShape, run_tokens
+
+__all__ = ["Composition", "Distribution", "WhatIfResult", "GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Composition:
+    """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag."""
+
+    name: str = ""
+    groups: int | None = None
+    by_tag: Mapping[str, int] | None = None
+
+    @property
+    def total_groups(self) -> int:
+        return int(self.groups) if self.groups is not None else int(sum((self.by_tag or {}).values()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Distribution:
+    """Summary of one figure over the trials (percentiles interpolate linearly)."""
+
+    mean: float
+    p50: float
+    p90: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> "Distribution":
+        v = np.asarray(values, dtype=np.float64)
+        p50, p90 = np.percentile(v, [50, 90])
+        return cls(mean=float(v.mean()), p50=float(p50), p90=float(p90), min=float(v.min()), max=float(v.max()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIfResult:
+    """What-if figures of one composition.
+
+    Attributes:
+        name: the composition's name.
+        groups: groups per trial.
+        by_tag: groups per tag, if the composition was given by tag.
+        trials: number of trials.
+        rows, packed_tokens, unpacked_tokens, saved_fraction: distributions over trials.
+        max_rows: the threshold asked about, or None.
+        p_rows_over: fraction of trials needing more than ``max_rows`` rows (None without one).
+        row_counts: [trials] int64 rows of each trial.
+    """
+
+    name: str
+    groups: int
+    by_tag: dict[str, int] | None
+    trials: int
+    rows: Distribution
+    packed_tokens: Distribution
+    unpacked_tokens: Distribution
+    saved_fraction: Distribution
+    max_rows: int | None
+    p_rows_over: float | None
+    row_counts: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupPool:
+    """The groups of a list of shapes, ready for sampling.
+
+    Attributes (U groups, N sequences in all):
+        shapes: the recorded batches.
+        seq_base: [B+1] int64 global index of each batch's first sequence.
+        unit_ptr: [U+1] int64 CSR into ``unit_seqs``.
+        unit_seqs: [N] int64 global sequence indices of each group, ascending.
+        unit_tag: [U] tag of each group (``""`` when untagged).
+        by_tag: tag -> [k] int64 group ids carrying it.
+        lens: [N] int64 length of every sequence.
+    """
+
+    shapes: tuple[BatchShape, ...]
+    seq_base: np.ndarray
+    unit_ptr: np.ndarray
+    unit_seqs: np.ndarray
+    unit_tag: tuple[str, ...]
+    by_tag: dict[str, np.ndarray]
+    lens: np.ndarray
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.unit_tag)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_base[-1])
+
+
+def build_pool(shapes: Sequence[BatchShape]) -> GroupPool:
+    """Index the groups of ``shapes`` (in recorded order) for :func:`sample_groups`."""
+    seq_base = np.zeros(len(shapes) + 1, dtype=np.int64)
+    unit_seqs: list[list[int]] = []
+    tags: list[str] = []
+    for b, sh in enumerate(shapes):
+        base = int(seq_base[b])
+        index: dict[Any, int] = {}
+        for s, g in enumerate(sh.groups):
+            u = index.get(g) if g is not None else None
+            if u is None:
+                u = len(unit_seqs)
+                unit_seqs.append([])
+                tags.append((sh.tags[s] if sh.tags is not None else None) or "")
+                if g is not None:
+                    index[g] = u
+            unit_seqs[u].append(base + s)
+        seq_base[b + 1] = base + sh.num_sequences
+    ptr = np.zeros(len(unit_seqs) + 1, dtype=np.int64)
+    np.cumsum([len(u) for u in unit_seqs], out=ptr[1:])
+    flat = np.fromiter((s for u in unit_seqs for s in u), dtype=np.int64, count=int(ptr[-1]))
+    tag_arr = np.asarray(tags, dtype=object)
+    by_tag = {t: np.flatnonzero(tag_arr == t) for t in sorted(set(tags))}
+    lens = np.concatenate([sh.lens for sh in shapes]) if shapes else np.zeros(0, dtype=np.int64)
+    return GroupPool(shapes=tuple(shapes), seq_base=seq_base, unit_ptr=ptr, unit_seqs=flat, unit_tag=tuple(tags), by_tag=by_tag, lens=lens)
+
+
+def _check_composition(pool: GroupPool, comp: Composition, path: str) -> None:
+    if comp.groups is not None:
+        if comp.groups > pool.num_groups:
+            raise RequestError(
+                f"composition asks for {comp.groups} groups, the pool holds {pool.num_groups}", path=f"{path}.groups", rule="pool_size"
+            )
+        return
+    for tag, k in (comp.by_tag or {}).items():
+        have = pool.by_tag.get(tag, np.zeros(0)).shape[0]
+        if k > have:
+            raise RequestError(
+                f"composition asks for {k} groups tagged {tag!r}, the pool holds {have}", path=f"{path}.by_tag[{json.dumps(tag)}]", rule="pool_size"
+            )
+
+
+def sample_groups(pool: GroupPool, comp: Composition, rng: np.random.Generator) -> np.ndarray:
+    """[k] int64 group ids drawn without replacement, in recorded order."""
+    if comp.groups is not None:
+        picked = rng.choice(pool.num_groups, size=comp.groups, replace=False)
+    else:
+        parts = [rng.choice(pool.by_tag[t], size=k, replace=False) for t, k in sorted((comp.by_tag or {}).items()) if k]
+        picked = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return np.sort(picked.astype(np.int64))
+
+
+def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
+    """The batch of the given groups as ``plan_batch`` arguments (no ``seq_len``).
+
+    Returns:
+        ``dict(sequences=[S] uint32 views into one buffer, trainable=[S] prompt lengths,
+        groups=[S] group ids)``, sequences in recorded order.
+    """
+    seqs = _unit_seqs(pool, units)
+    owner = np.repeat(units, pool.unit_ptr[units + 1] - pool.unit_ptr[units])
+    order = np.argsort(seqs, kind="stable")
+    seqs, owner = seqs[order], owner[order]
+    batch_of = np.searchsorted(pool.seq_base, seqs, side="right") - 1
+    hashes, lengths, first = [], [], []
+    for b in np.unique(batch_of).tolist():
+        sh = pool.shapes[b]
+        local = seqs[batch_of == b] - pool.seq_base[b]
+        n = sh.seq_ptr[local + 1] - sh.seq_ptr[local]
+        runs = np.repeat(sh.seq_ptr[local], n) + ragged_arange(n)
+        hashes.append(sh.run_hash[runs])
+        lengths.append(sh.run_len[runs])
+        first.append(sh.first_trainable[local])
+    tokens = run_tokens(np.concatenate(hashes), np.concatenate(lengths))
+    lens = pool.lens[seqs]
+    off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    sequences = [tokens[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
+    return dict(sequences=sequences, trainable=np.concatenate(first).tolist(), groups=owner.tolist())
+
+
+def whatif(
+    shapes: Sequence[BatchShape],
+    compositions: Sequence[Composition],
+    *,
+    seq_len: int,
+    trials: int = 32,
+    seed: int = 0,
+    min_shared_len: int = 64,
+    placement: str = "auto",
+    num_ranks: int = 1,
+    conv_width: int = 4,
+    on_overflow: str = "error",
+    max_rows: int | None = None,
+    max_tokens: int | None = None,
+) -> list[WhatIfResult]:
+    """Row distributions of candidate compositions (module docstring).
+
+    Args:
+        shapes: the pool of recorded batches to sample groups from.
+        compositions: the candidates.
+        seq_len, min_shared_len, placement, num_ranks, conv_width, on_overflow: as for
+            :func:`~.api.plan_batch`, applied to every trial.
+        trials: trials per composition (>= 1).
+        seed: the sampling seed; equal seeds give equal answers.
+        max_rows: report the fraction of trials needing more rows than this.
+        max_tokens: refuse trials with more tokens than this (the service's limit).
+
+    Returns:
+        One :class:`WhatIfResult` per composition, in order.
+
+    Raises:
+        RequestError: an empty pool, a composition the pool cannot fill, sequences longer
+            than ``seq_len`` with ``on_overflow="error"``, or any planner argument error.
+    """
+    if not shapes:
+        raise RequestError("there are no recorded batches to sample from: pack with record=true first, or send shapes", path="$.shapes", rule="no_history")
+    if trials < 1:
+        raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
+    pool = build_pool(shapes)
+    longest = int(pool.lens.max(initial=0))
+    if on_overflow == "error" and longest > seq_len:
+        raise CapacityError(
+            f"the pool holds sequences of up to {longest} tokens, longer than seq_len {seq_len} "
+            "(set on_overflow='truncate' or 'drop' to allow)",
+            path="$.seq_len",
+            rule="max_len",
+        )
+    for i, comp in enumerate(compositions):
+        _check_composition(pool, comp, f"$.compositions[{i}]")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, comp in enumerate(compositions):
+        rows = np.zeros(trials, dtype=np.int64)
+        packed = np.zeros(trials, dtype=np.int64)
+        unpacked = np.zeros(trials, dtype=np.int64)
+        saved = np.zeros(trials, dtype=np.float64)
+        for t in range(trials):
+            units = sample_groups(pool, comp, rng)
+            if max_tokens is not None:
+                total = int(pool.lens[_unit_seqs(pool, units)].sum())
+                if total > max_tokens:
+                    raise PayloadTooLargeError(
+                        f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=f"$.compositions[{i}]", rule="max_tokens"
+                    )
+            plan = plan_batch(
+                **synthesize(pool, units),
+                seq_len=seq_len,
+                min_shared_len=min_shared_len,
+                placement=placement,
+                num_ranks=num_ranks,
+                conv_width=conv_width,
+                on_overflow=on_overflow,
+            )
+            st = plan.stats
+            rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
+        out.append(
+            WhatIfResult(
+                name=comp.name,
+                groups=comp.total_groups,
+                by_tag=None if comp.by_tag is None else dict(comp.by_tag),
+                trials=trials,
+                rows=Distribution.of(rows),
+                packed_tokens=Distribution.of(packed),
+                unpacked_tokens=Distribution.of(unpacked),
+                saved_fraction=Distribution.of(saved),
+                max_rows=max_rows,
+                p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
+                row_counts=rows,
+            )
+        )
+    return out
+
+
+def _unit_seqs(pool: GroupPool, units: np.ndarray) -> np.ndarray:
+    counts = pool.unit_ptr[units + 1] - pool.unit_ptr[units]
+    return pool.unit_seqs[np.repeat(pool.unit_ptr[units], counts) + ragged_arange(counts)]
