@@ -1,1 +1,11 @@
-"""placeholder"""
+"""treepack's client: :class:`Packer` (sync) and :class:`AsyncPacker` (async).
+
+``Packer()`` plans in-process (no server); ``Packer(url="http://127.0.0.1:8000")`` talks
+to a ``treepack serve`` sidecar. No torch here. The HTTP backend needs ``httpx``
+(``pip install 'treepack[client]'``).
+"""
+
+from treepack.client.packer import AsyncPacker, Packer, as_composition
+from treepack.service.planner.whatif import Composition, Distribution, WhatIfResult
+
+__all__ = ["Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"]

@@ -1,1 +1,25 @@
-"""placeholder"""
+"""treepack's service layer: the planner (:mod:`treepack.service.planner`) and its HTTP sidecar.
+
+Importing this package loads neither FastAPI nor uvicorn (a planner-only install has
+neither): :func:`create_app` and :class:`Settings` are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["create_app", "Settings", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from treepack.service.app import create_app
+
+        return create_app
+    if name == "Settings":
+        from treepack.service.settings import Settings
+
+        return Settings
+    raise AttributeError(f"module 'treepack.service' has no attribute {name!r}")

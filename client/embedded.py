@@ -1,0 +1,78 @@
+"""The embedded backend: the planner in this process, no server.
+
+``pack`` is :func:`~treepack.service.planner.plan_batch`; ``whatif`` is
+:func:`~treepack.service.planner.whatif.whatif` over inline shapes or over a local
+history file (when ``history_path`` is given, every ``pack(record=True)`` records its
+batch's shape there, as the sidecar does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from treepack.proto import WIRE_VERSION
+from treepack.service.planner.api import plan_batch, plan_normalized
+from treepack.service.planner.inputs import normalize_batch
+from treepack.service.planner.plan import Plan
+from treepack.service.planner.shapes import BatchShape, shape_of
+from treepack.service.planner.whatif import Composition, WhatIfResult, whatif
+
+__all__ = ["EmbeddedBackend"]
+
+
+class EmbeddedBackend:
+    """Plans in-process.
+
+    Args:
+        history_path: optional SQLite file for a local shape history (see module docstring).
+        history_max_batches: its retention by count.
+    """
+
+    def __init__(self, history_path: str | None = None, *, history_max_batches: int = 1000) -> None:
+        self._store = None
+        self._max_batches = history_max_batches
+        if history_path is not None:
+            from treepack.service.history import HistoryStore
+
+            self._store = HistoryStore(history_path, max_batches=history_max_batches)
+
+    def pack(self, sequences: Sequence[Any], *, tags: Sequence[str | None] | None = None, record: bool = True, **kwargs: Any) -> Plan:
+        """``plan_batch(sequences, **kwargs)``; records the shape when a history is set."""
+        if self._store is None or not record:
+            return plan_batch(sequences, **kwargs)
+        opts = {k: kwargs.pop(k) for k in ("min_shared_len", "placement", "num_ranks", "conv_width") if k in kwargs}
+        seq_len = kwargs.pop("seq_len")
+        batch = normalize_batch(sequences, seq_len=seq_len, **kwargs)
+        plan = plan_normalized(batch, seq_len=int(seq_len), **opts)
+        if batch.kept.any():
+            assert plan.tree is not None
+            shape = shape_of(batch, plan.tree, seq_len=plan.seq_len, tags=tags)
+            self._store.record(shape, rows=plan.num_rows, packed_tokens=plan.stats.packed_tokens, saved_fraction=plan.stats.saved_fraction)
+        return plan
+
+    def whatif(
+        self,
+        compositions: Sequence[Composition],
+        *,
+        shapes: Sequence[BatchShape] | None = None,
+        history_batches: int | None = None,
+        **kwargs: Any,
+    ) -> list[WhatIfResult]:
+        """What-if over ``shapes``, or over the local history when none are given."""
+        if shapes is None:
+            shapes = [] if self._store is None else self._store.shapes(history_batches)
+        return whatif(list(shapes), list(compositions), **kwargs)
+
+    def history(self) -> dict[str, Any]:
+        from treepack.service.history import empty_summary
+
+        summary = empty_summary() if self._store is None else self._store.summary()
+        retention = {"max_batches": self._max_batches, "max_age_s": None}
+        return {"version": WIRE_VERSION, "enabled": self._store is not None, **summary, "retention": retention}
+
+    def health(self) -> dict[str, Any]:
+        return {"version": WIRE_VERSION, "status": "ok", "backend": "embedded"}
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()

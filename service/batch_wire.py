@@ -1,0 +1,226 @@
+"""Batches on the wire: ``PackRequest`` <-> the planner's :class:`~.planner.Batch`, and shapes.
+
+Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
+HTTP client (encode). No FastAPI here: the client imports it.
+
+Decoding slices the columnar token buffer into per-sequence views and hands them to
+:func:`~.planner.normalize_batch`, which validates them without copying (uint32 input),
+so a msgpack request's tokens are copied once, out of the body, and never again.
+Errors about one sequence carry the planner's paths (``$.sequences[i]`` is
+``tokens[offsets[i]:offsets[i+1]]``); errors about the columns name the column
+(``$.offsets[7]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from treepack.proto.buffers import Format, decode_buffer, encode_buffer
+from treepack.proto.errors import PayloadTooLargeError, RequestError
+from treepack.proto.messages import MAX_SEQ_LEN, BatchShapeMessage, PackRequest
+from treepack.service.planner.inputs import Batch, normalize_batch
+from treepack.service.planner.shapes import BatchShape
+
+__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "shape_to_wire", "shape_from_wire"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Per-request size limits (the service's settings); None = unlimited."""
+
+    max_sequences: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackOptions:
+    """The planner options of a pack request (what ``plan_normalized`` takes besides the batch)."""
+
+    seq_len: int
+    min_shared_len: int
+    placement: str
+    num_ranks: int
+    conv_width: int
+    record: bool
+    tags: tuple[str | None, ...] | None
+
+
+def _offsets(msg: PackRequest, num_tokens: int, limits: Limits) -> np.ndarray:
+    off = decode_buffer(msg.offsets, "<i8", "$.offsets")
+    if off.shape[0] == 0:
+        raise RequestError("offsets must hold S+1 entries, the first 0; got none", path="$.offsets", rule="non_empty")
+    s = off.shape[0] - 1
+    if limits.max_sequences is not None and s > limits.max_sequences:
+        raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
+    if off[0] != 0:
+        raise RequestError(f"offsets must start at 0, got {int(off[0])}", path="$.offsets[0]", rule="start")
+    step = np.diff(off)
+    if step.size and step.min() < 0:
+        i = int(np.argmax(step < 0)) + 1
+        raise RequestError(f"offsets must not decrease: {int(off[i])} after {int(off[i - 1])}", path=f"$.offsets[{i}]", rule="monotone")
+    if off[-1] != num_tokens:
+        what = "points past the end of" if off[-1] > num_tokens else "leaves tokens unused at the end of"
+        raise RequestError(
+            f"the last offset {int(off[-1])} {what} the {num_tokens}-token buffer (it must equal the token count)",
+            path=f"$.offsets[{s}]",
+            rule="buffer_end",
+        )
+    return off
+
+
+def _trainable(msg: PackRequest, off: np.ndarray, num_tokens: int) -> list[Any] | None:
+    s = off.shape[0] - 1
+    if msg.trainable is not None and msg.prompt_lens is not None:
+        raise RequestError("give trainable or prompt_lens, not both", path="$.prompt_lens", rule="exclusive")
+    if msg.trainable is not None:
+        flags = decode_buffer(msg.trainable, "|u1", "$.trainable")
+        if flags.shape[0] != num_tokens:
+            raise RequestError(f"trainable has {flags.shape[0]} flags for {num_tokens} tokens", path="$.trainable", rule="length_mismatch")
+        if flags.size and flags.max() > 1:
+            i = int(np.argmax(flags > 1))
+            raise RequestError(f"trainable flags must be 0 or 1, got {int(flags[i])}", path=f"$.trainable[{i}]", rule="flag")
+        as_bool = flags.view(np.bool_)  # 0/1 bytes are valid bools: no copy
+        return [as_bool[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
+    if msg.prompt_lens is not None:
+        plen = decode_buffer(msg.prompt_lens, "<i8", "$.prompt_lens")
+        if plen.shape[0] != s:
+            raise RequestError(f"prompt_lens has {plen.shape[0]} entries for {s} sequences", path="$.prompt_lens", rule="length_mismatch")
+        lens = np.diff(off)
+        bad = (plen < 0) | (plen > lens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RequestError(f"prompt length must be in [0, {int(lens[i])}], got {int(plen[i])}", path=f"$.prompt_lens[{i}]", rule="range")
+        return plen.tolist()
+    return None
+
+
+def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Batch, PackOptions]:
+    """Validate a pack request and build its :class:`Batch`.
+
+    Args:
+        msg: the parsed message.
+        limits: size limits (413 beyond them).
+
+    Returns:
+        (the batch, the planner options).
+
+    Raises:
+        RequestError: (or a subclass) naming the column or sequence and the rule.
+    """
+    tokens = decode_buffer(msg.tokens, "<u4", "$.tokens")
+    t = tokens.shape[0]
+    if limits.max_tokens is not None and t > limits.max_tokens:
+        raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
+    off = _offsets(msg, t, limits)
+    s = off.shape[0] - 1
+    bounds = list(zip(off[:-1].tolist(), off[1:].tolist()))
+    sequences = [tokens[a:b] for a, b in bounds]
+    trainable = _trainable(msg, off, t)
+    keys = None
+    if msg.keys is not None:
+        k = decode_buffer(msg.keys, "<u8", "$.keys")
+        if k.shape[0] != t:
+            raise RequestError(f"keys has {k.shape[0]} entries for {t} tokens", path="$.keys", rule="length_mismatch")
+        keys = [k[a:b] for a, b in bounds]
+    if msg.tags is not None and len(msg.tags) != s:
+        raise RequestError(f"tags has {len(msg.tags)} entries for {s} sequences", path="$.tags", rule="length_mismatch")
+    batch = normalize_batch(sequences, seq_len=msg.seq_len, trainable=trainable, groups=msg.groups, keys=keys, on_overflow=msg.on_overflow)
+    opts = PackOptions(
+        seq_len=msg.seq_len,
+        min_shared_len=msg.min_shared_len,
+        placement=msg.placement,
+        num_ranks=msg.num_ranks,
+        conv_width=msg.conv_width,
+        record=msg.record,
+        tags=None if msg.tags is None else tuple(msg.tags),
+    )
+    return batch, opts
+
+
+def encode_pack_request(
+    sequences: Sequence[Any],
+    *,
+    seq_len: int,
+    min_shared_len: int = 64,
+    placement: str = "auto",
+    trainable: Sequence[Any] | None = None,
+    groups: Sequence[Any] | None = None,
+    keys: Sequence[Any] | None = None,
+    num_ranks: int = 1,
+    on_overflow: str = "error",
+    conv_width: int = 4,
+    tags: Sequence[str | None] | None = None,
+    record: bool = True,
+    fmt: Format = "msgpack",
+) -> dict[str, Any]:
+    """Build a ``PackRequest`` body from ``plan_batch``-style arguments (client side).
+
+    The sequences are validated by :func:`~.planner.normalize_batch` first (same rules and
+    messages as the embedded planner), without a capacity check: the server applies
+    ``seq_len`` and ``on_overflow``, so overflow events come back in the plan.
+
+    Returns:
+        The message as a dict of buffers (byte views for msgpack, lists for JSON).
+    """
+    batch = normalize_batch(sequences, seq_len=MAX_SEQ_LEN, trainable=trainable, groups=groups, keys=keys, on_overflow="error")
+    off = np.zeros(batch.num_sequences + 1, dtype=np.int64)
+    np.cumsum(batch.lens, out=off[1:])
+    flat = np.concatenate(batch.tokens) if batch.num_sequences > 1 else batch.tokens[0]
+    msg: dict[str, Any] = {
+        "version": 1,
+        "seq_len": seq_len,
+        "tokens": encode_buffer(flat, "<u4", fmt),
+        "offsets": encode_buffer(off, "<i8", fmt),
+        "min_shared_len": min_shared_len,
+        "placement": placement,
+        "num_ranks": num_ranks,
+        "on_overflow": on_overflow,
+        "conv_width": conv_width,
+        "record": record,
+    }
+    if trainable is not None:
+        if batch.trainable is not None:
+            msg["trainable"] = encode_buffer(np.concatenate(batch.trainable).view(np.uint8), "|u1", fmt)
+        else:
+            msg["prompt_lens"] = encode_buffer(batch.prompt_lens, "<i8", fmt)
+    if batch.keys is not None:
+        full = [np.zeros(int(n), np.uint64) if k is None else k for k, n in zip(batch.keys, batch.lens.tolist())]
+        msg["keys"] = encode_buffer(np.concatenate(full), "<u8", fmt)
+    if groups is not None:
+        msg["groups"] = [int(g) if isinstance(g, np.integer) else g for g in groups]
+    if tags is not None:
+        msg["tags"] = list(tags)
+    return msg
+
+
+def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
+    """A :class:`BatchShape` as a ``BatchShapeMessage`` dict."""
+    return {
+        "seq_len": shape.seq_len,
+        "min_shared_len": shape.min_shared_len,
+        "seq_ptr": encode_buffer(shape.seq_ptr, "<i8", fmt),
+        "run_hash": encode_buffer(shape.run_hash, "<u8", fmt),
+        "run_len": encode_buffer(shape.run_len, "<i8", fmt),
+        "first_trainable": encode_buffer(shape.first_trainable, "<i8", fmt),
+        "groups": list(shape.groups),
+        "tags": None if shape.tags is None else list(shape.tags),
+    }
+
+
+def shape_from_wire(msg: BatchShapeMessage, path: str = "$") -> BatchShape:
+    """Decode and check a shape (``path`` locates it in the request, for errors)."""
+    shape = BatchShape(
+        seq_len=msg.seq_len,
+        min_shared_len=msg.min_shared_len,
+        seq_ptr=decode_buffer(msg.seq_ptr, "<i8", f"{path}.seq_ptr"),
+        run_hash=decode_buffer(msg.run_hash, "<u8", f"{path}.run_hash"),
+        run_len=decode_buffer(msg.run_len, "<i8", f"{path}.run_len"),
+        first_trainable=decode_buffer(msg.first_trainable, "<i8", f"{path}.first_trainable"),
+        groups=tuple(msg.groups),
+        tags=None if msg.tags is None else tuple(msg.tags),
+    )
+    shape.check(path)
+    return shape

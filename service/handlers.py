@@ -1,0 +1,170 @@
+"""What the routes do, without FastAPI: decode a body, call the planner, encode the answer.
+
+:class:`Service` holds one instance's parts (settings, planner pool, history, metrics).
+:meth:`Service.pack` and :meth:`Service.whatif` take the raw body and return the raw
+answer; they run on a planner worker thread (decoding a large body is CPU work too).
+Errors are raised as the project's exceptions; the app maps them to HTTP in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from treepack.proto import WIRE_VERSION
+from treepack.proto.codec import Format, decode_body, encode_body, parse_message
+from treepack.proto.errors import PayloadTooLargeError
+from treepack.proto.messages import Composition as CompositionMessage
+from treepack.proto.messages import PackRequest, WhatIfRequest
+from treepack.service.batch_wire import Limits, decode_pack_request, shape_from_wire
+from treepack.service.history import HistoryRecorder, HistoryStore, empty_summary
+from treepack.service.metrics import ServiceMetrics
+from treepack.service.plan_wire import plan_to_wire
+from treepack.service.planner.api import plan_normalized
+from treepack.service.planner.whatif import Composition, WhatIfResult, build_pool, whatif
+from treepack.service.pool import PlanPool
+from treepack.service.settings import Settings
+
+__all__ = ["Service", "whatif_result_to_wire", "composition_from_wire"]
+
+log = logging.getLogger("treepack.service")
+
+
+def composition_from_wire(c: CompositionMessage) -> Composition:
+    return Composition(name=c.name, groups=c.groups, by_tag=None if c.by_tag is None else dict(c.by_tag))
+
+
+def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
+    def dist(d: Any) -> dict[str, float]:
+        return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
+
+    return {
+        "name": r.name,
+        "groups": r.groups,
+        "by_tag": r.by_tag,
+        "trials": r.trials,
+        "rows": dist(r.rows),
+        "packed_tokens": dist(r.packed_tokens),
+        "unpacked_tokens": dist(r.unpacked_tokens),
+        "saved_fraction": dist(r.saved_fraction),
+        "max_rows": r.max_rows,
+        "p_rows_over": r.p_rows_over,
+        "row_counts": r.row_counts.tolist(),
+    }
+
+
+class Service:
+    """One service instance's state and request logic.
+
+    Args:
+        settings: the configuration.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
+        self.store: HistoryStore | None = None
+        self.recorder: HistoryRecorder | None = None
+        if settings.history_enabled:
+            self.store = HistoryStore(settings.history_path, max_batches=settings.history_max_batches, max_age_s=settings.history_max_age_s)
+            self.recorder = HistoryRecorder(self.store, max_pending=settings.history_max_pending)
+            if settings.history_path is None:
+                log.warning("the shape history is kept in memory; set TREEPACK_HISTORY_PATH to keep it across restarts")
+        self.metrics = ServiceMetrics(self.pool, self.recorder)
+        self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
+
+    def pack(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
+        """``POST /v1/pack``: body -> plan (worker thread)."""
+        msg = parse_message(PackRequest, decode_body(body, fmt_in))
+        batch, opts = decode_pack_request(msg, self.limits)
+        plan = plan_normalized(
+            batch,
+            seq_len=opts.seq_len,
+            min_shared_len=opts.min_shared_len,
+            placement=opts.placement,
+            num_ranks=opts.num_ranks,
+            conv_width=opts.conv_width,
+        )
+        recorded = bool(opts.record and self.recorder is not None and self.recorder.submit(batch, plan, opts.tags))
+        self.metrics.observe_plan(plan)
+        return encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
+
+    def whatif(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
+        """``POST /v1/whatif``: compositions -> row distributions (worker thread)."""
+        msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
+        runs = msg.trials * len(msg.compositions)
+        if runs > self.settings.whatif_max_trials:
+            raise PayloadTooLargeError(
+                f"{msg.trials} trials x {len(msg.compositions)} compositions = {runs} planner runs, over the limit of "
+                f"{self.settings.whatif_max_trials}",
+                path="$.trials",
+                rule="max_trials",
+            )
+        if msg.shapes is not None:
+            source = "shapes"
+            shapes = [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
+        else:
+            source = "history"
+            shapes = []
+            if self.recorder is not None and self.store is not None:
+                self.recorder.flush()
+                shapes = self.store.shapes(msg.history_batches)
+        results = whatif(
+            shapes,
+            [composition_from_wire(c) for c in msg.compositions],
+            seq_len=msg.seq_len,
+            trials=msg.trials,
+            seed=msg.seed,
+            min_shared_len=msg.min_shared_len,
+            placement=msg.placement,
+            num_ranks=msg.num_ranks,
+            conv_width=msg.conv_width,
+            on_overflow=msg.on_overflow,
+            max_rows=msg.max_rows,
+            max_tokens=self.settings.max_tokens,
+        )
+        self.metrics.whatif_trials.inc(runs)
+        pool = build_pool(shapes)
+        out = {
+            "version": WIRE_VERSION,
+            "source": source,
+            "pool": {
+                "batches": len(shapes),
+                "groups": pool.num_groups,
+                "sequences": pool.num_sequences,
+                "tokens": int(pool.lens.sum()),
+                "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
+            },
+            "results": [whatif_result_to_wire(r) for r in results],
+        }
+        return encode_body(out, fmt_out)
+
+    def history_summary(self) -> dict[str, Any]:
+        """``GET /v1/history`` (blocking: waits for pending writes, then queries)."""
+        s = self.settings
+        if self.store is None or self.recorder is None:
+            summary, enabled = empty_summary(), False
+        else:
+            self.recorder.flush()
+            summary, enabled = self.store.summary(), True
+        return {
+            "version": WIRE_VERSION,
+            "enabled": enabled,
+            **summary,
+            "retention": {"max_batches": s.history_max_batches, "max_age_s": s.history_max_age_s},
+        }
+
+    def ready_checks(self) -> dict[str, str]:
+        """Readiness: each part answers (``"ok"``) or says why not."""
+        checks = {"planner": "ok"}
+        if self.store is not None:
+            try:
+                checks["history"] = self.store.check()
+            except Exception as exc:  # any database failure means not ready
+                checks["history"] = f"error: {exc}"
+        return checks
+
+    def close(self) -> None:
+        self.pool.close()
+        if self.recorder is not None:
+            self.recorder.close()

@@ -1,0 +1,99 @@
+"""The OpenAPI document: routes read raw bodies (msgpack or JSON), so their schemas are added here.
+
+Each operation's request body and 200 response name the message models of
+:mod:`treepack.proto.messages` under both media types; every documented error status
+names :class:`~treepack.proto.messages.ErrorBody`. The model schemas go into
+``components/schemas`` exactly as pydantic writes them, so the OpenAPI document, the JSON
+Schema files under ``proto/`` and the validators are one schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from treepack.proto import messages as m
+from treepack.proto.codec import JSON, MSGPACK
+
+__all__ = ["body_spec", "install_openapi", "MODELS", "ERRORS"]
+
+MODELS = (
+    m.PackRequest,
+    m.PackResponse,
+    m.WhatIfRequest,
+    m.WhatIfResponse,
+    m.HistorySummary,
+    m.HealthResponse,
+    m.ReadyResponse,
+    m.ErrorBody,
+)
+
+ERRORS = {
+    400: "malformed msgpack/JSON body",
+    401: "missing or wrong bearer token (when the service has one)",
+    413: "body, sequences or tokens over the configured limits",
+    415: "Content-Type or Accept names a format other than msgpack/JSON",
+    422: "the request breaks a rule; the body names the field path and the rule",
+    503: "the planner queue is full; retry after Retry-After seconds",
+}
+
+
+def _ref(model: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _error_responses(statuses: tuple[int, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in statuses:
+        spec: dict[str, Any] = {"description": ERRORS[s], "content": {JSON: {"schema": _ref(m.ErrorBody)}}}
+        if s == 503:
+            spec["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+        if s == 401:
+            spec["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+        out[str(s)] = spec
+    return out
+
+
+def body_spec(
+    request: type | None, response: type, statuses: tuple[int, ...], *, both: bool = True, description: str = "the answer"
+) -> dict[str, Any]:
+    """``openapi_extra`` for one operation: request body, 200 and error responses.
+
+    Args:
+        request: the request body model, or None for body-less operations.
+        response: the 200 body model.
+        statuses: documented error statuses.
+        both: the 200 comes as JSON and msgpack (by Accept) rather than JSON only.
+    """
+    media = (JSON, MSGPACK) if both else (JSON,)
+    spec: dict[str, Any] = {
+        "responses": {"200": {"description": description, "content": {t: {"schema": _ref(response)} for t in media}}, **_error_responses(statuses)}
+    }
+    if request is not None:
+        spec["requestBody"] = {"required": True, "content": {t: {"schema": _ref(request)} for t in (JSON, MSGPACK)}}
+    return spec
+
+
+def install_openapi(app: FastAPI, *, description: str, bearer: bool) -> None:
+    """Make ``app.openapi()`` return the document with the message schemas (built once)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, description=description, routes=app.routes)
+        _, defs = models_json_schema([(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        if bearer:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path, ops in doc.get("paths", {}).items():
+                if path.startswith("/v1/") or path == "/metrics":
+                    for op in ops.values():
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

@@ -1,0 +1,170 @@
+"""Plans on the wire: :class:`~.planner.Plan` <-> ``PlanMessage`` (response side).
+
+Shared by the service (encode) and the HTTP client (decode); no FastAPI here. Every plan
+array travels as a typed array object (:mod:`treepack.proto.buffers`) whose dtype and
+rank are fixed by :data:`ARRAYS`; the decoder checks them, so a decoded plan has exactly
+the embedded plan's dtypes and shapes. The planner-side ``tree`` is not sent: a decoded
+plan has ``tree=None``.
+
+:func:`plan_differences` compares two plans field by field and array by array (dtype
+included); the backends are tested to agree with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from treepack.proto.buffers import Format, array_from_wire, array_to_wire
+from treepack.proto.errors import RequestError
+from treepack.proto.messages import PlanMessage
+from treepack.service.planner.inputs import OverflowEvent
+from treepack.service.planner.layout import Segments
+from treepack.service.planner.metadata import AttentionMeta, GdnLevel, GdnMeta
+from treepack.service.planner.plan import Plan, PlanStats
+from treepack.service.planner.ranks import Ranks
+
+__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "plan_differences"]
+
+_I8, _I4, _F8 = "<i8", "<i4", "<f8"
+
+# (message section, field) -> (dtype, ndim). Section "" is the plan itself.
+ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
+    **{("", f): (_I8, 1) for f in ("seq_lens", "orig_lens", "row_of")},
+    **{("segments", f): (_I8, 1) for f in Segments.__dataclass_fields__},
+    **{("attention", f): (_I8, 1) for f in AttentionMeta.__dataclass_fields__},
+    ("gdn.levels", "segs"): (_I8, 1),
+    ("gdn.levels", "cu_seqlens"): (_I4, 1),
+    ("gdn.levels", "parent"): (_I8, 1),
+    ("gdn.levels", "parent_slot"): (_I8, 1),
+    ("gdn.levels", "conv_context"): (_I8, 2),
+    ("ranks", "rank_rows"): (_I8, 2),
+    ("ranks", "row_cost"): (_F8, 1),
+    ("ranks", "rank_cost"): (_F8, 1),
+}
+_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f != "timings_ms")
+
+
+def _section(obj: Any, section: str, fmt: Format) -> dict[str, Any]:
+    return {f: array_to_wire(getattr(obj, f), dt, fmt) for (sec, f), (dt, _) in ARRAYS.items() if sec == section}
+
+
+def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
+    """The ``PlanMessage`` dict of a plan (byte views for msgpack, lists for JSON)."""
+    st = plan.stats
+    return {
+        "version": 1,
+        "seq_len": plan.seq_len,
+        "num_rows": plan.num_rows,
+        "placement": plan.placement,
+        "strategy": plan.strategy,
+        "min_shared_len": plan.min_shared_len,
+        **_section(plan, "", fmt),
+        "segments": _section(plan.segments, "segments", fmt),
+        "attention": _section(plan.attention, "attention", fmt),
+        "gdn": {
+            "conv_width": plan.gdn.conv_width,
+            "levels": [{"depth": lv.depth, **_section(lv, "gdn.levels", fmt)} for lv in plan.gdn.levels],
+        },
+        "ranks": {"num_ranks": plan.ranks.num_ranks, **_section(plan.ranks, "ranks", fmt)},
+        "stats": {
+            **{f: getattr(st, f) for f in _STATS},
+            "saved_fraction": float(st.saved_fraction),
+            "timings_ms": {k: float(v) for k, v in st.timings_ms.items()},
+        },
+        "overflow": [{"index": e.index, "length": e.length, "action": e.action} for e in plan.overflow],
+    }
+
+
+def _arrays(msg: Any, section: str, path: str) -> dict[str, np.ndarray]:
+    out = {}
+    for (sec, f), (dt, nd) in ARRAYS.items():
+        if sec == section:
+            out[f] = array_from_wire(getattr(msg, f).model_dump(), dtype=dt, ndim=nd, path=f"{path}.{f}" if path else f"$.{f}")
+    return out
+
+
+def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
+    """Rebuild a :class:`Plan` (``tree=None``) from its message.
+
+    Raises:
+        RequestError: an array of the wrong dtype, rank or size (the path names it).
+    """
+    if not isinstance(msg, PlanMessage):
+        from treepack.proto.codec import parse_message  # msgpack is only needed here
+
+        msg = parse_message(PlanMessage, msg)
+    seg = Segments(**_arrays(msg.segments, "segments", "$.segments"))
+    att = AttentionMeta(**_arrays(msg.attention, "attention", "$.attention"))
+    levels = []
+    for d, lv in enumerate(msg.gdn.levels):
+        arrs = _arrays(lv, "gdn.levels", f"$.gdn.levels[{d}]")
+        levels.append(GdnLevel(depth=lv.depth, **arrs))
+    if any(lv.conv_context.shape[1:] != (max(msg.gdn.conv_width - 1, 0),) for lv in levels):
+        raise RequestError("conv_context must have conv_width - 1 columns", path="$.gdn.levels", rule="shape")
+    ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
+    st = msg.stats
+    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms))
+    return Plan(
+        seq_len=msg.seq_len,
+        num_rows=msg.num_rows,
+        placement=msg.placement,
+        strategy=msg.strategy,
+        min_shared_len=msg.min_shared_len,
+        **_arrays(msg, "", ""),
+        segments=seg,
+        attention=att,
+        gdn=GdnMeta(conv_width=msg.gdn.conv_width, levels=tuple(levels)),
+        ranks=ranks,
+        stats=stats,
+        overflow=tuple(OverflowEvent(index=e.index, length=e.length, action=e.action) for e in msg.overflow),
+        tree=None,
+    )
+
+
+def _diff_array(name: str, a: np.ndarray, b: np.ndarray, out: list[str]) -> None:
+    if a.dtype != b.dtype:
+        out.append(f"{name}: dtype {a.dtype} != {b.dtype}")
+    elif a.shape != b.shape:
+        out.append(f"{name}: shape {a.shape} != {b.shape}")
+    elif not np.array_equal(a, b):
+        i = tuple(int(x) for x in np.argwhere(a != b)[0])
+        out.append(f"{name}: differs first at {list(i)} ({a[i]} != {b[i]})")
+
+
+def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
+    """Every difference between two plans, one line each; ``[]`` when they are equal.
+
+    Compares scalars, every array (dtype, shape, values), GDN levels, ranks, stats and
+    overflow events. ``tree`` is ignored (it is planner-side only) and so are the stats'
+    phase timings unless ``timings`` is True.
+    """
+    out: list[str] = []
+    for f in ("seq_len", "num_rows", "placement", "strategy", "min_shared_len"):
+        if getattr(a, f) != getattr(b, f):
+            out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
+    sources = {"": (a, b), "segments": (a.segments, b.segments), "attention": (a.attention, b.attention), "ranks": (a.ranks, b.ranks)}
+    for (sec, f), _ in ARRAYS.items():
+        if sec in sources:
+            x, y = sources[sec]
+            _diff_array(f"{sec + '.' if sec else ''}{f}", getattr(x, f), getattr(y, f), out)
+    if a.gdn.conv_width != b.gdn.conv_width:
+        out.append(f"gdn.conv_width: {a.gdn.conv_width} != {b.gdn.conv_width}")
+    if len(a.gdn.levels) != len(b.gdn.levels):
+        out.append(f"gdn.levels: {len(a.gdn.levels)} != {len(b.gdn.levels)} levels")
+    else:
+        for d, (la, lb) in enumerate(zip(a.gdn.levels, b.gdn.levels)):
+            if la.depth != lb.depth:
+                out.append(f"gdn.levels[{d}].depth: {la.depth} != {lb.depth}")
+            for (sec, f), _ in ARRAYS.items():
+                if sec == "gdn.levels":
+                    _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
+    if a.ranks.num_ranks != b.ranks.num_ranks:
+        out.append(f"ranks.num_ranks: {a.ranks.num_ranks} != {b.ranks.num_ranks}")
+    for f in _STATS + (("timings_ms",) if timings else ()):
+        if getattr(a.stats, f) != getattr(b.stats, f):
+            out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")
+    if tuple(a.overflow) != tuple(b.overflow):
+        out.append(f"overflow: {a.overflow!r} != {b.overflow!r}")
+    return out

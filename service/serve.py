@@ -1,0 +1,134 @@
+"""``treepack serve`` (and ``python -m treepack.service``): run the sidecar under uvicorn.
+
+Every :class:`~.settings.Settings` field is a flag (``--max-tokens``, ``--history-path``, ...);
+a flag wins over its ``TREEPACK_*`` environment variable, which wins over the default.
+The token is best passed as ``TREEPACK_TOKEN`` or ``--token-file`` (a ``--token`` flag is
+visible to every user of the machine in the process list).
+
+The CLI hooks this in with ``add_serve_parser(subparsers)``; the parser's ``func`` is
+:func:`run_serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+from typing import Any, Sequence
+
+__all__ = ["add_serve_parser", "add_serve_arguments", "settings_from_args", "run_serve", "main"]
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+_UNSET = "none"  # a flag value that clears an optional setting (e.g. no age limit)
+
+
+def _typed(base: type) -> Any:
+    def parse(text: str) -> Any:
+        return _UNSET if text.strip().lower() == _UNSET else base(text)
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add one flag per setting (default None: 'not given, use the environment')."""
+    from treepack.service.settings import Settings
+
+    for name, field in Settings.model_fields.items():
+        if name in ("token", "history_enabled"):
+            continue
+        args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        base = args[0] if args else field.annotation
+        optional = bool(args)
+        default = "unset" if field.default is None else repr(field.default)
+        hint = " ('none' clears it)" if optional else ""
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_typed(base if base in (int, float) else str) if optional else (base if base in (int, float) else str),
+            default=None,
+            help=f"env TREEPACK_{name.upper()}; default {default}{hint}",
+        )
+    p.add_argument("--no-history", dest="history_enabled", action="store_const", const=False, default=None, help="record no batch shapes")
+    p.add_argument("--token-file", default=None, help="read the bearer token from this file (or set env TREEPACK_TOKEN)")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` on an argparse sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "serve",
+        help="run the HTTP packing sidecar (needs the 'service' extra)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """:class:`~.settings.Settings` from the environment, overridden by the given flags.
+
+    Raises:
+        SystemExit: (status 2) with the offending setting named, for invalid values.
+    """
+    from pydantic import ValidationError
+
+    from treepack.service.settings import Settings
+
+    given = {k: (None if v == _UNSET else v) for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    if getattr(args, "token_file", None):
+        with open(args.token_file, encoding="utf-8") as f:
+            given["token"] = f.read().strip()
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        print("treepack serve: invalid settings:\n" + "\n".join(lines), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _export(settings: Any) -> None:
+    """Put the effective settings in the environment, where every uvicorn worker reads them."""
+    for name, value in settings.model_dump().items():
+        key = f"TREEPACK_{name.upper()}"
+        if value is None:
+            os.environ.pop(key, None)
+        elif name == "token":
+            os.environ[key] = settings.token.get_secret_value()
+        else:
+            os.environ[key] = str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run uvicorn until interrupted; returns the exit status."""
+    settings = settings_from_args(args)
+    try:
+        import uvicorn
+
+        import treepack.service.app  # noqa: F401  (fail here, clearly, without FastAPI)
+    except ImportError as exc:
+        print(f"treepack serve needs the service extra: pip install 'treepack[service]' ({exc})", file=sys.stderr)
+        return 2
+    if settings.host not in _LOOPBACK and settings.token is None:
+        print(f"treepack serve: warning: binding {settings.host} without a bearer token (set TREEPACK_TOKEN)", file=sys.stderr)
+    _export(settings)
+    uvicorn.run(
+        "treepack.service.app:create_app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        log_level=settings.log_level,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m treepack.service [flags]``."""
+    p = argparse.ArgumentParser(prog="python -m treepack.service", description="treepack packing sidecar")
+    add_serve_arguments(p)
+    return run_serve(p.parse_args(argv))
