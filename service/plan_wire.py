@@ -124,7 +124,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
 
 
 def _diff_array(name: str, a: np.ndarray, b: np.ndarray, out: list[str]) -> None:
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype and (a.size or b.size):
         out.append(f"{name}: dtype {a.dtype} != {b.dtype}")
     elif a.shape != b.shape:
         out.append(f"{name}: shape {a.shape} != {b.shape}")
@@ -136,8 +136,9 @@ def _diff_array(name: str, a: np.ndarray, b: np.ndarray, out: list[str]) -> None
 def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
     """Every difference between two plans, one line each; ``[]`` when they are equal.
 
-    Compares scalars, every array (dtype, shape, values), GDN levels, ranks, stats and
-    overflow events. ``tree`` is ignored (it is planner-side only) and so are the stats'
+    Compares scalars, every array (dtype, shape, values; the dtype of an empty array is
+    not compared: numpy gives some empty results a default dtype), GDN levels, ranks,
+    stats and overflow events. ``tree`` is ignored (it is planner-side only) and so are the stats'
     phase timings unless ``timings`` is True.
     """
     out: list[str] = []

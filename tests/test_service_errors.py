@@ -1,0 +1,142 @@
+"""Bad input never yields a 5xx: each malformed request gets its documented 4xx, naming the field and the rule.
+
+The service runs in-process (``httpx.ASGITransport``) with small limits and a token; after
+each bad request a good one must still succeed.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+from service_helpers import pack_body, pack_message, small_batch
+
+from treepack.proto.codec import encode_body
+from treepack.service import Settings, create_app
+
+TOKEN = "s3cret-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+MP = {"content-type": "application/msgpack", **AUTH}
+JS = {"content-type": "application/json", **AUTH}
+LIMITS = dict(max_body_bytes=200_000, max_tokens=20_000, max_sequences=64, whatif_max_trials=50)
+
+
+@pytest.fixture(scope="module")
+def app():
+    app = create_app(Settings(token=TOKEN, **LIMITS))
+    yield app
+    app.state.service.close()
+
+
+def _mp(**changes):
+    msg = pack_message(small_batch())
+    for k, v in changes.items():
+        if v is _DROP:
+            msg.pop(k)
+        else:
+            msg[k] = v
+    return encode_body(msg, "msgpack")
+
+
+def _js(**changes):
+    msg = pack_message(small_batch(), "json")
+    msg.update(changes)
+    return encode_body(msg, "json")
+
+
+_DROP = object()
+_B = small_batch()
+_T = sum(len(s) for s in _B["sequences"])  # tokens in the good batch
+_OFF = np.concatenate([[0], np.cumsum([len(s) for s in _B["sequences"]])]).astype("<i8")
+_u4 = lambda xs: np.asarray(xs, "<u4").tobytes()  # noqa: E731
+_i8 = lambda xs: np.asarray(xs, "<i8").tobytes()  # noqa: E731
+_GOOD = pack_body(_B)
+
+# (name, method, path, body, headers, status, kind, where, rule, text in message)
+CASES = [
+    ("truncated msgpack", "POST", "/v1/pack", _GOOD[:-37], MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
+    ("garbage bytes", "POST", "/v1/pack", b"\xc1\xc1\xc1", MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
+    ("trailing bytes", "POST", "/v1/pack", _GOOD + b"\x00", MP, 400, "malformed_body", "$", "msgpack", "trailing bytes"),
+    ("non-string map key", "POST", "/v1/pack", msgpack.packb({1: 2}), MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
+    ("malformed JSON", "POST", "/v1/pack", b'{"version": 1, "seq_len":', JS, 400, "malformed_body", "$", "json", "malformed JSON"),
+    ("empty body", "POST", "/v1/pack", b"", MP, 400, "malformed_body", "$", "empty_body", "empty"),
+    ("top level is an array", "POST", "/v1/pack", msgpack.packb([1, 2]), MP, 422, "invalid_type", "$", "type", "expected a map"),
+    ("missing version", "POST", "/v1/pack", _mp(version=_DROP), MP, 422, "invalid_request", "$.version", "required", "missing required field `version`"),
+    ("unknown version", "POST", "/v1/pack", _mp(version=2), MP, 422, "unsupported_version", "$.version", "version", "wire version 2 is not supported"),
+    ("version of wrong type", "POST", "/v1/pack", _mp(version="1"), MP, 422, "invalid_type", "$.version", "type", "version must be an integer"),
+    ("unknown field", "POST", "/v1/pack", _mp(colour="red"), MP, 422, "invalid_request", "$.colour", "unknown_field", "unknown field `colour`"),
+    ("missing tokens", "POST", "/v1/pack", _mp(tokens=_DROP), MP, 422, "invalid_request", "$.tokens", "required", "missing required field `tokens`"),
+    ("seq_len of wrong type", "POST", "/v1/pack", _mp(seq_len="512"), MP, 422, "invalid_type", "$.seq_len", "type", "expected int, got string"),
+    ("seq_len zero", "POST", "/v1/pack", _mp(seq_len=0), MP, 422, "invalid_request", "$.seq_len", "range", "greater than or equal to 1"),
+    ("tokens of wrong type", "POST", "/v1/pack", _mp(tokens=12), MP, 422, "invalid_type", "$.tokens", "type", "expected buffer, got int"),
+    ("token buffer not whole items", "POST", "/v1/pack", _mp(tokens=_u4(range(_T))[:-1]), MP, 422, "invalid_request", "$.tokens", "buffer_size", "not a whole number of <u4 items"),
+    ("negative token id (JSON)", "POST", "/v1/pack", _js(tokens=[5, 6, -3] + [1] * (_T - 3)), JS, 422, "invalid_request", "$.tokens[2]", "range", "value -3 is outside"),
+    ("token id over uint32 (JSON)", "POST", "/v1/pack", _js(tokens=[2**32] + [1] * (_T - 1)), JS, 422, "invalid_request", "$.tokens[0]", "range", "4294967296"),
+    ("token id of wrong type (JSON)", "POST", "/v1/pack", _js(tokens=[1, "x"] + [1] * (_T - 2)), JS, 422, "invalid_type", "$.tokens[1]", "type", "expected an integer, got str"),
+    ("bad base64 (JSON)", "POST", "/v1/pack", _js(tokens="%%%"), JS, 422, "invalid_request", "$.tokens", "base64", "expected base64"),
+    ("offsets not starting at 0", "POST", "/v1/pack", _mp(offsets=_i8(_OFF + 1)), MP, 422, "invalid_request", "$.offsets[0]", "start", "must start at 0"),
+    ("offsets not monotone", "POST", "/v1/pack", _mp(offsets=_i8([0, 200, 150, *_OFF[3:]])), MP, 422, "invalid_request", "$.offsets[2]", "monotone", "must not decrease"),
+    ("offsets past the buffer", "POST", "/v1/pack", _mp(offsets=_i8([*_OFF[:-1], _T + 5])), MP, 422, "invalid_request", "$.offsets[6]", "buffer_end", "points past the end"),
+    ("offsets short of the buffer", "POST", "/v1/pack", _mp(offsets=_i8([*_OFF[:-1], _T - 5])), MP, 422, "invalid_request", "$.offsets[6]", "buffer_end", "leaves tokens unused"),
+    ("offsets empty", "POST", "/v1/pack", _mp(offsets=b""), MP, 422, "invalid_request", "$.offsets", "non_empty", "S+1 entries"),
+    ("empty batch", "POST", "/v1/pack", _mp(tokens=b"", offsets=_i8([0]), prompt_lens=_DROP, groups=_DROP, tags=_DROP), MP, 422, "invalid_request", "$.sequences", "non_empty", "the batch is empty"),
+    ("empty sequence", "POST", "/v1/pack", _mp(offsets=_i8([0, 0, *_OFF[2:]]), prompt_lens=_DROP), MP, 422, "invalid_request", "$.sequences[0]", "non_empty", "no tokens"),
+    ("trainable length mismatch", "POST", "/v1/pack", _mp(prompt_lens=_DROP, trainable=b"\x00" * (_T - 1)), MP, 422, "invalid_request", "$.trainable", "length_mismatch", f"{_T - 1} flags for {_T} tokens"),
+    ("trainable flag not 0/1", "POST", "/v1/pack", _mp(prompt_lens=_DROP, trainable=b"\x00\x02" + b"\x00" * (_T - 2)), MP, 422, "invalid_request", "$.trainable[1]", "flag", "must be 0 or 1, got 2"),
+    ("trainable and prompt_lens", "POST", "/v1/pack", _mp(trainable=b"\x00" * _T), MP, 422, "invalid_request", "$.prompt_lens", "exclusive", "not both"),
+    ("prompt length out of range", "POST", "/v1/pack", _mp(prompt_lens=_i8([0, 9999, 0, 0, 0, 0])), MP, 422, "invalid_request", "$.prompt_lens[1]", "range", "got 9999"),
+    ("sequence over capacity", "POST", "/v1/pack", _mp(seq_len=200), MP, 422, "sequence_too_long", "$.sequences[0]", "max_len", "longer than seq_len 200"),
+    ("groups length mismatch", "POST", "/v1/pack", _mp(groups=["a"]), MP, 422, "invalid_request", "$.groups", "length_mismatch", "1 entries for 6 sequences"),
+    ("group of wrong type", "POST", "/v1/pack", _mp(groups=["a", 1.5, "a", "b", "b", "b"]), MP, 422, "invalid_type", "$.groups[1]", "type", "got float"),
+    ("tags length mismatch", "POST", "/v1/pack", _mp(tags=["x"]), MP, 422, "invalid_request", "$.tags", "length_mismatch", "1 entries for 6 sequences"),
+    ("unknown placement", "POST", "/v1/pack", _mp(placement="best"), MP, 422, "invalid_request", "$.placement", "enum", "'auto', 'bfd', 'in_order' or 'no_share'"),
+    ("min_shared_len zero", "POST", "/v1/pack", _mp(min_shared_len=0), MP, 422, "invalid_request", "$.min_shared_len", "range", "greater than or equal to 1"),
+    ("keys length mismatch", "POST", "/v1/pack", _mp(keys=np.zeros(3, "<u8").tobytes()), MP, 422, "invalid_request", "$.keys", "length_mismatch", f"3 entries for {_T} tokens"),
+    ("too many tokens", "POST", "/v1/pack", _mp(tokens=_u4(np.zeros(30_000)), offsets=_i8([0, 30_000]), prompt_lens=_DROP, groups=_DROP, tags=_DROP), MP, 413, "too_large", "$.tokens", "max_tokens", "over the limit of 20000"),
+    ("too many sequences", "POST", "/v1/pack", _mp(tokens=_u4(np.zeros(100)), offsets=_i8(range(101)), prompt_lens=_DROP, groups=_DROP, tags=_DROP), MP, 413, "too_large", "$.offsets", "max_sequences", "100 sequences, over the limit of 64"),
+    ("huge body", "POST", "/v1/pack", b"\x00" * 300_000, MP, 413, "too_large", "$", "max_body_bytes", "over the limit of 200000"),
+    ("wrong content type", "POST", "/v1/pack", _GOOD, {"content-type": "text/plain", **AUTH}, 415, "unsupported_media_type", "Content-Type", "media_type", "'text/plain' is not spoken here"),
+    ("unacceptable Accept", "POST", "/v1/pack", _GOOD, {**MP, "accept": "text/html"}, 415, "unsupported_media_type", "Accept", "media_type", "names no format spoken here"),
+    ("no token", "POST", "/v1/pack", _GOOD, {"content-type": "application/msgpack"}, 401, "unauthorized", "Authorization", "bearer", "Bearer <token>"),
+    ("wrong token", "POST", "/v1/pack", _GOOD, {"content-type": "application/msgpack", "authorization": "Bearer nope"}, 401, "unauthorized", "Authorization", "token", "wrong bearer token"),
+    ("wrong scheme", "GET", "/v1/history", None, {"authorization": f"Basic {base64.b64encode(b'a:b').decode()}"}, 401, "unauthorized", "Authorization", "bearer", "Bearer <token>"),
+    ("whatif: groups and by_tag", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "compositions": [{"groups": 1, "by_tag": {"a": 1}}]}, "msgpack"), MP, 422, "invalid_request", "$.compositions[0]", "one_of", "exactly one of"),
+    ("whatif: too many trials", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "trials": 30, "compositions": [{"groups": 1}, {"groups": 2}]}, "msgpack"), MP, 413, "too_large", "$.trials", "max_trials", "60 planner runs, over the limit of 50"),
+    ("whatif: pool too small", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "compositions": [{"by_tag": {"math": 2, "code": 9}}], "shapes": []}, "msgpack"), MP, 422, "invalid_request", "$.shapes", "no_history", "no recorded batches"),
+    ("wrong method", "GET", "/v1/pack", None, AUTH, 405, "method_not_allowed", "$", "method_not_allowed", "Method Not Allowed"),
+    ("unknown route", "GET", "/v2/pack", None, AUTH, 404, "not_found", "$", "not_found", "Not Found"),
+]
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 20
+    assert {c[5] for c in CASES} >= {400, 401, 404, 405, 413, 415, 422}
+
+
+@pytest.mark.parametrize("name,method,path,body,headers,status,kind,where,rule,text", CASES, ids=[c[0] for c in CASES])
+async def test_bad_request(app, name, method, path, body, headers, status, kind, where, rule, text):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        r = await c.request(method, path, content=body, headers=headers)
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"].startswith("application/json")
+        err = r.json()
+        assert (err["error"], err["path"], err["rule"]) == (kind, where, rule), err
+        assert text in err["message"], err["message"]
+        assert err["version"] == 1
+        if status == 401:
+            assert r.headers["www-authenticate"].startswith("Bearer")
+        # The service keeps serving.
+        ok = await c.post("/v1/pack", content=_GOOD, headers={**MP, "accept": "application/json"})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["plan"]["num_rows"] >= 1
+
+
+async def test_errors_are_counted_by_kind(app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        await c.post("/v1/pack", content=b"\xc1", headers=MP)
+        text = (await c.get("/metrics", headers=AUTH)).text
+    assert 'treepack_errors_total{kind="malformed_body"}' in text
+    assert 'treepack_requests_total{method="POST",route="/v1/pack",status="400"}' in text
