@@ -11,6 +11,7 @@ paths included.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, Mapping, Sequence, Union
 
 from treepack.proto.codec import Format
@@ -80,6 +81,14 @@ class Packer:
     ) -> None:
         self.url = url
         self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, False)
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "Packer":
+        """A packer configured by ``TREEPACK_URL`` (unset or empty: embedded) and ``TREEPACK_TOKEN``.
+
+        The sidecar deployments (``deploy/``) set these for the trainer container.
+        """
+        return cls(os.environ.get("TREEPACK_URL") or None, token=os.environ.get("TREEPACK_TOKEN") or None, **kwargs)
 
     def pack(
         self,
@@ -194,6 +203,11 @@ class AsyncPacker:
         self.url = url
         self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, True)
         self._embedded = url is None
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "AsyncPacker":
+        """See :meth:`Packer.from_env`."""
+        return cls(os.environ.get("TREEPACK_URL") or None, token=os.environ.get("TREEPACK_TOKEN") or None, **kwargs)
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self._b, name)

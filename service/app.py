@@ -83,9 +83,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings: the configuration; default ``Settings()`` (read from ``TREEPACK_*``).
 
     Returns:
-        The FastAPI app; ``app.state.service`` is its :class:`~.handlers.Service` (closed
-        on lifespan shutdown, or by calling ``close()`` when the app is driven without
-        lifespan, e.g. through ``httpx.ASGITransport``).
+        The FastAPI app; ``app.state.service`` is its :class:`~.handlers.Service`.
+        Lifespan shutdown flushes pending history writes; ``app.state.service.close()``
+        also stops the worker threads and closes the database (for embedding the app in
+        a longer-lived process, and for tests).
     """
     settings = settings or Settings()
     svc = Service(settings)
@@ -94,7 +95,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        svc.close()
+        # Finish pending history writes; threads and the database go with the process.
+        # (Not a full close: test clients run lifespan around every use of one app.)
+        await asyncio.to_thread(svc.flush)
 
     from treepack.service import __version__
 

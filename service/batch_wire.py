@@ -48,13 +48,11 @@ class PackOptions:
     tags: tuple[str | None, ...] | None
 
 
-def _offsets(msg: PackRequest, num_tokens: int, limits: Limits) -> np.ndarray:
+def _offsets(msg: PackRequest, num_tokens: int) -> np.ndarray:
     off = decode_buffer(msg.offsets, "<i8", "$.offsets")
     if off.shape[0] == 0:
         raise RequestError("offsets must hold S+1 entries, the first 0; got none", path="$.offsets", rule="non_empty")
     s = off.shape[0] - 1
-    if limits.max_sequences is not None and s > limits.max_sequences:
-        raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
     if off[0] != 0:
         raise RequestError(f"offsets must start at 0, got {int(off[0])}", path="$.offsets[0]", rule="start")
     step = np.diff(off)
@@ -71,7 +69,8 @@ def _offsets(msg: PackRequest, num_tokens: int, limits: Limits) -> np.ndarray:
     return off
 
 
-def _trainable(msg: PackRequest, off: np.ndarray, num_tokens: int) -> list[Any] | None:
+def _trainable_columns(msg: PackRequest, off: np.ndarray, num_tokens: int) -> np.ndarray | None:
+    """[T] bool flags, or [S] int64 prompt lengths, or None (nothing trainable)."""
     s = off.shape[0] - 1
     if msg.trainable is not None and msg.prompt_lens is not None:
         raise RequestError("give trainable or prompt_lens, not both", path="$.prompt_lens", rule="exclusive")
@@ -82,8 +81,7 @@ def _trainable(msg: PackRequest, off: np.ndarray, num_tokens: int) -> list[Any] 
         if flags.size and flags.max() > 1:
             i = int(np.argmax(flags > 1))
             raise RequestError(f"trainable flags must be 0 or 1, got {int(flags[i])}", path=f"$.trainable[{i}]", rule="flag")
-        as_bool = flags.view(np.bool_)  # 0/1 bytes are valid bools: no copy
-        return [as_bool[a:b] for a, b in zip(off[:-1].tolist(), off[1:].tolist())]
+        return flags.view(np.bool_)  # 0/1 bytes are valid bools: no copy
     if msg.prompt_lens is not None:
         plen = decode_buffer(msg.prompt_lens, "<i8", "$.prompt_lens")
         if plen.shape[0] != s:
@@ -93,7 +91,7 @@ def _trainable(msg: PackRequest, off: np.ndarray, num_tokens: int) -> list[Any] 
         if bad.any():
             i = int(np.argmax(bad))
             raise RequestError(f"prompt length must be in [0, {int(lens[i])}], got {int(plen[i])}", path=f"$.prompt_lens[{i}]", rule="range")
-        return plen.tolist()
+        return plen
     return None
 
 
@@ -110,23 +108,31 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     Raises:
         RequestError: (or a subclass) naming the column or sequence and the rule.
     """
+    # Columns first (422), then size limits (413), then the per-sequence rules.
     tokens = decode_buffer(msg.tokens, "<u4", "$.tokens")
     t = tokens.shape[0]
-    if limits.max_tokens is not None and t > limits.max_tokens:
-        raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
-    off = _offsets(msg, t, limits)
+    off = _offsets(msg, t)
     s = off.shape[0] - 1
-    bounds = list(zip(off[:-1].tolist(), off[1:].tolist()))
-    sequences = [tokens[a:b] for a, b in bounds]
-    trainable = _trainable(msg, off, t)
-    keys = None
+    trainable_col = _trainable_columns(msg, off, t)
+    key_col = None
     if msg.keys is not None:
-        k = decode_buffer(msg.keys, "<u8", "$.keys")
-        if k.shape[0] != t:
-            raise RequestError(f"keys has {k.shape[0]} entries for {t} tokens", path="$.keys", rule="length_mismatch")
-        keys = [k[a:b] for a, b in bounds]
+        key_col = decode_buffer(msg.keys, "<u8", "$.keys")
+        if key_col.shape[0] != t:
+            raise RequestError(f"keys has {key_col.shape[0]} entries for {t} tokens", path="$.keys", rule="length_mismatch")
     if msg.tags is not None and len(msg.tags) != s:
         raise RequestError(f"tags has {len(msg.tags)} entries for {s} sequences", path="$.tags", rule="length_mismatch")
+    if limits.max_tokens is not None and t > limits.max_tokens:
+        raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
+    if limits.max_sequences is not None and s > limits.max_sequences:
+        raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
+    bounds = list(zip(off[:-1].tolist(), off[1:].tolist()))
+    sequences = [tokens[a:b] for a, b in bounds]
+    trainable = None
+    if isinstance(trainable_col, np.ndarray) and trainable_col.dtype == np.bool_:
+        trainable = [trainable_col[a:b] for a, b in bounds]
+    elif trainable_col is not None:
+        trainable = trainable_col.tolist()
+    keys = None if key_col is None else [key_col[a:b] for a, b in bounds]
     batch = normalize_batch(sequences, seq_len=msg.seq_len, trainable=trainable, groups=msg.groups, keys=keys, on_overflow=msg.on_overflow)
     opts = PackOptions(
         seq_len=msg.seq_len,

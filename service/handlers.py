@@ -92,6 +92,8 @@ class Service:
     def whatif(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread)."""
         msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
+        # Whole-request validation (422) before resource limits (413).
+        inline = None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
         runs = msg.trials * len(msg.compositions)
         if runs > self.settings.whatif_max_trials:
             raise PayloadTooLargeError(
@@ -100,12 +102,10 @@ class Service:
                 path="$.trials",
                 rule="max_trials",
             )
-        if msg.shapes is not None:
-            source = "shapes"
-            shapes = [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
+        if inline is not None:
+            source, shapes = "shapes", inline
         else:
-            source = "history"
-            shapes = []
+            source, shapes = "history", []
             if self.recorder is not None and self.store is not None:
                 self.recorder.flush()
                 shapes = self.store.shapes(msg.history_batches)
@@ -163,6 +163,11 @@ class Service:
             except Exception as exc:  # any database failure means not ready
                 checks["history"] = f"error: {exc}"
         return checks
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Wait until every queued history write is done."""
+        if self.recorder is not None:
+            self.recorder.flush(timeout)
 
     def close(self) -> None:
         self.pool.close()

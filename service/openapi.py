@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from treepack.proto import messages as m
 from treepack.proto.codec import JSON, MSGPACK
 
-__all__ = ["body_spec", "install_openapi", "MODELS", "ERRORS"]
+__all__ = ["body_spec", "install_openapi", "MODELS", "ERRORS", "PACK_EXAMPLE", "WHATIF_EXAMPLE"]
 
 MODELS = (
     m.PackRequest,
@@ -57,6 +57,42 @@ def _error_responses(statuses: tuple[int, ...]) -> dict[str, Any]:
     return out
 
 
+# Worked JSON examples (shown in /docs; schemathesis sends them too): two sequences
+# sharing a 3-token prefix (token 4 is the first trainable one, so position 3 is scored
+# and not shared).
+PACK_EXAMPLE = {
+    "version": 1,
+    "seq_len": 16,
+    "tokens": [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8],
+    "offsets": [0, 6, 12],
+    "prompt_lens": [4, 4],
+    "groups": ["q1", "q1"],
+    "tags": ["demo", "demo"],
+    "min_shared_len": 2,
+}
+WHATIF_EXAMPLE = {
+    "version": 1,
+    "seq_len": 16,
+    "min_shared_len": 2,
+    "compositions": [{"name": "one group", "groups": 1}],
+    "trials": 2,
+    "max_rows": 1,
+    "shapes": [
+        {
+            "seq_len": 16,
+            "min_shared_len": 2,
+            "seq_ptr": [0, 2, 4],
+            "run_hash": [11, 0, 11, 0],
+            "run_len": [3, 3, 3, 3],
+            "first_trainable": [4, 4],
+            "groups": ["q1", "q1"],
+            "tags": ["demo", "demo"],
+        }
+    ],
+}
+EXAMPLES: dict[str, dict[str, Any]] = {"PackRequest": PACK_EXAMPLE, "WhatIfRequest": WHATIF_EXAMPLE}
+
+
 def body_spec(
     request: type | None, response: type, statuses: tuple[int, ...], *, both: bool = True, description: str = "the answer"
 ) -> dict[str, Any]:
@@ -73,7 +109,10 @@ def body_spec(
         "responses": {"200": {"description": description, "content": {t: {"schema": _ref(response)} for t in media}}, **_error_responses(statuses)}
     }
     if request is not None:
-        spec["requestBody"] = {"required": True, "content": {t: {"schema": _ref(request)} for t in (JSON, MSGPACK)}}
+        content: dict[str, Any] = {t: {"schema": _ref(request)} for t in (JSON, MSGPACK)}
+        if request.__name__ in EXAMPLES:
+            content[JSON]["example"] = EXAMPLES[request.__name__]
+        spec["requestBody"] = {"required": True, "content": content}
     return spec
 
 

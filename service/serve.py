@@ -96,7 +96,7 @@ def _export(settings: Any) -> None:
     for name, value in settings.model_dump().items():
         key = f"TREEPACK_{name.upper()}"
         if value is None:
-            os.environ.pop(key, None)
+            os.environ[key] = _UNSET  # read back as None (env_parse_none_str), not as the default
         elif name == "token":
             os.environ[key] = settings.token.get_secret_value()
         else:

@@ -1,0 +1,172 @@
+"""Deployment files: parsed and checked against the code (routes, settings, ports, packages).
+
+Docker and Kubernetes cannot run here; the probe and healthcheck commands are run for real
+against a live server instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import PurePosixPath
+
+import pytest
+import yaml
+from service_helpers import REPO, running_server
+
+from treepack.service import Settings, create_app
+from treepack.service.serve import add_serve_arguments
+
+ROUTES = {r.path for r in create_app(Settings(history_enabled=False)).routes}
+SETTINGS = set(Settings.model_fields)
+
+
+def _env_names_are_settings(names):
+    for n in names:
+        if n.startswith("TREEPACK_") and n not in ("TREEPACK_URL",):
+            assert n[len("TREEPACK_") :].lower() in SETTINGS, f"{n} is not a setting"
+
+
+def _probe_url(cmd: list[str]) -> str:
+    text = " ".join(cmd)
+    m = re.search(r"http://127\.0\.0\.1:(?:'\s*\+[^+]*\+\s*')?(\d*)(/\w+)", text)
+    assert m, f"no URL in {text}"
+    return m.group(2)
+
+
+def _dockerfile():
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    # Join continuation lines, drop comments.
+    lines = [ln for ln in re.sub(r"\\\n", " ", text).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln.strip() else "") for ln in lines]
+
+
+def test_dockerfile():
+    instr = _dockerfile()
+    kinds = [k for k, _ in instr]
+    assert kinds.count("FROM") == 2 and all("python:3.11" in v for k, v in instr if k == "FROM")
+    user = [v for k, v in instr if k == "USER"][-1]
+    assert user not in ("root", "0")
+    assert [v for k, v in instr if k == "EXPOSE"] == ["8000"]
+    copied = {v.split()[0] for k, v in instr if k == "COPY" and "--from" not in v}
+    pkg_dirs = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    top = {str(PurePosixPath(d).parts[0]) for d in pkg_dirs}
+    assert top <= copied, f"the image misses {top - copied}"
+    assert any(".[service]" in v for k, v in instr if k == "RUN")
+    entry = [v for k, v in instr if k == "ENTRYPOINT"][-1]
+    assert entry == '["python", "-m", "treepack.service"]'
+    env = " ".join(v for k, v in instr if k == "ENV")
+    names = re.findall(r"(TREEPACK_\w+)=", env)
+    assert {"TREEPACK_HOST", "TREEPACK_HISTORY_PATH"} <= set(names)
+    _env_names_are_settings(names)
+    hist = re.search(r"TREEPACK_HISTORY_PATH=(\S+)", env).group(1)
+    vol = [v for k, v in instr if k == "VOLUME"][-1]
+    assert str(PurePosixPath(hist).parent) in vol
+    hc = [v for k, v in instr if k == "HEALTHCHECK"][-1]
+    assert _probe_url([hc]) in ROUTES
+
+
+def _compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose():
+    doc = _compose()
+    svc = doc["services"]["treepack"]
+    assert (REPO / svc["build"]["dockerfile"]).exists() and svc["build"]["context"] == "."
+    for p in svc["ports"]:
+        assert p.startswith("127.0.0.1:"), f"port {p} is not bound to the loopback"
+    env = svc["environment"]
+    _env_names_are_settings(env)
+    host_port, container_port = svc["ports"][0].split(":")[1:]
+    assert container_port == env["TREEPACK_PORT"]
+    vol_name, mount = svc["volumes"][0].split(":")[:2]
+    assert vol_name in doc["volumes"]
+    assert str(PurePosixPath(env["TREEPACK_HISTORY_PATH"]).parent) == mount
+    assert _probe_url(svc["healthcheck"]["test"]) in ROUTES
+    prom = doc["services"]["prometheus"]
+    assert all(p.startswith("127.0.0.1:") for p in prom["ports"])
+    cfg_path = prom["volumes"][0].split(":")[0]
+    cfg = yaml.safe_load((REPO / cfg_path).read_text())
+    job = cfg["scrape_configs"][0]
+    assert job["metrics_path"] in ROUTES
+    assert job["static_configs"][0]["targets"] == [f"treepack:{container_port}"]
+    assert prom["depends_on"]["treepack"]["condition"] == "service_healthy"
+
+
+def _pod():
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "trainer-with-treepack.yaml").read_text()))
+    job = next(d for d in docs if d and d["kind"] == "Job")
+    return job["spec"]["template"]["spec"]
+
+
+def _env(container):
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_k8s_sidecar():
+    pod = _pod()
+    (side,) = [c for c in pod["initContainers"] if c["name"] == "treepack"]
+    (trainer,) = pod["containers"]
+    assert side["restartPolicy"] == "Always"  # a native sidecar: up before the trainer, down after it
+    env = _env(side)
+    _env_names_are_settings(env)
+    assert env["TREEPACK_HOST"] == "127.0.0.1"
+    port = env["TREEPACK_PORT"]
+    assert _env(trainer)["TREEPACK_URL"] == f"http://127.0.0.1:{port}"
+    for probe, route in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        cmd = side[probe]["exec"]["command"]
+        assert f"127.0.0.1:{port}" in " ".join(cmd) and _probe_url(cmd) == route and route in ROUTES
+    for c in (side, trainer):
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    mounts = {m["name"]: m["mountPath"] for m in side["volumeMounts"]}
+    assert str(PurePosixPath(env["TREEPACK_HISTORY_PATH"]).parent) == mounts["treepack-history"]
+    assert {v["name"] for v in pod["volumes"]} >= set(mounts)
+    assert side["securityContext"]["runAsNonRoot"] is True
+    # The args are serve flags the image's entrypoint understands.
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    p.parse_args(side["args"])
+
+
+def _probe_commands():
+    cmds = [("compose", _compose()["services"]["treepack"]["healthcheck"]["test"][1:])]
+    side = next(c for c in _pod()["initContainers"] if c["name"] == "treepack")
+    cmds += [(p, side[p]["exec"]["command"]) for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    hc = [v for k, v in _dockerfile() if k == "HEALTHCHECK"][-1]
+    cmds.append(("dockerfile", yaml.safe_load(hc[hc.index("CMD") + 3 :])))
+    return cmds
+
+
+def test_probe_commands_work_against_a_live_server():
+    with running_server() as (url, proc):
+        port = url.rsplit(":", 1)[1]
+        for name, cmd in _probe_commands():
+            assert cmd[0] == "python"
+            run = [sys.executable, *[c.replace("8000", port) for c in cmd[1:]]]
+            r = subprocess.run(run, capture_output=True, timeout=30, env={"TREEPACK_PORT": port})
+            assert r.returncode == 0, (name, shlex.join(run), r.stderr)
+    # Negative control: the same probes fail when nothing listens.
+    name, cmd = _probe_commands()[0]
+    r = subprocess.run([sys.executable, *[c.replace("8000", port) for c in cmd[1:]]], capture_output=True, timeout=30)
+    assert r.returncode != 0
+
+
+def test_packer_from_env(monkeypatch):
+    from treepack.client import Packer
+
+    monkeypatch.delenv("TREEPACK_URL", raising=False)
+    assert Packer.from_env().health()["backend"] == "embedded"
+    monkeypatch.setenv("TREEPACK_URL", "http://127.0.0.1:9")
+    p = Packer.from_env(retries=0)
+    assert p.url == "http://127.0.0.1:9"
+    p.close()
+
+
+@pytest.mark.parametrize("path", ["deploy/Dockerfile", "docker-compose.yml", "deploy/k8s/trainer-with-treepack.yaml", "deploy/prometheus.yml"])
+def test_files_exist(path):
+    assert (REPO / path).is_file()

@@ -1,0 +1,68 @@
+"""``treepack serve`` / ``python -m treepack.service``: flags, environment, lazy imports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from treepack.service.serve import _export, add_serve_arguments, run_serve, settings_from_args
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_flags_win_over_environment_which_wins_over_defaults(monkeypatch):
+    monkeypatch.setenv("TREEPACK_PORT", "9001")
+    monkeypatch.setenv("TREEPACK_MAX_QUEUE", "3")
+    s = settings_from_args(_parse("--port", "9002"))
+    assert s.port == 9002 and s.max_queue == 3 and s.host == "127.0.0.1" and s.token is None
+    assert settings_from_args(_parse("--history-max-age-s", "none")).history_max_age_s is None
+    assert settings_from_args(_parse("--no-history")).history_enabled is False
+
+
+def test_token_file(tmp_path):
+    f = tmp_path / "token"
+    f.write_text("abc\n")
+    assert settings_from_args(_parse("--token-file", str(f))).token.get_secret_value() == "abc"
+
+
+def test_invalid_settings_exit_2_naming_the_setting(monkeypatch, capsys):
+    monkeypatch.setenv("TREEPACK_MAX_QUEUE", "-1")
+    with pytest.raises(SystemExit) as e:
+        settings_from_args(_parse())
+    assert e.value.code == 2
+    assert "max_queue" in capsys.readouterr().err
+
+
+def test_export_passes_the_effective_settings_to_workers(monkeypatch):
+    from treepack.service.settings import Settings
+
+    for name in Settings.model_fields:  # registered with monkeypatch, so _export's writes are undone
+        monkeypatch.setenv(f"TREEPACK_{name.upper()}", "")
+        monkeypatch.delenv(f"TREEPACK_{name.upper()}")
+    s = settings_from_args(_parse("--max-tokens", "123", "--no-history", "--token", "t0k", "--history-max-age-s", "none"))
+    _export(s)
+    again = Settings()
+    assert again == s and os.environ["TREEPACK_HISTORY_ENABLED"] == "false" and again.history_max_age_s is None
+
+
+def test_importing_the_package_loads_no_fastapi():
+    code = "import sys, treepack.service, treepack.service.planner, treepack.service.serve; print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_module_entry_point_and_cli_hook():
+    r = subprocess.run([sys.executable, "-m", "treepack.service", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--max-body-bytes" in r.stdout and "--token-file" in r.stdout
+    from treepack.service.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--port", "9123", "--max-concurrent-plans", "3"])
+    assert args.func is run_serve and args.port == 9123 and args.max_concurrent_plans == 3
