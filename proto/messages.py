@@ -13,6 +13,8 @@ Conventions:
 - A batch travels columnar: ``tokens`` holds every sequence back to back, ``offsets``
   ([S+1], from 0 to the token count, non-decreasing) cuts it into sequences; sequence i
   is ``tokens[offsets[i]:offsets[i+1]]``, called ``$.sequences[i]`` in error paths.
+  Optionally (``prefix_src``/``prefix_len``) a sequence starts with a prefix of an earlier
+  sequence and ``tokens`` holds only the rest: a GRPO group's prompt travels once.
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ class PackRequest(_Model):
     trainable: Optional[Buffer] = Field(None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens")
     prompt_lens: Optional[Buffer] = Field(None, description="<i8 [S]: tokens prompt_lens[i].. of sequence i are trainable; exclusive with trainable")
     keys: Optional[Buffer] = Field(None, description="<u8 [T]: per-token keys that must also match to share (default all 0)")
+    prefix_src: Optional[Buffer] = Field(
+        None,
+        description="<i8 [S]: sequence i starts with the first prefix_len[i] tokens of sequence prefix_src[i] (< i; -1: none), "
+        "then its own tokens; with prefix_len (dedup of shared prompts; trainable and keys still cover every token)",
+    )
+    prefix_len: Optional[Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
     groups: Optional[list[GroupId]] = Field(None, description="[S] group id (int, string or null) per sequence")
     tags: Optional[list[Tag]] = Field(None, description="[S] task tag per sequence (recorded in history for what-if by tag)")
     min_shared_len: MinShared = 64

@@ -95,12 +95,56 @@ def _trainable_columns(msg: PackRequest, off: np.ndarray, num_tokens: int) -> np
     return None
 
 
+def _prefixes(msg: PackRequest, own: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(prefix_src, prefix_len) checked against the own lengths, or None when absent."""
+    if (msg.prefix_src is None) != (msg.prefix_len is None):
+        raise RequestError("prefix_src and prefix_len go together", path="$.prefix_len" if msg.prefix_len is None else "$.prefix_src", rule="together")
+    if msg.prefix_src is None:
+        return None
+    s = own.shape[0]
+    src = decode_buffer(msg.prefix_src, "<i8", "$.prefix_src")
+    plen = decode_buffer(msg.prefix_len, "<i8", "$.prefix_len")
+    for name, col in (("prefix_src", src), ("prefix_len", plen)):
+        if col.shape[0] != s:
+            raise RequestError(f"{name} has {col.shape[0]} entries for {s} sequences", path=f"$.{name}", rule="length_mismatch")
+    idx = np.arange(s)
+    bad = (src < -1) | (src >= idx)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RequestError(f"prefix_src[{i}] must be -1 or an earlier sequence, got {int(src[i])}", path=f"$.prefix_src[{i}]", rule="earlier")
+    full = plen + own
+    limit = np.where(src >= 0, full[np.maximum(src, 0)], 0)
+    bad = (plen < 0) | (plen > limit)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RequestError(
+            f"prefix length must be in [0, {int(limit[i])}] (the length of sequence {int(src[i])}), got {int(plen[i])}"
+            if src[i] >= 0
+            else f"prefix length must be 0 without a prefix_src, got {int(plen[i])}",
+            path=f"$.prefix_len[{i}]",
+            rule="range",
+        )
+    return src, plen
+
+
+def _materialize(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.ndarray, full_off: np.ndarray) -> np.ndarray:
+    """[T] uint32 every sequence in full, prefixes copied from their (earlier) sources."""
+    out = np.empty(int(full_off[-1]), dtype=np.uint32)
+    a_own, b_own, a_full = own_off[:-1].tolist(), own_off[1:].tolist(), full_off[:-1].tolist()
+    for i, (j, n) in enumerate(zip(src.tolist(), plen.tolist())):
+        a = a_full[i]
+        if n:
+            out[a : a + n] = out[a_full[j] : a_full[j] + n]
+        out[a + n : a + n + b_own[i] - a_own[i]] = tokens[a_own[i] : b_own[i]]
+    return out
+
+
 def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Batch, PackOptions]:
     """Validate a pack request and build its :class:`Batch`.
 
     Args:
         msg: the parsed message.
-        limits: size limits (413 beyond them).
+        limits: size limits (413 beyond them; ``max_tokens`` counts every sequence in full).
 
     Returns:
         (the batch, the planner options).
@@ -110,10 +154,13 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     """
     # Columns first (422), then size limits (413), then the per-sequence rules.
     tokens = decode_buffer(msg.tokens, "<u4", "$.tokens")
-    t = tokens.shape[0]
-    off = _offsets(msg, t)
-    s = off.shape[0] - 1
-    trainable_col = _trainable_columns(msg, off, t)
+    own_off = _offsets(msg, tokens.shape[0])
+    s = own_off.shape[0] - 1
+    own = np.diff(own_off)
+    pref = _prefixes(msg, own)
+    full_off = own_off if pref is None else np.concatenate([[0], np.cumsum(pref[1] + own)]).astype(np.int64)
+    t = int(full_off[-1])
+    trainable_col = _trainable_columns(msg, full_off, t)
     key_col = None
     if msg.keys is not None:
         key_col = decode_buffer(msg.keys, "<u8", "$.keys")
@@ -125,7 +172,9 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
         raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
     if limits.max_sequences is not None and s > limits.max_sequences:
         raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
-    bounds = list(zip(off[:-1].tolist(), off[1:].tolist()))
+    if pref is not None:
+        tokens = _materialize(tokens, own_off, pref[0], pref[1], full_off)
+    bounds = list(zip(full_off[:-1].tolist(), full_off[1:].tolist()))
     sequences = [tokens[a:b] for a, b in bounds]
     trainable = None
     if isinstance(trainable_col, np.ndarray) and trainable_col.dtype == np.bool_:
@@ -146,6 +195,34 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     return batch, opts
 
 
+def _dedup(batch: Batch, groups: Sequence[Any] | None, min_prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prefix_src [S], prefix_len [S]): each sequence against its group's first sequence
+    (the previous sequence when there are no groups); prefixes shorter than ``min_prefix``
+    are not worth a reference."""
+    s = batch.num_sequences
+    src = np.full(s, -1, dtype=np.int64)
+    plen = np.zeros(s, dtype=np.int64)
+    first: dict[Any, int] = {}
+    for i in range(s):
+        if groups is None:
+            j = i - 1
+        else:
+            g = groups[i]
+            key = None if g is None else (int(g) if isinstance(g, np.integer) else g)
+            j = -1 if key is None else first.setdefault(key, i)
+        if j < 0 or j == i:
+            continue
+        a, b = batch.tokens[i], batch.tokens[j]
+        n = min(a.shape[0], b.shape[0])
+        if n < min_prefix:
+            continue
+        eq = a[:n] == b[:n]
+        lcp = n if eq.all() else int(np.argmin(eq))
+        if lcp >= min_prefix:
+            src[i], plen[i] = j, lcp
+    return src, plen
+
+
 def encode_pack_request(
     sequences: Sequence[Any],
     *,
@@ -161,6 +238,8 @@ def encode_pack_request(
     tags: Sequence[str | None] | None = None,
     record: bool = True,
     fmt: Format = "msgpack",
+    dedup: bool = True,
+    min_prefix: int = 64,
 ) -> dict[str, Any]:
     """Build a ``PackRequest`` body from ``plan_batch``-style arguments (client side).
 
@@ -168,13 +247,23 @@ def encode_pack_request(
     messages as the embedded planner), without a capacity check: the server applies
     ``seq_len`` and ``on_overflow``, so overflow events come back in the plan.
 
+    Args:
+        dedup: send a sequence's common prefix with its group's first sequence (the
+            previous sequence without groups) as a reference (``prefix_src``/``prefix_len``)
+            when it is at least ``min_prefix`` tokens: a GRPO group's prompt travels once.
+            The server rebuilds the same sequences; the plan does not change.
+
     Returns:
         The message as a dict of buffers (byte views for msgpack, lists for JSON).
     """
     batch = normalize_batch(sequences, seq_len=MAX_SEQ_LEN, trainable=trainable, groups=groups, keys=keys, on_overflow="error")
+    src, plen = _dedup(batch, groups, min_prefix) if dedup else (None, None)
+    if plen is not None and not plen.any():
+        src = plen = None
+    own = [t if plen is None or not plen[i] else t[plen[i] :] for i, t in enumerate(batch.tokens)]
     off = np.zeros(batch.num_sequences + 1, dtype=np.int64)
-    np.cumsum(batch.lens, out=off[1:])
-    flat = np.concatenate(batch.tokens) if batch.num_sequences > 1 else batch.tokens[0]
+    np.cumsum([o.shape[0] for o in own], out=off[1:])
+    flat = np.concatenate(own) if batch.num_sequences > 1 else own[0]
     msg: dict[str, Any] = {
         "version": 1,
         "seq_len": seq_len,
@@ -192,6 +281,9 @@ def encode_pack_request(
             msg["trainable"] = encode_buffer(np.concatenate(batch.trainable).view(np.uint8), "|u1", fmt)
         else:
             msg["prompt_lens"] = encode_buffer(batch.prompt_lens, "<i8", fmt)
+    if src is not None and plen is not None:
+        msg["prefix_src"] = encode_buffer(src, "<i8", fmt)
+        msg["prefix_len"] = encode_buffer(plen, "<i8", fmt)
     if batch.keys is not None:
         full = [np.zeros(int(n), np.uint64) if k is None else k for k, n in zip(batch.keys, batch.lens.tolist())]
         msg["keys"] = encode_buffer(np.concatenate(full), "<u8", fmt)

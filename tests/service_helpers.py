@@ -46,14 +46,15 @@ def plan_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "tags"}
 
 
-def pack_body(batch: dict[str, Any], fmt: str = "msgpack", **overrides: Any) -> bytes:
-    msg = encode_pack_request(**batch, fmt=fmt)
+def pack_body(batch: dict[str, Any], fmt: str = "msgpack", *, dedup: bool = True, **overrides: Any) -> bytes:
+    msg = encode_pack_request(**batch, fmt=fmt, dedup=dedup)
     msg.update(overrides)
     return encode_body(msg, fmt)
 
 
-def pack_message(batch: dict[str, Any], fmt: str = "msgpack") -> dict[str, Any]:
-    return encode_pack_request(**batch, fmt=fmt)
+def pack_message(batch: dict[str, Any], fmt: str = "msgpack", *, dedup: bool = False) -> dict[str, Any]:
+    """The request as a dict; plain columns (no prefix references) unless ``dedup``."""
+    return encode_pack_request(**batch, fmt=fmt, dedup=dedup)
 
 
 def assert_same_plan(a: Plan, b: Plan) -> None:

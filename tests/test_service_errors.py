@@ -54,6 +54,12 @@ _OFF = np.concatenate([[0], np.cumsum([len(s) for s in _B["sequences"]])]).astyp
 _u4 = lambda xs: np.asarray(xs, "<u4").tobytes()  # noqa: E731
 _i8 = lambda xs: np.asarray(xs, "<i8").tobytes()  # noqa: E731
 _GOOD = pack_body(_B)
+_DEDUP = pack_message(_B, dedup=True)  # the same batch with each group's prompt sent once
+assert "prefix_src" in _DEDUP
+
+
+def _dd(**changes):
+    return encode_body({**_DEDUP, **changes}, "msgpack")
 
 # (name, method, path, body, headers, status, kind, where, rule, text in message)
 CASES = [
@@ -95,6 +101,10 @@ CASES = [
     ("unknown placement", "POST", "/v1/pack", _mp(placement="best"), MP, 422, "invalid_request", "$.placement", "enum", "'auto', 'bfd', 'in_order' or 'no_share'"),
     ("min_shared_len zero", "POST", "/v1/pack", _mp(min_shared_len=0), MP, 422, "invalid_request", "$.min_shared_len", "range", "greater than or equal to 1"),
     ("keys length mismatch", "POST", "/v1/pack", _mp(keys=np.zeros(3, "<u8").tobytes()), MP, 422, "invalid_request", "$.keys", "length_mismatch", f"3 entries for {_T} tokens"),
+    ("prefix_src without prefix_len", "POST", "/v1/pack", _dd(prefix_len=None), MP, 422, "invalid_request", "$.prefix_len", "together", "go together"),
+    ("prefix from a later sequence", "POST", "/v1/pack", _dd(prefix_src=_i8([-1, 0, 0, -1, 5, 3])), MP, 422, "invalid_request", "$.prefix_src[4]", "earlier", "must be -1 or an earlier sequence, got 5"),
+    ("prefix longer than its source", "POST", "/v1/pack", _dd(prefix_len=_i8([0, 180, 180, 0, 180, 9999])), MP, 422, "invalid_request", "$.prefix_len[5]", "range", "got 9999"),
+    ("prefix length without a source", "POST", "/v1/pack", _dd(prefix_len=_i8([5, 180, 180, 0, 180, 180])), MP, 422, "invalid_request", "$.prefix_len[0]", "range", "must be 0 without a prefix_src"),
     ("too many tokens", "POST", "/v1/pack", _mp(tokens=_u4(np.zeros(30_000)), offsets=_i8([0, 30_000]), prompt_lens=_DROP, groups=_DROP, tags=_DROP), MP, 413, "too_large", "$.tokens", "max_tokens", "over the limit of 20000"),
     ("too many sequences", "POST", "/v1/pack", _mp(tokens=_u4(np.zeros(100)), offsets=_i8(range(101)), prompt_lens=_DROP, groups=_DROP, tags=_DROP), MP, 413, "too_large", "$.offsets", "max_sequences", "100 sequences, over the limit of 64"),
     ("huge body", "POST", "/v1/pack", b"\x00" * 300_000, MP, 413, "too_large", "$", "max_body_bytes", "over the limit of 200000"),

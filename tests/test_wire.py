@@ -144,6 +144,20 @@ def test_pack_request_round_trip(fmt):
         assert all(t.base is not None for t in got.tokens)
 
 
+def test_dedup_sends_each_group_prompt_once_and_rebuilds_the_same_batch():
+    w = curriculum(16)
+    kw = dict(sequences=w.sequences, trainable=w.trainable, groups=w.groups, seq_len=w.seq_len)
+    plain = encode_body(encode_pack_request(**kw, dedup=False), "msgpack")
+    small = encode_body(encode_pack_request(**kw), "msgpack")
+    assert len(small) < 0.6 * len(plain)
+    got, _ = decode_pack_request(parse_message(PackRequest, decode_body(small, "msgpack")))
+    _same_batch(got, normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups))
+    # max_tokens counts the rebuilt sequences, not the bytes sent.
+    with pytest.raises(RequestError, match="over the limit") as e:
+        decode_pack_request(parse_message(PackRequest, decode_body(small, "msgpack")), Limits(max_tokens=len(small) // 4))
+    assert e.value.rule == "max_tokens"
+
+
 def test_pack_request_limits():
     msg = parse_message(PackRequest, pack_message(small_batch()))
     with pytest.raises(RequestError, match="over the limit of 100") as e:
@@ -159,9 +173,11 @@ def test_pack_request_limits():
     fmt=st.sampled_from(FORMATS),
     mode=st.sampled_from(["none", "prompt", "flags"]),
     with_keys=st.booleans(),
+    grouped=st.booleans(),
+    dedup=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_batches_survive_the_wire(lens, fmt, mode, with_keys, seed):
+def test_random_batches_survive_the_wire(lens, fmt, mode, with_keys, grouped, dedup, seed):
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(0, 3, n).astype(np.int64) for n in lens]  # tiny vocabulary: lots of sharing
     trainable = None
@@ -170,8 +186,10 @@ def test_random_batches_survive_the_wire(lens, fmt, mode, with_keys, seed):
     elif mode == "flags":
         trainable = [rng.random(n) < 0.3 for n in lens]
     keys = [rng.integers(0, 2, n).astype(np.uint64) for n in lens] if with_keys else None
-    groups = [int(g) for g in rng.integers(0, 3, len(lens))]
-    body = encode_body(encode_pack_request(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2, fmt=fmt), fmt)
+    groups = [int(g) for g in rng.integers(0, 3, len(lens))] if grouped else None
+    # dedup with min_prefix=1: prefix references (chains of them without groups) on tiny data
+    msg = encode_pack_request(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2, fmt=fmt, dedup=dedup, min_prefix=1)
+    body = encode_body(msg, fmt)
     msg = parse_message(PackRequest, decode_body(body, fmt))
     got, opts = decode_pack_request(msg)
     ref = normalize_batch(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups)
