@@ -11,7 +11,10 @@ history in a temporary folder) and stops it at the end. Bounded in count and tim
    before and after. Stops issuing requests after ``--max-seconds`` (reported).
 2. **Round trip**: one client, ``Packer(url).pack`` (msgpack, record=False) against
    ``Packer().pack`` (embedded, the same planner in-process) at about 100k, 1M and 10M
-   tokens; median of ``--repeats``. The embedded figure is the baseline of the ratio.
+   tokens; median of ``--repeats``, interleaved. The embedded figure is the baseline of
+   the ratio. Two more columns explain the gap: the *transport floor* (the same body
+   POSTed with a wrong wire version, refused right after it is read and unpacked) and
+   the server's planner time.
 
 Usage::
 
@@ -37,9 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import numpy as np
 
 from treepack.client import Packer
+from treepack.proto.codec import encode_body
+from treepack.service.batch_wire import encode_pack_request
 from treepack.service.planner.workloads import agentic, curriculum, distillation
 
 
@@ -159,6 +165,7 @@ def run_load(clients: int, requests: int, groups: int, seq_len: int, max_seconds
         metrics = server.metrics()
         rss_after = server.rss()
         recorded = re.search(r"^treepack_history_recorded_total (\S+)$", metrics, re.M)
+        skipped = re.search(r"^treepack_history_skipped_total (\S+)$", metrics, re.M)
         return dict(
             clients=clients,
             requests_per_client=requests,
@@ -177,6 +184,7 @@ def run_load(clients: int, requests: int, groups: int, seq_len: int, max_seconds
             rss_before_mb=rss_before / 2**20,
             rss_after_mb=rss_after / 2**20,
             recorded=float(recorded.group(1)) if recorded else 0.0,
+            skipped=float(skipped.group(1)) if skipped else 0.0,
             timed_out=time.monotonic() > deadline,
         )
     finally:
@@ -189,28 +197,62 @@ def _batch_of(tokens: int) -> dict[str, Any]:
     return dict(**w.plan_kwargs(), tags=w.tags)
 
 
+def _floor_ms(url: str, body: bytes, repeats: int) -> float:
+    """The same bytes POSTed but refused right after the body is read and unpacked
+    (wrong wire version): what the transport alone costs."""
+    msg = msgpack.unpackb(body, raw=False)
+    msg["version"] = 0
+    bad = msgpack.packb(msg, use_bin_type=True)
+    times = []
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            r = c.post("/v1/pack", content=bad, headers={"content-type": "application/msgpack"})
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 422
+    return 1e3 * statistics.median(times)
+
+
 def run_roundtrip(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     server = Server("--max-body-bytes", str(1 << 30), "--max-tokens", str(1 << 28))
     rows = []
     try:
-        with Packer(server.url, timeout=600) as remote:
+        with Packer(server.url, timeout=600) as remote, Packer(server.url, timeout=600, dedup=False) as plain:
             embedded = Packer()
             for size in sizes:
                 b = _batch_of(size)
                 n = sum(len(s) for s in b["sequences"])
+                body = encode_body(encode_pack_request(**b, record=False), "msgpack")
                 remote.pack(**b, record=False)  # warm up both paths
                 embedded.pack(**b)
-                emb, http = [], []
-                for _ in range(repeats):
+                emb, http, http_plain, planner = [], [], [], []
+                for _ in range(repeats):  # interleaved, so both see the same machine load
                     t0 = time.perf_counter()
                     plan_e = embedded.pack(**b)
                     emb.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     plan_h = remote.pack(**b, record=False)
                     http.append(time.perf_counter() - t0)
+                    planner.append(plan_h.stats.timings_ms["total"])
+                    t0 = time.perf_counter()
+                    plain.pack(**b, record=False)
+                    http_plain.append(time.perf_counter() - t0)
                 assert plan_e.num_rows == plan_h.num_rows
                 e, h = statistics.median(emb), statistics.median(http)
-                rows.append(dict(tokens=n, sequences=len(b["sequences"]), body_mb=4 * n / 1e6 * 1.0, embedded_ms=1e3 * e, http_ms=1e3 * h, ratio=h / e))
+                rows.append(
+                    dict(
+                        tokens=n,
+                        sequences=len(b["sequences"]),
+                        plain_mb=4 * n / 1e6,
+                        body_mb=len(body) / 1e6,
+                        embedded_ms=1e3 * e,
+                        http_ms=1e3 * h,
+                        ratio=h / e,
+                        http_plain_ms=1e3 * statistics.median(http_plain),
+                        floor_ms=_floor_ms(server.url, body, repeats),
+                        server_plan_ms=statistics.median(planner),
+                    )
+                )
     finally:
         server.stop()
     return rows
@@ -232,20 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_load:
         r = run_load(args.clients, args.requests, args.load_groups, args.load_seq_len, args.max_seconds)
         print(f"\nload: {r['clients']} clients x {r['requests_per_client']} packs, batches of {r['mean_tokens']:,.0f} tokens on average")
-        print("| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded |")
+        print("| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print(f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | {r['wall_s']:.1f} | {r['throughput']:.1f} | "
               f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
-              f"{r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | {r['recorded']:.0f} |")  # fmt: skip
+              f"{r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | {r['recorded']:.0f} / {r['skipped']:.0f} |")  # fmt: skip
         if r["timed_out"]:
             print(f"(stopped after --max-seconds {args.max_seconds:g})")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if sizes:
         print(f"\nround trip (msgpack over loopback vs embedded; median of {args.repeats}):")
-        print("| tokens | sequences | request MB | embedded ms | HTTP ms | HTTP / embedded |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | transport floor ms | server planner ms | HTTP ms, no dedup |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in run_roundtrip(sizes, args.repeats):
-            print(f"| {row['tokens']:,} | {row['sequences']:,} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | {row['http_ms']:.1f} | {row['ratio']:.2f}x |")
+            print(f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
+                  f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |")  # fmt: skip
     return 0
 
 

@@ -156,10 +156,13 @@ def _headers(token: str | None, fmt: Format) -> dict[str, str]:
 class HttpBackend:
     """Synchronous HTTP backend (see :class:`treepack.client.Packer`)."""
 
-    def __init__(self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None) -> None:
+    def __init__(
+        self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None, dedup: bool = True
+    ) -> None:
         self.url = url.rstrip("/")
         self.fmt = fmt
         self.policy = policy
+        self.dedup = dedup
         self._client = httpx.Client(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
 
     def request(self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None) -> httpx.Response:
@@ -184,7 +187,7 @@ class HttpBackend:
             attempt += 1
 
     def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        return decode_pack(self.request("POST", "/v1/pack", pack_body(sequences, self.fmt, **kwargs)))
+        return decode_pack(self.request("POST", "/v1/pack", pack_body(sequences, self.fmt, dedup=self.dedup, **kwargs)))
 
     def whatif(self, compositions: Sequence[Composition], **kwargs: Any) -> list[WhatIfResult]:
         return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, **kwargs)))
@@ -202,10 +205,13 @@ class HttpBackend:
 class AsyncHttpBackend:
     """Asynchronous HTTP backend (see :class:`treepack.client.AsyncPacker`)."""
 
-    def __init__(self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None) -> None:
+    def __init__(
+        self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None, dedup: bool = True
+    ) -> None:
         self.url = url.rstrip("/")
         self.fmt = fmt
         self.policy = policy
+        self.dedup = dedup
         self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
 
     async def request(self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None) -> httpx.Response:
@@ -230,7 +236,7 @@ class AsyncHttpBackend:
             attempt += 1
 
     async def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        body = await asyncio.to_thread(pack_body, sequences, self.fmt, **kwargs)
+        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, **kwargs))
         resp = await self.request("POST", "/v1/pack", body)
         return await asyncio.to_thread(decode_pack, resp)
 

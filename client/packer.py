@@ -39,7 +39,19 @@ def as_composition(c: CompositionLike, i: int = 0) -> Composition:
     raise InputTypeError(f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type")
 
 
-def _backend(url: str | None, token: str | None, timeout: float, retries: int, backoff: float, max_backoff: float, fmt: Format, transport: Any, history_path: str | None, asynchronous: bool) -> Any:
+def _backend(
+    url: str | None,
+    token: str | None,
+    timeout: float,
+    retries: int,
+    backoff: float,
+    max_backoff: float,
+    fmt: Format,
+    transport: Any,
+    history_path: str | None,
+    dedup: bool,
+    asynchronous: bool,
+) -> Any:
     if url is None:
         from treepack.client.embedded import EmbeddedBackend
 
@@ -48,7 +60,7 @@ def _backend(url: str | None, token: str | None, timeout: float, retries: int, b
 
     cls = AsyncHttpBackend if asynchronous else HttpBackend
     policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
-    return cls(url, token=token, timeout=timeout, policy=policy, fmt=fmt, transport=transport)
+    return cls(url, token=token, timeout=timeout, policy=policy, fmt=fmt, transport=transport, dedup=dedup)
 
 
 class Packer:
@@ -64,6 +76,8 @@ class Packer:
         fmt: ``msgpack`` (default) or ``json`` on the wire.
         transport: an httpx transport (tests: ``httpx.ASGITransport`` with AsyncPacker).
         history_path: embedded only: a local SQLite shape history for what-if.
+        dedup: HTTP only: send a sequence's prefix shared with its group's first sequence
+            as a reference, not again (about half the bytes for GRPO groups; same plan).
     """
 
     def __init__(
@@ -78,9 +92,10 @@ class Packer:
         fmt: Format = "msgpack",
         transport: Any = None,
         history_path: str | None = None,
+        dedup: bool = True,
     ) -> None:
         self.url = url
-        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, False)
+        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, dedup, False)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Packer":
@@ -199,9 +214,10 @@ class AsyncPacker:
         fmt: Format = "msgpack",
         transport: Any = None,
         history_path: str | None = None,
+        dedup: bool = True,
     ) -> None:
         self.url = url
-        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, True)
+        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, dedup, True)
         self._embedded = url is None
 
     @classmethod

@@ -1,0 +1,35 @@
+"""docs/service.md stays true: its Python blocks run, its tables name real settings and errors."""
+
+from __future__ import annotations
+
+import re
+
+from service_helpers import REPO
+
+from treepack.proto import errors
+from treepack.service.settings import Settings
+
+DOC = (REPO / "docs" / "service.md").read_text()
+
+
+def test_python_blocks_run_in_order(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", DOC, re.S)
+    assert len(blocks) >= 4
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/service.md", "exec"), scope)  # noqa: S102 - our own documentation
+    out = capsys.readouterr().out
+    assert "$.sequences[0] max_len sequence 0 has 300 tokens" in out
+    assert "largest safe step:" in out
+
+
+def test_settings_table_is_complete():
+    rows = re.findall(r"^\| `(\w+)` \| ", DOC, re.M)
+    assert set(Settings.model_fields) <= set(rows)
+
+
+def test_error_table_names_every_kind():
+    kinds = {cls.kind for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.TreepackError)}
+    kinds.discard("treepack_error")
+    for k in kinds:
+        assert f"`{k}`" in DOC, k
