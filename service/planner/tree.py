@@ -22,6 +22,7 @@ Two builders with one output:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -162,18 +163,26 @@ class _TrieNode:
         self.minseq = minseq
 
 
-def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, memoryview | np.ndarray, int]:
-    """(byte view of the shareable prefix, per-record key source, bytes per record)."""
+def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
+    """(byte view of the shareable prefix, record -> child key, bytes per record).
+
+    Without keys a record is the uint32 token; with keys it is (token, key), 12 bytes, and
+    the child key packs both into one int. Keys are read lazily, only where a child is
+    looked up, never converted for the whole prefix.
+    """
     tok = batch.tokens[s]
     if batch.keys is None:
-        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]), 4
+        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]).__getitem__, 4
     key = batch.keys[s]
     rec = np.empty(sh, dtype=[("t", "<u4"), ("k", "<u8")])
     rec["t"] = tok[:sh]
     rec["k"] = 0 if key is None else key[:sh]
-    # The child key must tell records apart on token *and* key.
-    keys = (rec["k"].astype(object) << 32) | rec["t"].astype(object) if sh else np.zeros(0, dtype=object)
-    return memoryview(rec).cast("B"), keys, 12
+    tview, kview = memoryview(rec["t"].copy()), memoryview(rec["k"].copy())
+
+    def child_key(p: int) -> int:
+        return (kview[p] << 32) | tview[p]
+
+    return memoryview(rec).cast("B"), child_key, 12
 
 
 def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
@@ -197,7 +206,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
     candidates = np.flatnonzero(kept & (sh_all >= msl))
     for s in candidates.tolist():
         sh = int(sh_all[s])
-        buf, keyv, w = _record_views(batch, s, sh)
+        buf, keyof, w = _record_views(batch, s, sh)
         node = root
         node.count += 1
         pos = 0
@@ -205,7 +214,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
             if pos == sh:
                 node.terminals.append(s)
                 break
-            first = keyv[pos]
+            first = keyof(pos)
             child = node.children.get(first)
             if child is None:
                 node.children[first] = _TrieNode(bytes(buf[pos * w :]), pos, sh, s, True)
@@ -231,7 +240,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
             if pos + k == sh:
                 mid.terminals.append(s)
             else:
-                mid.children[keyv[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
+                mid.children[keyof(pos + k)] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
             break
 
     em = _Emitter(n)
