@@ -41,7 +41,7 @@ def run_benchmark(
     *,
     full: bool = False,
     repeats: int = 3,
-    naive_max_leaves: int = 30_000,
+    naive_max_leaves: int = 70_000,
     only: str | None = None,
     out: TextIO = sys.stdout,
     json_path: str | None = None,
