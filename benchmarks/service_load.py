@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=200, help="per client")
-    ap.add_argument("--load-groups", type=int, default=4, help="groups per curriculum load batch (agentic/distillation: half)")
+    ap.add_argument("--load-groups", type=int, default=16, help="groups per curriculum load batch (agentic/distillation: half)")
     ap.add_argument("--load-seq-len", type=int, default=32768)
     ap.add_argument("--max-seconds", type=float, default=600.0, help="stop issuing load requests after this")
     ap.add_argument("--sizes", default="100000,1000000,10000000", help="round-trip batch sizes in tokens")

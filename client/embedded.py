@@ -40,7 +40,7 @@ class EmbeddedBackend:
         """``plan_batch(sequences, **kwargs)``; records the shape when a history is set."""
         if self._store is None or not record:
             return plan_batch(sequences, **kwargs)
-        opts = {k: kwargs.pop(k) for k in ("min_shared_len", "placement", "num_ranks", "conv_width") if k in kwargs}
+        opts = {k: kwargs.pop(k) for k in ("min_shared_len", "placement", "num_ranks", "conv_width", "share_trainable") if k in kwargs}
         seq_len = kwargs.pop("seq_len")
         batch = normalize_batch(sequences, seq_len=seq_len, **kwargs)
         plan = plan_normalized(batch, seq_len=int(seq_len), **opts)

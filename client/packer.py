@@ -118,6 +118,7 @@ class Packer:
         num_ranks: int = 1,
         on_overflow: str = "error",
         conv_width: int = 4,
+        share_trainable: bool = False,
         tags: Sequence[str | None] | None = None,
         record: bool = True,
     ) -> Plan:
@@ -137,7 +138,8 @@ class Packer:
         """
         return self._b.pack(
             sequences, seq_len=seq_len, min_shared_len=min_shared_len, placement=placement, trainable=trainable, groups=groups,
-            keys=keys, num_ranks=num_ranks, on_overflow=on_overflow, conv_width=conv_width, tags=tags, record=record,
+            keys=keys, num_ranks=num_ranks, on_overflow=on_overflow, conv_width=conv_width,
+            share_trainable=share_trainable, tags=tags, record=record,
         )  # fmt: skip
 
     def whatif(
@@ -152,6 +154,7 @@ class Packer:
         num_ranks: int = 1,
         conv_width: int = 4,
         on_overflow: str = "error",
+        share_trainable: bool = False,
         max_rows: int | None = None,
         history_batches: int | None = None,
         shapes: Sequence[BatchShape] | None = None,
@@ -166,7 +169,9 @@ class Packer:
             max_rows: also report the probability of needing more rows than this.
             history_batches: sample only the most recent N recorded batches.
             shapes: sample these batches instead of the history.
-            min_shared_len, placement, num_ranks, conv_width, on_overflow: as for ``pack``.
+            min_shared_len, placement, num_ranks, conv_width, on_overflow, share_trainable:
+                as for ``pack`` (shapes record no trainable tokens: the generalized mode
+                shares none in a trial).
 
         Returns:
             One :class:`WhatIfResult` per composition.
@@ -174,8 +179,8 @@ class Packer:
         comps = [as_composition(c, i) for i, c in enumerate(compositions)]
         return self._b.whatif(
             comps, seq_len=seq_len, trials=trials, seed=seed, min_shared_len=min_shared_len, placement=placement,
-            num_ranks=num_ranks, conv_width=conv_width, on_overflow=on_overflow, max_rows=max_rows,
-            history_batches=history_batches, shapes=shapes,
+            num_ranks=num_ranks, conv_width=conv_width, on_overflow=on_overflow, share_trainable=share_trainable,
+            max_rows=max_rows, history_batches=history_batches, shapes=shapes,
         )  # fmt: skip
 
     def history(self) -> dict[str, Any]:
@@ -262,10 +267,12 @@ class AsyncPacker:
 
 
 _PACK_KW: dict[str, Any] = dict(
-    min_shared_len=64, placement="auto", trainable=None, groups=None, keys=None, num_ranks=1, on_overflow="error", conv_width=4, tags=None, record=True
+    min_shared_len=64, placement="auto", trainable=None, groups=None, keys=None, num_ranks=1, on_overflow="error", conv_width=4,
+    share_trainable=False, tags=None, record=True,
 )
 _WHATIF_KW: dict[str, Any] = dict(
-    trials=32, seed=0, min_shared_len=64, placement="auto", num_ranks=1, conv_width=4, on_overflow="error", max_rows=None, history_batches=None, shapes=None
+    trials=32, seed=0, min_shared_len=64, placement="auto", num_ranks=1, conv_width=4, on_overflow="error", share_trainable=False,
+    max_rows=None, history_batches=None, shapes=None,
 )
 
 

@@ -121,6 +121,7 @@ class PackRequest(_Model):
     num_ranks: NumRanks = 1
     on_overflow: Literal["error", "truncate", "drop"] = "error"
     conv_width: ConvWidth = 4
+    share_trainable: bool = Field(False, description="generalized sharing mode: trainable tokens shared up to a scored divergence")
     record: bool = Field(True, description="record this batch's shape in the history (false: opt out)")
 
 
@@ -211,6 +212,7 @@ class PlanMessage(_Model):
     placement: Literal["auto", "bfd", "in_order", "no_share"]
     strategy: Annotated[str, Field(max_length=64)]
     min_shared_len: MinShared
+    share_trainable: bool = False
     seq_lens: ArrayMessage
     orig_lens: ArrayMessage
     row_of: ArrayMessage
@@ -275,6 +277,7 @@ class WhatIfRequest(_Model):
     num_ranks: NumRanks = 1
     conv_width: ConvWidth = 4
     on_overflow: Literal["error", "truncate", "drop"] = "error"
+    share_trainable: bool = Field(False, description="plan trials in the generalized mode (trainable tokens are not recorded, so never shared)")
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (default: all retained)"

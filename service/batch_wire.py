@@ -44,6 +44,7 @@ class PackOptions:
     placement: str
     num_ranks: int
     conv_width: int
+    share_trainable: bool
     record: bool
     tags: tuple[str | None, ...] | None
 
@@ -189,6 +190,7 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
         placement=msg.placement,
         num_ranks=msg.num_ranks,
         conv_width=msg.conv_width,
+        share_trainable=msg.share_trainable,
         record=msg.record,
         tags=None if msg.tags is None else tuple(msg.tags),
     )
@@ -235,6 +237,7 @@ def encode_pack_request(
     num_ranks: int = 1,
     on_overflow: str = "error",
     conv_width: int = 4,
+    share_trainable: bool = False,
     tags: Sequence[str | None] | None = None,
     record: bool = True,
     fmt: Format = "msgpack",
@@ -274,6 +277,7 @@ def encode_pack_request(
         "num_ranks": num_ranks,
         "on_overflow": on_overflow,
         "conv_width": conv_width,
+        "share_trainable": share_trainable,
         "record": record,
     }
     if trainable is not None:

@@ -84,6 +84,7 @@ class Service:
             placement=opts.placement,
             num_ranks=opts.num_ranks,
             conv_width=opts.conv_width,
+            share_trainable=opts.share_trainable,
         )
         recorded = bool(opts.record and self.recorder is not None and self.recorder.submit(batch, plan, opts.tags))
         self.metrics.observe_plan(plan)
@@ -120,6 +121,7 @@ class Service:
             num_ranks=msg.num_ranks,
             conv_width=msg.conv_width,
             on_overflow=msg.on_overflow,
+            share_trainable=msg.share_trainable,
             max_rows=msg.max_rows,
             max_tokens=self.settings.max_tokens,
         )

@@ -60,6 +60,7 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
         "placement": plan.placement,
         "strategy": plan.strategy,
         "min_shared_len": plan.min_shared_len,
+        "share_trainable": plan.share_trainable,
         **_section(plan, "", fmt),
         "segments": _section(plan.segments, "segments", fmt),
         "attention": _section(plan.attention, "attention", fmt),
@@ -112,6 +113,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         placement=msg.placement,
         strategy=msg.strategy,
         min_shared_len=msg.min_shared_len,
+        share_trainable=msg.share_trainable,
         **_arrays(msg, "", ""),
         segments=seg,
         attention=att,
@@ -142,7 +144,7 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
     phase timings unless ``timings`` is True.
     """
     out: list[str] = []
-    for f in ("seq_len", "num_rows", "placement", "strategy", "min_shared_len"):
+    for f in ("seq_len", "num_rows", "placement", "strategy", "min_shared_len", "share_trainable"):
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
     sources = {"": (a, b), "segments": (a.segments, b.segments), "attention": (a.attention, b.attention), "ranks": (a.ranks, b.ranks)}

@@ -32,7 +32,16 @@ def _batches():
         ("agentic-flags", dict(**a.plan_kwargs(), conv_width=3), None),
         ("keys-lists", dict(sequences=[s.tolist() for s in keyed], keys=keys, seq_len=256, min_shared_len=16), None),
         ("truncate", dict(sequences=[np.arange(90), np.arange(40)], seq_len=64, on_overflow="truncate", min_shared_len=8), None),
+        ("generalized", _same_start_completions(), None),
     ]
+
+
+def _same_start_completions():
+    """Completions that agree on their first 40 trainable tokens: shared in the generalized mode."""
+    rng = np.random.default_rng(9)
+    prompt, start = rng.integers(0, 1000, 120), rng.integers(0, 1000, 40)
+    seqs = [np.concatenate([prompt, start, rng.integers(0, 1000, 30)]) for _ in range(6)]
+    return dict(sequences=seqs, trainable=[120] * 6, groups=[0] * 6, seq_len=512, min_shared_len=16, share_trainable=True)
 
 
 BATCHES = _batches()

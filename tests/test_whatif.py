@@ -215,3 +215,24 @@ async def test_history_batches_limits_the_pool(app):
         assert out["pool"]["batches"] == 1 and out["pool"]["groups"] == 4
         r = await c.post("/v1/whatif", content=encode_body({"version": 1, "seq_len": 131072, "compositions": [{"groups": 5}], "history_batches": 1}, "msgpack"))
     assert r.status_code == 422 and r.json()["path"] == "$.compositions[0].groups"
+
+
+def test_generalized_mode_plans_record_default_mode_shapes_with_unique_tails():
+    # Four identical sequences: the generalized mode shares their trainable tokens too.
+    rng = np.random.default_rng(2)
+    seq = rng.integers(0, 1000, 300)
+    kw = dict(sequences=[seq] * 4, trainable=[200] * 4, groups=[0, 0, 1, 1], seq_len=2048, min_shared_len=16)
+    default = plan_batch(**kw)
+    general = plan_batch(**kw, share_trainable=True)
+    assert general.stats.packed_tokens < default.stats.packed_tokens
+    batch = normalize_batch(kw["sequences"], seq_len=2048, trainable=kw["trainable"], groups=kw["groups"])
+    s_gen = shape_of(batch, general.tree, seq_len=2048)
+    s_def = shape_of(batch, default.tree, seq_len=2048)
+    for f in ("seq_ptr", "run_hash", "run_len", "first_trainable"):
+        assert np.array_equal(getattr(s_gen, f), getattr(s_def, f)), f
+    assert (s_def.run_hash == 0).sum() == 4  # one unshareable tail per sequence
+    # Default mode: the trial is the batch itself. Generalized: the tails stay unshared.
+    (d,) = whatif([s_def], [Composition(groups=2)], seq_len=2048, min_shared_len=16, trials=1)
+    (g,) = whatif([s_def], [Composition(groups=2)], seq_len=2048, min_shared_len=16, trials=1, share_trainable=True)
+    assert d.packed_tokens.mean == default.stats.packed_tokens
+    assert general.stats.packed_tokens < g.packed_tokens.mean <= default.stats.packed_tokens

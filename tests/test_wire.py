@@ -43,6 +43,8 @@ def _plans():
     yield "keys", plan_batch(keyed, keys=keys, seq_len=1024, min_shared_len=8), None
     yield "overflow", plan_batch([np.arange(50), np.arange(80), np.arange(20)], seq_len=60, on_overflow="drop", min_shared_len=4), None
     yield "all-dropped", plan_batch([np.arange(50), np.arange(80)], seq_len=10, on_overflow="drop"), None
+    w = curriculum(6)
+    yield "generalized", plan_batch(**w.plan_kwargs(), share_trainable=True), w
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -54,7 +56,7 @@ def test_plan_round_trip_is_exact_and_valid(fmt):
         assert plan_differences(plan, back, timings=True) == [], name
         validate_plan(back, w.sequences if w is not None else None, trainable=w.trainable if w is not None else None)
         names.append(name)
-    assert len(names) == 7
+    assert len(names) == 8
 
 
 def test_plan_differences_sees_a_changed_array():

@@ -4,15 +4,17 @@ A batch's **shape** lists, per kept sequence, its **runs** root first: one run p
 tree node on its path (the token run the node's sharers have in common), then its leaf
 split in two: the leaf's shareable rest (positions up to the first scored one) and its
 unshareable tail. A run is ``(hash, length)``; the hash is a 64-bit BLAKE2b of the run's
-tokens (and keys, when any is non-zero); an unshareable tail gets hash 0, since nothing
-can ever share it and its content does not matter to the tree. The same system prompt in
+tokens (and keys, when any is non-zero); the tail from the first scored position on gets
+hash 0: the default mode never shares it, and its content does not matter to the tree. The same system prompt in
 two batches is the same node run, hence the same hash, so what-if sampling across
 batches shares it as the real batch would. (A prefix that was a node nowhere, say a
 system prompt used by one sequence only in its batch, is inside a longer run and does not
 match across batches; the recorded node boundaries are all a shape knows.)
 
 :func:`run_tokens` turns runs back into token ids: equal hashes give equal runs, and runs
-of different hashes differ at their first token (a 2**-32 collision chance per pair), so
+of different hashes differ at their first token (a 2**-32 collision chance per pair);
+tails get run ids unique to their sequence (:func:`~.whatif.synthesize`), so made-up
+tails never match, not even in the generalized mode. Hence
 :func:`~.tree.build_tree` on the made-up tokens rebuilds the recorded tree exactly (same
 nodes, lengths, sharers; tested), with the same ``min_shared_len``. A larger
 ``min_shared_len`` is exact too; a smaller one misses short runs the shape never saw.
@@ -29,7 +31,7 @@ import numpy as np
 from treepack.proto.errors import RequestError
 from treepack.service.planner.arrays import ragged_arange
 from treepack.service.planner.inputs import Batch
-from treepack.service.planner.tree import Tree
+from treepack.service.planner.tree import Tree, build_tree
 
 __all__ = ["BatchShape", "shape_of", "run_hash", "run_tokens"]
 
@@ -132,14 +134,17 @@ def shape_of(batch: Batch, tree: Tree, *, seq_len: int, tags: Sequence[str | Non
 
     Args:
         batch: the batch as planned.
-        tree: its tree (``plan.tree``; a ``no_share`` plan's tree is the real one too,
-            from :func:`~.tree.build_tree`).
+        tree: its tree (``plan.tree``; a ``no_share`` plan's tree is the real one too).
+            A shape always describes the default-mode tree: a tree built with
+            ``share_trainable`` is rebuilt without it (trainable tokens are not recorded).
         seq_len: the capacity it was planned for.
         tags: per sequence of the request, a task tag or None.
 
     Returns:
         The :class:`BatchShape`.
     """
+    if tree.share_trainable:
+        tree = build_tree(batch, tree.min_shared_len)
     kept = np.flatnonzero(batch.kept)
     sh = batch.shareable_lens()
     n_nodes = tree.num_nodes

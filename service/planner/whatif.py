@@ -36,6 +36,8 @@ from treepack.service.planner.api import plan_batch
 from treepack.service.planner.arrays import ragged_arange
 from treepack.service.planner.shapes import BatchShape, run_tokens
 
+_TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)
+
 __all__ = ["Composition", "Distribution", "WhatIfResult", "GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
 
 
@@ -201,7 +203,12 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
         hashes.append(sh.run_hash[runs])
         lengths.append(sh.run_len[runs])
         first.append(sh.first_trainable[local])
-    tokens = run_tokens(np.concatenate(hashes), np.concatenate(lengths))
+    run_ids = np.concatenate(hashes)
+    tails = run_ids == 0
+    # Unshareable tails get ids of their own (never 0, never each other's), so their
+    # made-up tokens match nothing.
+    run_ids[tails] = _TAIL_BASE + np.arange(int(tails.sum()), dtype=np.uint64)
+    tokens = run_tokens(run_ids, np.concatenate(lengths))
     lens = pool.lens[seqs]
     off = np.zeros(lens.shape[0] + 1, dtype=np.int64)
     np.cumsum(lens, out=off[1:])
@@ -221,6 +228,7 @@ def whatif(
     num_ranks: int = 1,
     conv_width: int = 4,
     on_overflow: str = "error",
+    share_trainable: bool = False,
     max_rows: int | None = None,
     max_tokens: int | None = None,
 ) -> list[WhatIfResult]:
@@ -229,8 +237,11 @@ def whatif(
     Args:
         shapes: the pool of recorded batches to sample groups from.
         compositions: the candidates.
-        seq_len, min_shared_len, placement, num_ranks, conv_width, on_overflow: as for
-            :func:`~.api.plan_batch`, applied to every trial.
+        seq_len, min_shared_len, placement, num_ranks, conv_width, on_overflow,
+            share_trainable: as for :func:`~.api.plan_batch`, applied to every trial. Shapes
+            do not record trainable tokens (their runs are unique per sequence), so the
+            generalized mode shares no trainable token in a trial: its rows are an upper
+            bound.
         trials: trials per composition (>= 1).
         seed: the sampling seed; equal seeds give equal answers.
         max_rows: report the fraction of trials needing more rows than this.
@@ -281,6 +292,7 @@ def whatif(
                 num_ranks=num_ranks,
                 conv_width=conv_width,
                 on_overflow=on_overflow,
+                share_trainable=share_trainable,
             )
             st = plan.stats
             rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
