@@ -89,6 +89,7 @@ class HistoryStore:
         if self.path is not None:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._decoded: dict[int, BatchShape] = {}
         self._conn = sqlite3.connect(self.path or ":memory:", check_same_thread=False, isolation_level=None, timeout=30.0)
         with self._lock:
             c = self._conn
@@ -186,16 +187,22 @@ class HistoryStore:
         )
 
     def shapes(self, limit: int | None = None) -> list[BatchShape]:
-        """The most recent ``limit`` batches (all if None), oldest first."""
+        """The most recent ``limit`` batches (all if None), oldest first.
+
+        Decoded shapes are kept between calls (rows never change once written), so
+        repeated what-if requests only decode batches recorded since the last one.
+        """
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT id, shape FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),)
-            ).fetchall()
-        out = []
-        for bid, blob in reversed(rows):
-            msg = parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False))
-            out.append(shape_from_wire(msg, f"history[{bid}]"))
-        return out
+            ids = [r[0] for r in self._conn.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))]
+            missing = [i for i in ids if i not in self._decoded]
+            rows = []
+            for k in range(0, len(missing), 500):  # stay under SQLite's bound-parameter limit
+                part = missing[k : k + 500]
+                rows += self._conn.execute(f"SELECT id, shape FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
+        fresh = {bid: shape_from_wire(parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False)), f"history[{bid}]") for bid, blob in rows}
+        known = {**self._decoded, **fresh}
+        self._decoded = {i: known[i] for i in ids if i in known}
+        return [self._decoded[i] for i in reversed(ids) if i in self._decoded]
 
     def check(self) -> str:
         """``"ok"`` when the database answers a query (readiness)."""

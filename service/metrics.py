@@ -32,7 +32,7 @@ from treepack.service.pool import PlanPool
 __all__ = ["ServiceMetrics", "MetricsMiddleware", "ROUTES"]
 
 ROUTES = ("/v1/pack", "/v1/whatif", "/v1/history", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _SAVED = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 

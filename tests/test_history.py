@@ -142,3 +142,19 @@ def test_recorder_skips_rather_than_waits_when_the_backlog_is_full():
     assert (rec.recorded, rec.skipped, rec.failed, rec.pending) == (1, 1, 0, 0)
     assert shape_store.summary()["groups"] == 2 and shape_store.count() == 1
     rec.close()
+
+
+def test_shapes_are_decoded_once_and_follow_retention():
+    store = HistoryStore(None, max_batches=2)
+    shapes = [_shape(2, seed=s)[0] for s in range(3)]
+    store.record(shapes[0], rows=1, packed_tokens=1, saved_fraction=0.0)
+    first = store.shapes()
+    store.record(shapes[1], rows=1, packed_tokens=1, saved_fraction=0.0)
+    second = store.shapes()
+    assert second[0] is first[0]  # cached, not decoded again
+    _same_shape(second[1], shapes[1])
+    store.record(shapes[2], rows=1, packed_tokens=1, saved_fraction=0.0)  # evicts the first
+    third = store.shapes()
+    assert len(third) == 2 and third[0] is second[1]
+    _same_shape(third[1], shapes[2])
+    store.close()
