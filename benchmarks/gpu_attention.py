@@ -6,8 +6,9 @@ Usage (on a CUDA machine with flash-attn installed; ``pip install 'treepack[gpu]
     python benchmarks/gpu_attention.py --cpu-smoke     # tiny, CPU, proves the script runs
 
 Workload: the golden example (SPEC 4) with lengths divided by ``--scale`` (1 = the real
-one: 32 sequences, 699,072 tokens, ``bfd`` packs them into 2 rows of 131,072 holding
-252,219 tokens). Random bf16 q/k/v of one attention layer; one step = forward + backward.
+one: 32 sequences, 699,072 tokens; ``auto`` packs them into 2 rows of 131,072 holding
+240,220 tokens, ``bfd`` into 2 rows holding 252,219). Random bf16 q/k/v of one attention
+layer; one step = forward + backward.
 
 Variants, timed in the same run:
 - ``flash unpacked`` (baseline): ``flash_attn_varlen_func`` over the 32 sequences, causal;
@@ -175,7 +176,7 @@ def _diff(out: torch.Tensor, flat: torch.Tensor, K: int, L: int, base: torch.Ten
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=1)
-    ap.add_argument("--placement", default="bfd")
+    ap.add_argument("--placement", default="auto")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -75,6 +75,19 @@ def test_obtain_plan_accepts_packer_callable_or_default():
         obtain_plan(c["sequences"], planner=3, **kw)
 
 
+def test_obtain_plan_with_the_client_packer():
+    """With treepack's client installed, the embedded Packer gives the planner's plan."""
+    import importlib
+
+    Packer = getattr(importlib.import_module("treepack.client"), "Packer", None)
+    if Packer is None:
+        pytest.skip("treepack.client.Packer is not in this build")
+    c = mixed_batch()
+    kw = dict(seq_len=64, min_shared_len=6, trainable=c["trainable"], groups=c["groups"], num_ranks=2)
+    got = obtain_plan(c["sequences"], planner=Packer(), **kw)
+    _same(plan_batch(c["sequences"], **kw), got)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

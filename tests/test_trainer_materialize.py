@@ -132,9 +132,17 @@ def test_rank_rows_with_empty_padding_rows():
     rows = plan.ranks.rank_rows
     assert rows.shape == (2, 2) and int((rows == -1).sum()) == 1
     seen = set()
+    full = materialize(plan, case["sequences"], trainable=case["trainable"])
+    every = np.arange(plan.num_rows * plan.seq_len)
     for p in range(2):
         batch = materialize(plan, case["sequences"], trainable=case["trainable"], rows=rows[p])
         assert batch.num_rows == 2
+        # Plan-wide flat positions (GDN conv context) map onto this rank's rows.
+        loc = batch.localize_flat(every)
+        here = loc >= 0
+        assert set(np.unique(every[here] // plan.seq_len)) == set(rows[p][rows[p] >= 0].tolist())
+        assert torch.equal(batch.input_ids.reshape(-1)[loc[here]], full.input_ids.reshape(-1)[every[here]])
+        assert batch.localize_flat(np.array([-1]))[0] == -1
         for k in np.flatnonzero(batch.empty_rows):
             assert bool((batch.input_ids[k] == 0).all()) and not bool(batch.loss_mask[k].any())
             assert torch.equal(batch.subtree_end[k], torch.arange(1, 65))

@@ -125,6 +125,25 @@ class PackedBatch:
         flat = self.seq_flat[int(self.seq_ptr[k]) : int(self.seq_ptr[k + 1])]
         return row, flat - row * self.seq_len
 
+    @property
+    def local_of_row(self) -> np.ndarray:
+        """[R] int64 local row of each global row of the plan, -1 if not in this batch."""
+        if "local_of_row" not in self._cache:
+            out = np.full(self.plan.num_rows, -1, dtype=np.int64)
+            real = np.flatnonzero(self.rows >= 0)
+            out[self.rows[real]] = real
+            self._cache["local_of_row"] = out
+        return self._cache["local_of_row"]
+
+    def localize_flat(self, flat: np.ndarray) -> np.ndarray:
+        """Plan-wide flat positions (``row * L + index``, as in ``plan.gdn`` conv context)
+        -> this batch's flat positions (``local_row * L + index``); -1 stays -1, and a
+        position in a row not held here becomes -1."""
+        flat = np.asarray(flat, dtype=np.int64)
+        L = self.seq_len
+        local = self.local_of_row[np.maximum(flat, 0) // L]
+        return np.where((flat >= 0) & (local >= 0), local * L + np.maximum(flat, 0) % L, -1)
+
     def local_segments(self) -> tuple[np.ndarray, np.ndarray]:
         """(global segment ids [G_local], their local rows [G_local]) in row order."""
         key = "local_segments"

@@ -92,8 +92,16 @@ def normalize_trainable(trainable: Sequence[Any] | None, plan: Plan) -> Callable
     return flags
 
 
-def scored_counts(flags: Callable[[int], np.ndarray], plan: Plan) -> np.ndarray:
-    """[S] int64 scored positions of every sequence (trainable tokens at index >= 1)."""
+def scored_counts(flags: Callable[[int], np.ndarray], plan: Plan, trainable: Sequence[Any] | None = None) -> np.ndarray:
+    """[S] int64 scored positions of every sequence (trainable tokens at index >= 1).
+
+    Prompt lengths (the common case) are counted without building flag arrays.
+    """
+    if trainable is None:
+        return np.zeros(plan.num_sequences, dtype=np.int64)
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in trainable):
+        p = np.maximum(np.asarray(trainable, dtype=np.int64), 1)
+        return np.maximum(plan.seq_lens - p, 0)
     return np.array([int(flags(s)[1:].sum()) for s in range(plan.num_sequences)], dtype=np.int64)
 
 
@@ -225,7 +233,7 @@ def materialize(
     K = rows_arr.shape[0]
     seg = plan.segments
     flags = normalize_trainable(trainable, plan)
-    counts = scored_counts(flags, plan)
+    counts = scored_counts(flags, plan, trainable)
     group_codes = _group_codes(groups, S)
 
     # Segments of the local rows, in row order (pre-order inside each row).
