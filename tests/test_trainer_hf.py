@@ -136,3 +136,18 @@ def test_attention_dropout_refused(case):
     model.train()
     with pytest.raises(ValueError, match="attention dropout"):
         packed_forward(model, case["batch"])
+
+
+def test_logprobs_from_hidden_states_in_chunks(case):
+    """Chunked head over scored positions == full logits, values and gradients."""
+    model = tiny_model("qwen3")
+    batch = case["batch"]
+    lp_full = batch.target_logprobs(packed_forward(model, batch))
+    lp_full.sum().backward()
+    want = _grads(model)
+    hidden = packed_forward(model, batch, output="hidden")
+    assert hidden.shape == (batch.num_rows, batch.seq_len, model.config.hidden_size)
+    lp = batch.target_logprobs_from_hidden(hidden, model.lm_head, chunk_size=7)
+    assert float((lp - lp_full).detach().abs().max()) <= 1e-6
+    lp.sum().backward()
+    _assert_grads_equal(_grads(model), want)

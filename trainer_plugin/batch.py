@@ -198,17 +198,50 @@ class PackedBatch:
         if logits.ndim != 3:
             raise RequestError(f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape")
         K, L, V = logits.shape
+        pos = self._loss_positions(V, "logits")
+        lp = _target_logprobs(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos])
+        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+
+    def target_logprobs_from_hidden(self, hidden: torch.Tensor, head: Any, *, chunk_size: int = 4096) -> torch.Tensor:
+        """:meth:`target_logprobs` from final hidden states, never holding [K, L, V] logits.
+
+        The head runs on the scored positions only, ``chunk_size`` at a time, each chunk
+        under activation checkpointing, so at most one chunk's logits exist at once
+        (forward or backward). For heads that are a plain projection (``lm_head``);
+        models that post-process logits (final soft-capping, scaling) need that applied
+        inside ``head``.
+
+        Args:
+            hidden: [K, L, d] final hidden states (``packed_forward(..., output="hidden")``).
+            head: callable [n, d] -> [n, V], e.g. ``model.lm_head``.
+            chunk_size: positions per chunk.
+
+        Returns:
+            [K, L] log-probabilities, 0 off the loss mask.
+        """
+        from torch.utils.checkpoint import checkpoint
+
+        self._check_rows_tensor(hidden, "hidden")
+        K, L, d = hidden.shape
+        pos = self._loss_positions(None, "hidden")
+        flat = hidden.reshape(K * L, d)
+        tgt = self.targets.reshape(-1)
+        parts = []
+        for a in range(0, int(pos.shape[0]), chunk_size):
+            p = pos[a : a + chunk_size]
+            fn = lambda h, t: _target_logprobs(head(h), t)  # noqa: E731
+            parts.append(checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p]))
+        lp = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+
+    def _loss_positions(self, vocab: int | None, what: str) -> torch.Tensor:
+        """[U] flat scored positions (cached); checks ``vocab`` covers every target."""
         if "loss_positions" not in self._cache:
             self._cache["loss_positions"] = torch.nonzero(self.loss_mask.reshape(-1)).flatten()
-        pos = self._cache["loss_positions"]
-        if "max_target" not in self._cache:
             self._cache["max_target"] = int(self.targets.max()) if self.targets.numel() else -1
-        if V <= self._cache["max_target"]:
-            raise RequestError(f"logits have {V} vocabulary entries, but target token {self._cache['max_target']} needs more", path="$.logits", rule="shape")
-        sel = logits.reshape(K * L, V)[pos]
-        sel = sel.float() if sel.dtype in (torch.float16, torch.bfloat16) else sel
-        lp = sel.gather(1, self.targets.reshape(-1)[pos, None]).squeeze(1) - torch.logsumexp(sel, dim=-1)
-        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+        if vocab is not None and vocab <= self._cache["max_target"]:
+            raise RequestError(f"{what} have {vocab} vocabulary entries, but target token {self._cache['max_target']} needs more", path=f"$.{what}", rule="shape")
+        return self._cache["loss_positions"]
 
     def entry_logprobs(self, x: torch.Tensor) -> torch.Tensor:
         """[T] log-probability of each scored entry's target.
@@ -243,3 +276,9 @@ class PackedBatch:
         for s, p in zip(self.local_seqs.tolist(), parts):
             out[s] = p
         return out
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[n] log-softmax of [n, V] ``logits`` at ``targets`` (half precision lifted to float32)."""
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return x.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)

@@ -130,6 +130,7 @@ def packed_forward(
     backend: str = "sdpa",
     varlen_fn: Callable | None = None,
     compile: bool | None = None,
+    output: str = "logits",
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run an HF causal LM on the packed rows.
@@ -141,13 +142,18 @@ def packed_forward(
         backend: ``sdpa`` | ``flex`` | ``flash`` (:func:`~treepack.trainer.tree_attention`).
         varlen_fn: ``flash`` backend kernel override (e.g. ``naive_varlen_attention`` on CPU).
         compile: ``flex`` backend: compile ``flex_attention`` (default: on CUDA).
-        **kwargs: passed to ``model(...)`` (e.g. ``logits_to_keep``).
+        output: ``logits``, or ``hidden`` to run the base model only and return its final
+            hidden states (then :meth:`PackedBatch.target_logprobs_from_hidden` with
+            ``model.lm_head`` never materializes [K, L, vocab]).
+        **kwargs: passed to ``model(...)``.
 
     Returns:
-        [K, L, vocab] logits of the packed rows.
+        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
     """
     if backend not in BACKENDS:
         raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
+    if output not in ("logits", "hidden"):
+        raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
     enable_tree_attention(model)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     mask = None
@@ -155,8 +161,9 @@ def packed_forward(
         mask = batch.dense_mask()
     elif backend == "flex":
         mask = batch.block_mask()
+    target = model.base_model if output == "hidden" else model
     with use_packed(ctx):
-        out = model(
+        out = target(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             attention_mask=mask,
@@ -164,5 +171,6 @@ def packed_forward(
             **{BATCH_KWARG: ctx},
             **kwargs,
         )
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits
+    if output == "hidden":
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return out.logits if hasattr(out, "logits") else out[0]
