@@ -49,7 +49,7 @@ def get_planner(url: str | None):
         from treepack.client import Packer
     except ImportError:
         if url:
-            raise SystemExit("--url needs treepack's client (pip install 'treepack[client]')")
+            raise SystemExit("--url needs treepack's client (pip install 'treepack[client]')") from None
         print("planner: treepack.client not installed, using the embedded planner core")
         return None
     print(f"planner: {'sidecar at ' + url if url else 'embedded Packer'}")
@@ -118,7 +118,7 @@ def main() -> None:
         # The weights before the step, each sequence alone through the stock model.
         disable_tree_attention(ref_model)
         seq_lp = []
-        for s, seq in enumerate(seqs):
+        for seq in seqs:
             x = torch.as_tensor(seq)[None]
             lp = torch.log_softmax(ref_model(input_ids=x, use_cache=False).logits[0, :-1], -1).gather(1, x[0, 1:, None]).squeeze(1)
             seq_lp.append(torch.cat([lp.new_zeros(1), lp]))

@@ -80,7 +80,6 @@ def test_payloads_target_and_input_aligned():
     case = mixed_batch()
     plan = plan_of(case)
     seqs = case["sequences"]
-    rng = np.random.default_rng(0)
     old = [torch.randn(len(s), dtype=torch.float64) for s in seqs]
     # Routing replay [tokens, layers, top_k] made from the tokens, so shared tokens agree.
     routing = [np.stack([np.stack([s * 3 + k, s * 5 + k]) for k in range(2)], -1).transpose(1, 0, 2) % 64 for s in seqs]
