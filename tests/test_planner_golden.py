@@ -67,3 +67,22 @@ def test_no_share_is_plain_packing(golden):
     assert bool(np.all(plan.segments.sharers == 1))
     # First-fit decreasing on 32 items of 28,096 / 23,096 / 18,096 tokens.
     assert plan.num_rows == 6
+
+
+def test_generalized_mode_shares_the_common_start_of_completions():
+    """share_trainable: trainable tokens are shared up to the last position before a scored divergence."""
+    prompt = list(range(1000, 1100))  # 100 non-trainable tokens
+    a = np.array(prompt + [7, 8, 9, 11, 12])
+    b = np.array(prompt + [7, 8, 10, 13])
+    default = plan_batch([a, b], seq_len=512, trainable=[100, 100])
+    general = plan_batch([a, b], seq_len=512, trainable=[100, 100], share_trainable=True)
+    for plan in (default, general):
+        validate_plan(plan, [a, b], trainable=[100, 100])
+    # Default: the join token (position 99) and everything after it is per sequence.
+    assert default.tree.length[0] == 99 and default.tree.sharers[0] == 2
+    # Generalized: [7] (trainable, predicted from the shared position 99) is shared too;
+    # position 101 (token 8) predicts 9 vs 10, so it opens each leaf.
+    assert general.tree.length[0] == 101 and general.tree.sharers[0] == 2
+    assert general.tree.length[general.tree.leaf_of].tolist() == [4, 3]
+    ptr, who = general.segment_sharers()
+    assert who[ptr[0] : ptr[1]].tolist() == [0, 1]

@@ -72,6 +72,7 @@ def batches(draw, max_seqs: int = 12, overflow: bool = False):
         keys=keys,
         seq_len=seq_len,
         min_shared_len=draw(st.integers(1, 6)),
+        share_trainable=draw(st.booleans()),
     )
 
 
@@ -129,15 +130,20 @@ def test_fast_tree_equals_naive():
     @given(b=batches(max_seqs=16))
     def check(b):
         batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
-        fast = build_tree(batch, b["min_shared_len"])
-        ref = naive_build_tree(batch, b["min_shared_len"])
+        fast = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
+        ref = naive_build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         for f in TREE_FIELDS:
             assert np.array_equal(getattr(fast, f), getattr(ref, f)), f
         seen["internal"] += bool((fast.sharers >= 2).any())
         seen["depth>=2"] += bool((fast.depth >= 2).any())
+        if b["share_trainable"]:
+            shared = np.flatnonzero(fast.sharers >= 2)
+            seen["shared trainable"] += any(
+                batch.trainable_of(int(fast.source[v]))[fast.start[v] : fast.end[v]].any() for v in shared
+            )
 
     check()
-    assert seen["internal"] >= 20 and seen["depth>=2"] >= 5
+    assert seen["internal"] >= 20 and seen["depth>=2"] >= 5 and seen["shared trainable"] >= 5
 
 
 def test_fast_placements_equal_naive_and_auto_beats_bfd():
@@ -147,7 +153,7 @@ def test_fast_placements_equal_naive_and_auto_beats_bfd():
     @given(b=batches(max_seqs=20))
     def check(b):
         batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
-        tree = build_tree(batch, b["min_shared_len"])
+        tree = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         for name in ("bfd", "in_order", "no_share"):
             fast = place_leaves(tree, batch, b["seq_len"], name).row_of
             assert np.array_equal(fast, naive_place(tree, batch, b["seq_len"], name)), name
@@ -196,7 +202,7 @@ def test_lower_bound_never_exceeds_optimum():
     @given(b=batches(max_seqs=6))
     def check(b):
         batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], keys=b["keys"])
-        tree = build_tree(batch, b["min_shared_len"])
+        tree = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         opt = _optimal_rows(tree, list(range(len(b["sequences"]))), b["seq_len"])
         bound = lower_bound_rows(tree, b["seq_len"])
         auto = place_leaves(tree, batch, b["seq_len"], "auto").num_rows
@@ -219,7 +225,7 @@ def test_sorted_row_indexes_equal_naive(monkeypatch):
     @given(b=batches(max_seqs=24))
     def check(b):
         batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
-        tree = build_tree(batch, b["min_shared_len"])
+        tree = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         fast = place_leaves(tree, batch, b["seq_len"], "bfd")
         assert np.array_equal(fast.row_of, naive_place(tree, batch, b["seq_len"], "bfd"))
         seen["rows>2"] += fast.num_rows > 2

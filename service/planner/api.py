@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.inputs import Batch, normalize_batch
@@ -38,6 +40,7 @@ def plan_batch(
     num_ranks: int = 1,
     on_overflow: str = "error",
     conv_width: int = 4,
+    share_trainable: bool = False,
 ) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
@@ -53,6 +56,9 @@ def plan_batch(
         num_ranks: ranks to deal rows to (equal row counts).
         on_overflow: ``error``, ``truncate`` or ``drop`` for sequences longer than C.
         conv_width: GDN short-conv width W (conv context of W-1 tokens).
+        share_trainable: the generalized mode (SPEC section 2): trainable tokens and scored
+            positions are shared where every sharer predicts the same next token; the
+            trainer then weights a shared loss position by the sum of its sharers' weights.
 
     Returns:
         The :class:`Plan`.
@@ -66,7 +72,22 @@ def plan_batch(
     ranks = check_num_ranks(num_ranks)
     width = _check_conv_width(conv_width)
     batch = normalize_batch(sequences, seq_len=seq_len, trainable=trainable, groups=groups, keys=keys, on_overflow=on_overflow)
-    return plan_normalized(batch, seq_len=int(seq_len), min_shared_len=msl, placement=name, num_ranks=ranks, conv_width=width, t0=t0)
+    return plan_normalized(
+        batch,
+        seq_len=int(seq_len),
+        min_shared_len=msl,
+        placement=name,
+        num_ranks=ranks,
+        conv_width=width,
+        share_trainable=_check_flag(share_trainable, "share_trainable"),
+        t0=t0,
+    )
+
+
+def _check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}", path=f"$.{name}", rule="type")
+    return bool(value)
 
 
 def plan_normalized(
@@ -77,6 +98,7 @@ def plan_normalized(
     placement: str = "auto",
     num_ranks: int = 1,
     conv_width: int = 4,
+    share_trainable: bool = False,
     t0: float | None = None,
 ) -> Plan:
     """:func:`plan_batch` on an already validated :class:`Batch` (the service's path)."""
@@ -86,7 +108,8 @@ def plan_normalized(
     num_ranks = check_num_ranks(num_ranks)
     conv_width = _check_conv_width(conv_width)
     t1 = time.perf_counter()
-    tree = build_tree(batch, msl)
+    share_trainable = _check_flag(share_trainable, "share_trainable")
+    tree = build_tree(batch, msl, share_trainable=share_trainable)
     t2 = time.perf_counter()
     placed = place_leaves(tree, batch, seq_len, name)
     bound = lower_bound_rows(tree, seq_len)
@@ -125,6 +148,7 @@ def plan_normalized(
         placement=name,
         strategy=placed.strategy,
         min_shared_len=msl,
+        share_trainable=share_trainable,
         seq_lens=batch.lens,
         orig_lens=batch.orig_lens,
         row_of=placed.row_of,

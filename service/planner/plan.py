@@ -61,6 +61,7 @@ class Plan:
         placement: the placement asked for.
         strategy: the candidate ``auto`` picked (else the placement).
         min_shared_len: rule-4 threshold used.
+        share_trainable: planned in the generalized mode (scored positions may be shared).
         seq_lens: [S] int64 placed length of each sequence (after truncation; 0 if dropped).
         orig_lens: [S] int64 submitted lengths.
         row_of: [S] int64 row of each sequence, -1 if dropped.
@@ -88,6 +89,7 @@ class Plan:
     stats: PlanStats
     overflow: tuple[OverflowEvent, ...] = ()
     tree: Tree | None = None
+    share_trainable: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -156,6 +158,20 @@ class Plan:
         segs = seg.segments_of(s)
         lens = seg.length[segs]
         return r, np.repeat(seg.row_start[segs], lens) + ragged_arange(lens)
+
+    def segment_sharers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ptr [G+1] int64, seqs [sum sharers] int64): the sequences through each segment.
+
+        Sharers are listed in increasing sequence index. In the generalized mode a shared
+        loss position's weight is the sum of these sequences' weights.
+        """
+        seg = self.segments
+        counts = np.diff(seg.seq_ptr)
+        owner = np.repeat(np.arange(self.num_sequences, dtype=np.int64), counts)
+        order = np.lexsort((owner, seg.seq_segs))
+        ptr = np.zeros(seg.num_segments + 1, dtype=np.int64)
+        np.cumsum(np.bincount(seg.seq_segs, minlength=seg.num_segments), out=ptr[1:])
+        return ptr, owner[order]
 
     def token_index(self) -> tuple[np.ndarray, np.ndarray]:
         """For all sequences at once: (seq_ptr [S+1], flat row positions [sum len]).

@@ -89,33 +89,13 @@ class OpenRows:
                             continue
                         best_ra, best_r, best_m = ra, r, m
             else:
-                j = bisect_left(keys, m << 32)
-                nk = len(keys)
-                while j < nk:
-                    key = keys[j]
-                    r = key & _MASK
-                    ra = (key >> 32) - m
-                    if ra > best_ra or (ra == best_ra and r > best_r):
-                        break
-                    if below is None or r not in below:
-                        best_ra, best_r, best_m = ra, r, m
-                        break
-                    j += 1
+                found = _scan_sorted(keys, m, below, best_ra, best_r)
+                if found is not None:
+                    best_ra, best_r, best_m = found[0], found[1], m
             below = rows
-        keys = self.all_sorted
-        j = bisect_left(keys, cost << 32)
-        nk = len(keys)
-        top = node_rows.get(anc[0]) if k else None
-        while j < nk:
-            key = keys[j]
-            r = key & _MASK
-            ra = (key >> 32) - cost
-            if ra > best_ra or (ra == best_ra and r > best_r):
-                break
-            if top is None or r not in top:
-                best_ra, best_r, best_m = ra, r, cost
-                break
-            j += 1
+        found = _scan_sorted(self.all_sorted, cost, node_rows.get(anc[0]) if k else None, best_ra, best_r)
+        if found is not None:
+            best_r, best_m = found[1], cost
         return best_r, best_m
 
     def open_row(self) -> int:
@@ -159,6 +139,27 @@ class OpenRows:
             keys = self.all_sorted
             del keys[bisect_left(keys, okey)]
             insort(keys, nkey)
+
+
+def _scan_sorted(keys: list[int], m: int, exclude: set[int] | None, best_ra: int, best_r: int) -> tuple[int, int] | None:
+    """First row in ``keys`` (sorted ``room << 32 | row``) that fits ``m`` tokens, is not in
+    ``exclude`` and beats (best_ra, best_r); returns (room after, row) or None.
+
+    Keys ascend in (room, row), so the first acceptable key is the class's best fit, and
+    the scan stops as soon as no later key can beat the best found elsewhere.
+    """
+    j = bisect_left(keys, m << 32)
+    nk = len(keys)
+    while j < nk:
+        key = keys[j]
+        r = key & _MASK
+        ra = (key >> 32) - m
+        if ra > best_ra or (ra == best_ra and r > best_r):
+            return None
+        if exclude is None or r not in exclude:
+            return ra, r
+        j += 1
+    return None
 
 
 def naive_best_fit(held: list[set[int]], room: list[int], anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:

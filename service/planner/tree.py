@@ -22,6 +22,7 @@ Two builders with one output:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class Tree:
         path_ptr: [S+1] int64 CSR offsets into ``path_nodes``.
         path_nodes: [P] int64 each sequence's nodes, root to leaf.
         min_shared_len: the rule-4 threshold the tree was built with.
+        share_trainable: built in the generalized mode (SPEC section 2).
     """
 
     parent: np.ndarray
@@ -59,6 +61,7 @@ class Tree:
     path_ptr: np.ndarray
     path_nodes: np.ndarray
     min_shared_len: int
+    share_trainable: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -113,7 +116,7 @@ class _Emitter:
     def leaf(self, parent: int, s: int, start: int, end: int) -> None:
         self.leaf_of[s] = self.node(parent, start, end, s, 1)
 
-    def finish(self, min_shared_len: int) -> Tree:
+    def finish(self, min_shared_len: int, share_trainable: bool = False) -> Tree:
         parent = np.asarray(self.parent, dtype=np.int64)
         n = parent.shape[0]
         depth = forest_depth(parent)
@@ -144,6 +147,7 @@ class _Emitter:
             path_ptr=path_ptr,
             path_nodes=path_nodes,
             min_shared_len=min_shared_len,
+            share_trainable=share_trainable,
         )
 
 
@@ -162,33 +166,44 @@ class _TrieNode:
         self.minseq = minseq
 
 
-def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, memoryview | np.ndarray, int]:
-    """(byte view of the shareable prefix, per-record key source, bytes per record)."""
+def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
+    """(byte view of the shareable prefix, record -> child key, bytes per record).
+
+    Without keys a record is the uint32 token; with keys it is (token, key), 12 bytes, and
+    the child key packs both into one int. Keys are read lazily, only where a child is
+    looked up, never converted for the whole prefix.
+    """
     tok = batch.tokens[s]
     if batch.keys is None:
-        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]), 4
+        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]).__getitem__, 4
     key = batch.keys[s]
     rec = np.empty(sh, dtype=[("t", "<u4"), ("k", "<u8")])
     rec["t"] = tok[:sh]
     rec["k"] = 0 if key is None else key[:sh]
-    # The child key must tell records apart on token *and* key.
-    keys = (rec["k"].astype(object) << 32) | rec["t"].astype(object) if sh else np.zeros(0, dtype=object)
-    return memoryview(rec).cast("B"), keys, 12
+    tview, kview = memoryview(rec["t"].copy()), memoryview(rec["k"].copy())
+
+    def child_key(p: int) -> int:
+        return (kview[p] << 32) | tview[p]
+
+    return memoryview(rec).cast("B"), child_key, 12
 
 
-def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
+def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Build the global radix tree of ``batch`` (fast path).
 
     Args:
         batch: the validated batch.
         min_shared_len: no internal node shorter than this is created (rule 4).
+        share_trainable: the generalized mode: trainable tokens and scored positions may be
+            shared; only the last position before a divergence whose next token is scored
+            (for any sequence going on past it) is not.
 
     Returns:
         The :class:`Tree`, identical to :func:`naive_build_tree`'s.
     """
     msl = check_min_shared_len(min_shared_len)
     n = batch.num_sequences
-    sh_all = batch.shareable_lens()
+    sh_all = batch.lens.copy() if share_trainable else batch.shareable_lens()
     kept = batch.kept
     root = _TrieNode(b"", 0, 0, -1)
     root.count = 0
@@ -197,7 +212,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
     candidates = np.flatnonzero(kept & (sh_all >= msl))
     for s in candidates.tolist():
         sh = int(sh_all[s])
-        buf, keyv, w = _record_views(batch, s, sh)
+        buf, keyof, w = _record_views(batch, s, sh)
         node = root
         node.count += 1
         pos = 0
@@ -205,7 +220,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
             if pos == sh:
                 node.terminals.append(s)
                 break
-            first = keyv[pos]
+            first = keyof(pos)
             child = node.children.get(first)
             if child is None:
                 node.children[first] = _TrieNode(bytes(buf[pos * w :]), pos, sh, s, True)
@@ -231,15 +246,49 @@ def build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
             if pos + k == sh:
                 mid.terminals.append(s)
             else:
-                mid.children[keyv[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
+                mid.children[keyof(pos + k)] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
             break
 
+    if share_trainable:
+        _cut_scored_branches(root, batch)
     em = _Emitter(n)
     # Sequences that can share nothing hang off the forest as root leaves, merged with the
     # trie's top-level subtrees in order of lowest sequence index.
     loners = np.flatnonzero(kept & (sh_all < msl)).tolist()
     _emit_children(em, root, loners, batch.lens, msl)
-    return em.finish(msl)
+    return em.finish(msl, share_trainable)
+
+
+def _cut_scored_branches(root: _TrieNode, batch: Batch) -> None:
+    """Generalized mode: give back the last position of each branch node it may not share.
+
+    Where sequences diverge at position q (or some end at q while others go on), position
+    q - 1 predicts different next tokens; if it is scored for any sequence going on (its
+    token q is trainable) the sharers do not agree on what it predicts, so the node ends
+    one position earlier and that position opens each child (shared inside the child,
+    whose sequences all agree on token q) and each ending sequence's leaf.
+    """
+    pre: list[_TrieNode] = []
+    stack = [root]
+    while stack:
+        v = stack.pop()
+        pre.append(v)
+        stack.extend(v.children.values())
+    below: dict[int, list[int]] = {}
+    for v in reversed(pre):
+        going_on: list[int] = []
+        for c in v.children.values():
+            going_on.extend(below.pop(id(c)))
+        if v is not root and going_on and any(_trainable_at(batch, s, v.end) for s in going_on):
+            v.end -= 1
+        going_on.extend(v.terminals)
+        below[id(v)] = going_on
+
+
+def _trainable_at(batch: Batch, s: int, q: int) -> bool:
+    if batch.trainable is None:
+        return q >= int(batch.prompt_lens[s])
+    return bool(batch.trainable[s][q])
 
 
 def _first_key(node: _TrieNode, w: int) -> int:
@@ -317,18 +366,20 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
+def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
 
     ``node(S, start)``: find the common run of S from ``start`` (within everyone's
     shareable prefix); if it is at least ``min_shared_len`` long, it becomes an internal
     node and S splits by the following token; otherwise S splits by the following token
     and each part is retried from ``start``. A sequence left alone is a leaf from
-    ``start``.
+    ``start``. In the generalized mode the run is everyone's common prefix, less its last
+    position when that position is scored for a sequence going on past the divergence.
     """
     msl = check_min_shared_len(min_shared_len)
     n = batch.num_sequences
-    sh = batch.shareable_lens().tolist()
+    sh = (batch.lens if share_trainable else batch.shareable_lens()).tolist()
+    trains = [batch.trainable_of(s).tolist() for s in range(n)]
     lens = batch.lens.tolist()
     toks = [t.tolist() for t in batch.tokens]
     keys = [None] * n if batch.keys is None else [None if k is None else k.tolist() for k in batch.keys]
@@ -358,27 +409,34 @@ def naive_build_tree(batch: Batch, min_shared_len: int = 64) -> Tree:
             run += 1
         return run
 
-    def expand(S: list[int], start: int) -> list[tuple[list[int], int, int]]:
-        """The tree children S yields under a parent ending at ``start``: (S', start, run)."""
+    def kept_run(S: list[int], start: int, run: int) -> int:
+        end = start + run
+        if share_trainable and run and any(end < lens[s] and trains[s][end] for s in S):
+            return run - 1
+        return run
+
+    def expand(S: list[int], start: int) -> list[tuple[list[int], int, int, int]]:
+        """The tree children S yields under a parent ending at ``start``: (S', start, kept, run)."""
         if len(S) == 1:
-            return [(S, start, 0)]
+            return [(S, start, 0, 0)]
         run = common_run(S, start)
-        if run >= msl:
-            return [(S, start, run)]
+        keep = kept_run(S, start, run)
+        if keep >= msl:
+            return [(S, start, keep, run)]
         return [item for part in split(S, start + run) for item in expand(part, start)]
 
-    def emit(items: list[tuple[list[int], int, int]], parent: int) -> None:
-        for S, start, run in sorted(items, key=lambda it: min(it[0])):
+    def emit(items: list[tuple[list[int], int, int, int]], parent: int) -> None:
+        for S, start, keep, run in sorted(items, key=lambda it: min(it[0])):
             if len(S) == 1:
                 em.leaf(parent, S[0], start, lens[S[0]])
                 continue
-            me = em.node(parent, start, start + run, min(S), len(S))
-            emit([it for part in split(S, start + run) for it in expand(part, start + run)], me)
+            me = em.node(parent, start, start + keep, min(S), len(S))
+            emit([it for part in split(S, start + run) for it in expand(part, start + keep)], me)
 
     kept = [s for s in range(n) if batch.kept[s]]
     if kept:
         emit(expand(kept, 0), -1)
-    return em.finish(msl)
+    return em.finish(msl, share_trainable)
 
 
 def flat_tree(batch: Batch) -> Tree:

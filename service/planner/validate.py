@@ -15,9 +15,9 @@ checks them against the tokens:
 - metadata: attention chains, GDN levels (each segment once, at its depth, ``cu_seqlens``,
   parent slots, conv context equal to :func:`~.metadata.naive_conv_context`), ranks (each
   row once, equal counts), stats;
-- with sequences: every token at ``idx(s, p)`` is ``s[p]`` (keys too), a shared segment holds
-  no trainable token and no scored position of any sharer, and is at least
-  ``min_shared_len`` long.
+- with sequences: every token at ``idx(s, p)`` is ``s[p]`` (keys too), a shared segment is
+  at least ``min_shared_len`` long and holds no trainable token and no scored position of
+  any sharer (generalized mode: no scored position its sharers predict differently).
 """
 
 from __future__ import annotations
@@ -227,8 +227,20 @@ def validate_plan(
                 k2 = np.zeros(n, np.uint64) if k2 is None else k2[a : a + n]
                 _check(bool(np.array_equal(k1, k2)), f"sequence {s} keys differ in segment {g}")
             if seg.sharers[g] >= 2:
-                _check(a + n <= sh[s], f"segment {g} shares a trainable token or scored position of sequence {s}")
+                if not plan.share_trainable:
+                    _check(a + n <= sh[s], f"segment {g} shares a trainable token or scored position of sequence {s}")
                 _check(n >= msl or plan.placement == "no_share", f"shared segment {g} shorter than min_shared_len")
+    if plan.share_trainable:
+        # A shared position may be scored only if every sharer predicts the same next
+        # token; inside a segment they do by construction, so check each segment's last.
+        ptr_sh, who = plan.segment_sharers()
+        for g in np.flatnonzero(seg.sharers >= 2).tolist():
+            members = who[ptr_sh[g] : ptr_sh[g + 1]].tolist()
+            q = int(seg.seq_start[g] + seg.length[g])
+            scored = any(q < batch.lens[m] and batch.trainable_of(m)[q] for m in members)
+            if scored:
+                nxt = {int(batch.tokens[m][q]) if q < batch.lens[m] else -1 for m in members}
+                _check(len(nxt) == 1 and -1 not in nxt, f"shared segment {g} ends on a scored position its sharers predict differently")
     # The gather itself: materialize row tokens and read every sequence back.
     src_seq, src_pos = plan.token_source()
     offs = np.concatenate([[0], np.cumsum(batch.lens)])
