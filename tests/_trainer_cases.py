@@ -156,3 +156,24 @@ def max_abs_diff(a: list, b: list) -> float:
         if m.any():
             worst = max(worst, float((x[m] - y[m]).detach().abs().max()))
     return worst
+
+
+def shared_trainable_batch() -> dict[str, Any]:
+    """Completions that agree on their first trainable tokens (generalized sharing mode).
+
+    A 16-token prompt; completions in pairs share their first 8 tokens, one pair shares
+    12; one completion is a prefix of another; plus an unrelated sequence. Planned with
+    ``share_trainable=True`` the shared completion runs become shared scored positions.
+    """
+    rng = np.random.default_rng(99)
+    r = lambda n: rng.integers(0, VOCAB, n)  # noqa: E731
+    prompt = r(16)
+    seqs: list[np.ndarray] = []
+    for head_len in (8, 8, 12):
+        head = r(head_len)
+        for tail in (5, 7):
+            seqs.append(np.concatenate([prompt, head, r(tail)]))
+    seqs.append(seqs[0][:20].copy())
+    seqs.append(r(11))
+    trainable = [16] * (len(seqs) - 1) + [3]
+    return dict(sequences=seqs, trainable=trainable, groups=[0] * 6 + [1, 2], seq_len=96, min_shared_len=6)

@@ -151,3 +151,35 @@ def test_logprobs_from_hidden_states_in_chunks(case):
     assert float((lp - lp_full).detach().abs().max()) <= 1e-6
     lp.sum().backward()
     _assert_grads_equal(_grads(model), want)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_oracle_with_shared_trainable_positions(backend):
+    """share_trainable plans: scored positions shared by sequences with different
+    advantages give the per-sequence loss and gradients (positive and negative sums apart)."""
+    from _trainer_cases import shared_trainable_batch
+
+    c = shared_trainable_batch()
+    plan = plan_of(c, share_trainable=True)
+    rng = np.random.default_rng(3)
+    flags = trainable_flags(c)
+    model = tiny_model("qwen3")
+    ref_lp = reference_logprobs(model, c["sequences"], flags)
+    # Behaviour logprobs: the policy's own, perturbed by a function of the context and
+    # token only (sharers of a position agree), so that ratios clip on both sides.
+    old = [torch.nan_to_num(x.detach()) + torch.from_numpy(np.cos(np.asarray(s, dtype=np.float64) * 1.7) * 0.3).float() for x, s in zip(ref_lp, c["sequences"])]
+    adv = torch.from_numpy(rng.normal(0, 1, len(c["sequences"]))).float()
+    adv[0], adv[1] = 1.0, -1.0
+    batch = materialize(plan, c["sequences"], payloads={"old": old}, trainable=c["trainable"], groups=c["groups"])
+    assert batch.num_scored > int(batch.loss_mask.sum()), "the case shares no scored position"
+    kw = dict(clip_low=0.2, clip_high=0.28, normalization="group")
+    ref = naive_ppo_clip_loss([torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)], flags, advantages=adv, old_logprobs=old, groups=c["groups"], **kw)
+    ref.backward()
+    want = _grads(model)
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention)
+    lp = batch.target_logprobs(logits)
+    loss = ppo_clip_loss(lp, batch, advantages=adv, old_logprobs="old", **kw)
+    loss.backward()
+    assert max_abs_diff([x.detach() for x in batch.unpack_logprobs(lp)], ref_lp) <= LOGPROB_TOL
+    assert torch.allclose(loss.detach().double(), ref.detach().double(), rtol=1e-6, atol=1e-7)
+    _assert_grads_equal(_grads(model), want)
