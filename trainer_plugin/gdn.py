@@ -122,7 +122,7 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         plan: the plan.
         device: where the tensors go (default CPU).
         rows: optional [R'] row numbers to keep (a rank's rows), in the order they are
-            stacked in the batch; default every row.
+            stacked in the batch, -1 for an empty row (all padding); default every row.
 
     Returns:
         The :class:`GdnSchedule` for the stacked rows.
@@ -130,11 +130,12 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
     if not isinstance(plan, Plan):
         raise InputTypeError(f"expected a treepack Plan, got {type(plan).__name__}", path="$.plan", rule="type")
     seg, C, W = plan.segments, plan.seq_len, plan.gdn.conv_width
-    keep = np.arange(plan.num_rows) if rows is None else np.asarray(rows, dtype=np.int64)
-    if keep.size and (keep.min() < 0 or keep.max() >= plan.num_rows):
-        raise RequestError(f"rows must be in [0, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
+    keep = np.arange(plan.num_rows) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    real_rows = keep[keep >= 0]
+    if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
+        raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
     new_row = np.full(plan.num_rows, -1, dtype=np.int64)
-    new_row[keep] = np.arange(keep.shape[0])
+    new_row[real_rows] = np.flatnonzero(keep >= 0)
     R = int(keep.shape[0])
 
     def remap(flat: np.ndarray) -> np.ndarray:  # old flat positions -> stacked flat positions
