@@ -27,7 +27,6 @@ including ``initial_state``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 
