@@ -94,7 +94,7 @@ PLANS = [(0, 2, 4), (100, 4, 6), (200, 2, 4)]  # (seed, min_shared_len, conv wid
 @pytest.fixture(scope="module", params=PLANS, ids=lambda p: f"seed{p[0]}-msl{p[1]}-W{p[2]}")
 def planned(request):
     seed, msl, W = request.param
-    seqs, plan = tree_plan(seed, min_shared_len=msl, conv_width=W)
+    seqs, _, plan = tree_plan(seed, min_shared_len=msl, conv_width=W)
     return seqs, plan, gdn_schedule(plan)
 
 

@@ -26,7 +26,7 @@ from treepack.trainer.sparse import (
 
 @pytest.fixture(scope="module")
 def planned():
-    seqs, plan = tree_plan(7, seq_len=160, min_shared_len=2, max_len=150, trees=3, depth=3)
+    seqs, _, plan = tree_plan(7, seq_len=160, min_shared_len=2, max_len=150, trees=3, depth=3)
     se = torch.from_numpy(plan.subtree_end())
     pos = torch.from_numpy(plan.position_ids())
     return plan, se, pos

@@ -42,21 +42,26 @@ def tree_sequences(seed: int, *, trees: int = 3, depth: int = 4, max_len: int = 
     return seqs
 
 
-def tree_plan(seed: int, *, seq_len: int = 256, min_shared_len: int = 2, conv_width: int = 4, **kw):
-    """(sequences, plan) with the oracle's required shapes; the plan is validated.
+def tree_plan(seed: int, *, seq_len: int = 256, min_shared_len: int = 2, conv_width: int = 4, tail: int = 0, **kw):
+    """(sequences, trainable, plan) with the oracle's required shapes; the plan is validated.
 
     Requires: depth >= 3, a row holding several trees, a segment crossing a 64-token chunk
     boundary of its sequence, and a segment shorter than W-1 that has children (so some
     conv context spans several ancestors).
+
+    Args:
+        tail: when > 0, the last ``tail`` tokens of every sequence are trainable
+            (``trainable`` is then a prompt length per sequence, else None).
     """
     for s in range(seed, seed + 50):
         seqs = tree_sequences(s, **kw)
         if max(len(x) for x in seqs) > seq_len:
             continue
-        plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=min_shared_len, conv_width=conv_width)
-        validate_plan(plan, seqs)
+        trainable = [max(1, len(x) - tail) for x in seqs] if tail else None
+        plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=min_shared_len, conv_width=conv_width, trainable=trainable)
+        validate_plan(plan, seqs, trainable=trainable)
         if tree_features(plan, conv_width)["ok"]:
-            return seqs, plan
+            return seqs, trainable, plan
     raise AssertionError(f"no seed in [{seed}, {seed + 50}) gave a plan with every required feature")
 
 
