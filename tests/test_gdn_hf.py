@@ -64,7 +64,7 @@ def tiny_qwen3_next(conv_width: int, seed: int = 0):
 
 def _unpacked(model, seqs):
     """Per sequence: [n, V] log-softmax of the stock model run on that sequence alone."""
-    return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None]).logits[0].float(), -1) for s in seqs]
+    return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1) for s in seqs]
 
 
 def _packed_logprobs(model, batch):

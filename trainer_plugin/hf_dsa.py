@@ -64,6 +64,7 @@ def dsa_indexer_scores(
     hidden_states: torch.Tensor,
     q_resid: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    cache: Any = None,
 ) -> torch.Tensor:
     """The stock indexer's scores before masking and top-k.
 
@@ -71,9 +72,11 @@ def dsa_indexer_scores(
         indexer: a ``DeepseekV32Indexer`` (or ``GlmMoeDsaIndexer``).
         hidden_states: [B, S, hidden]. q_resid: [B, S, q_lora_rank] (``q_a_layernorm(q_a_proj(x))``).
         position_embeddings: (cos, sin) [B, S, rope_dim] from the model's rotary embedding.
+        cache: an HF cache holding the indexer keys of earlier tokens (unpacked decoding),
+            updated with this call's keys as the stock indexer does; None on packed rows.
 
     Returns:
-        [B, S, S] float32 scores.
+        [B, S, T] float32 scores, T = S plus the cached keys.
     """
     name = type(indexer).__name__
     if name not in _INDEXER_ROPE:
@@ -89,6 +92,8 @@ def dsa_indexer_scores(
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    if cache is not None:
+        k = cache.update_indexer(k, indexer.layer_idx)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads**-0.5)
     return indexer_scores(q, k, weights, indexer.softmax_scale)
 
@@ -105,13 +110,11 @@ def position_tiebreak_indexer_forward(
 ) -> torch.Tensor:
     """The stock indexer's forward with ties broken towards lower positions (unpacked calls).
 
-    Same inputs and output as the stock ``forward`` ([B, S, topk] int32 key indices);
-    equal scores are ordered by key index, which is the key's position in an unpacked
-    sequence. Cached decoding (``cache``) keeps the stock forward.
+    Same inputs (including a cache of earlier keys) and output as the stock ``forward``
+    ([B, S, topk] int32 key indices); equal scores are ordered by key index, which is the
+    key's position in an unpacked sequence.
     """
-    if cache is not None:
-        return getattr(self, STOCK_ATTR)(hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=cache)
-    scores = dsa_indexer_scores(self, hidden_states, q_resid, position_embeddings)
+    scores = dsa_indexer_scores(self, hidden_states, q_resid, position_embeddings, cache)
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
