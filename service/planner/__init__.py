@@ -3,6 +3,7 @@
 Entry point: :func:`plan_batch`. Invariants: :func:`validate_plan`.
 """
 
+from treepack.service.planner import auto as _auto  # noqa: F401  (loaded up front, not on the first plan)
 from treepack.service.planner.api import plan_batch, plan_normalized
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.inputs import Batch, OverflowEvent, normalize_batch

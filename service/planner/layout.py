@@ -99,7 +99,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
     seg_of_pair_kept = np.cumsum(~same) - 1
     g = int(seg_of_pair_kept[-1]) + 1 if seg_of_pair_kept.shape[0] else 0
     first = np.flatnonzero(~same)
-    last = np.append(first[1:], k_row.shape[0]) - 1
+    last = np.append(first[1:], k_row.shape[0]) - 1 if g else first
     seg_row = k_row[first]
     seg_len = np.add.reduceat(k_len, first) if g else np.zeros(0, dtype=np.int64)
     seg_seq = k_src[last]  # the deepest node's row source goes through every node of the run

@@ -72,15 +72,30 @@ def bfd_order(batch: Batch) -> list[int]:
 
 
 def leaf_items(tree: Tree) -> tuple[list[list[int]], list[list[int]]]:
-    """Per sequence: its internal ancestors (root first) and their end positions."""
+    """Per sequence: its internal ancestors (root first) and their end positions.
+
+    Sequences under the same parent share one pair of lists (siblings have one chain).
+    """
     ptr = tree.path_ptr.tolist()
     nodes = tree.path_nodes.tolist()
     ends = tree.end.tolist()
+    parent = tree.parent.tolist()
+    leaf = tree.leaf_of.tolist()
+    cache: dict[int, tuple[list[int], list[int]]] = {}
     anc, anc_end = [], []
+    empty: tuple[list[int], list[int]] = ([], [])
     for s in range(len(ptr) - 1):
-        a = nodes[ptr[s] : ptr[s + 1] - 1]
-        anc.append(a)
-        anc_end.append([ends[x] for x in a])
+        if leaf[s] < 0:  # dropped: no path
+            anc.append(empty[0])
+            anc_end.append(empty[1])
+            continue
+        p = parent[leaf[s]]
+        item = cache.get(p)
+        if item is None:
+            a = nodes[ptr[s] : ptr[s + 1] - 1]
+            item = cache[p] = (a, [ends[x] for x in a])
+        anc.append(item[0])
+        anc_end.append(item[1])
     return anc, anc_end
 
 

@@ -119,7 +119,8 @@ class _Emitter:
         depth = forest_depth(parent)
         leaf_of = self.leaf_of
         kept = leaf_of >= 0
-        plen = np.where(kept, depth[np.maximum(leaf_of, 0)] + 1, 0)
+        plen = np.zeros(leaf_of.shape[0], dtype=np.int64)
+        plen[kept] = depth[leaf_of[kept]] + 1
         path_ptr = np.zeros(leaf_of.shape[0] + 1, dtype=np.int64)
         np.cumsum(plen, out=path_ptr[1:])
         path_nodes = np.empty(int(path_ptr[-1]), dtype=np.int64)
