@@ -177,3 +177,42 @@ def test_conv_width_mismatch_is_a_clear_error(case):
     patch_hybrid_layers(other)
     with pytest.raises(RequestError, match=r"conv kernel of \d+ but the plan was made with conv_width=\d+"):
         packed_forward(other, batch)
+
+
+def test_qwen3_5_packed_logprobs_equal_unpacked():
+    """Qwen3.5's GDN layer (separate q/k/v, z, b, a projections) runs through the same patch."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(math.log(0.02), math.log(0.3))
+    model.set_attn_implementation("eager")
+    seqs, trainable, plan = tree_plan(0, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
+    batch = materialize(plan, seqs, trainable=trainable)
+    assert len(patch_hybrid_layers(model)) == 3
+    with torch.no_grad():
+        ref = _unpacked(model, seqs)
+        tree = _packed_logprobs(model, batch)
+    disable_tree_attention(model, "eager")
+    diff = _compare_logprobs(plan, batch, tree, ref)
+    assert diff <= 1e-5, f"packed != unpacked: max |d logprob| = {diff:.3g}"
