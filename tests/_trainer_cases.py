@@ -154,5 +154,5 @@ def max_abs_diff(a: list, b: list) -> float:
         assert torch.equal(torch.isnan(x), torch.isnan(y)), "NaN patterns differ"
         m = ~torch.isnan(x)
         if m.any():
-            worst = max(worst, float((x[m] - y[m]).abs().max()))
+            worst = max(worst, float((x[m] - y[m]).detach().abs().max()))
     return worst

@@ -24,7 +24,9 @@ sequences of the plan, every rank included, so per-rank losses add up to the glo
 Per-entry inputs (``advantages``, ``weights``) are: a payload name (target-aligned, see
 :func:`~treepack.trainer.materialize`), a [S] tensor (one value per sequence, e.g. GRPO
 advantages), a [K, L] packed tensor, or a number. Per-position inputs (``old_logprobs``,
-``ref_logprobs``) are a payload name or a [K, L] tensor.
+``ref_logprobs``) are a payload name or a [K, L] tensor; at a shared scored position they
+hold one sharer's value, which is every sharer's value for a log-probability (a function
+of the context and the token, which the sharers have in common).
 
 ``naive_*`` references compute the same losses from unpacked per-sequence log-probabilities
 with plain loops.

@@ -125,8 +125,8 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     j cover [k0, k1) without gaps, so their union is exactly ``[k0, max_j subtree_end[j])``:
     a query block [q0, q1) is touched iff ``k0 < q1`` and ``max subtree_end > q0``. It is
     full (every pair allowed, no mask_mod needed) iff ``k1 - 1 <= q0`` and
-    ``min subtree_end >= q1``. With a sliding window no block is marked full (the window
-    is then checked by ``mask_mod`` in every touched block).
+    ``min subtree_end >= q1`` (and neither block reaches past L). With a sliding window
+    no block is marked full (``mask_mod`` then checks the window in every touched block).
 
     Args:
         batch: the packed batch.
@@ -151,6 +151,10 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     k0, k1 = start[None, None, :], end[None, None, :]
     touched = (k0 < q1) & (blocks_max[:, None, :] > q0)
     full = (k1 - 1 <= q0) & (blocks_min[:, None, :] >= q1)
+    # A block reaching past L is never full: out-of-range pairs then go through mask_mod
+    # (which sees subtree_end 0 there) instead of relying on the kernel's bounds checks.
+    whole = start + block_size <= L
+    full &= whole[None, :, None] & whole[None, None, :]
     if sliding_window is not None:
         full = torch.zeros_like(full)
     partial = touched & ~full
