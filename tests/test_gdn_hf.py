@@ -216,3 +216,35 @@ def test_qwen3_5_packed_logprobs_equal_unpacked():
     disable_tree_attention(model, "eager")
     diff = _compare_logprobs(plan, batch, tree, ref)
     assert diff <= 1e-5, f"packed != unpacked: max |d logprob| = {diff:.3g}"
+
+
+def test_activation_checkpointing_replays_the_tree_layers(case):
+    """Recomputation in backward (outside packed_forward) still runs the tree GDN: same gradients."""
+    _, _, plan, model, batch = case
+    patch_hybrid_layers(model)
+    params = list(model.parameters())
+    calls = []
+    hooks = [layer.linear_attn.register_forward_hook(lambda *a: calls.append(1)) for layer in model.model.layers if hasattr(layer, "linear_attn")]
+
+    def grads():
+        lp = torch.log_softmax(packed_forward(model, batch).float(), -1)
+        loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    try:
+        plain = grads()
+        n_plain = len(calls)
+        model.train()
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        ckpt = grads()
+    finally:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        model.eval()
+        for h in hooks:
+            h.remove()
+        disable_tree_attention(model, "eager")
+    assert len(calls) == 3 * n_plain, "the GDN layers were not recomputed in backward"
+    for a, b in zip(plain, ckpt):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
