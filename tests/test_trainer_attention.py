@@ -1,0 +1,154 @@
+"""Tree attention: the three backends and the three mask forms agree with their references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _trainer_cases import mixed_batch, plan_of, random_batch
+from treepack.trainer import materialize, naive_varlen_attention, tree_attention
+from treepack.trainer.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
+
+
+def _batch(case, **kw):
+    plan = plan_of(case, **kw)
+    return materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
+
+
+def _qkv(batch, heads=4, kv_heads=2, dim=8, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    K, L = batch.num_rows, batch.seq_len
+    q = torch.randn(K, heads, L, dim, generator=g, requires_grad=grad)
+    k = torch.randn(K, kv_heads, L, dim, generator=g, requires_grad=grad)
+    v = torch.randn(K, kv_heads, L, dim, generator=g, requires_grad=grad)
+    return q, k, v
+
+
+def _block_sets(bm):
+    """(partial, full) as dense [K, nq, nk] bool from a BlockMask's kv lists."""
+    def dense(num, idx):
+        K, _, nq, nk = idx.shape
+        out = torch.zeros(K, nq, nk, dtype=torch.bool)
+        for b in range(K):
+            for q in range(nq):
+                out[b, q, idx[b, 0, q, : int(num[b, 0, q])].long()] = True
+        return out
+
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([4, 8, 16]), st.sampled_from([None, 3]))
+def test_block_mask_equals_create_block_mask(seed, block, window):
+    """Block classification from subtree_end min/max == FlexAttention evaluating every pair."""
+    batch = _batch(random_batch(seed))
+    fast = block_mask(batch, block_size=block, sliding_window=window)
+    ref = naive_block_mask(batch, block_size=block, sliding_window=window)
+    fp, ff = _block_sets(fast)
+    rp, rf = _block_sets(ref)
+    if window is None:
+        assert torch.equal(fp, rp) and torch.equal(ff, rf)
+    else:
+        # With a window nothing is marked full, and every block with an allowed pair is kept.
+        assert not ff.any() and not ((rp | rf) & ~fp).any()
+    assert torch.equal(_token_mask(fast, batch.num_rows, batch.seq_len, block), batch.dense_mask(window)[:, 0])
+
+
+def _token_mask(bm, K, L, block):
+    """What FlexAttention computes from a BlockMask: full blocks, or partial blocks where mask_mod holds."""
+    partial, full = _block_sets(bm)
+    b = torch.arange(K)[:, None, None]
+    qi = torch.arange(L)[None, :, None]
+    ki = torch.arange(L)[None, None, :]
+    mm = bm.mask_mod(b, 0, qi, ki)
+    up = lambda m: m.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :L, :L]  # noqa: E731
+    return up(full) | (up(partial) & mm)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_varlen_meta_equals_naive(seed):
+    batch = _batch(random_batch(seed))
+    a, b = varlen_meta(batch), naive_varlen_meta(batch)
+    for f in ("q_index", "k_index", "cu_seqlens_q", "cu_seqlens_k", "pad_index"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert (a.max_seqlen_q, a.max_seqlen_k) == (b.max_seqlen_q, b.max_seqlen_k)
+    assert a.cu_seqlens_q.dtype == torch.int32 and int(a.cu_seqlens_q[0]) == 0
+    # Keys of each segment are positions 0 .. seq_start + len - 1 of its sequence.
+    pos = batch.position_ids.reshape(-1)
+    ck = a.cu_seqlens_k.tolist()
+    for g in range(len(ck) - 1):
+        assert torch.equal(pos[a.k_index[ck[g] : ck[g + 1]]], torch.arange(ck[g + 1] - ck[g]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([None, 4]), st.sampled_from([None, 2.0]))
+def test_backends_agree_forward(seed, window, softcap):
+    batch = _batch(random_batch(seed))
+    q, k, v = _qkv(batch, seed=seed % 1000)
+    kw = dict(sliding_window=window, softcap=softcap)
+    ref = tree_attention(q, k, v, batch, backend="sdpa", **kw)
+    assert not torch.isnan(ref).any()
+    flash = tree_attention(q, k, v, batch, backend="flash", varlen_fn=naive_varlen_attention, **kw)
+    flex = tree_attention(q, k, v, batch, backend="flex", compile=False, **kw)
+    assert (flash - ref).abs().max() <= 1e-5
+    assert (flex - ref).abs().max() <= 1e-5
+
+
+def test_dense_reference_matches_naive_mask_and_fails_without_tree():
+    batch = _batch(mixed_batch())
+    assert torch.equal(batch.dense_mask(), naive_dense_mask(batch))
+    assert torch.equal(batch.dense_mask(3), naive_dense_mask(batch, 3))
+    q, k, v = _qkv(batch)
+    tree = tree_attention(q, k, v, batch)
+    # Negative control: a plain causal mask over the packed rows is not the same computation.
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert (causal - tree).abs().max() > 1e-2
+
+
+def test_flash_gather_gradients_equal_sdpa():
+    """The varlen-gather path (pure-torch kernel) gives the same gradients as dense SDPA."""
+    batch = _batch(mixed_batch())
+    grads = []
+    for backend in ("sdpa", "flash"):
+        q, k, v = _qkv(batch, grad=True, seed=3)
+        out = tree_attention(q, k, v, batch, backend=backend, varlen_fn=naive_varlen_attention, sliding_window=5)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_flex_compiled_forward_on_cpu():
+    """The compiled FlexAttention kernel (inductor's CPU backend) runs the BlockMask."""
+    batch = _batch(mixed_batch())
+    q, k, v = _qkv(batch)
+    ref = tree_attention(q, k, v, batch)
+    out = tree_attention(q, k, v, batch, backend="flex", compile=True)
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_naive_varlen_bottom_right_alignment():
+    """seqlen_q < seqlen_k: the last query sees every key, the first sees nk - nq + 1."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4)
+    k = torch.randn(5, 1, 4)
+    v = torch.randn(5, 1, 4)
+    out = naive_varlen_attention(q, k, v, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 5, causal=True)
+    s = (q[:, 0] @ k[:, 0].T) * 0.5
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[:, 0]
+    assert torch.allclose(out[:, 0], want, atol=1e-6)
+
+
+def test_bad_shapes_and_backend():
+    batch = _batch(mixed_batch())
+    q, k, v = _qkv(batch)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tree_attention(q, k, v, batch, backend="xformers")
+    with pytest.raises(ValueError, match="query must have shape"):
+        tree_attention(q[:, :, :10], k, v, batch)
+    with pytest.raises(ValueError, match="not a multiple"):
+        tree_attention(q[:, :3], k, v, batch)

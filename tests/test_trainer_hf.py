@@ -1,0 +1,185 @@
+"""The oracle on stock HF models: packed rows == each sequence alone (logprobs, loss, grads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _trainer_cases import max_abs_diff, mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
+from treepack.trainer import materialize, naive_varlen_attention
+from treepack.trainer.hf import ATTN_IMPLEMENTATION, disable_tree_attention, packed_forward
+from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
+
+LOGPROB_TOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def case():
+    c = mixed_batch()
+    plan = plan_of(c)
+    rng = np.random.default_rng(7)
+    # Behaviour logprobs a little off the current policy, so that some ratios clip.
+    old = [torch.from_numpy(rng.normal(-4.6, 0.4, len(s))).float() for s in c["sequences"]]
+    adv = torch.from_numpy(rng.normal(0, 1, len(c["sequences"]))).float()
+    batch = materialize(plan, c["sequences"], payloads={"old": old}, trainable=c["trainable"], groups=c["groups"])
+    return dict(case=c, plan=plan, batch=batch, old=old, adv=adv, flags=trainable_flags(c))
+
+
+def _loss_kwargs():
+    return dict(clip_low=0.2, clip_high=0.28, normalization="sequence")
+
+
+def _grads(model):
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _reference(model, c, impl):
+    seq_lp = reference_logprobs(model, c["case"]["sequences"], c["flags"], impl=impl)
+    loss = naive_ppo_clip_loss(
+        [torch.nan_to_num(x) for x in seq_lp], c["flags"], advantages=c["adv"], old_logprobs=c["old"], groups=c["case"]["groups"], **_loss_kwargs()
+    )
+    loss.backward()
+    return [x.detach() for x in seq_lp], loss.detach(), _grads(model)
+
+
+def _packed(model, c, backend, **kw):
+    batch = c["batch"]
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, **kw)
+    assert logits.shape == (batch.num_rows, batch.seq_len, model.config.vocab_size)
+    lp = batch.target_logprobs(logits)
+    loss = ppo_clip_loss(lp, batch, advantages=c["adv"], old_logprobs="old", **_loss_kwargs())
+    loss.backward()
+    seq_lp = [x.detach() for x in batch.unpack_logprobs(lp)]
+    return seq_lp, loss.detach(), _grads(model)
+
+
+def _assert_grads_equal(got, want):
+    assert got.keys() == want.keys() and len(want) > 0
+    for name, g in want.items():
+        scale = float(g.abs().max())
+        assert scale > 0, f"zero reference gradient for {name}: the test would not see a difference"
+        err = float((got[name] - g).abs().max())
+        assert err <= GRAD_RTOL * scale, f"{name}: max abs diff {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize(
+    "family,backend",
+    [("qwen3", "sdpa"), ("qwen3", "flash"), ("llama", "sdpa"), ("llama", "flash"), ("gemma2", "sdpa"), ("gemma2", "flash")],
+)
+def test_oracle_logprobs_loss_gradients(case, family, backend):
+    model = tiny_model(family)
+    impl = "eager" if family == "gemma2" else "sdpa"
+    ref_lp, ref_loss, ref_grads = _reference(model, case, impl)
+    lp, loss, grads = _packed(model, case, backend)
+    assert max_abs_diff(lp, ref_lp) <= LOGPROB_TOL
+    assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (float(loss), float(ref_loss))
+    assert abs(float(ref_loss)) > 1e-3
+    _assert_grads_equal(grads, ref_grads)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_oracle_flex_forward(case, family):
+    """FlexAttention has no CPU backward: forward only (uncompiled kernel on CPU)."""
+    model = tiny_model(family)
+    ref_lp = reference_logprobs(model, case["case"]["sequences"], case["flags"], impl="eager" if family == "gemma2" else "sdpa")
+    with torch.no_grad():
+        logits = packed_forward(model, case["batch"], backend="flex", compile=False)
+    assert max_abs_diff(case["batch"].unpack_logprobs(logits), ref_lp) <= LOGPROB_TOL
+
+
+def test_negative_controls_linear_packing_differs(case):
+    """The oracle can fail: the same packed rows under HF's own masks give other logprobs."""
+    model = tiny_model("qwen3")
+    batch = case["batch"]
+    ref_lp = reference_logprobs(model, case["case"]["sequences"], case["flags"])
+    with torch.no_grad():
+        # HF infers (linear) packing from position_ids when given no mask.
+        inferred = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        L = batch.seq_len
+        causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None].expand(batch.num_rows, 1, L, L)
+        plain = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=causal, use_cache=False).logits
+    for wrong in (inferred, plain):
+        assert max_abs_diff(batch.unpack_logprobs(wrong), ref_lp) > 1e-2
+
+
+def test_gradient_checkpointing_replays_the_tree_mask(case):
+    """Recomputation during backward (outside packed_forward) still runs tree attention."""
+    model = tiny_model("llama")
+    _, ref_loss, ref_grads = _packed(model, case, "flash")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _, loss, grads = _packed(model, case, "flash")
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    _assert_grads_equal(grads, ref_grads)
+
+
+def test_model_left_in_tree_mode_refuses_unpacked_calls(case):
+    model = tiny_model("qwen3")
+    with torch.no_grad():
+        packed_forward(model, case["batch"])
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+        with pytest.raises(RuntimeError, match="packed_forward"):
+            model(input_ids=torch.zeros(1, 5, dtype=torch.int64), use_cache=False)
+        disable_tree_attention(model)
+        model(input_ids=torch.zeros(1, 5, dtype=torch.int64), use_cache=False)
+
+
+def test_attention_dropout_refused(case):
+    model = tiny_model("qwen3")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout"):
+        packed_forward(model, case["batch"])
+
+
+def test_logprobs_from_hidden_states_in_chunks(case):
+    """Chunked head over scored positions == full logits, values and gradients."""
+    model = tiny_model("qwen3")
+    batch = case["batch"]
+    lp_full = batch.target_logprobs(packed_forward(model, batch))
+    lp_full.sum().backward()
+    want = _grads(model)
+    hidden = packed_forward(model, batch, output="hidden")
+    assert hidden.shape == (batch.num_rows, batch.seq_len, model.config.hidden_size)
+    lp = batch.target_logprobs_from_hidden(hidden, model.lm_head, chunk_size=7)
+    assert float((lp - lp_full).detach().abs().max()) <= 1e-6
+    lp.sum().backward()
+    _assert_grads_equal(_grads(model), want)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_oracle_with_shared_trainable_positions(backend):
+    """share_trainable plans: scored positions shared by sequences with different
+    advantages give the per-sequence loss and gradients (positive and negative sums apart)."""
+    from _trainer_cases import shared_trainable_batch
+
+    c = shared_trainable_batch()
+    plan = plan_of(c, share_trainable=True)
+    rng = np.random.default_rng(3)
+    flags = trainable_flags(c)
+    model = tiny_model("qwen3")
+    ref_lp = reference_logprobs(model, c["sequences"], flags)
+    # Behaviour logprobs: the policy's own, perturbed by a function of the context and
+    # token only (sharers of a position agree), so that ratios clip on both sides.
+    old = [torch.nan_to_num(x.detach()) + torch.from_numpy(np.cos(np.asarray(s, dtype=np.float64) * 1.7) * 0.3).float() for x, s in zip(ref_lp, c["sequences"])]
+    adv = torch.from_numpy(rng.normal(0, 1, len(c["sequences"]))).float()
+    adv[0], adv[1] = 1.0, -1.0
+    batch = materialize(plan, c["sequences"], payloads={"old": old}, trainable=c["trainable"], groups=c["groups"])
+    assert batch.num_scored > int(batch.loss_mask.sum()), "the case shares no scored position"
+    kw = dict(clip_low=0.2, clip_high=0.28, normalization="group")
+    ref = naive_ppo_clip_loss([torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)], flags, advantages=adv, old_logprobs=old, groups=c["groups"], **kw)
+    ref.backward()
+    want = _grads(model)
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention)
+    lp = batch.target_logprobs(logits)
+    loss = ppo_clip_loss(lp, batch, advantages=adv, old_logprobs="old", **kw)
+    loss.backward()
+    assert max_abs_diff([x.detach() for x in batch.unpack_logprobs(lp)], ref_lp) <= LOGPROB_TOL
+    assert torch.allclose(loss.detach().double(), ref.detach().double(), rtol=1e-6, atol=1e-7)
+    _assert_grads_equal(_grads(model), want)

@@ -1,0 +1,176 @@
+"""HF transformers on tree-packed rows: a registered attention implementation.
+
+:func:`packed_forward` runs a stock HF decoder model (Qwen3, Llama, Mistral, ...) on a
+:class:`~treepack.trainer.batch.PackedBatch`:
+
+- ``input_ids`` and the per-sequence ``position_ids`` go in as they are, so RoPE sees
+  each token's position in its own sequence;
+- the model's attention implementation is switched to ``"treepack"``
+  (:data:`ATTN_IMPLEMENTATION`), registered in HF's ``AttentionInterface``. HF builds no
+  mask of its own for an implementation without a mask function, so it never infers the
+  (linear, wrong) packing from ``position_ids``; ``packed_forward`` passes the tree mask
+  itself (dense for ``sdpa``, BlockMask for ``flex``), which HF hands to every layer
+  untouched, and :func:`treepack_attention` takes everything else from the batch;
+- the batch travels as the keyword argument ``treepack_context`` (HF forwards
+  ``**kwargs`` to the attention functions, and activation checkpointing replays it) and
+  in a context variable (:mod:`treepack.trainer.context`) for layers without ``**kwargs``.
+  Other layer kinds (Gated DeltaNet, sparse indexers) are patched to read the same
+  context; nothing here assumes attention is the only layer that needs it.
+
+The model stays in ``"treepack"`` mode after ``packed_forward`` returns, because
+gradient checkpointing re-runs the layers during ``backward()`` and must dispatch the same
+way; an unpacked call then raises a clear error until :func:`disable_tree_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from treepack.proto.errors import RequestError
+from treepack.trainer.attention import BACKENDS, tree_attention
+from treepack.trainer.batch import PackedBatch
+from treepack.trainer.context import BATCH_KWARG, PackedContext, resolve_packed, use_packed
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "register_tree_attention",
+    "treepack_attention",
+    "enable_tree_attention",
+    "disable_tree_attention",
+    "packed_forward",
+]
+
+ATTN_IMPLEMENTATION = "treepack"
+
+
+def treepack_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function (``AttentionInterface`` signature) over the tree mask.
+
+    Args:
+        module: the calling attention layer.
+        query: [K, H, L, D]; key, value: [K, Hkv, L, D].
+        attention_mask: whatever the model passed down (ignored: the mask comes from the
+            packed batch, so no position-inferred packing can sneak in).
+        scaling: softmax scale.
+        dropout: must be 0 (attention dropout is not supported on tree rows).
+        sliding_window: the layer's window (None for full attention).
+        softcap: logit soft-capping (Gemma 2 style), if any.
+        **kwargs: may hold ``treepack_context``; ``s_aux`` (attention sinks) is refused.
+
+    Returns:
+        ([K, L, H, D] output, None).
+    """
+    ctx = resolve_packed(kwargs, who=f"attention implementation {ATTN_IMPLEMENTATION!r}")
+    if dropout:
+        raise RequestError(f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0", path="$.model.config.attention_dropout", rule="unsupported")
+    if kwargs.get("s_aux") is not None:
+        raise RequestError("attention sinks (s_aux) are not supported by tree attention", path="$.model", rule="unsupported")
+    opts = dict(ctx.options)
+    out = tree_attention(
+        query,
+        key,
+        value,
+        ctx.batch,
+        backend=ctx.backend,
+        scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        varlen_fn=opts.get("varlen_fn"),
+        compile=opts.get("compile"),
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_tree_attention() -> str:
+    """Register :func:`treepack_attention` under :data:`ATTN_IMPLEMENTATION` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, treepack_attention)
+    return ATTN_IMPLEMENTATION
+
+
+def enable_tree_attention(model: Any) -> str:
+    """Switch ``model`` (and its sub-models) to tree attention; returns the previous implementation."""
+    register_tree_attention()
+    prev = model.config._attn_implementation
+    if prev != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RequestError(
+                f"{type(model).__name__} does not accept a custom attention implementation "
+                "(it does not dispatch through HF's AttentionInterface)",
+                path="$.model",
+                rule="unsupported",
+            )
+    return prev
+
+
+def disable_tree_attention(model: Any, implementation: str = "sdpa") -> None:
+    """Switch ``model`` back to a stock implementation (for unpacked calls)."""
+    model.set_attn_implementation(implementation)
+
+
+def packed_forward(
+    model: Any,
+    batch: PackedBatch,
+    *,
+    backend: str = "sdpa",
+    varlen_fn: Callable | None = None,
+    compile: bool | None = None,
+    output: str = "logits",
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Run an HF causal LM on the packed rows.
+
+    Args:
+        model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
+            dispatch attention through ``AttentionInterface``.
+        batch: the packed batch.
+        backend: ``sdpa`` | ``flex`` | ``flash`` (:func:`~treepack.trainer.tree_attention`).
+        varlen_fn: ``flash`` backend kernel override (e.g. ``naive_varlen_attention`` on CPU).
+        compile: ``flex`` backend: compile ``flex_attention`` (default: on CUDA).
+        output: ``logits``, or ``hidden`` to run the base model only and return its final
+            hidden states (then :meth:`PackedBatch.target_logprobs_from_hidden` with
+            ``model.lm_head`` never materializes [K, L, vocab]).
+        **kwargs: passed to ``model(...)``.
+
+    Returns:
+        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
+    """
+    if backend not in BACKENDS:
+        raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
+    if output not in ("logits", "hidden"):
+        raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
+    enable_tree_attention(model)
+    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
+    mask = None
+    if backend == "sdpa":
+        mask = batch.dense_mask()
+    elif backend == "flex":
+        mask = batch.block_mask()
+    target = model.base_model if output == "hidden" else model
+    with use_packed(ctx):
+        out = target(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=mask,
+            use_cache=False,
+            **{BATCH_KWARG: ctx},
+            **kwargs,
+        )
+    if output == "hidden":
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return out.logits if hasattr(out, "logits") else out[0]
