@@ -53,7 +53,7 @@ def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> n
     L = seg.length.astype(np.float64)
     pairs = L * seg.seq_start + L * (L + 1) / 2
     per_seg = L + pair_weight * pairs
-    return np.bincount(seg.row, weights=per_seg, minlength=num_rows)
+    return np.bincount(seg.row, weights=per_seg, minlength=num_rows).astype(np.float64)
 
 
 def assign_ranks(seg: Segments, num_rows: int, num_ranks: int) -> Ranks:

@@ -145,8 +145,16 @@ def validate_plan(
         inside = (starts[None, :] < starts[:, None]) & (starts[:, None] < sub_end[None, :])
         _check(bool(np.array_equal(inside, anc)), f"interval mask != ancestor relation in row {r}")
         if end_row <= dense_check_max:
-            se = plan.subtree_end()[r, :end_row]
+            se = np.repeat(seg.subtree_end[lo:hi], seg.length[lo:hi])  # this row's per-token subtree_end
             _check(bool(np.array_equal(interval_mask(se), naive_tree_mask(plan, r))), f"token mask mismatch in row {r}")
+
+    if C <= dense_check_max:
+        # The per-token form the trainer uses: segment subtree ends, padding sees itself.
+        full = plan.subtree_end()
+        for r in range(R):
+            lo, hi, L = int(seg.row_ptr[r]), int(seg.row_ptr[r + 1]), int(seg.row_len[r])
+            want = np.concatenate([np.repeat(seg.subtree_end[lo:hi], seg.length[lo:hi]), np.arange(L, C) + 1])
+            _check(bool(np.array_equal(full[r], want)), f"Plan.subtree_end() wrong in row {r}")
 
     # Sequences: chains covering 0..len-1, sharers.
     _check(seg.seq_ptr.shape == (S + 1,), "seq_ptr shape")
