@@ -67,8 +67,8 @@ def _unpacked(model, seqs):
     return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1) for s in seqs]
 
 
-def _packed_logprobs(model, batch):
-    return torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
+def _packed_logprobs(model, batch, patch_layers=True):
+    return torch.log_softmax(packed_forward(model, batch, backend="sdpa", patch_layers=patch_layers).float(), -1)
 
 
 CASES = [(0, 2, 4), (100, 4, 6)]  # (seed, min_shared_len, conv width): W-1 > some inner segment
@@ -97,9 +97,9 @@ def test_packed_logprobs_equal_unpacked_and_linear_scan_does_not(case):
     with torch.no_grad():
         ref = _unpacked(model, seqs)
         unpatch_hybrid_layers(model)
-        scan = _packed_logprobs(model, batch)  # GDN layers stock: each row one linear scan
+        scan = _packed_logprobs(model, batch, patch_layers=False)  # GDN layers stock: each row one linear scan
+        tree = _packed_logprobs(model, batch)  # packed_forward patches the GDN layers itself
         assert patch_hybrid_layers(model) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.3.linear_attn"]
-        tree = _packed_logprobs(model, batch)
     disable_tree_attention(model, "eager")
     assert not tree.isnan().any()
     diff = _compare_logprobs(plan, batch, tree, ref)

@@ -210,3 +210,23 @@ def test_tiebreak_indexer_with_a_cache_matches_the_full_forward(case):
         step = model(input_ids=x[:, -1:], cache=pre.cache, use_cache=True).logits[0, -1]
     torch.testing.assert_close(pre.logits[0], full[:-1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step, full[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_unpatched_sparse_layer_is_refused_not_run_dense(case):
+    """Without the DSA patch the stock layer hands top-k indices to the tree attention
+    function, which would silently ignore them: it must refuse instead."""
+    from treepack.proto.errors import RequestError
+    from treepack.trainer.hf_hybrid import unpatch_hybrid_layers
+
+    seqs, _, plan, model, batch, _ = case
+    assert unpatch_hybrid_layers(model) > 0
+    try:
+        with torch.no_grad(), pytest.raises(RequestError) as info:
+            packed_forward(model, batch, backend="sdpa", patch_layers=False)
+        assert info.value.rule == "unpatched_sparse_layer" and "DeepseekV32Attention" in info.value.message
+        with torch.no_grad():  # the default patches the layers again
+            lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
+        assert not lp.isnan().any()
+    finally:
+        disable_tree_attention(model, "eager")
+        patch_hybrid_layers(model)

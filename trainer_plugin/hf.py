@@ -78,6 +78,15 @@ def treepack_attention(
         raise RequestError(f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0", path="$.model.config.attention_dropout", rule="unsupported")
     if kwargs.get("s_aux") is not None:
         raise RequestError("attention sinks (s_aux) are not supported by tree attention", path="$.model", rule="unsupported")
+    if kwargs.get("indices") is not None:
+        # A sparse (DSA) layer that reached the dense path: its top-k selection would be
+        # silently ignored. Patched DSA layers never get here.
+        raise RequestError(
+            f"{type(module).__name__} passes sparse top-k indices; its layer must be patched for tree rows "
+            "(packed_forward(..., patch_layers=True) or treepack.trainer.hf_hybrid.patch_hybrid_layers)",
+            path="$.model",
+            rule="unpatched_sparse_layer",
+        )
     opts = dict(ctx.options)
     out = tree_attention(
         query,
@@ -102,9 +111,20 @@ def register_tree_attention() -> str:
     return ATTN_IMPLEMENTATION
 
 
-def enable_tree_attention(model: Any) -> str:
-    """Switch ``model`` (and its sub-models) to tree attention; returns the previous implementation."""
+def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
+    """Switch ``model`` (and its sub-models) to tree attention; returns the previous implementation.
+
+    Args:
+        model: the HF model.
+        patch_layers: also install the tree forwards on Gated DeltaNet and DeepSeek-V3.2
+            sparse attention layers (:func:`treepack.trainer.hf_hybrid.patch_hybrid_layers`,
+            idempotent); without them those layers would scan each row as one sequence.
+    """
     register_tree_attention()
+    if patch_layers:
+        from treepack.trainer.hf_hybrid import patch_hybrid_layers
+
+        patch_hybrid_layers(model)
     prev = model.config._attn_implementation
     if prev != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -131,6 +151,7 @@ def packed_forward(
     varlen_fn: Callable | None = None,
     compile: bool | None = None,
     output: str = "logits",
+    patch_layers: bool = True,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run an HF causal LM on the packed rows.
@@ -145,6 +166,8 @@ def packed_forward(
         output: ``logits``, or ``hidden`` to run the base model only and return its final
             hidden states (then :meth:`PackedBatch.target_logprobs_from_hidden` with
             ``model.lm_head`` never materializes [K, L, vocab]).
+        patch_layers: patch GDN / DSA layers for tree rows (see :func:`enable_tree_attention`);
+            False only to run their stock forward on purpose (a negative control).
         **kwargs: passed to ``model(...)``.
 
     Returns:
@@ -154,7 +177,7 @@ def packed_forward(
         raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
     if output not in ("logits", "hidden"):
         raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
-    enable_tree_attention(model)
+    enable_tree_attention(model, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     mask = None
     if backend == "sdpa":
