@@ -1,15 +1,56 @@
-"""Shared fixtures: small workloads and a plan checker every test uses."""
+"""Shared fixtures, and the plan checker every test runs under.
+
+:func:`_validate_every_plan` (autouse) wraps the planner's one entry point,
+``plan_normalized``, wherever a treepack module imported it, so that every plan any test
+makes in this process — directly, through the embedded client, the in-process ASGI app,
+what-if trials or the trainer — passes ``validate_plan`` against the batch it was planned
+from (tokens, trainable flags and keys included). Set ``TREEPACK_TEST_VALIDATE=0`` to
+switch it off when profiling.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections import Counter
 
 import pytest
 from hypothesis import settings
 
-settings.register_profile("ci", max_examples=60, deadline=None)
-settings.register_profile("dev", max_examples=30, deadline=None)
+# CI replays the same examples every run (a red CI must mean a real regression); the
+# "explore" profile draws fresh ones: HYPOTHESIS_PROFILE=explore make test.
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("explore", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+VALIDATED: Counter = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _validate_every_plan(monkeypatch):
+    if os.environ.get("TREEPACK_TEST_VALIDATE", "1") == "0":
+        yield
+        return
+    import treepack.service.planner.api as api
+    from treepack.service.planner.validate import validate_plan
+
+    original = api.plan_normalized
+
+    def checked(batch, **kwargs):
+        plan = original(batch, **kwargs)
+        validate_plan(plan, batch, dense_check_max=512)
+        VALIDATED["plans"] += 1
+        return plan
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("treepack.") and getattr(mod, "plan_normalized", None) is original:
+            monkeypatch.setattr(mod, "plan_normalized", checked)
+    yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if VALIDATED["plans"]:
+        terminalreporter.write_line(f"validate_plan ran on {VALIDATED['plans']} plans made by the tests")
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,11 @@ def batches(draw, max_seqs: int = 12, overflow: bool = False):
     if mode == "none":
         trainable = None
     elif mode == "prompt":
-        trainable = [max(0, len(s) - draw(st.integers(0, 6))) for s in seqs]
+        # Mostly completions at the end (deep shared prompts), sometimes anywhere (trainable
+        # runs inside shared prefixes, which the generalized mode shares).
+        trainable = [
+            max(0, len(s) - draw(st.integers(0, 6))) if draw(st.booleans()) else draw(st.integers(0, len(s))) for s in seqs
+        ]
     else:
         trainable = [np.array(draw(st.lists(st.booleans(), min_size=len(s), max_size=len(s)))) for s in seqs]
     groups = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(0, 3), st.sampled_from("xyz")), min_size=n, max_size=n)))

@@ -85,6 +85,7 @@ def validate_plan(
     trainable: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
     dense_check_max: int = 2048,
+    gather_check_max: int = 1 << 24,
 ) -> None:
     """Check every plan invariant (module docstring); raise :class:`PlanInvariantError`.
 
@@ -93,6 +94,10 @@ def validate_plan(
         sequences: optionally the planned sequences (or their :class:`Batch`) for the
             token-level checks; ``trainable`` and ``keys`` as given to the planner.
         dense_check_max: rows up to this many tokens also get the token-level mask check.
+        gather_check_max: with sequences, plans of up to this many row slots (R * C) are
+            also materialized through ``token_source``/``token_index`` and read back (the
+            segment-level checks above already cover every token; this checks the
+            per-token views the trainer uses, within a bounded memory).
     """
     seg = plan.segments
     C, R, G, S = plan.seq_len, plan.num_rows, seg.num_segments, plan.num_sequences
@@ -249,6 +254,8 @@ def validate_plan(
             if scored:
                 nxt = {int(batch.tokens[m][q]) if q < batch.lens[m] else -1 for m in members}
                 _check(len(nxt) == 1 and -1 not in nxt, f"shared segment {g} ends on a scored position its sharers predict differently")
+    if R * C > gather_check_max:
+        return
     # The gather itself: materialize row tokens and read every sequence back.
     src_seq, src_pos = plan.token_source()
     offs = np.concatenate([[0], np.cumsum(batch.lens)])
