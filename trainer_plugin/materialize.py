@@ -368,8 +368,15 @@ def _check_shared_targets(score_flat: np.ndarray, score_target: torch.Tensor, sc
     In the default sharing mode no scored position is shared; with shared trainable
     positions (SPEC 2, generalized mode) the sharers must agree on the next token.
     """
-    if np.unique(score_flat).shape[0] == score_flat.shape[0]:
+    if score_flat.shape[0] == 0:
         return
+    # Only positions scored more than once need a look (none in the default mode).
+    dup = np.bincount(score_flat) > 1
+    if not dup.any():
+        return
+    keep = np.flatnonzero(dup[score_flat])
+    score_flat, score_seq = score_flat[keep], score_seq[keep]
+    score_target = score_target[torch.from_numpy(keep).to(score_target.device)]
     order = np.argsort(score_flat, kind="stable")
     f = score_flat[order]
     tgt = score_target.cpu().numpy()[order]
