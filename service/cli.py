@@ -204,12 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench)
 
     try:
+        import treepack.service.settings  # noqa: F401  (pydantic-settings: the service extra)
         from treepack.service.serve import add_serve_parser
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
+    except ImportError as exc:  # planner-only install: say what to install, do not break demo/plan
+        missing = exc.name or str(exc)
+        srv = sub.add_parser("serve", help="the HTTP sidecar (needs: pip install 'treepack[service]')")
+        srv.set_defaults(func=lambda _args: _missing_service(missing))
+    else:
         add_serve_parser(sub)
     return ap
+
+
+def _missing_service(missing: str) -> int:
+    print(f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install 'treepack[service]'", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,3 +91,19 @@ def test_bench_runs_with_progress(tmp_path):
     assert {r["placement"] for r in recs} == {"auto", "bfd", "in_order", "no_share"}
     assert all(r["naive_bfd_ms"] is not None for r in recs)
     assert np.isfinite([r["total_ms"] for r in recs]).all()
+
+
+def test_cli_works_without_the_service_extra(monkeypatch, capsys):
+    """A planner-only install (no FastAPI, no pydantic-settings) still runs demo/plan, and
+    `serve` says what to install instead of a traceback."""
+    for mod in [m for m in sys.modules if m.startswith("treepack.service.") and m.split(".")[2] in ("serve", "settings", "app")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "pydantic_settings", None)  # import fails like a missing package
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    from treepack.service.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert args.func(args) == 2
+    assert "pip install 'treepack[service]'" in capsys.readouterr().err
+    assert parser.parse_args(["demo", "--groups", "4"]).groups == 4
