@@ -27,7 +27,7 @@ import numpy as np
 from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
 from treepack.proto.errors import OverloadedError, ServerError, TransportError, TreepackError, error_from_payload
 from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
-from treepack.service.batch_wire import encode_pack_request, shape_to_wire
+from treepack.service.batch_wire import encode_pack_body, shape_to_wire
 from treepack.service.plan_wire import plan_from_wire
 from treepack.service.planner.plan import Plan
 from treepack.service.planner.shapes import BatchShape
@@ -101,7 +101,7 @@ def _decode(resp: httpx.Response, model: type) -> Any:
 
 
 def pack_body(sequences: Sequence[Any], fmt: Format, **kwargs: Any) -> bytes:
-    return encode_body(encode_pack_request(sequences, fmt=fmt, **kwargs), fmt)
+    return encode_pack_body(sequences, fmt=fmt, **kwargs)
 
 
 def decode_pack(resp: httpx.Response) -> Plan:
