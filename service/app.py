@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     install_openapi(app, description=DESCRIPTION, bearer=token is not None)
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
         if token is None:
             return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
