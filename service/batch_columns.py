@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -35,7 +35,7 @@ import numpy as np
 from treepack.proto.messages import MAX_SEQ_LEN
 from treepack.service.planner.inputs import normalize_batch
 
-__all__ = ["Column", "BatchColumns", "batch_columns", "prefix_refs", "naive_prefix_refs", "msgpack_body"]
+__all__ = ["Column", "BatchColumns", "BodyChunks", "batch_columns", "prefix_refs", "naive_prefix_refs", "msgpack_parts", "msgpack_body"]
 
 _U4, _U8, _I8, _BOOL = np.dtype("<u4"), np.dtype("<u8"), np.dtype("<i8"), np.dtype(np.bool_)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -283,13 +283,13 @@ def _bin_header(n: int) -> bytes:
     raise ValueError(f"a msgpack bin holds at most 2**32 - 1 bytes, got {n}")
 
 
-def msgpack_body(fields: dict[str, Any]) -> bytes:
-    """A msgpack map written straight from its values: a :class:`Column` or an ndarray
-    becomes a ``bin`` of its bytes, anything else goes to ``msgpack.Packer``.
+def msgpack_parts(fields: dict[str, Any]) -> list[Any]:
+    """A msgpack map as buffers whose concatenation is the encoded map, written straight
+    from its values: a :class:`Column` or an ndarray becomes a ``bin`` of its bytes (the
+    arrays themselves, not copies), anything else goes to ``msgpack.Packer``.
 
-    Bytes-for-bytes what ``msgpack.packb`` gives for the same map with each column
-    concatenated into one buffer, without building that buffer: every part is copied
-    once, into the body.
+    The concatenation is bytes-for-bytes what ``msgpack.packb`` gives for the same map with
+    each column concatenated into one buffer.
     """
     pk = msgpack.Packer(use_bin_type=True)
     out: list[Any] = [pk.pack_map_header(len(fields))]
@@ -302,4 +302,43 @@ def msgpack_body(fields: dict[str, Any]) -> bytes:
             out.extend(p for p in value.parts if p.nbytes)
         else:
             out.append(pk.pack(value))
-    return b"".join(out)
+    return out
+
+
+def msgpack_body(fields: dict[str, Any]) -> bytes:
+    """:func:`msgpack_parts` joined: every part is copied once, into the body."""
+    return b"".join(msgpack_parts(fields))
+
+
+class BodyChunks:
+    """A body as chunks of at most ``chunk`` bytes, joined from its parts each time it is
+    iterated (an HTTP client can send it again on a retry).
+
+    One large body is a fresh allocation whose pages the kernel faults in one by one on
+    first touch (about 0.5 ms per MB on the 2-core benchmark VM); chunks of a fixed size
+    reuse the same freed memory, chunk after chunk.
+
+    Args:
+        parts: buffers (bytes, C-contiguous arrays) whose concatenation is the body.
+        chunk: bytes per chunk.
+    """
+
+    def __init__(self, parts: list[Any], chunk: int = 1 << 20) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+        self.chunk = chunk
+
+    def __iter__(self) -> Iterator[bytes]:
+        pending: list[memoryview] = []
+        room = self.chunk
+        for mv in self.parts:
+            while mv.nbytes:
+                take = mv[:room]
+                pending.append(take)
+                room -= take.nbytes
+                mv = mv[take.nbytes :]
+                if not room:
+                    yield b"".join(pending)
+                    pending, room = [], self.chunk
+        if pending:
+            yield b"".join(pending)

@@ -22,11 +22,11 @@ from treepack.proto.buffers import Format, decode_buffer, encode_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
 from treepack.proto.messages import BatchShapeMessage, PackRequest
-from treepack.service.batch_columns import Column, batch_columns, msgpack_body
+from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
 from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.shapes import BatchShape
 
-__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "shape_to_wire", "shape_from_wire"]
+__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks", "shape_to_wire", "shape_from_wire"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,6 +310,12 @@ def encode_pack_body(sequences: Sequence[Any], *, fmt: Format = "msgpack", **kwa
     if fmt != "msgpack":
         return encode_body(encode_pack_request(sequences, fmt=fmt, **kwargs), fmt)
     return msgpack_body(_request_fields(sequences, **kwargs))
+
+
+def encode_pack_chunks(sequences: Sequence[Any], **kwargs: Any) -> BodyChunks:
+    """The msgpack body of :func:`encode_pack_body` as :class:`~.batch_columns.BodyChunks`:
+    written chunk by chunk while it is sent, never whole."""
+    return BodyChunks(msgpack_parts(_request_fields(sequences, **kwargs)))
 
 
 def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.messages import PackRequest
-from treepack.service.batch_columns import batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
+from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
 from treepack.service.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
 from treepack.service.planner import normalize_batch
 from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
@@ -93,8 +93,6 @@ def test_msgpack_body_is_packb_of_the_message(name, kwargs):
 
 def test_msgpack_body_writes_columns_and_arrays_as_bins():
     parts = [np.arange(3, dtype="<u4"), np.zeros(0, "<u4"), np.arange(70, dtype="<u4")]
-    from treepack.service.batch_columns import Column
-
     for n in (0, 1, 255, 256, 70_000):
         a = np.arange(n, dtype="<i8")
         fields = {"a": a, "b": Column("<u4", parts), "c": [1, "x", None], "d": True}
@@ -115,3 +113,14 @@ def test_wire_form_input_is_taken_without_copies():
     # Other input is converted (here by the planner's own normalization).
     cols = batch_columns([s.astype(np.int64) for s in w.sequences], dedup=False)
     assert all(p.dtype == np.dtype("<u4") and not np.shares_memory(p, s) for p, s in zip(cols.tokens.parts, w.sequences))
+
+
+def test_body_chunks_join_to_the_body_every_time():
+    parts = [b"ab", np.arange(5, dtype="<u4"), b"", np.arange(3000, dtype="<i8"), b"z"]
+    want = b"".join(parts)
+    for size in (1, 3, 7, 64, 1 << 20):
+        body = BodyChunks(parts, size)
+        chunks = list(body)
+        assert b"".join(chunks) == want and body.nbytes == len(want)
+        assert all(len(c) == size for c in chunks[:-1]) and 0 < len(chunks[-1]) <= size
+        assert b"".join(body) == want  # again: a retry sends the same bytes

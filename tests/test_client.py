@@ -75,6 +75,25 @@ async def test_three_backends_give_identical_plans(server, app, fmt):
                 validate_plan(p_http, kwargs["sequences"], trainable=kwargs.get("trainable"), keys=kwargs.get("keys"))
 
 
+def test_large_bodies_go_out_in_chunks_with_the_same_plan(server, monkeypatch):
+    import treepack.client.http as http
+
+    g = curriculum(32)  # 1.8 MB on the wire: two chunks of at most 1 MiB
+    monkeypatch.setattr(http, "CHUNKED_MIN_BYTES", 0)
+    sent = []
+    real = http.HttpBackend.request
+
+    def spy(self, method, path, body=None, **kw):
+        sent.append(body)
+        return real(self, method, path, body, **kw)
+
+    monkeypatch.setattr(http.HttpBackend, "request", spy)
+    with Packer(server) as p:
+        got = p.pack(**g.plan_kwargs())
+    assert isinstance(sent[0], http.BodyChunks) and len(list(sent[0])) == 2
+    assert_same_plan(Packer().pack(**g.plan_kwargs()), got)
+
+
 async def test_async_embedded_and_sync_http_agree(server):
     name, kwargs, tags = BATCHES[1]
     async with AsyncPacker() as p:
