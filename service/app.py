@@ -198,5 +198,13 @@ def _metrics_spec() -> dict[str, Any]:
 
 
 def create_app_from_env() -> FastAPI:
-    """``create_app(Settings())``: the factory uvicorn workers call (``treepack serve``)."""
-    return create_app(Settings())
+    """``create_app(Settings())``: the factory uvicorn workers call (``treepack serve``).
+
+    Also sets this worker process's allocator to keep ``malloc_keep_mb`` of freed memory
+    (:mod:`treepack.service.malloc`).
+    """
+    from treepack.service.malloc import keep_freed_memory
+
+    settings = Settings()
+    keep_freed_memory(settings.malloc_keep_mb << 20)
+    return create_app(settings)
