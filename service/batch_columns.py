@@ -144,10 +144,20 @@ def _wire_groups(groups: Sequence[Any], n: int) -> list[Any] | None:
 
 
 def _lcp(a: np.ndarray, b: np.ndarray, m: int) -> int:
-    """Length of the common prefix of a[:m] and b[:m] (m >= 1)."""
-    ne = a[:m] != b[:m]
-    k = int(ne.argmax())
-    return k if ne[k] else m
+    """Length of the common prefix of a[:m] and b[:m] (m >= 1).
+
+    Compared in windows that double (4096 tokens first): a prompt's end is found without
+    comparing the completions behind it.
+    """
+    lo, w = 0, 4096
+    while lo < m:
+        hi = min(lo + w, m)
+        ne = a[lo:hi] != b[lo:hi]
+        k = int(ne.argmax())
+        if ne[k]:
+            return lo + k
+        lo, w = hi, 2 * w
+    return m
 
 
 def prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_prefix: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -169,7 +179,7 @@ def prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_
     lens = [t.shape[0] for t in tokens]
     first: dict[Any, int] = {}
     guess: dict[int, int] = {}  # source -> the last common prefix found against it
-    head: dict[int, tuple[bytes, memoryview]] = {}  # source -> its tokens as bytes (memcmp), and a view
+    head: dict[int, tuple[bytes, memoryview, int]] = {}  # source -> (its first n tokens as bytes for memcmp, a view, n)
     floor = max(min_prefix, 1)
     found = False
     for i in range(n):
@@ -186,8 +196,9 @@ def prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_
         k = guess.get(j, 0)
         if floor <= k <= m:
             hb = head.get(j)
-            if hb is None:
-                hb = head[j] = (tokens[j].tobytes(), memoryview(tokens[j]))
+            if hb is None or hb[2] < k:
+                # Only the guessed prefix as bytes: completions are never copied.
+                hb = head[j] = (tokens[j][:k].tobytes(), memoryview(tokens[j]), k)
             va = memoryview(tokens[i])
             if not (hb[0].startswith(va[:k]) and (k == m or va[k] != hb[1][k])):
                 k = guess[j] = _lcp(tokens[i], tokens[j], m)

@@ -59,6 +59,22 @@ def test_prefix_refs_confirm_a_guess_exactly():
     assert got[1].tolist() == [0, 100, 105, 103, 80, 0, 100]
 
 
+def test_prefix_refs_on_long_sequences():
+    # Common prefixes ending in each comparison window (4096, then 8192, 16384 tokens).
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 50_000, 30_000).astype(np.uint32)
+    tokens = [base[:20_000].copy()]
+    for cut in (4095, 4096, 4097, 12_287, 12_288, 19_999):
+        t = base[:20_000].copy()
+        t[cut] += 1
+        tokens.append(t)
+    tokens += [base[:20_000].copy(), base.copy(), base[:5000].copy()]
+    for groups in ([0] * len(tokens), None):
+        got = prefix_refs(tokens, groups, 64)
+        _same_refs(got, naive_prefix_refs(tokens, groups, 64))
+    assert prefix_refs(tokens, [0] * len(tokens), 64)[1].tolist() == [0, 4095, 4096, 4097, 12_287, 12_288, 19_999, 20_000, 20_000, 5000]
+
+
 def _cases():
     rng = np.random.default_rng(4)
     w = curriculum(6)
