@@ -3,9 +3,12 @@
 Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
 
-Decoding slices the columnar token buffer into per-sequence views and hands them to
-:func:`~.planner.normalize_batch`, which validates them without copying (uint32 input),
-so a msgpack request's tokens are copied once, out of the body, and never again.
+Encoding builds the columns with :mod:`~.batch_columns` (which writes the msgpack body
+straight from the caller's arrays). Decoding slices the columnar token buffer into
+per-sequence views and hands them to :func:`~.planner.normalize_batch`, which validates
+them without copying (uint32 input), so a msgpack request's tokens are copied once, out
+of the body; only a sequence sent with a prefix reference is copied again, rebuilt into
+an array of its own.
 Errors about one sequence carry the planner's paths (``$.sequences[i]`` is
 ``tokens[offsets[i]:offsets[i+1]]``); errors about the columns name the column
 (``$.offsets[7]``).
@@ -130,15 +133,17 @@ def _prefixes(msg: PackRequest, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return src, plen
 
 
-def _materialize(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.ndarray, full_off: np.ndarray) -> np.ndarray:
-    """[T] uint32 every sequence in full, prefixes copied from their (earlier) sources."""
-    out = np.empty(int(full_off[-1]), dtype=np.uint32)
-    a_own, b_own, a_full = own_off[:-1].tolist(), own_off[1:].tolist(), full_off[:-1].tolist()
+def _rebuild(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.ndarray) -> list[np.ndarray]:
+    """Per sequence its uint32 tokens in full: a view of the sent buffer when it has no
+    prefix reference, else its source's prefix and its own tokens in one new array.
+
+    Only referencing sequences are copied (not every sequence into one new buffer).
+    """
+    a_own, b_own = own_off[:-1].tolist(), own_off[1:].tolist()
+    out: list[np.ndarray] = []
     for i, (j, n) in enumerate(zip(src.tolist(), plen.tolist())):
-        a = a_full[i]
-        if n:
-            out[a : a + n] = out[a_full[j] : a_full[j] + n]
-        out[a + n : a + n + b_own[i] - a_own[i]] = tokens[a_own[i] : b_own[i]]
+        own = tokens[a_own[i] : b_own[i]]
+        out.append(np.concatenate((out[j][:n], own)) if n else own)
     return out
 
 
@@ -175,10 +180,8 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
         raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
     if limits.max_sequences is not None and s > limits.max_sequences:
         raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
-    if pref is not None:
-        tokens = _materialize(tokens, own_off, pref[0], pref[1], full_off)
     bounds = list(zip(full_off[:-1].tolist(), full_off[1:].tolist()))
-    sequences = [tokens[a:b] for a, b in bounds]
+    sequences = [tokens[a:b] for a, b in bounds] if pref is None else _rebuild(tokens, own_off, pref[0], pref[1])
     trainable = None
     if isinstance(trainable_col, np.ndarray) and trainable_col.dtype == np.bool_:
         trainable = [trainable_col[a:b] for a, b in bounds]
