@@ -14,7 +14,9 @@ history in a temporary folder) and stops it at the end. Bounded in count and tim
    tokens; median of ``--repeats``, interleaved. The embedded figure is the baseline of
    the ratio. Two more columns explain the gap: the *transport floor* (the same body
    POSTed with a wrong wire version, refused right after it is read and unpacked) and
-   the server's planner time.
+   the server's planner time. A second table splits the round trip: the client's
+   encoding, HTTP request and plan decoding (timed in this process) and the server's
+   request, decoding, planning and encoding (means from its Prometheus histograms).
 
 Usage::
 
@@ -213,6 +215,52 @@ def _floor_ms(url: str, body: bytes, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _sums(metrics: str) -> dict[str, tuple[float, float]]:
+    """(sum s, count) of the server's per-pack histograms, for means over a window."""
+    out = {}
+    for key, series in (("request", 'treepack_request_seconds_{}{{route="/v1/pack"}}'), ("plan", "treepack_plan_seconds_{}"),
+                        ("decode", 'treepack_pack_phase_seconds_{}{{phase="decode"}}'), ("encode", 'treepack_pack_phase_seconds_{}{{phase="encode"}}')):  # fmt: skip
+        vals = []
+        for part in ("sum", "count"):
+            m = re.search(rf"^{re.escape(series.format(part))} (\S+)$", metrics, re.M)
+            vals.append(float(m.group(1)) if m else 0.0)
+        out[key] = (vals[0], vals[1])
+    return out
+
+
+def _breakdown(server: "Server", remote: Packer, b: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Where an HTTP round trip's time goes: the client's steps timed here (medians), the
+    server's from its histograms (means over the same requests)."""
+    from treepack.client.http import decode_pack, pack_body
+
+    backend = remote._b
+    enc, req, dec = [], [], []
+    before = _sums(server.metrics())
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        # As Packer(url).pack builds it (a large body as chunks, written while it is sent).
+        body = pack_body(b["sequences"], "msgpack", chunked=True, dedup=True, **{k: v for k, v in b.items() if k != "sequences"}, record=False)
+        t1 = time.perf_counter()
+        resp = backend.request("POST", "/v1/pack", body)
+        t2 = time.perf_counter()
+        decode_pack(resp)
+        t3 = time.perf_counter()
+        enc.append(t1 - t0)
+        req.append(t2 - t1)
+        dec.append(t3 - t2)
+    after = _sums(server.metrics())
+    mean = {k: 1e3 * (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1) for k in after}
+    return dict(
+        client_encode_ms=1e3 * statistics.median(enc),
+        client_request_ms=1e3 * statistics.median(req),
+        client_decode_ms=1e3 * statistics.median(dec),
+        server_request_ms=mean["request"],
+        server_decode_ms=mean["decode"],
+        server_plan_ms=mean["plan"],
+        server_encode_ms=mean["encode"],
+    )
+
+
 def run_roundtrip(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     server = Server("--max-body-bytes", str(1 << 30), "--max-tokens", str(1 << 28))
     rows = []
@@ -251,6 +299,7 @@ def run_roundtrip(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
                         http_plain_ms=1e3 * statistics.median(http_plain),
                         floor_ms=_floor_ms(server.url, body, repeats),
                         server_plan_ms=statistics.median(planner),
+                        breakdown=_breakdown(server, remote, b, repeats),
                     )
                 )
     finally:
@@ -286,9 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nround trip (msgpack over loopback vs embedded; median of {args.repeats}):")
         print("| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | transport floor ms | server planner ms | HTTP ms, no dedup |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for row in run_roundtrip(sizes, args.repeats):
+        rows = run_roundtrip(sizes, args.repeats)
+        for row in rows:
             print(f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
                   f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |")  # fmt: skip
+        print("\nwhere the HTTP time goes (client steps: medians; server: means from its histograms; same requests):")
+        print("| tokens | client encode ms | client request ms | server request ms | server decode ms | server planner ms | server encode ms | client decode ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for row in rows:
+            d = row["breakdown"]
+            print(f"| {row['tokens']:,} | {d['client_encode_ms']:.2f} | {d['client_request_ms']:.2f} | {d['server_request_ms']:.2f} | "
+                  f"{d['server_decode_ms']:.2f} | {d['server_plan_ms']:.2f} | {d['server_encode_ms']:.2f} | {d['client_decode_ms']:.2f} |")  # fmt: skip
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -39,6 +40,9 @@ _INT_RANGE = {
     "<i4": (-(2**31), 2**31 - 1),
     "|u1": (0, 255),
 }
+
+
+_ITEMSIZE = {d: np.dtype(d).itemsize for d in DTYPES}
 
 
 def _native(arr: np.ndarray) -> np.ndarray:
@@ -147,6 +151,13 @@ def array_to_wire(arr: np.ndarray, dtype: str, fmt: Format) -> dict[str, Any]:
 def array_from_wire(obj: Any, *, dtype: str, ndim: int, path: str) -> np.ndarray:
     """Decode an array object, checking its dtype and number of dimensions.
 
+    Args:
+        obj: the array object as a dict, or any object with ``dtype``, ``shape`` and
+            ``data`` attributes (a validated ``ArrayMessage``: read as it is, not dumped).
+        dtype: the dtype the field must hold.
+        ndim: the number of dimensions it must have.
+        path: where it sits in the message, for error messages.
+
     Returns:
         A writable native-order array of ``dtype`` and the sent shape (a private copy, so
         the plan owns its arrays whatever buffer they came in).
@@ -154,16 +165,24 @@ def array_from_wire(obj: Any, *, dtype: str, ndim: int, path: str) -> np.ndarray
     Raises:
         RequestError: a dtype, rank or size that does not match.
     """
-    if not isinstance(obj, dict):
-        raise InputTypeError(f"expected an array object, got {type(obj).__name__}", path=path, rule="type")
-    got = obj.get("dtype")
+    if isinstance(obj, dict):
+        got, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+    else:
+        try:
+            got, shape, data = obj.dtype, obj.shape, obj.data
+        except AttributeError:
+            raise InputTypeError(f"expected an array object, got {type(obj).__name__}", path=path, rule="type") from None
     if got != dtype:
         raise RequestError(f"expected dtype {dtype}, got {got!r}", path=f"{path}.dtype", rule="dtype")
-    shape = obj.get("shape")
-    if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if type(shape) is not list or len(shape) != ndim or any(type(d) is not int or d < 0 for d in shape):
         raise RequestError(f"expected a shape of {ndim} non-negative ints, got {shape!r}", path=f"{path}.shape", rule="shape")
-    flat = decode_buffer(obj.get("data"), dtype, f"{path}.data")
-    size = int(np.prod(shape)) if shape else 1
+    if type(data) is bytes and len(data) % _ITEMSIZE[dtype] == 0:
+        flat = np.frombuffer(data, dtype=dtype)  # the common case, msgpack; decode_buffer names any fault
+    else:
+        flat = decode_buffer(data, dtype, f"{path}.data")
+    size = math.prod(shape)
     if flat.shape[0] != size:
         raise RequestError(f"shape {shape} needs {size} items, data holds {flat.shape[0]}", path=f"{path}.data", rule="shape")
-    return flat.reshape(shape).copy()
+    out = np.empty(shape, dtype=flat.dtype.newbyteorder("="))
+    out.reshape(-1)[:] = flat
+    return out

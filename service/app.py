@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     install_openapi(app, description=DESCRIPTION, bearer=token is not None)
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
         if token is None:
             return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
@@ -198,5 +198,13 @@ def _metrics_spec() -> dict[str, Any]:
 
 
 def create_app_from_env() -> FastAPI:
-    """``create_app(Settings())``: the factory uvicorn workers call (``treepack serve``)."""
-    return create_app(Settings())
+    """``create_app(Settings())``: the factory uvicorn workers call (``treepack serve``).
+
+    Also sets this worker process's allocator to keep ``malloc_keep_mb`` of freed memory
+    (:mod:`treepack.service.malloc`).
+    """
+    from treepack.service.malloc import keep_freed_memory
+
+    settings = Settings()
+    keep_freed_memory(settings.malloc_keep_mb << 20)
+    return create_app(settings)

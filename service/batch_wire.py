@@ -3,9 +3,12 @@
 Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
 
-Decoding slices the columnar token buffer into per-sequence views and hands them to
-:func:`~.planner.normalize_batch`, which validates them without copying (uint32 input),
-so a msgpack request's tokens are copied once, out of the body, and never again.
+Encoding builds the columns with :mod:`~.batch_columns` (which writes the msgpack body
+straight from the caller's arrays). Decoding slices the columnar token buffer into
+per-sequence views and hands them to :func:`~.planner.normalize_batch`, which validates
+them without copying (uint32 input), so a msgpack request's tokens are copied once, out
+of the body; only a sequence sent with a prefix reference is copied again, rebuilt into
+an array of its own.
 Errors about one sequence carry the planner's paths (``$.sequences[i]`` is
 ``tokens[offsets[i]:offsets[i+1]]``); errors about the columns name the column
 (``$.offsets[7]``).
@@ -19,12 +22,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from treepack.proto.buffers import Format, decode_buffer, encode_buffer
+from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
-from treepack.proto.messages import MAX_SEQ_LEN, BatchShapeMessage, PackRequest
+from treepack.proto.messages import BatchShapeMessage, PackRequest
+from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
 from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.shapes import BatchShape
 
-__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "shape_to_wire", "shape_from_wire"]
+__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks", "shape_to_wire", "shape_from_wire"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,15 +133,17 @@ def _prefixes(msg: PackRequest, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return src, plen
 
 
-def _materialize(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.ndarray, full_off: np.ndarray) -> np.ndarray:
-    """[T] uint32 every sequence in full, prefixes copied from their (earlier) sources."""
-    out = np.empty(int(full_off[-1]), dtype=np.uint32)
-    a_own, b_own, a_full = own_off[:-1].tolist(), own_off[1:].tolist(), full_off[:-1].tolist()
+def _rebuild(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.ndarray) -> list[np.ndarray]:
+    """Per sequence its uint32 tokens in full: a view of the sent buffer when it has no
+    prefix reference, else its source's prefix and its own tokens in one new array.
+
+    Only referencing sequences are copied (not every sequence into one new buffer).
+    """
+    a_own, b_own = own_off[:-1].tolist(), own_off[1:].tolist()
+    out: list[np.ndarray] = []
     for i, (j, n) in enumerate(zip(src.tolist(), plen.tolist())):
-        a = a_full[i]
-        if n:
-            out[a : a + n] = out[a_full[j] : a_full[j] + n]
-        out[a + n : a + n + b_own[i] - a_own[i]] = tokens[a_own[i] : b_own[i]]
+        own = tokens[a_own[i] : b_own[i]]
+        out.append(np.concatenate((out[j][:n], own)) if n else own)
     return out
 
 
@@ -173,10 +180,8 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
         raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
     if limits.max_sequences is not None and s > limits.max_sequences:
         raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
-    if pref is not None:
-        tokens = _materialize(tokens, own_off, pref[0], pref[1], full_off)
     bounds = list(zip(full_off[:-1].tolist(), full_off[1:].tolist()))
-    sequences = [tokens[a:b] for a, b in bounds]
+    sequences = [tokens[a:b] for a, b in bounds] if pref is None else _rebuild(tokens, own_off, pref[0], pref[1])
     trainable = None
     if isinstance(trainable_col, np.ndarray) and trainable_col.dtype == np.bool_:
         trainable = [trainable_col[a:b] for a, b in bounds]
@@ -197,32 +202,57 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     return batch, opts
 
 
-def _dedup(batch: Batch, groups: Sequence[Any] | None, min_prefix: int) -> tuple[np.ndarray, np.ndarray]:
-    """(prefix_src [S], prefix_len [S]): each sequence against its group's first sequence
-    (the previous sequence when there are no groups); prefixes shorter than ``min_prefix``
-    are not worth a reference."""
-    s = batch.num_sequences
-    src = np.full(s, -1, dtype=np.int64)
-    plen = np.zeros(s, dtype=np.int64)
-    first: dict[Any, int] = {}
-    for i in range(s):
-        if groups is None:
-            j = i - 1
-        else:
-            g = groups[i]
-            key = None if g is None else (int(g) if isinstance(g, np.integer) else g)
-            j = -1 if key is None else first.setdefault(key, i)
-        if j < 0 or j == i:
-            continue
-        a, b = batch.tokens[i], batch.tokens[j]
-        n = min(a.shape[0], b.shape[0])
-        if n < min_prefix:
-            continue
-        eq = a[:n] == b[:n]
-        lcp = n if eq.all() else int(np.argmin(eq))
-        if lcp >= min_prefix:
-            src[i], plen[i] = j, lcp
-    return src, plen
+def _request_fields(
+    sequences: Sequence[Any],
+    *,
+    seq_len: int,
+    min_shared_len: int = 64,
+    placement: str = "auto",
+    trainable: Sequence[Any] | None = None,
+    groups: Sequence[Any] | None = None,
+    keys: Sequence[Any] | None = None,
+    num_ranks: int = 1,
+    on_overflow: str = "error",
+    conv_width: int = 4,
+    share_trainable: bool = False,
+    tags: Sequence[str | None] | None = None,
+    record: bool = True,
+    dedup: bool = True,
+    min_prefix: int = 64,
+) -> dict[str, Any]:
+    """The ``PackRequest`` fields in order, buffers as :class:`Column` s or little-endian arrays."""
+    cols = batch_columns(sequences, trainable=trainable, groups=groups, keys=keys, dedup=dedup, min_prefix=min_prefix)
+    fields: dict[str, Any] = {
+        "version": 1,
+        "seq_len": seq_len,
+        "tokens": cols.tokens,
+        "offsets": _le(cols.offsets),
+        "min_shared_len": min_shared_len,
+        "placement": placement,
+        "num_ranks": num_ranks,
+        "on_overflow": on_overflow,
+        "conv_width": conv_width,
+        "share_trainable": share_trainable,
+        "record": record,
+    }
+    if cols.trainable is not None:
+        fields["trainable"] = cols.trainable
+    elif cols.prompt_lens is not None:
+        fields["prompt_lens"] = _le(cols.prompt_lens)
+    if cols.prefix_src is not None and cols.prefix_len is not None:
+        fields["prefix_src"] = _le(cols.prefix_src)
+        fields["prefix_len"] = _le(cols.prefix_len)
+    if cols.keys is not None:
+        fields["keys"] = cols.keys
+    if cols.groups is not None:
+        fields["groups"] = cols.groups
+    if tags is not None:
+        fields["tags"] = list(tags)
+    return fields
+
+
+def _le(arr: np.ndarray) -> np.ndarray:
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
 
 def encode_pack_request(
@@ -244,11 +274,12 @@ def encode_pack_request(
     dedup: bool = True,
     min_prefix: int = 64,
 ) -> dict[str, Any]:
-    """Build a ``PackRequest`` body from ``plan_batch``-style arguments (client side).
+    """Build a ``PackRequest`` message from ``plan_batch``-style arguments (client side).
 
-    The sequences are validated by :func:`~.planner.normalize_batch` first (same rules and
-    messages as the embedded planner), without a capacity check: the server applies
-    ``seq_len`` and ``on_overflow``, so overflow events come back in the plan.
+    Only what cannot be written as its column is checked here (with the embedded
+    planner's errors, :mod:`~.batch_columns`); the server validates the rest, capacity
+    included (it applies ``seq_len`` and ``on_overflow``, so overflow events come back in
+    the plan).
 
     Args:
         dedup: send a sequence's common prefix with its group's first sequence (the
@@ -258,44 +289,36 @@ def encode_pack_request(
 
     Returns:
         The message as a dict of buffers (byte views for msgpack, lists for JSON).
+        :func:`encode_pack_body` writes the msgpack body without building it.
     """
-    batch = normalize_batch(sequences, seq_len=MAX_SEQ_LEN, trainable=trainable, groups=groups, keys=keys, on_overflow="error")
-    src, plen = _dedup(batch, groups, min_prefix) if dedup else (None, None)
-    if plen is not None and not plen.any():
-        src = plen = None
-    own = [t if plen is None or not plen[i] else t[plen[i] :] for i, t in enumerate(batch.tokens)]
-    off = np.zeros(batch.num_sequences + 1, dtype=np.int64)
-    np.cumsum([o.shape[0] for o in own], out=off[1:])
-    flat = np.concatenate(own) if batch.num_sequences > 1 else own[0]
-    msg: dict[str, Any] = {
-        "version": 1,
-        "seq_len": seq_len,
-        "tokens": encode_buffer(flat, "<u4", fmt),
-        "offsets": encode_buffer(off, "<i8", fmt),
-        "min_shared_len": min_shared_len,
-        "placement": placement,
-        "num_ranks": num_ranks,
-        "on_overflow": on_overflow,
-        "conv_width": conv_width,
-        "share_trainable": share_trainable,
-        "record": record,
-    }
-    if trainable is not None:
-        if batch.trainable is not None:
-            msg["trainable"] = encode_buffer(np.concatenate(batch.trainable).view(np.uint8), "|u1", fmt)
-        else:
-            msg["prompt_lens"] = encode_buffer(batch.prompt_lens, "<i8", fmt)
-    if src is not None and plen is not None:
-        msg["prefix_src"] = encode_buffer(src, "<i8", fmt)
-        msg["prefix_len"] = encode_buffer(plen, "<i8", fmt)
-    if batch.keys is not None:
-        full = [np.zeros(int(n), np.uint64) if k is None else k for k, n in zip(batch.keys, batch.lens.tolist())]
-        msg["keys"] = encode_buffer(np.concatenate(full), "<u8", fmt)
-    if groups is not None:
-        msg["groups"] = [int(g) if isinstance(g, np.integer) else g for g in groups]
-    if tags is not None:
-        msg["tags"] = list(tags)
-    return msg
+    fields = _request_fields(
+        sequences, seq_len=seq_len, trainable=trainable, groups=groups, keys=keys, tags=tags, dedup=dedup, min_prefix=min_prefix,
+        min_shared_len=min_shared_len, placement=placement, num_ranks=num_ranks, on_overflow=on_overflow, conv_width=conv_width,
+        share_trainable=share_trainable, record=record,
+    )  # fmt: skip
+    for k, v in fields.items():
+        if isinstance(v, Column):
+            fields[k] = encode_buffer(v.concat(), v.dtype, fmt)
+        elif isinstance(v, np.ndarray):
+            fields[k] = encode_buffer(v, v.dtype.str, fmt)
+    return fields
+
+
+def encode_pack_body(sequences: Sequence[Any], *, fmt: Format = "msgpack", **kwargs: Any) -> bytes:
+    """The body of ``POST /v1/pack`` (arguments as for :func:`encode_pack_request`).
+
+    msgpack bodies are written straight from the token arrays (:func:`~.batch_columns.msgpack_body`),
+    bytes-for-bytes equal to ``encode_body(encode_pack_request(...), "msgpack")``.
+    """
+    if fmt != "msgpack":
+        return encode_body(encode_pack_request(sequences, fmt=fmt, **kwargs), fmt)
+    return msgpack_body(_request_fields(sequences, **kwargs))
+
+
+def encode_pack_chunks(sequences: Sequence[Any], **kwargs: Any) -> BodyChunks:
+    """The msgpack body of :func:`encode_pack_body` as :class:`~.batch_columns.BodyChunks`:
+    written chunk by chunk while it is sent, never whole."""
+    return BodyChunks(msgpack_parts(_request_fields(sequences, **kwargs)))
 
 
 def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:

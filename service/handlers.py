@@ -9,6 +9,7 @@ Errors are raised as the project's exceptions; the app maps them to HTTP in one 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from treepack.proto import WIRE_VERSION
@@ -75,8 +76,10 @@ class Service:
 
     def pack(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
         """``POST /v1/pack``: body -> plan (worker thread)."""
+        t0 = time.perf_counter()
         msg = parse_message(PackRequest, decode_body(body, fmt_in))
         batch, opts = decode_pack_request(msg, self.limits)
+        self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
         plan = plan_normalized(
             batch,
             seq_len=opts.seq_len,
@@ -88,7 +91,10 @@ class Service:
         )
         recorded = bool(opts.record and self.recorder is not None and self.recorder.submit(batch, plan, opts.tags))
         self.metrics.observe_plan(plan)
-        return encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
+        t0 = time.perf_counter()
+        out = encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
+        self.metrics.pack_phase.labels("encode").observe(time.perf_counter() - t0)
+        return out
 
     def whatif(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread)."""

@@ -5,6 +5,8 @@ Exported (``GET /metrics``, text format):
 - ``treepack_requests_total{route,method,status}`` and ``treepack_request_seconds{route}``
   (histogram): every HTTP request, timed by an ASGI middleware.
 - ``treepack_plan_seconds``: planner time per packed batch.
+- ``treepack_pack_phase_seconds{phase}``: the rest of a pack's work on the worker:
+  ``decode`` (body to validated batch) and ``encode`` (plan to answer body).
 - ``treepack_tokens_in_total``, ``treepack_packed_tokens_total``: unpacked tokens received
   and tokens laid out in rows; ``treepack_saved_fraction`` and ``treepack_rows``
   (histograms, per batch).
@@ -63,6 +65,10 @@ class ServiceMetrics:
         self.requests = Counter("treepack_requests", "HTTP requests", ["route", "method", "status"], registry=r)
         self.latency = Histogram("treepack_request_seconds", "HTTP request latency", ["route"], buckets=_LATENCY, registry=r)
         self.plan_seconds = Histogram("treepack_plan_seconds", "planner time per packed batch", buckets=_LATENCY, registry=r)
+        self.pack_phase = Histogram(
+            "treepack_pack_phase_seconds", "pack work besides planning: decode (body to batch), encode (plan to body)", ["phase"],
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
         self.tokens_in = Counter("treepack_tokens_in", "unpacked tokens of packed batches", registry=r)
         self.packed_tokens = Counter("treepack_packed_tokens", "tokens laid out in rows", registry=r)
         self.saved = Histogram("treepack_saved_fraction", "1 - packed/unpacked tokens, per batch", buckets=_SAVED, registry=r)

@@ -46,8 +46,13 @@ ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
 _STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f != "timings_ms")
 
 
+_SECTIONS: dict[str, tuple[tuple[str, str, int], ...]] = {
+    sec: tuple((f, dt, nd) for (s, f), (dt, nd) in ARRAYS.items() if s == sec) for sec in dict.fromkeys(s for s, _ in ARRAYS)
+}
+
+
 def _section(obj: Any, section: str, fmt: Format) -> dict[str, Any]:
-    return {f: array_to_wire(getattr(obj, f), dt, fmt) for (sec, f), (dt, _) in ARRAYS.items() if sec == section}
+    return {f: array_to_wire(getattr(obj, f), dt, fmt) for f, dt, _ in _SECTIONS[section]}
 
 
 def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
@@ -79,11 +84,10 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
 
 
 def _arrays(msg: Any, section: str, path: str) -> dict[str, np.ndarray]:
-    out = {}
-    for (sec, f), (dt, nd) in ARRAYS.items():
-        if sec == section:
-            out[f] = array_from_wire(getattr(msg, f).model_dump(), dtype=dt, ndim=nd, path=f"{path}.{f}" if path else f"$.{f}")
-    return out
+    # The validated ArrayMessages are read as they are (dumping each to a dict cost more
+    # than decoding it).
+    prefix = path or "$"
+    return {f: array_from_wire(getattr(msg, f), dtype=dt, ndim=nd, path=f"{prefix}.{f}") for f, dt, nd in _SECTIONS[section]}
 
 
 def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:

@@ -75,6 +75,25 @@ async def test_three_backends_give_identical_plans(server, app, fmt):
                 validate_plan(p_http, kwargs["sequences"], trainable=kwargs.get("trainable"), keys=kwargs.get("keys"))
 
 
+def test_large_bodies_go_out_in_chunks_with_the_same_plan(server, monkeypatch):
+    import treepack.client.http as http
+
+    g = curriculum(32)  # 1.8 MB on the wire: two chunks of at most 1 MiB
+    monkeypatch.setattr(http, "CHUNKED_MIN_BYTES", 0)
+    sent = []
+    real = http.HttpBackend.request
+
+    def spy(self, method, path, body=None, **kw):
+        sent.append(body)
+        return real(self, method, path, body, **kw)
+
+    monkeypatch.setattr(http.HttpBackend, "request", spy)
+    with Packer(server) as p:
+        got = p.pack(**g.plan_kwargs())
+    assert isinstance(sent[0], http.BodyChunks) and len(list(sent[0])) == 2
+    assert_same_plan(Packer().pack(**g.plan_kwargs()), got)
+
+
 async def test_async_embedded_and_sync_http_agree(server):
     name, kwargs, tags = BATCHES[1]
     async with AsyncPacker() as p:
@@ -96,6 +115,15 @@ ERRORS = [
     (dict(sequences=[np.array([1, -5])], seq_len=64), RequestError, "$.sequences[0][1]", "token id must be >= 0, got -5"),
     (dict(sequences=[np.array([1.5])], seq_len=64), InputTypeError, "$.sequences[0]", "expected integer token ids"),
     (dict(sequences=[], seq_len=64), RequestError, "$.sequences", "the batch is empty"),
+    # Wire-form input the client sends unchecked: the server's planner raises the same error.
+    (dict(sequences=[np.arange(9, dtype=np.uint32), np.zeros(0, np.uint32)], seq_len=64), RequestError, "$.sequences[1]", "sequence has no tokens"),
+    (dict(sequences=[np.arange(300, dtype=np.uint32)], seq_len=256), CapacityError, "$.sequences[0]", "sequence 0 has 300 tokens"),
+    # Wire-form tokens with flags or keys that do not fit: the planner's error, raised before sending.
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, trainable=[np.ones(8, bool)]), RequestError, "$.sequences[0].trainable", "8 flags for 9 tokens"),
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, trainable=[True]), InputTypeError, "$.sequences[0].trainable", "expected a bool array"),
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, keys=[np.zeros(3, np.uint64)]), RequestError, "$.sequences[0].keys", "one uint64 per token"),
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, groups=[1.5]), InputTypeError, "$.groups[0]", "group must be an int or a string"),
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, trainable=[1, 2]), RequestError, "$.trainable", "2 entries for 1 sequences"),
 ]
 
 

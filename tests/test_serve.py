@@ -66,3 +66,19 @@ def test_module_entry_point_and_cli_hook():
 
     args = build_parser().parse_args(["serve", "--port", "9123", "--max-concurrent-plans", "3"])
     assert args.func is run_serve and args.port == 9123 and args.max_concurrent_plans == 3
+
+
+def test_worker_factory_keeps_freed_memory_on_glibc():
+    # In a child process: mallopt is process-wide.
+    code = (
+        "import platform, sys\n"
+        "from treepack.service.malloc import keep_freed_memory\n"
+        "assert keep_freed_memory(0) is False\n"
+        "assert keep_freed_memory(64 << 20) is (platform.libc_ver()[0] == 'glibc')\n"
+        "from treepack.service.app import create_app_from_env\n"
+        "app = create_app_from_env(); app.state.service.close()\n"
+    )
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}, "TREEPACK_MALLOC_KEEP_MB": "32"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert settings_from_args(_parse("--malloc-keep-mb", "0")).malloc_keep_mb == 0

@@ -112,6 +112,8 @@ async def test_metrics_after_packs(app):
     assert float(lines['treepack_requests_total{method="POST",route="/v1/pack",status="200"}']) == 3
     assert float(lines['treepack_request_seconds_count{route="/v1/pack"}']) == 3
     assert float(lines["treepack_plan_seconds_count"]) == 3
+    assert float(lines['treepack_pack_phase_seconds_count{phase="decode"}']) == 3
+    assert float(lines['treepack_pack_phase_seconds_count{phase="encode"}']) == 3
     assert float(lines["treepack_queue_depth"]) == 0
     assert "treepack_overloaded_total" in lines and "treepack_history_recorded_total" in lines
 

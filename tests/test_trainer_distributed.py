@@ -14,6 +14,10 @@ import pytest
 import torch
 
 from _trainer_cases import mixed_batch, plan_of
+from treepack.proto.codec import decode_body, encode_body, parse_message
+from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.messages import PlanMessage
+from treepack.service.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
 
@@ -42,15 +46,26 @@ def test_encode_decode_round_trip(golden):
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 50, n) for n in (5, 40, 9)]
     plans.append(plan_batch(seqs, seq_len=16, on_overflow="drop", trainable=[2, 2, 2]))
+    plans.append(plan_of(c, share_trainable=True))  # the flag travels too
     for plan in plans:
-        extra = {"flags": np.arange(5, dtype=np.uint8), "empty": np.zeros(0, np.int64)}
+        extra = {"flags": np.arange(5, dtype=np.uint8), "empty": np.zeros(0, np.int64), "grid": np.arange(6.0).reshape(2, 3)}
         buf = encode_plan(plan, extra)
         back, ex = decode_plan(buf)
         _same(plan, back)
-        assert np.array_equal(ex["flags"], extra["flags"]) and ex["empty"].shape == (0,)
+        assert np.array_equal(ex["flags"], extra["flags"]) and ex["empty"].shape == (0,) and ex["empty"].dtype == np.int64
+        assert ex["grid"].dtype == np.float64 and np.array_equal(ex["grid"], extra["grid"])
         validate_plan(back)
         assert b"pickle" not in buf[:200]
-    assert json.loads(buf[8 : 8 + int.from_bytes(buf[:8], "little")])["format"] == "treepack-plan/1"
+        # The project's encoding: the plan is the PlanMessage of POST /v1/pack, byte for byte.
+        msg = decode_body(buf, "msgpack")
+        assert set(msg) == {"version", "plan", "extra"} and msg["version"] == 1
+        parse_message(PlanMessage, msg["plan"])
+        assert encode_body(msg["plan"], "msgpack") == encode_body(plan_to_wire(plan, "msgpack"), "msgpack")
+    with pytest.raises(InputTypeError, match="dtype bool") as e:
+        encode_plan(plans[0], {"mask": np.ones(3, bool)})
+    assert e.value.path == "$.extra.mask"
+    with pytest.raises(RequestError, match="not a broadcast plan"):
+        decode_plan(encode_body({"version": 1, "seq_len": 3}, "msgpack"))
 
 
 def test_obtain_plan_accepts_packer_callable_or_default():

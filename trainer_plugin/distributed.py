@@ -9,37 +9,37 @@ Flow (every rank calls the same functions, collectives inside)::
 - The planner is ``treepack.client.Packer`` (anything with ``.pack(sequences, **kw)``:
   embedded, or the HTTP sidecar with ``Packer(url=...)``), any callable with
   ``plan_batch``'s signature, or, by default, :func:`~treepack.service.planner.plan_batch`.
-- The plan travels as one uint8 tensor: a JSON header (scalars, stats, array names,
-  dtypes, shapes) and the raw little-endian bytes of every array. Nothing is pickled.
-  The request's trainable flags and group codes travel with it, since every rank needs
-  them for the loss normalizations (which count all sequences' tokens).
-- A planner error on the planning rank is broadcast too and raised on every rank (the
-  other ranks would otherwise wait in the collective forever).
+- The plan travels as one uint8 tensor holding the project's own encoding: a msgpack map
+  ``{"version": 1, "plan": PlanMessage, "extra": {name: array object}}`` with the plan
+  exactly as ``POST /v1/pack`` sends it (:mod:`treepack.service.plan_wire`, schema in
+  ``proto/``) and extra arrays as the same typed array objects. Nothing is pickled. The
+  request's trainable flags and group codes travel as extras, since every rank needs them
+  for the loss normalizations (which count all sequences' tokens).
+- A planner error on the planning rank is broadcast too, as ``{"version": 1, "error":
+  ErrorBody}`` (the service's error body), and raised on every rank (the other ranks
+  would otherwise wait in the collective forever).
 - ``rank_rows[rank]`` holds ``-1`` for empty padding rows: the rank materializes them as
   padding (no loss), so every rank runs the same number of rows.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from treepack.proto import WIRE_VERSION
+from treepack.proto.buffers import DTYPES, array_from_wire, array_to_wire
+from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
-from treepack.service.planner.inputs import OverflowEvent
-from treepack.service.planner.layout import Segments
-from treepack.service.planner.metadata import AttentionMeta, GdnLevel, GdnMeta
-from treepack.service.planner.plan import Plan, PlanStats
-from treepack.service.planner.ranks import Ranks
+from treepack.service.plan_wire import plan_from_wire, plan_to_wire
+from treepack.service.planner.plan import Plan
 from treepack.trainer.batch import PackedBatch
 from treepack.trainer.materialize import materialize, normalize_trainable
 
 __all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "broadcast_plan", "plan_and_broadcast"]
-
-FORMAT = "treepack-plan/1"
 
 
 def obtain_plan(sequences: Sequence[Any], *, planner: Any = None, **plan_kwargs: Any) -> Plan:
@@ -55,83 +55,60 @@ def obtain_plan(sequences: Sequence[Any], *, planner: Any = None, **plan_kwargs:
     raise InputTypeError(f"planner must have .pack(...) or be callable, got {type(planner).__name__}", path="$.planner", rule="type")
 
 
-def _put(arrays: list, spec: list, name: str, arr: np.ndarray) -> None:
-    a = np.ascontiguousarray(arr)
-    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    spec.append([name, a.dtype.str, list(a.shape)])
-    arrays.append(a.tobytes())
-
-
 def encode_plan(plan: Plan, extra: dict[str, np.ndarray] | None = None) -> bytes:
-    """The plan (and optional named arrays) as bytes: u64 header length, JSON header, arrays.
+    """The plan (and optional named arrays) in the project's wire encoding (module docstring).
 
-    The planner-side ``tree`` is not encoded (the trainer never needs it).
+    Args:
+        plan: the plan; its planner-side ``tree`` is not encoded (the trainer never needs it).
+        extra: named arrays of a wire dtype (``|u1``, ``<i4``, ``<i8``, ``<u4``, ``<u8``,
+            ``<f8``; :data:`treepack.proto.buffers.DTYPES`), any shape.
+
+    Returns:
+        The msgpack bytes.
+
+    Raises:
+        InputTypeError: an extra array of another dtype.
     """
-    arrays: list[bytes] = []
-    spec: list = []
-    for sub in ("segments", "attention"):
-        obj = getattr(plan, sub)
-        for f in fields(obj):
-            _put(arrays, spec, f"{sub}.{f.name}", getattr(obj, f.name))
-    for name in ("seq_lens", "orig_lens", "row_of"):
-        _put(arrays, spec, name, getattr(plan, name))
-    for name in ("rank_rows", "row_cost", "rank_cost"):
-        _put(arrays, spec, f"ranks.{name}", getattr(plan.ranks, name))
-    for d, lv in enumerate(plan.gdn.levels):
-        for name in ("segs", "cu_seqlens", "parent", "parent_slot", "conv_context"):
-            _put(arrays, spec, f"gdn.{d}.{name}", getattr(lv, name))
+    arrays = {}
     for name, arr in (extra or {}).items():
-        _put(arrays, spec, f"extra.{name}", np.asarray(arr))
-    st = plan.stats
-    header = {
-        "format": FORMAT,
-        "scalars": {k: getattr(plan, k) for k in ("seq_len", "num_rows", "placement", "strategy", "min_shared_len")},
-        "num_ranks": plan.ranks.num_ranks,
-        "conv_width": plan.gdn.conv_width,
-        "gdn_levels": len(plan.gdn.levels),
-        "stats": {f.name: getattr(st, f.name) for f in fields(st)},
-        "overflow": [[e.index, e.length, e.action] for e in plan.overflow],
-        "arrays": spec,
-    }
-    head = json.dumps(header).encode()
-    return len(head).to_bytes(8, "little") + head + b"".join(arrays)
+        a = np.asarray(arr)
+        dt = a.dtype.newbyteorder("<").str
+        if dt not in DTYPES:
+            raise InputTypeError(f"extra array {name!r} has dtype {a.dtype}; use one of {DTYPES}", path=f"$.extra.{name}", rule="dtype")
+        arrays[name] = array_to_wire(a, dt, "msgpack")
+    return encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, "msgpack"), "extra": arrays}, "msgpack")
 
 
-def _header(buf: bytes) -> tuple[dict, int]:
-    n = int.from_bytes(buf[:8], "little")
-    return json.loads(buf[8 : 8 + n].decode()), 8 + n
+def _message(buf: bytes) -> dict[str, Any]:
+    obj = decode_body(buf, "msgpack")
+    if not isinstance(obj, dict) or obj.get("version") != WIRE_VERSION or not ("plan" in obj or "error" in obj):
+        raise RequestError(f"not a broadcast plan of wire version {WIRE_VERSION}", path="$", rule="format")
+    return obj
+
+
+def _decode(obj: dict[str, Any]) -> tuple[Plan, dict[str, np.ndarray]]:
+    extra = obj.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise InputTypeError(f"extra must be a map, got {type(extra).__name__}", path="$.extra", rule="type")
+    arrays = {}
+    for name, a in extra.items():
+        dt, shape = (a.get("dtype"), a.get("shape")) if isinstance(a, dict) else (None, None)
+        if dt not in DTYPES or not isinstance(shape, list):
+            raise RequestError(f"extra array {name!r} is not a typed array object", path=f"$.extra.{name}", rule="array")
+        arrays[name] = array_from_wire(a, dtype=dt, ndim=len(shape), path=f"$.extra.{name}")
+    return plan_from_wire(obj["plan"]), arrays
 
 
 def decode_plan(buf: bytes) -> tuple[Plan, dict[str, np.ndarray]]:
-    """Inverse of :func:`encode_plan`: (plan, extra arrays)."""
-    header, off = _header(buf)
-    if header.get("format") != FORMAT:
-        raise RequestError(f"unknown plan encoding {header.get('format')!r}, expected {FORMAT!r}", path="$.plan", rule="format")
-    arr: dict[str, np.ndarray] = {}
-    for name, dtype, shape in header["arrays"]:
-        dt = np.dtype(dtype)
-        size = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-        arr[name] = np.frombuffer(buf, dtype=dt, count=size // dt.itemsize if dt.itemsize else 0, offset=off).reshape(shape).astype(dt.newbyteorder("="))
-        off += size
-    sub = lambda cls, prefix: cls(**{f.name: arr[f"{prefix}.{f.name}"] for f in fields(cls)})  # noqa: E731
-    levels = tuple(
-        GdnLevel(depth=d, **{k: arr[f"gdn.{d}.{k}"] for k in ("segs", "cu_seqlens", "parent", "parent_slot", "conv_context")})
-        for d in range(header["gdn_levels"])
-    )
-    plan = Plan(
-        **header["scalars"],
-        seq_lens=arr["seq_lens"],
-        orig_lens=arr["orig_lens"],
-        row_of=arr["row_of"],
-        segments=sub(Segments, "segments"),
-        attention=sub(AttentionMeta, "attention"),
-        gdn=GdnMeta(conv_width=header["conv_width"], levels=levels),
-        ranks=Ranks(num_ranks=header["num_ranks"], rank_rows=arr["ranks.rank_rows"], row_cost=arr["ranks.row_cost"], rank_cost=arr["ranks.rank_cost"]),
-        stats=PlanStats(**header["stats"]),
-        overflow=tuple(OverflowEvent(index=i, length=n, action=a) for i, n, a in header["overflow"]),
-    )
-    extra = {k[len("extra.") :]: v for k, v in arr.items() if k.startswith("extra.")}
-    return plan, extra
+    """Inverse of :func:`encode_plan`: (plan with ``tree=None``, extra arrays).
+
+    Raises:
+        RequestError: bytes that are not an encoded plan (the path names the fault).
+    """
+    obj = _message(buf)
+    if "plan" not in obj:
+        raise RequestError("the message holds an error, not a plan", path="$.plan", rule="required")
+    return _decode(obj)
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -173,9 +150,8 @@ def _error_bytes(err: BaseException) -> bytes:
     if isinstance(err, TreepackError):
         payload = err.to_payload()
     else:
-        payload = {"error": "server_error", "message": f"{type(err).__name__}: {err}", "path": "$", "rule": "planner_failed"}
-    head = json.dumps({"format": "treepack-error/1", "error": payload}).encode()
-    return len(head).to_bytes(8, "little") + head
+        payload = {"version": WIRE_VERSION, "error": "server_error", "message": f"{type(err).__name__}: {err}", "path": "$", "rule": "planner_failed"}
+    return encode_body({"version": WIRE_VERSION, "error": payload}, "msgpack")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,10 +231,10 @@ def plan_and_broadcast(
     buf = _broadcast_bytes(data, src, group)
     if failure is not None:
         raise failure
-    header, _ = _header(buf)
-    if header.get("format") == "treepack-error/1":
-        raise error_from_payload(header["error"], 500 if header["error"].get("error") == "server_error" else 422)
-    plan, extra = decode_plan(buf)
+    obj = _message(buf)
+    if "error" in obj:
+        raise error_from_payload(obj["error"], 500 if obj["error"].get("error") == "server_error" else 422)
+    plan, extra = _decode(obj)
     ptr = np.concatenate([[0], np.cumsum(plan.seq_lens)])
     tr = extra["trainable"].astype(bool)
     flags_list = [tr[ptr[s] : ptr[s + 1]] for s in range(plan.num_sequences)]
