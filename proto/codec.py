@@ -203,6 +203,12 @@ def _convert(err: ValidationError) -> RequestError:
     first = errors[0]
     path = json_path(first["loc"])
     same = [e for e in errors if json_path(e["loc"]) == path]
+    # A union reports one error per member: when the value had a member's type but broke
+    # its constraint (a 300-character group label), that error is the one to name, not
+    # "expected int" from the member it never meant to be.
+    constraint = [e for e in same if not (e["type"].endswith("_type") or e["type"] == "none_required")]
+    if constraint:
+        first = constraint[0]
     more = len({json_path(e["loc"]) for e in errors}) - 1
     tail = f" (and {more} more error{'s' * (more > 1)})" if more > 0 else ""
     kind = first["type"]

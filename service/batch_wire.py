@@ -202,6 +202,14 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     return batch, opts
 
 
+def _py_scalar(v: Any) -> Any:
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
 def _request_fields(
     sequences: Sequence[Any],
     *,
@@ -222,6 +230,12 @@ def _request_fields(
 ) -> dict[str, Any]:
     """The ``PackRequest`` fields in order, buffers as :class:`Column` s or little-endian arrays."""
     cols = batch_columns(sequences, trainable=trainable, groups=groups, keys=keys, dedup=dedup, min_prefix=min_prefix)
+    # numpy scalars (a seq_len read from a config array, say) are what plan_batch takes too;
+    # msgpack cannot write them, so they travel as Python numbers. Other types go as they
+    # are and get the server's 422 naming the field.
+    seq_len, min_shared_len, num_ranks, conv_width, share_trainable, record = (
+        _py_scalar(v) for v in (seq_len, min_shared_len, num_ranks, conv_width, share_trainable, record)
+    )
     fields: dict[str, Any] = {
         "version": 1,
         "seq_len": seq_len,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from service_helpers import assert_same_plan, free_port, running_server, small_batch
+from service_helpers import assert_same_plan, free_port, running_server
 
 from treepack.client import AsyncPacker, Composition, Packer
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError, TransportError, UnsupportedVersionError
@@ -124,7 +124,17 @@ ERRORS = [
     (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, keys=[np.zeros(3, np.uint64)]), RequestError, "$.sequences[0].keys", "one uint64 per token"),
     (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, groups=[1.5]), InputTypeError, "$.groups[0]", "group must be an int or a string"),
     (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, trainable=[1, 2]), RequestError, "$.trainable", "2 entries for 1 sequences"),
+    # The wire's limits on group ids hold for the embedded planner too.
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, groups=["g" * 300]), RequestError, "$.groups[0]", "256"),
+    (dict(sequences=[np.arange(9, dtype=np.uint32)], seq_len=64, groups=[2**70]), RequestError, "$.groups[0]", ""),
 ]
+
+
+def test_numpy_scalar_options_travel(server):
+    seqs = [np.arange(40, dtype=np.uint32)] * 3
+    kwargs = dict(seq_len=np.int64(128), min_shared_len=np.int32(8), num_ranks=np.int64(2), share_trainable=np.bool_(False))
+    with Packer(server) as p:
+        assert_same_plan(Packer().pack(seqs, **kwargs), p.pack(seqs, **kwargs))
 
 
 @pytest.mark.parametrize("kwargs,exc,path,text", ERRORS)

@@ -18,6 +18,7 @@ from treepack.proto.errors import CapacityError, InputTypeError, RequestError
 __all__ = ["Batch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
 
 ON_OVERFLOW = ("error", "truncate", "drop")
+MAX_GROUP_LABEL = 256  # characters, as on the wire
 _UINT32_MAX = np.iinfo(np.uint32).max
 _SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 
@@ -160,6 +161,11 @@ def _group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tupl
         if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str, np.integer)):
             raise InputTypeError(f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type")
         key = int(g) if isinstance(g, np.integer) else g
+        # The wire's limits, so the embedded planner and the sidecar accept the same batches.
+        if isinstance(key, str) and len(key) > MAX_GROUP_LABEL:
+            raise RequestError(f"group label has {len(key)} characters, at most {MAX_GROUP_LABEL}", path=f"$.groups[{s}]", rule="max_length")
+        if isinstance(key, int) and not -(2**63) <= key < 2**63:
+            raise RequestError(f"group id {key} does not fit int64", path=f"$.groups[{s}]", rule="int64")
         c = index.get(key)
         if c is None:
             c = index[key] = len(labels)
