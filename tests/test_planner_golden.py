@@ -86,3 +86,15 @@ def test_generalized_mode_shares_the_common_start_of_completions():
     assert general.tree.length[general.tree.leaf_of].tolist() == [4, 3]
     ptr, who = general.segment_sharers()
     assert who[ptr[0] : ptr[1]].tolist() == [0, 1]
+
+
+def test_scaled_golden_keeps_the_shape():
+    from treepack.service.planner.workloads import golden_example
+
+    w = golden_example(scale=64)
+    plan = plan_batch(**w.plan_kwargs(), placement="bfd", min_shared_len=1)
+    validate_plan(plan, w.sequences, trainable=w.trainable)
+    assert w.seq_len == 2048 and len(w.sequences) == 32
+    # 64 system tokens, 4 group prefixes of 188 (187 shared + the join token in each leaf),
+    # completions of 31 / 31 / 188 / 109 tokens.
+    assert plan.stats.tree_tokens == 64 + 4 * 187 + 8 * ((1 + 31) + (1 + 31) + (1 + 188) + (1 + 109))

@@ -57,33 +57,41 @@ class Workload:
         return dict(sequences=self.sequences, trainable=self.trainable, groups=self.groups, seq_len=self.seq_len)
 
 
-def _distinct_tokens(rng: np.random.Generator, n: int, first: int) -> np.ndarray:
+def _distinct_tokens(rng: np.random.Generator, n: int, first: int, vocab: int = VOCAB) -> np.ndarray:
     """n random ids whose first id is ``first`` (forces a divergence where the spec needs one)."""
-    out = rng.integers(0, VOCAB, n, dtype=np.uint32)
+    out = rng.integers(0, vocab, n, dtype=np.uint32)
     if n:
         out[0] = first
     return out
 
 
-def golden_example(seed: int = 0) -> Workload:
+def golden_example(seed: int = 0, *, scale: int = 1, vocab: int = VOCAB) -> Workload:
     """SPEC section 4's golden example.
 
     32 sequences in groups A, B, C, D (8 each, arriving in that order): a shared 4,096-token
     non-trainable system prefix, a 12,000-token non-trainable prefix per group, then a
     trainable completion of 2,000 (A), 2,000 (B), 12,000 (C) or 7,000 (D) tokens.
     C = 131,072. Tree: 236,124 tokens; bfd: 2 rows (130,105 + 122,114); in_order: 3 rows.
+
+    Args:
+        seed: token ids' seed.
+        scale: divide every length and C by this (rounded, at least 1 token): the same
+            shape at a size a small model trains on in a CPU benchmark.
+        vocab: token ids are drawn from [0, vocab).
     """
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, VOCAB, 4096, dtype=np.uint32)
+    div = lambda n: max(1, round(n / scale))  # noqa: E731
+    system = rng.integers(0, vocab, div(4096), dtype=np.uint32)
     seqs, trainable, groups = [], [], []
     for gi, (g, clen) in enumerate(zip("ABCD", (2000, 2000, 12000, 7000))):
-        prefix = _distinct_tokens(rng, 12000, gi)
+        prefix = _distinct_tokens(rng, div(12000), gi, vocab)
         for _ in range(8):
-            comp = rng.integers(0, VOCAB, clen, dtype=np.uint32)
+            comp = rng.integers(0, vocab, div(clen), dtype=np.uint32)
             seqs.append(np.concatenate([system, prefix, comp]))
-            trainable.append(4096 + 12000)
+            trainable.append(system.shape[0] + prefix.shape[0])
             groups.append(g)
-    return Workload(name="golden", sequences=seqs, trainable=trainable, groups=groups, seq_len=131072, tags=groups[:])
+    name = "golden" if scale == 1 else f"golden/{scale}"
+    return Workload(name=name, sequences=seqs, trainable=trainable, groups=groups, seq_len=131072 // scale, tags=groups[:])
 
 
 def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int, size: int) -> np.ndarray:
