@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import treepack.trainer.hf_dsa as hf_dsa
-from tree_batches import tree_features, tree_plan
+from tree_batches import assert_grads_close, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
 from treepack.trainer.hf_hybrid import patch_hybrid_layers
@@ -149,31 +149,10 @@ def test_tiebreak_only_reorders_ties(case):
 
 def test_packed_gradients_equal_unpacked(case):
     seqs, trainable, plan, model, batch, _ = case
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.rand(len(s), generator=gen) for s in seqs]
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss_ref = 0.0
-    for s, (x, lp) in enumerate(zip(seqs, _unpacked(model, seqs))):
-        tgt = torch.as_tensor(x, dtype=torch.int64)
-        pos = torch.arange(max(trainable[s] - 1, 0), len(x) - 1)
-        loss_ref = loss_ref + (lp[pos, tgt[pos + 1]] * weights[s][pos]).sum()
-    g_ref = torch.autograd.grad(loss_ref, params, allow_unused=True)
+    ref = _unpacked(model, seqs)
     lp = _packed(model, batch)
-    entry = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None])[:, 0]
-    w = torch.stack([weights[int(s)][int(p) - 1] for s, p in zip(batch.score_seq, batch.score_pos)])
-    loss = (entry * w).sum()
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
-    g = torch.autograd.grad(loss, params, allow_unused=True)
-    checked = 0
-    for (name, _), a, b in zip(model.named_parameters(), g, g_ref):
-        if b is None:
-            assert a is None or torch.count_nonzero(a) == 0, name
-            continue
-        scale = float(b.abs().max())
-        err = float((a - b).abs().max())
-        assert err <= 1e-4 * scale + 1e-9, f"{name}: max |d grad| {err:.3g} vs max |grad| {scale:.3g}"
-        checked += scale > 0
-    assert checked > 15
+    loss, loss_ref = scored_loss_pair(seqs, trainable, ref, batch, lp)
+    assert_grads_close(model, loss, loss_ref, min_checked=15)
 
 
 def test_leaf_loss_gradient_is_zero_off_its_chain(case):

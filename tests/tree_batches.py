@@ -80,3 +80,45 @@ def tree_features(plan, conv_width: int) -> dict:
     }
     f["ok"] = f["depth"] >= 3 and f["several_trees_in_a_row"] and f["crosses_chunk"] and f["short_inner"]
     return f
+
+
+def scored_loss_pair(seqs, trainable, unpacked, batch, packed_lp, seed: int = 0):
+    """(packed loss, unpacked loss): one set of random weights on every scored position.
+
+    Args:
+        seqs, trainable: the planned sequences and their prompt lengths.
+        unpacked: per sequence [len, vocab] logprobs of the sequence run alone.
+        batch: the PackedBatch; packed_lp: its [rows, L, vocab] logprobs.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.rand(len(s), generator=gen) for s in seqs]
+    loss_ref = 0.0
+    for s, (x, lp) in enumerate(zip(seqs, unpacked)):
+        tgt = torch.as_tensor(x, dtype=torch.int64)
+        pos = torch.arange(max(trainable[s] - 1, 0), len(x) - 1)  # scored: the next token is trainable
+        loss_ref = loss_ref + (lp[pos, tgt[pos + 1]] * weights[s][pos]).sum()
+    entry = packed_lp.reshape(-1, packed_lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None])[:, 0]
+    w = torch.stack([weights[int(s)][int(p) - 1] for s, p in zip(batch.score_seq, batch.score_pos)])
+    return (entry * w).sum(), loss_ref
+
+
+def assert_grads_close(model, loss, loss_ref, *, min_checked: int, rtol: float = 1e-4) -> None:
+    """Parameter gradients of the two losses agree (relative to each tensor's largest entry)."""
+    import torch
+
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_ref = torch.autograd.grad(loss_ref, params, allow_unused=True)
+    g = torch.autograd.grad(loss, params, allow_unused=True)
+    checked = 0
+    for (name, _), a, b in zip(model.named_parameters(), g, g_ref):
+        if b is None:
+            assert a is None or torch.count_nonzero(a) == 0, name
+            continue
+        scale = float(b.abs().max())
+        err = float((a - b).abs().max())
+        assert err <= rtol * scale + 1e-9, f"{name}: max |d grad| {err:.3g} vs max |grad| {scale:.3g}"
+        checked += scale > 0
+    assert checked > min_checked

@@ -118,7 +118,6 @@ class _Emitter:
 
     def finish(self, min_shared_len: int, share_trainable: bool = False) -> Tree:
         parent = np.asarray(self.parent, dtype=np.int64)
-        n = parent.shape[0]
         depth = forest_depth(parent)
         leaf_of = self.leaf_of
         kept = leaf_of >= 0
