@@ -23,24 +23,28 @@ from treepack.trainer.hf import disable_tree_attention, packed_forward
 from treepack.trainer.hf_hybrid import patch_hybrid_layers, unpatch_hybrid_layers
 
 VOCAB = 97
+# Dimensions both tiny hybrids share: layers 0, 1, 3 Gated DeltaNet, layer 2 full attention.
+TINY_GDN_DIMS = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
 
 
 def tiny_qwen3_next(conv_width: int, seed: int = 0):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
+        **TINY_GDN_DIMS,
         linear_conv_kernel_dim=conv_width,
         num_experts=4,
         num_experts_per_tok=2,
@@ -159,18 +163,7 @@ def test_qwen3_5_packed_logprobs_equal_unpacked():
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
+        **TINY_GDN_DIMS,
         linear_conv_kernel_dim=4,
         initializer_range=0.08,
         max_position_embeddings=512,
