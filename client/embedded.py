@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from treepack.proto import WIRE_VERSION
 from treepack.service.planner.api import plan_batch, plan_normalized
 from treepack.service.planner.inputs import normalize_batch
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.service.planner.shapes import BatchShape, shape_of
 from treepack.service.planner.whatif import Composition, WhatIfResult, whatif
 

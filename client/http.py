@@ -30,7 +30,7 @@ from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
 from treepack.service.batch_columns import BodyChunks
 from treepack.service.batch_wire import encode_pack_body, encode_pack_chunks, shape_to_wire
 from treepack.service.plan_wire import plan_from_wire
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.service.planner.shapes import BatchShape
 from treepack.service.planner.whatif import Composition, Distribution, WhatIfResult
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from treepack.proto.codec import Format
 from treepack.proto.errors import InputTypeError
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.service.planner.shapes import BatchShape
 from treepack.service.planner.whatif import Composition, WhatIfResult
 

@@ -34,7 +34,7 @@ from treepack.proto.codec import parse_message
 from treepack.proto.messages import BatchShapeMessage
 from treepack.service.batch_wire import shape_from_wire, shape_to_wire
 from treepack.service.planner.inputs import Batch
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.service.planner.shapes import BatchShape, shape_of
 
 __all__ = ["HistoryStore", "HistoryRecorder", "SCHEMA_VERSION", "empty_summary"]

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from treepack.service.history import HistoryRecorder
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.service.pool import PlanPool
 
 __all__ = ["ServiceMetrics", "MetricsMiddleware", "ROUTES"]

@@ -19,11 +19,7 @@ import numpy as np
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import PlanMessage
-from treepack.service.planner.inputs import OverflowEvent
-from treepack.service.planner.layout import Segments
-from treepack.service.planner.metadata import AttentionMeta, GdnLevel, GdnMeta
-from treepack.service.planner.plan import Plan, PlanStats
-from treepack.service.planner.ranks import Ranks
+from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "plan_differences"]
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 
 __all__ = ["plan_summary", "format_table", "draw_rows"]
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.service.planner.arrays import ragged_arange
-from treepack.service.planner.plan import Plan
+from treepack.proto.index import ragged_arange
+from treepack.proto.plan import Plan
 
 if TYPE_CHECKING:
     from treepack.trainer.masks import VarlenMeta

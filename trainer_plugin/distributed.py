@@ -35,7 +35,7 @@ from treepack.proto.buffers import DTYPES, array_from_wire, array_to_wire
 from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
 from treepack.service.plan_wire import plan_from_wire, plan_to_wire
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 from treepack.trainer.batch import PackedBatch
 from treepack.trainer.materialize import materialize, normalize_trainable
 

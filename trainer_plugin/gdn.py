@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.service.planner.arrays import ragged_arange
-from treepack.service.planner.metadata import segment_tokens
-from treepack.service.planner.plan import Plan
+from treepack.proto.index import ragged_arange
+from treepack.proto.index import segment_tokens
+from treepack.proto.plan import Plan
 from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from treepack.service.planner.arrays import ragged_arange
+from treepack.proto.index import ragged_arange
 from treepack.service.planner.validate import naive_tree_mask
 
 if TYPE_CHECKING:

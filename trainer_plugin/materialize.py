@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.service.planner.arrays import ragged_arange
-from treepack.service.planner.plan import Plan
+from treepack.proto.index import ragged_arange
+from treepack.proto.plan import Plan
 from treepack.trainer.batch import PackedBatch
 
 __all__ = ["materialize", "normalize_trainable", "scored_counts"]

@@ -13,7 +13,7 @@ from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.placement import check_placement, place_leaves
-from treepack.service.planner.plan import Plan, PlanStats
+from treepack.proto.plan import Plan, PlanStats
 from treepack.service.planner.ranks import assign_ranks, check_num_ranks
 from treepack.service.planner.tree import build_tree, check_min_shared_len, flat_tree
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.service.planner.arrays import accumulate_up
+from treepack.proto.index import accumulate_up
 from treepack.service.planner.tree import Tree
 
 __all__ = ["lower_bound_rows", "subtree_sizes", "min_copies"]

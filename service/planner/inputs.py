@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
+from treepack.proto.plan import OverflowEvent
 
 __all__ = ["Batch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
 
@@ -21,15 +22,6 @@ ON_OVERFLOW = ("error", "truncate", "drop")
 MAX_GROUP_LABEL = 256  # characters, as on the wire
 _UINT32_MAX = np.iinfo(np.uint32).max
 _SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OverflowEvent:
-    """A sequence longer than ``seq_len`` that was truncated or dropped."""
-
-    index: int
-    length: int
-    action: str  # "truncate" | "drop"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

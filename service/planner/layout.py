@@ -10,57 +10,13 @@ loop runs per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from treepack.service.planner.arrays import accumulate_up, forest_depth, ragged_arange
+from treepack.proto.index import accumulate_up, forest_depth, ragged_arange
+from treepack.proto.plan import Segments
 from treepack.service.planner.tree import Tree
 
 __all__ = ["Segments", "layout_rows"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Segments:
-    """Every row's segments, rows in order, each row's segments in pre-order.
-
-    Attributes (G segments, R rows, S sequences):
-        row: [G] int64 row of each segment.
-        row_start: [G] int64 first row index of the segment.
-        length: [G] int64 tokens (>= 1).
-        seq: [G] int64 a sequence of the same row holding these tokens (its ``source``).
-        seq_start: [G] int64 position in ``seq`` of the segment's first token.
-        parent: [G] int64 parent segment (global index), -1 for a row's roots.
-        depth: [G] int64 depth in the row's tree, roots 0.
-        subtree_end: [G] int64 one past the last row index of the segment's subtree.
-        sharers: [G] int64 sequences of the row through the segment.
-        row_ptr: [R+1] int64 CSR: segments of row r are row_ptr[r]..row_ptr[r+1]-1.
-        row_len: [R] int64 tokens used in each row.
-        seq_ptr: [S+1] int64 CSR into ``seq_segs``.
-        seq_segs: [P] int64 each sequence's segments, root to leaf (empty if dropped).
-    """
-
-    row: np.ndarray
-    row_start: np.ndarray
-    length: np.ndarray
-    seq: np.ndarray
-    seq_start: np.ndarray
-    parent: np.ndarray
-    depth: np.ndarray
-    subtree_end: np.ndarray
-    sharers: np.ndarray
-    row_ptr: np.ndarray
-    row_len: np.ndarray
-    seq_ptr: np.ndarray
-    seq_segs: np.ndarray
-
-    @property
-    def num_segments(self) -> int:
-        return int(self.row.shape[0])
-
-    def segments_of(self, s: int) -> np.ndarray:
-        """Segments of sequence s, root to leaf."""
-        return self.seq_segs[self.seq_ptr[s] : self.seq_ptr[s + 1]]
 
 
 def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:

@@ -14,62 +14,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from treepack.service.planner.arrays import ragged_arange
-from treepack.service.planner.layout import Segments
+from treepack.proto.index import ragged_arange, segment_tokens
+from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, Segments
 
-__all__ = ["AttentionMeta", "GdnLevel", "GdnMeta", "attention_meta", "gdn_meta", "naive_conv_context", "segment_tokens"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AttentionMeta:
-    """Ancestor chains of every segment (CSR).
-
-    Attributes:
-        anc_ptr: [G+1] int64 offsets into ``anc_segs``.
-        anc_segs: [A] int64 each segment's chain, root first, the segment itself last.
-        key_lens: [G] int64 keys each segment's queries see at its last token
-            (= the chain's token count = ``seq_start + length``).
-    """
-
-    anc_ptr: np.ndarray
-    anc_segs: np.ndarray
-    key_lens: np.ndarray
-
-    def chain(self, g: int) -> np.ndarray:
-        return self.anc_segs[self.anc_ptr[g] : self.anc_ptr[g + 1]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GdnLevel:
-    """One tree depth across all rows.
-
-    Attributes:
-        depth: the level's depth (0 = row roots).
-        segs: [n] int64 segments of this depth, in row-major order.
-        cu_seqlens: [n+1] int32 cumulative lengths, starting at 0.
-        parent: [n] int64 parent segment (global index), -1 at depth 0.
-        parent_slot: [n] int64 index of the parent within the previous level's ``segs``.
-        conv_context: [n, W-1] int64 flat row positions of the conv context, -1 = zero.
-    """
-
-    depth: int
-    segs: np.ndarray
-    cu_seqlens: np.ndarray
-    parent: np.ndarray
-    parent_slot: np.ndarray
-    conv_context: np.ndarray
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GdnMeta:
-    """GDN execution schedule: ``levels[d]`` for d = 0 .. max depth."""
-
-    conv_width: int
-    levels: tuple[GdnLevel, ...]
+__all__ = ["attention_meta", "gdn_meta", "naive_conv_context"]
 
 
 def attention_meta(seg: Segments) -> AttentionMeta:
@@ -158,9 +108,3 @@ def gdn_meta(seg: Segments, seq_len: int, conv_width: int = 4) -> GdnMeta:
             )
         )
     return GdnMeta(conv_width=conv_width, levels=tuple(levels))
-
-
-def segment_tokens(seg: Segments, seq_len: int, segs: np.ndarray) -> np.ndarray:
-    """Flat row positions of the tokens of ``segs``, concatenated in order."""
-    lens = seg.length[segs]
-    return np.repeat(seg.row[segs] * seq_len + seg.row_start[segs], lens) + ragged_arange(lens)

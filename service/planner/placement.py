@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treepack.proto.errors import RequestError
-from treepack.service.planner.arrays import ragged_arange
+from treepack.proto.index import ragged_arange
 from treepack.service.planner.inputs import Batch
 from treepack.service.planner.rows import OpenRows, naive_best_fit
 from treepack.service.planner.tree import Tree

@@ -13,31 +13,13 @@ processing time first: heaviest row to the least-loaded rank that still has a fr
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.service.planner.layout import Segments
+from treepack.proto.plan import Ranks, Segments
 
-__all__ = ["Ranks", "assign_ranks", "row_cost", "check_num_ranks"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ranks:
-    """Rank assignment.
-
-    Attributes:
-        num_ranks: P.
-        rank_rows: [P, K] int64 rows of each rank, -1 for an empty (padding) row.
-        row_cost: [R] float64 estimated cost of each row.
-        rank_cost: [P] float64 summed cost per rank.
-    """
-
-    num_ranks: int
-    rank_rows: np.ndarray
-    row_cost: np.ndarray
-    rank_cost: np.ndarray
+__all__ = ["assign_ranks", "row_cost", "check_num_ranks"]
 
 
 def check_num_ranks(num_ranks: object) -> int:

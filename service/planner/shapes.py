@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treepack.proto.errors import RequestError
-from treepack.service.planner.arrays import ragged_arange
+from treepack.proto.index import ragged_arange
 from treepack.service.planner.inputs import Batch
 from treepack.service.planner.tree import Tree, build_tree
 

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.service.planner.arrays import forest_depth
+from treepack.proto.index import forest_depth
 from treepack.service.planner.inputs import Batch
 
 __all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree", "check_min_shared_len"]

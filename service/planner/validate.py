@@ -28,7 +28,7 @@ import numpy as np
 
 from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.metadata import naive_conv_context
-from treepack.service.planner.plan import Plan
+from treepack.proto.plan import Plan
 
 __all__ = ["PlanInvariantError", "validate_plan", "naive_tree_mask", "interval_mask"]
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
 from treepack.service.planner.api import plan_batch
-from treepack.service.planner.arrays import ragged_arange
+from treepack.proto.index import ragged_arange
 from treepack.service.planner.shapes import BatchShape, run_tokens
 
 _TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)

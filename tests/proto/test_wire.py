@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_helpers import pack_message, small_batch
+from helpers.service import pack_message, small_batch
 
 from treepack.proto.buffers import array_from_wire, array_to_wire, decode_buffer
 from treepack.proto.codec import decode_body, encode_body, parse_message, response_format

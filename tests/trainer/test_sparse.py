@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tree_batches import tree_plan
+from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.service.planner import naive_tree_mask
 from treepack.trainer.sparse import (

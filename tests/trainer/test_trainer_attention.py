@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _trainer_cases import mixed_batch, plan_of, random_batch
+from helpers.trainer_cases import mixed_batch, plan_of, random_batch
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
 from treepack.trainer.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
 

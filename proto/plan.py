@@ -3,22 +3,139 @@
 A :class:`Plan` holds integers only: sequence indices, positions, lengths. Per-token
 arrays ([R, C]) derive from the segment table with vectorized numpy on demand
 (:meth:`Plan.token_source`, :meth:`Plan.position_ids`, :meth:`Plan.subtree_end`).
+
+These are the contract types: the planner (:mod:`treepack.service.planner`) builds them,
+the wire codecs carry them, the client and the trainer read them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from treepack.service.planner.arrays import ragged_arange
-from treepack.service.planner.inputs import OverflowEvent
-from treepack.service.planner.layout import Segments
-from treepack.service.planner.metadata import AttentionMeta, GdnMeta
-from treepack.service.planner.ranks import Ranks
-from treepack.service.planner.tree import Tree
+from treepack.proto.index import ragged_arange
 
-__all__ = ["Plan", "PlanStats"]
+__all__ = ["Plan", "PlanStats", "OverflowEvent", "Segments", "AttentionMeta", "GdnLevel", "GdnMeta", "Ranks"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverflowEvent:
+    """A sequence longer than ``seq_len`` that was truncated or dropped."""
+
+    index: int
+    length: int
+    action: str  # "truncate" | "drop"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segments:
+    """Every row's segments, rows in order, each row's segments in pre-order.
+
+    Attributes (G segments, R rows, S sequences):
+        row: [G] int64 row of each segment.
+        row_start: [G] int64 first row index of the segment.
+        length: [G] int64 tokens (>= 1).
+        seq: [G] int64 a sequence of the same row holding these tokens (its ``source``).
+        seq_start: [G] int64 position in ``seq`` of the segment's first token.
+        parent: [G] int64 parent segment (global index), -1 for a row's roots.
+        depth: [G] int64 depth in the row's tree, roots 0.
+        subtree_end: [G] int64 one past the last row index of the segment's subtree.
+        sharers: [G] int64 sequences of the row through the segment.
+        row_ptr: [R+1] int64 CSR: segments of row r are row_ptr[r]..row_ptr[r+1]-1.
+        row_len: [R] int64 tokens used in each row.
+        seq_ptr: [S+1] int64 CSR into ``seq_segs``.
+        seq_segs: [P] int64 each sequence's segments, root to leaf (empty if dropped).
+    """
+
+    row: np.ndarray
+    row_start: np.ndarray
+    length: np.ndarray
+    seq: np.ndarray
+    seq_start: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    subtree_end: np.ndarray
+    sharers: np.ndarray
+    row_ptr: np.ndarray
+    row_len: np.ndarray
+    seq_ptr: np.ndarray
+    seq_segs: np.ndarray
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.row.shape[0])
+
+    def segments_of(self, s: int) -> np.ndarray:
+        """Segments of sequence s, root to leaf."""
+        return self.seq_segs[self.seq_ptr[s] : self.seq_ptr[s + 1]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionMeta:
+    """Ancestor chains of every segment (CSR).
+
+    Attributes:
+        anc_ptr: [G+1] int64 offsets into ``anc_segs``.
+        anc_segs: [A] int64 each segment's chain, root first, the segment itself last.
+        key_lens: [G] int64 keys each segment's queries see at its last token
+            (= the chain's token count = ``seq_start + length``).
+    """
+
+    anc_ptr: np.ndarray
+    anc_segs: np.ndarray
+    key_lens: np.ndarray
+
+    def chain(self, g: int) -> np.ndarray:
+        return self.anc_segs[self.anc_ptr[g] : self.anc_ptr[g + 1]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GdnLevel:
+    """One tree depth across all rows.
+
+    Attributes:
+        depth: the level's depth (0 = row roots).
+        segs: [n] int64 segments of this depth, in row-major order.
+        cu_seqlens: [n+1] int32 cumulative lengths, starting at 0.
+        parent: [n] int64 parent segment (global index), -1 at depth 0.
+        parent_slot: [n] int64 index of the parent within the previous level's ``segs``.
+        conv_context: [n, W-1] int64 flat row positions of the conv context, -1 = zero.
+    """
+
+    depth: int
+    segs: np.ndarray
+    cu_seqlens: np.ndarray
+    parent: np.ndarray
+    parent_slot: np.ndarray
+    conv_context: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GdnMeta:
+    """GDN execution schedule: ``levels[d]`` for d = 0 .. max depth."""
+
+    conv_width: int
+    levels: tuple[GdnLevel, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ranks:
+    """Rank assignment.
+
+    Attributes:
+        num_ranks: P.
+        rank_rows: [P, K] int64 rows of each rank, -1 for an empty (padding) row.
+        row_cost: [R] float64 estimated cost of each row.
+        rank_cost: [P] float64 summed cost per rank.
+    """
+
+    num_ranks: int
+    rank_rows: np.ndarray
+    row_cost: np.ndarray
+    rank_cost: np.ndarray
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +205,7 @@ class Plan:
     ranks: Ranks
     stats: PlanStats
     overflow: tuple[OverflowEvent, ...] = ()
-    tree: Tree | None = None
+    tree: Any = None
     share_trainable: bool = False
 
     @property

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from _trainer_cases import VOCAB, mixed_batch, plan_of, trainable_flags
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, trainable_flags
 from treepack.trainer import materialize
 from treepack.trainer.losses import (
     cispo_loss,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from _trainer_cases import mixed_batch, plan_of
+from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.messages import PlanMessage
@@ -112,7 +112,7 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from _trainer_cases import tiny_model
+    from helpers.trainer_cases import tiny_model
     from treepack.trainer import materialize
     from treepack.trainer.distributed import plan_and_broadcast
     from treepack.trainer.hf import packed_forward

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def test_gpu_gdn_cpu_smoke_runs():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_gdn.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_gdn.py"
     spec = importlib.util.spec_from_file_location("gpu_gdn", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

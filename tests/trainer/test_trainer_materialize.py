@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer import materialize
 from treepack.trainer.masks import naive_dense_mask

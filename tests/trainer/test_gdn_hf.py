@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tree_batches import assert_grads_close, scored_loss_pair, tree_features, tree_plan
+from helpers.trees import assert_grads_close, scored_loss_pair, tree_features, tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward

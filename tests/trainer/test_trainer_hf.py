@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _trainer_cases import max_abs_diff, mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
+from helpers.trainer_cases import max_abs_diff, mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import ATTN_IMPLEMENTATION, disable_tree_attention, packed_forward
 from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
@@ -157,7 +157,7 @@ def test_logprobs_from_hidden_states_in_chunks(case):
 def test_oracle_with_shared_trainable_positions(backend):
     """share_trainable plans: scored positions shared by sequences with different
     advantages give the per-sequence loss and gradients (positive and negative sums apart)."""
-    from _trainer_cases import shared_trainable_batch
+    from helpers.trainer_cases import shared_trainable_batch
 
     c = shared_trainable_batch()
     plan = plan_of(c, share_trainable=True)

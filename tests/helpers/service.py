@@ -23,7 +23,7 @@ from treepack.service.batch_wire import encode_pack_request
 from treepack.service.plan_wire import plan_differences
 from treepack.service.planner import Plan, validate_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def small_batch(seed: int = 0) -> dict[str, Any]:

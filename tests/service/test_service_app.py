@@ -8,7 +8,7 @@ import threading
 import httpx
 import msgpack
 import pytest
-from service_helpers import assert_same_plan, pack_body, plan_kwargs, small_batch
+from helpers.service import assert_same_plan, pack_body, plan_kwargs, small_batch
 
 from treepack.client import AsyncPacker
 from treepack.proto.errors import OverloadedError

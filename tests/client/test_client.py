@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from service_helpers import assert_same_plan, free_port, running_server
+from helpers.service import assert_same_plan, free_port, running_server
 
 from treepack.client import AsyncPacker, Composition, Packer
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError, TransportError, UnsupportedVersionError

@@ -1,4 +1,4 @@
-"""Small batches and tiny HF models for the trainer tests (shared by tests/test_trainer_*.py)."""
+"""Small batches and tiny HF models for the trainer tests (shared by tests/trainer/)."""
 
 from __future__ import annotations
 

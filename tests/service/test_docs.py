@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from service_helpers import REPO
+from helpers.service import REPO
 
 from treepack.proto import errors
 from treepack.service.settings import Settings

@@ -11,7 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from service_helpers import assert_same_plan, pack_body, plan_kwargs, running_server, small_batch
+from helpers.service import assert_same_plan, pack_body, plan_kwargs, running_server, small_batch
 
 from treepack.client import Packer
 from treepack.proto.codec import encode_body

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import treepack.trainer.hf_dsa as hf_dsa
-from tree_batches import assert_grads_close, scored_loss_pair, tree_features, tree_plan
+from helpers.trees import assert_grads_close, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
 from treepack.trainer.hf_hybrid import patch_hybrid_layers

@@ -1,10 +1,13 @@
-"""Small vectorized helpers over ragged arrays and parent-pointer forests."""
+"""Vectorized index helpers shared by the planner, the wire codecs and the trainer.
+
+Ragged arrays (CSR), parent-pointer forests and segment-to-row-position maps; numpy only.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ragged_arange", "forest_depth", "accumulate_up"]
+__all__ = ["ragged_arange", "forest_depth", "accumulate_up", "segment_tokens"]
 
 
 def ragged_arange(counts: np.ndarray) -> np.ndarray:
@@ -49,3 +52,18 @@ def accumulate_up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray, ufu
         at = np.flatnonzero(depth == d)
         ufunc.at(out, parent[at], out[at])
     return out
+
+
+def segment_tokens(seg, seq_len: int, segs: np.ndarray) -> np.ndarray:
+    """Flat row positions (``row * seq_len + index``) of the tokens of ``segs``, in order.
+
+    Args:
+        seg: a :class:`~treepack.proto.plan.Segments` table.
+        seq_len: row capacity C.
+        segs: [n] int64 segment indices.
+
+    Returns:
+        [sum of their lengths] int64.
+    """
+    lens = seg.length[segs]
+    return np.repeat(seg.row[segs] * seq_len + seg.row_start[segs], lens) + ragged_arange(lens)

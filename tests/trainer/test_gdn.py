@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tree_batches import tree_plan
+from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer.gdn import (
     gdn_schedule,

@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 
 import pytest
 import yaml
-from service_helpers import REPO, running_server
+from helpers.service import REPO, running_server
 
 from treepack.service import Settings, create_app
 from treepack.service.serve import add_serve_arguments

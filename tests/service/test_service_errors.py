@@ -12,7 +12,7 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from service_helpers import pack_body, pack_message, small_batch
+from helpers.service import pack_body, pack_message, small_batch
 
 from treepack.proto.codec import encode_body
 from treepack.service import Settings, create_app
