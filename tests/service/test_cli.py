@@ -1,12 +1,10 @@
-"""The treepack command line: plan, demo, bench."""
+"""The treepack command line in-process: plan, demo, the serve hook (``bench`` as a process: tests/e2e/test_cli_process.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from treepack.service.cli import main
@@ -77,20 +75,6 @@ def test_demo_prints_table_and_draws(tmp_path, capsys):
     assert "120,113, 125,105, 23,096" in out  # in_order's
     assert "fewer rows" in out
     assert png.stat().st_size > 10_000 and (tmp_path / "rows-curriculum.png").stat().st_size > 10_000
-
-
-def test_bench_runs_with_progress(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "treepack.service.cli", "bench", "--only", "golden", "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "[golden] generated 32 sequences" in proc.stdout
-    recs = json.loads(out.read_text())
-    assert {r["placement"] for r in recs} == {"auto", "bfd", "in_order", "no_share"}
-    assert all(r["naive_bfd_ms"] is not None for r in recs)
-    assert np.isfinite([r["total_ms"] for r in recs]).all()
 
 
 def test_cli_works_without_the_service_extra(monkeypatch, capsys):

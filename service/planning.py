@@ -1,9 +1,10 @@
-"""What the routes do, without FastAPI: decode a body, call the planner, encode the answer.
+"""The sidecar's planning work, without FastAPI: decode a body, call the planner, encode the answer.
 
-:class:`Service` holds one instance's parts (settings, planner pool, history, metrics).
-:meth:`Service.pack` and :meth:`Service.whatif` take the raw body and return the raw
-answer; they run on a planner worker thread (decoding a large body is CPU work too).
-Errors are raised as the project's exceptions; the app maps them to HTTP in one place.
+:class:`PlanningService` holds one instance's parts (settings, planner pool, history,
+metrics). :meth:`PlanningService.pack` and :meth:`PlanningService.whatif` take the raw body
+and return the raw answer; the routes run them on a planner worker thread (decoding a
+large body is CPU work too). Errors are raised as the project's exceptions; the app maps
+them to HTTP in one place.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from treepack.service.planner.whatif import Composition, WhatIfResult, build_poo
 from treepack.service.pool import PlanPool
 from treepack.service.settings import Settings
 
-__all__ = ["Service", "whatif_result_to_wire", "composition_from_wire"]
+__all__ = ["PlanningService", "whatif_result_to_wire", "composition_from_wire"]
 
 log = logging.getLogger("treepack.service")
 
@@ -54,8 +55,8 @@ def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
     }
 
 
-class Service:
-    """One service instance's state and request logic.
+class PlanningService:
+    """One sidecar instance's state and request logic.
 
     Args:
         settings: the configuration.
