@@ -23,6 +23,7 @@ from treepack.service.history import HistoryRecorder, HistoryStore, empty_summar
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.plan_wire import plan_to_wire
 from treepack.service.planner.api import plan_normalized
+from treepack.service.planner.shapes import BatchShape
 from treepack.service.planner.whatif import Composition, WhatIfResult, build_pool, whatif
 from treepack.service.pool import PlanPool
 from treepack.service.settings import Settings
@@ -52,6 +53,18 @@ def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
         "max_rows": r.max_rows,
         "p_rows_over": r.p_rows_over,
         "row_counts": r.row_counts.tolist(),
+    }
+
+
+def _pool_summary(shapes: list[BatchShape]) -> dict[str, Any]:
+    """What a what-if sampled from: batches, groups, sequences, tokens, groups per tag."""
+    pool = build_pool(shapes)
+    return {
+        "batches": len(shapes),
+        "groups": pool.num_groups,
+        "sequences": pool.num_sequences,
+        "tokens": int(pool.lens.sum()),
+        "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
     }
 
 
@@ -110,13 +123,7 @@ class PlanningService:
                 path="$.trials",
                 rule="max_trials",
             )
-        if inline is not None:
-            source, shapes = "shapes", inline
-        else:
-            source, shapes = "history", []
-            if self.recorder is not None and self.store is not None:
-                self.recorder.flush()
-                shapes = self.store.shapes(msg.history_batches)
+        source, shapes = ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
         results = whatif(
             shapes,
             [composition_from_wire(c) for c in msg.compositions],
@@ -133,20 +140,20 @@ class PlanningService:
             max_tokens=self.settings.max_tokens,
         )
         self.metrics.whatif_trials.inc(runs)
-        pool = build_pool(shapes)
         out = {
             "version": WIRE_VERSION,
             "source": source,
-            "pool": {
-                "batches": len(shapes),
-                "groups": pool.num_groups,
-                "sequences": pool.num_sequences,
-                "tokens": int(pool.lens.sum()),
-                "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
-            },
+            "pool": _pool_summary(shapes),
             "results": [whatif_result_to_wire(r) for r in results],
         }
         return encode_body(out, fmt_out)
+
+    def _recorded_shapes(self, last: int | None) -> list[BatchShape]:
+        """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history."""
+        if self.recorder is None or self.store is None:
+            return []
+        self.recorder.flush()
+        return self.store.shapes(last)
 
     def history_summary(self) -> dict[str, Any]:
         """``GET /v1/history`` (blocking: waits for pending writes, then queries)."""
