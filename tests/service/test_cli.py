@@ -49,14 +49,14 @@ def test_plan_table_and_trainable_masks(tmp_path, capsys):
 @pytest.mark.parametrize(
     "content,needle",
     [
-        ('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at line 2"),
-        ('{"tokens": [1, -2, 3]}\n', "token id must be >= 0"),
-        ('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable"),
-        ('{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field"),
-        ('[1, 2, 3]\n', "expected a JSON object"),
-        ('{"tokens": "abc"}\n', "line 1.tokens"),
-        ("\n", "the batch is empty"),
-        ('{"tokens": [1, 2, 3]}\n' * 2 + '{"tokens": ' + json.dumps(list(range(600))) + "}\n", "at line 3"),
+        pytest.param('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at line 2", id="truncated JSON"),
+        pytest.param('{"tokens": [1, -2, 3]}\n', "token id must be >= 0", id="negative token id"),
+        pytest.param('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable", id="trainable length mismatch"),
+        pytest.param('{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field", id="unknown field"),
+        pytest.param('[1, 2, 3]\n', "expected a JSON object", id="not an object"),
+        pytest.param('{"tokens": "abc"}\n', "line 1.tokens", id="tokens not a list"),
+        pytest.param("\n", "the batch is empty", id="empty batch"),
+        pytest.param('{"tokens": [1, 2, 3]}\n' * 2 + '{"tokens": ' + json.dumps(list(range(600))) + "}\n", "at line 3", id="sequence over capacity"),
     ],
 )
 def test_plan_bad_input_exits_2_naming_the_line(tmp_path, capsys, content, needle):
