@@ -36,8 +36,8 @@ from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
 from treepack.service.plan_wire import plan_from_wire, plan_to_wire
 from treepack.proto.plan import Plan
-from treepack.trainer.batch import PackedBatch
-from treepack.trainer.materialize import materialize, normalize_trainable
+from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.data.materialize import materialize, normalize_trainable
 
 __all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "broadcast_plan", "plan_and_broadcast"]
 
@@ -176,7 +176,7 @@ class RankPlan:
         return self.plan.ranks.rank_rows[self.rank]
 
     def materialize(self, sequences: Sequence[Any], payloads: dict[str, Any] | None = None, device: Any = None, **kwargs: Any) -> PackedBatch:
-        """:func:`~treepack.trainer.materialize` of this rank's rows with the broadcast flags
+        """:func:`~treepack.trainer.data.materialize` of this rank's rows with the broadcast flags
         and groups. ``sequences`` and payloads are read only at the sequences of these rows."""
         groups = None if self.groups is None else self.groups.tolist()
         return materialize(self.plan, sequences, payloads, device, trainable=self.trainable, groups=groups, rows=self.rows, **kwargs)

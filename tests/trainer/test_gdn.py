@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels and tree execution (treepack.trainer.gdn, gdn_ref).
+"""Gated DeltaNet kernels and tree execution (treepack.trainer.kernels.gdn, gdn_ref).
 
 - fast == naive: the chunked torch kernel against the token-by-token recurrence, and the
   tree runner / tree conv against their segment-by-segment references, from one table.
@@ -16,14 +16,14 @@ import torch
 
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
-from treepack.trainer.gdn import (
+from treepack.trainer.kernels.gdn import (
     gdn_schedule,
     naive_tree_causal_conv1d,
     naive_tree_gated_delta_rule,
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
-from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 F64 = torch.float64
 

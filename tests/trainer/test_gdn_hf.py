@@ -20,7 +20,7 @@ from helpers.trees import assert_grads_close, scored_loss_pair, tree_features, t
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf_hybrid import patch_hybrid_layers, unpatch_hybrid_layers
+from treepack.trainer.hf.hybrid import patch_hybrid_layers, unpatch_hybrid_layers
 
 VOCAB = 97
 # Dimensions both tiny hybrids share: layers 0, 1, 3 Gated DeltaNet, layer 2 full attention.

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treepack.trainer.hf_dsa as hf_dsa
+import treepack.trainer.hf.dsa as hf_dsa
 from helpers.trees import assert_grads_close, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf_hybrid import patch_hybrid_layers
+from treepack.trainer.hf.hybrid import patch_hybrid_layers
 
 VOCAB = 97
 TOPK = 8
@@ -195,7 +195,7 @@ def test_unpatched_sparse_layer_is_refused_not_run_dense(case):
     """Without the DSA patch the stock layer hands top-k indices to the tree attention
     function, which would silently ignore them: it must refuse instead."""
     from treepack.proto.errors import RequestError
-    from treepack.trainer.hf_hybrid import unpatch_hybrid_layers
+    from treepack.trainer.hf.hybrid import unpatch_hybrid_layers
 
     seqs, _, plan, model, batch, _ = case
     assert unpatch_hybrid_layers(model) > 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from helpers.trainer_cases import mixed_batch, plan_of, random_batch
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
-from treepack.trainer.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
+from treepack.trainer.kernels.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
 
 
 def _batch(case, **kw):

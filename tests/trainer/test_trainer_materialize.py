@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer import materialize
-from treepack.trainer.masks import naive_dense_mask
+from treepack.trainer.kernels.masks import naive_dense_mask
 
 
 def _check_batch(case, plan, batch) -> int:

@@ -25,7 +25,7 @@ from treepack.proto.index import ragged_arange
 from treepack.service.planner.validate import naive_tree_mask
 
 if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+    from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = [
     "dense_mask",

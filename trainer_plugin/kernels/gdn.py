@@ -14,7 +14,7 @@ segments by tree depth across all rows; this module runs, per depth level:
   from zeros). The gather's backward index-adds every child's state gradient into its
   parent, so a shared prefix receives the sum of its branches' gradients.
   flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA (bf16/fp16), the pure-torch
-  :func:`~treepack.trainer.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
+  :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
 NaN and only real tokens are written; padding gets zeros (a pad token is a sequence of its
@@ -37,7 +37,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import ragged_arange
 from treepack.proto.index import segment_tokens
 from treepack.proto.plan import Plan
-from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 __all__ = [
     "GdnLevelIndex",

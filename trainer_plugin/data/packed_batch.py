@@ -1,6 +1,6 @@
 """The packed batch: a plan's rows as tensors, plus the index maps back to the sequences.
 
-Built by :func:`treepack.trainer.materialize`. Shapes: K rows (the materialized rows, a
+Built by :func:`treepack.trainer.data.materialize`. Shapes: K rows (the materialized rows, a
 rank's share or all), L = ``plan.seq_len``, S sequences of the plan, T scored entries
 (one per sequence and per position whose next token is trainable; in the default sharing
 mode every scored position belongs to exactly one sequence, so T = ``loss_mask.sum()``).
@@ -21,7 +21,7 @@ from treepack.proto.index import ragged_arange
 from treepack.proto.plan import Plan
 
 if TYPE_CHECKING:
-    from treepack.trainer.masks import VarlenMeta
+    from treepack.trainer.kernels.masks import VarlenMeta
 
 __all__ = ["PackedBatch"]
 
@@ -156,8 +156,8 @@ class PackedBatch:
         return self._cache[key]
 
     def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.masks.dense_mask`."""
-        from treepack.trainer.masks import dense_mask
+        """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
+        from treepack.trainer.kernels.masks import dense_mask
 
         key = ("dense", sliding_window)
         if key not in self._cache:
@@ -165,8 +165,8 @@ class PackedBatch:
         return self._cache[key]
 
     def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any:
-        """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.masks.block_mask`."""
-        from treepack.trainer.masks import block_mask
+        """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
+        from treepack.trainer.kernels.masks import block_mask
 
         key = ("block", block_size, sliding_window)
         if key not in self._cache:
@@ -174,8 +174,8 @@ class PackedBatch:
         return self._cache[key]
 
     def varlen_meta(self) -> "VarlenMeta":
-        """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.masks.varlen_meta`."""
-        from treepack.trainer.masks import varlen_meta
+        """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.kernels.masks.varlen_meta`."""
+        from treepack.trainer.kernels.masks import varlen_meta
 
         if "varlen" not in self._cache:
             self._cache["varlen"] = varlen_meta(self)

@@ -32,7 +32,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import ragged_arange
 from treepack.proto.plan import Plan
-from treepack.trainer.batch import PackedBatch
+from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = ["materialize", "normalize_trainable", "scored_counts"]
 

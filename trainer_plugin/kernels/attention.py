@@ -1,7 +1,7 @@
 """Tree attention on packed rows: SDPA (dense reference), FlexAttention, FlashAttention varlen.
 
 All three compute, for every row position, attention over exactly the keys the tree mask
-allows (:mod:`treepack.trainer.masks`), so they agree within float tolerance:
+allows (:mod:`treepack.trainer.kernels.masks`), so they agree within float tolerance:
 
 - ``sdpa``: ``scaled_dot_product_attention`` with the dense [K, 1, L, L] bool mask. Runs
   everywhere, forward and backward; memory O(L^2) per row: the reference and the CPU path.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 
 if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+    from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS"]
 
