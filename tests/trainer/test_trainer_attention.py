@@ -44,8 +44,8 @@ def _block_sets(bm):
 def test_block_mask_equals_create_block_mask(seed, block, window):
     """Block classification from subtree_end min/max == FlexAttention evaluating every pair."""
     batch = _batch(random_batch(seed))
-    fast = block_mask(batch, block_size=block, sliding_window=window)
-    ref = naive_block_mask(batch, block_size=block, sliding_window=window)
+    fast = block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
+    ref = naive_block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
     fp, ff = _block_sets(fast)
     rp, rf = _block_sets(ref)
     if window is None:
@@ -71,7 +71,7 @@ def _token_mask(bm, K, L, block):
 @given(st.integers(0, 2**31 - 1))
 def test_varlen_meta_equals_naive(seed):
     batch = _batch(random_batch(seed))
-    a, b = varlen_meta(batch), naive_varlen_meta(batch)
+    a, b = varlen_meta(batch.plan, batch.rows), naive_varlen_meta(batch.plan, batch.rows)
     for f in ("q_index", "k_index", "cu_seqlens_q", "cu_seqlens_k", "pad_index"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert (a.max_seqlen_q, a.max_seqlen_k) == (b.max_seqlen_q, b.max_seqlen_k)
@@ -99,8 +99,8 @@ def test_backends_agree_forward(seed, window, softcap):
 
 def test_dense_reference_matches_naive_mask_and_fails_without_tree():
     batch = _batch(mixed_batch())
-    assert torch.equal(batch.dense_mask(), naive_dense_mask(batch))
-    assert torch.equal(batch.dense_mask(3), naive_dense_mask(batch, 3))
+    assert torch.equal(batch.dense_mask(), naive_dense_mask(batch.plan, batch.rows))
+    assert torch.equal(batch.dense_mask(3), naive_dense_mask(batch.plan, batch.rows, batch.position_ids, 3))
     q, k, v = _qkv(batch)
     tree = tree_attention(q, k, v, batch)
     # Negative control: a plain causal mask over the packed rows is not the same computation.

@@ -34,7 +34,7 @@ from treepack.proto.index import ragged_arange
 from treepack.proto.plan import Plan
 from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["materialize", "normalize_trainable", "scored_counts"]
+__all__ = ["materialize", "normalize_trainable", "scored_counts", "group_codes"]
 
 
 def _device(device: Any) -> torch.device:
@@ -234,7 +234,7 @@ def materialize(
     seg = plan.segments
     flags = normalize_trainable(trainable, plan)
     counts = scored_counts(flags, plan, trainable)
-    group_codes = _group_codes(groups, S)
+    codes = group_codes(groups, S)
 
     # Segments of the local rows, in row order (pre-order inside each row).
     local_of_row = np.full(plan.num_rows, -1, dtype=np.int64)
@@ -339,12 +339,17 @@ def materialize(
         score_flat=score_flat_t,
         score_target=score_target,
         score_counts=t(counts),
-        groups=t(group_codes),
+        groups=t(codes),
         device=dev,
     )
 
 
-def _group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
+def group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
+    """[S] int64 dense group codes in order of first appearance (None: each sequence its own group).
+
+    Raises:
+        RequestError: a count other than S. InputTypeError: a group id that is not an int or a string.
+    """
     if groups is None:
         return np.arange(S, dtype=np.int64)
     if len(groups) != S:

@@ -41,9 +41,9 @@ __all__ = [
     "STOCK_ATTR",
 ]
 
-# Indexer class -> the RoPE function of its modeling module (DeepSeek-V3.2 half-split,
-# GLM-MoE-DSA interleaved).
-_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+# Indexer class -> the RoPE function of its modeling module. Only the indexers of the DSA
+# layers that hybrid.patch_hybrid_layers patches are listed: no other class reaches here.
+_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb"}
 # Where a patched module keeps its bound stock forward (in its __dict__, outside nn.Module's registries).
 STOCK_ATTR = "_treepack_stock_forward"
 
@@ -69,7 +69,7 @@ def dsa_indexer_scores(
     """The stock indexer's scores before masking and top-k.
 
     Args:
-        indexer: a ``DeepseekV32Indexer`` (or ``GlmMoeDsaIndexer``).
+        indexer: a ``DeepseekV32Indexer``.
         hidden_states: [B, S, hidden]. q_resid: [B, S, q_lora_rank] (``q_a_layernorm(q_a_proj(x))``).
         position_embeddings: (cos, sin) [B, S, rope_dim] from the model's rotary embedding.
         cache: an HF cache holding the indexer keys of earlier tokens (unpacked decoding),

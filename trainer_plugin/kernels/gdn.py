@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import ragged_arange
-from treepack.proto.index import segment_tokens
+from treepack.proto.index import local_row_index, localize_flat, ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 __all__ = [
@@ -94,26 +94,6 @@ class GdnSchedule:
     def num_positions(self) -> int:
         return self.num_rows * self.seq_len
 
-    def to(self, device: torch.device | str) -> "GdnSchedule":
-        """The same schedule with every tensor on ``device``."""
-        lv = tuple(
-            GdnLevelIndex(
-                depth=x.depth,
-                token_idx=x.token_idx.to(device),
-                cu_seqlens=x.cu_seqlens.to(device),
-                parent_slot=x.parent_slot.to(device),
-            )
-            for x in self.levels
-        )
-        return GdnSchedule(
-            num_rows=self.num_rows,
-            seq_len=self.seq_len,
-            conv_width=self.conv_width,
-            levels=lv,
-            conv_window=self.conv_window.to(device),
-            pad_idx=self.pad_idx.to(device),
-        )
-
 
 def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.ndarray | None = None) -> GdnSchedule:
     """Turn ``plan.gdn`` into torch index tensors (vectorized numpy, then one copy each).
@@ -134,12 +114,11 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
     real_rows = keep[keep >= 0]
     if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
         raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
-    new_row = np.full(plan.num_rows, -1, dtype=np.int64)
-    new_row[real_rows] = np.flatnonzero(keep >= 0)
+    new_row = local_row_index(keep, plan.num_rows)
     R = int(keep.shape[0])
 
-    def remap(flat: np.ndarray) -> np.ndarray:  # old flat positions -> stacked flat positions
-        return np.where(flat >= 0, new_row[np.maximum(flat, 0) // C] * C + np.maximum(flat, 0) % C, -1)
+    def remap(flat: np.ndarray) -> np.ndarray:  # plan-wide flat positions -> stacked flat positions
+        return localize_flat(flat, new_row, C)
 
     levels = []
     ctx_all = np.full((seg.num_segments, max(W - 1, 0)), -1, dtype=np.int64)
@@ -368,8 +347,7 @@ def tree_gated_delta_rule(
     H, V = v.shape[1], v.shape[2]
     outs.append(q.new_zeros(schedule.pad_idx.shape[0], H, V))
     idx.append(schedule.pad_idx)
-    out = torch.full((N, H, V), float("nan"), dtype=q.dtype, device=q.device)
-    return out.index_put((torch.cat(idx),), torch.cat(outs).to(q.dtype))
+    return scatter_filled(torch.cat(outs).to(q.dtype), torch.cat(idx), N)
 
 
 def naive_tree_gated_delta_rule(
