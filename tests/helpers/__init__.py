@@ -3,4 +3,5 @@
 - :mod:`helpers.service`: small batches, wire bodies, a real uvicorn process, plan equality.
 - :mod:`helpers.trees`: deep random trees, tree plans and the scored-loss gradient oracle.
 - :mod:`helpers.trainer_cases`: trainer batches, tiny HF models, per-sequence references.
+- :mod:`helpers.tolerance`: ``assert_close`` (fla style), the one tolerance helper.
 """
