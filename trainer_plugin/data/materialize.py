@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import csr_gather, local_row_index, ragged_arange, row_segments
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
@@ -73,9 +73,10 @@ class _RowIndex:
 def _row_index(plan: Plan, rows: np.ndarray) -> _RowIndex:
     """The integer side of materialization: segment table -> token maps (numpy, no token read)."""
     seg, C, S = plan.segments, plan.seq_len, plan.num_sequences
-    sel, lrow = row_segments(seg.row_ptr, rows)
+    local_of_row = local_row_index(rows, plan.num_rows)
+    sel, _ = row_segments(seg.row_ptr, rows)
     tok_n = seg.length[sel]
-    tok_flat = np.repeat(lrow * C + seg.row_start[sel], tok_n) + ragged_arange(tok_n)
+    tok_flat = localize_flat(segment_tokens(seg, C, sel), local_of_row, C)
     held = rows[rows >= 0]
     local_seqs = np.flatnonzero((plan.row_of >= 0) & np.isin(plan.row_of, held))
     ptr = np.zeros(local_seqs.shape[0] + 1, dtype=np.int64)
@@ -84,9 +85,7 @@ def _row_index(plan: Plan, rows: np.ndarray) -> _RowIndex:
     slot[local_seqs] = np.arange(local_seqs.shape[0])
     # Row positions of every local sequence's tokens (the vectorized locate).
     ss = csr_gather(seg.seq_ptr, seg.seq_segs, local_seqs)
-    ss_n = seg.length[ss]
-    local_of_row = local_row_index(rows, plan.num_rows)
-    seq_flat = np.repeat(local_of_row[seg.row[ss]] * C + seg.row_start[ss], ss_n) + ragged_arange(ss_n)
+    seq_flat = localize_flat(segment_tokens(seg, C, ss), local_of_row, C)
     return _RowIndex(
         tok_flat=tok_flat,
         tok_src=np.repeat(seg.seq[sel], tok_n),

@@ -19,6 +19,7 @@ import torch
 from treepack.proto.errors import RequestError
 from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 
 __all__ = ["PackedBatch"]
@@ -244,8 +245,7 @@ class PackedBatch:
         total = int(self.seq_ptr[-1])
         slot = torch.from_numpy(np.searchsorted(self.local_seqs, self.score_seq.cpu().numpy())).to(lp.device)
         ptr = torch.from_numpy(self.seq_ptr).to(lp.device)
-        cat = torch.full((total,), float("nan"), dtype=lp.dtype, device=lp.device)
-        cat = cat.index_put((ptr[slot] + self.score_pos,), lp)
+        cat = scatter_filled(lp, ptr[slot] + self.score_pos, total)
         parts = torch.split(cat, np.diff(self.seq_ptr).tolist())
         out: list[torch.Tensor | None] = [None] * self.plan.num_sequences
         for s, p in zip(self.local_seqs.tolist(), parts):

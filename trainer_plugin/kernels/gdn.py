@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import local_row_index, localize_flat, ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
-from treepack.trainer.kernels.index import scatter_filled
+from treepack.trainer.kernels.index import index_tensor, scatter_filled
 from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 __all__ = [
@@ -136,9 +136,9 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         levels.append(
             GdnLevelIndex(
                 depth=lv.depth,
-                token_idx=torch.from_numpy(remap(segment_tokens(seg, C, segs))).to(device),
-                cu_seqlens=torch.from_numpy(cu).to(device),
-                parent_slot=torch.from_numpy(np.where(par >= 0, slot_new[np.maximum(par, 0)], -1)).to(device),
+                token_idx=index_tensor(remap(segment_tokens(seg, C, segs)), device),
+                cu_seqlens=index_tensor(cu, device, torch.int32),
+                parent_slot=index_tensor(np.where(par >= 0, slot_new[np.maximum(par, 0)], -1), device),
             )
         )
 
@@ -152,7 +152,7 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         lens = seg.length[segs]
         sid = np.repeat(segs, lens)
         off = ragged_arange(lens)
-        pos = remap(np.repeat(seg.row[segs] * C + seg.row_start[segs], lens) + off)
+        pos = remap(segment_tokens(seg, C, segs))
         e = off[:, None] + np.arange(W)[None, :]
         own = pos[:, None] + (e - (W - 1)) - off[:, None]  # positions inside the segment
         if W > 1:
@@ -169,8 +169,8 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         seq_len=C,
         conv_width=W,
         levels=tuple(levels),
-        conv_window=torch.from_numpy(win).to(device),
-        pad_idx=torch.from_numpy(np.flatnonzero(~real)).to(device),
+        conv_window=index_tensor(win, device),
+        pad_idx=index_tensor(np.flatnonzero(~real), device),
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treepack.proto.index import csr_gather, local_row_index, ragged_arange, row_segments
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, row_segments, segment_tokens
 from treepack.proto.plan import Plan
 from treepack.trainer.kernels.index import index_tensor
 
@@ -280,13 +280,12 @@ def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
     """
     seg, att = plan.segments, plan.attention
     L = plan.seq_len
-    segs, lrow = row_segments(seg.row_ptr, rows)
+    segs, _ = row_segments(seg.row_ptr, rows)
     local_of_row = local_row_index(rows, plan.num_rows)
     qlen = seg.length[segs]
-    q = np.repeat(lrow * L + seg.row_start[segs], qlen) + ragged_arange(qlen)
+    q = localize_flat(segment_tokens(seg, L, segs), local_of_row, L)
     chain = csr_gather(att.anc_ptr, att.anc_segs, segs)
-    clen = seg.length[chain]
-    k = np.repeat(local_of_row[seg.row[chain]] * L + seg.row_start[chain], clen) + ragged_arange(clen)
+    k = localize_flat(segment_tokens(seg, L, chain), local_of_row, L)
     klen = att.key_lens[segs]
     assert int(klen.sum()) == k.shape[0], "ancestor chains do not add up to key_lens"
     return _meta(len(rows) * L, device, segs, q, k, qlen, klen)
