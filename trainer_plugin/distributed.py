@@ -36,7 +36,8 @@ from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
 from treepack.proto.plan import Plan
 from treepack.service.plan_wire import plan_from_wire, plan_to_wire
-from treepack.trainer.data.materialize import group_codes, materialize, normalize_trainable
+from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"]
