@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treepack.trainer.hf.dsa as hf_dsa
+import treepack.trainer.hf.dsa as dsa
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
@@ -93,7 +93,7 @@ def test_off_chain_picks_change_the_result(case, monkeypatch):
     seqs, _, plan, model, batch, ref = case
     C = plan.seq_len
     causal_only = torch.full_like(batch.subtree_end, C)
-    real = hf_dsa.tree_topk
+    real = dsa.tree_topk
     monkeypatch.setattr(hf_dsa, "tree_topk", lambda s, se, pos, k: real(s, causal_only, pos, k))
     with torch.no_grad():
         lp = _packed(model, batch)
@@ -112,7 +112,7 @@ def test_ties_straddle_the_topk_boundary(case):
     finally:
         hook.remove()
     (h, q_resid, pe, *_), _ = caught[0]
-    scores = hf_dsa.dsa_indexer_scores(attn.indexer, h, q_resid, pe)[0]
+    scores = dsa.dsa_indexer_scores(attn.indexer, h, q_resid, pe)[0]
     n = scores.shape[0]
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     top = scores.sort(-1, descending=True).values
@@ -124,7 +124,7 @@ def test_tiebreak_only_reorders_ties(case):
     """The position rule picks the same score values as the stock indexer's torch.topk."""
     seqs, _, plan, model, batch, _ = case
     ind = model.model.layers[1].self_attn.indexer
-    stock = ind.__dict__[hf_dsa.STOCK_ATTR]
+    stock = ind.__dict__[dsa.STOCK_ATTR]
     torch.manual_seed(1)
     h = torch.randn(2, 40, 32)
     q_resid = torch.randn(2, 40, 24)
@@ -134,7 +134,7 @@ def test_tiebreak_only_reorders_ties(case):
     with torch.no_grad():
         a = ind(h, q_resid, pe, mask, pos).long()
         b = stock(h, q_resid, pe, mask, pos).long()
-        sc = hf_dsa.dsa_indexer_scores(ind, h, q_resid, pe).masked_fill(~mask, float("-inf"))
+        sc = dsa.dsa_indexer_scores(ind, h, q_resid, pe).masked_fill(~mask, float("-inf"))
     assert torch.equal(sc.gather(-1, a).sort(-1).values, sc.gather(-1, b).sort(-1).values)
 
 
