@@ -94,7 +94,7 @@ def test_off_chain_picks_change_the_result(case, monkeypatch):
     C = plan.seq_len
     causal_only = torch.full_like(batch.subtree_end, C)
     real = dsa.tree_topk
-    monkeypatch.setattr(hf_dsa, "tree_topk", lambda s, se, pos, k: real(s, causal_only, pos, k))
+    monkeypatch.setattr(dsa, "tree_topk", lambda s, se, pos, k: real(s, causal_only, pos, k))
     with torch.no_grad():
         lp = _packed(model, batch)
     assert_not_close("off-chain picks", ref, per_sequence_logprobs(batch, lp), atol=1e-3)

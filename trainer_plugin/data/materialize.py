@@ -35,7 +35,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
 from treepack.trainer.data.packed_batch import PackedBatch
-from treepack.trainer.data.sequences import check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
+from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 
 __all__ = ["materialize"]
@@ -116,6 +116,22 @@ def _token_ids(sequences: Sequence[Any], plan: Plan, ix: _RowIndex, dev: torch.d
     if tokens.ndim != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise InputTypeError(f"expected 1-D integer token ids, got {tokens.dtype} with per-token shape {tuple(tokens.shape[1:])}", path="$.sequences", rule="dtype")
     return tokens.to(torch.int64)
+
+
+def _row_tensors(
+    tokens: torch.Tensor, ix: _RowIndex, tok_flat: torch.Tensor, gather_src: torch.Tensor, shape: tuple[int, int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat [K * C] ``input_ids``, ``position_ids``, ``subtree_end``: one gather of the token
+    ids, padding as the contract says (``pad_id``, position 0, sees only itself)."""
+    K, C = shape
+    dev = tokens.device
+    input_ids = torch.full((K * C,), int(pad_id), dtype=torch.int64, device=dev)
+    input_ids[tok_flat] = tokens[gather_src]
+    position_ids = torch.zeros(K * C, dtype=torch.int64, device=dev)
+    position_ids[tok_flat] = index_tensor(ix.tok_pos, dev)
+    subtree_end = torch.arange(1, C + 1, dtype=torch.int64, device=dev).repeat(K)
+    subtree_end[tok_flat] = index_tensor(ix.tok_se, dev)
+    return input_ids, position_ids, subtree_end
 
 
 def _check_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, ix: _RowIndex, seq_of_c: np.ndarray, seq_flat: torch.Tensor) -> None:
@@ -203,9 +219,7 @@ def materialize(
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
     S, C = plan.num_sequences, plan.seq_len
-    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") or len(sequences) != S:
-        got = len(sequences) if hasattr(sequences, "__len__") else type(sequences).__name__
-        raise RequestError(f"sequences has {got} entries, the plan has {S}", path="$.sequences", rule="length_mismatch")
+    check_count(sequences, S)
     rows_arr = check_rows(rows, plan)
     K = rows_arr.shape[0]
     size = K * C
@@ -221,12 +235,7 @@ def materialize(
     t = lambda a: index_tensor(a, dev)  # noqa: E731
     tok_flat, seq_flat, entry_src, score_flat_t = t(ix.tok_flat), t(ix.seq_flat), t(c_sel + 1), t(score_flat)
     gather_src = t(ix.gather_src)
-    input_ids = torch.full((size,), int(pad_id), dtype=torch.int64, device=dev)
-    input_ids[tok_flat] = tokens[gather_src]
-    position_ids = torch.zeros(size, dtype=torch.int64, device=dev)
-    position_ids[tok_flat] = t(ix.tok_pos)
-    subtree_end = torch.arange(1, C + 1, dtype=torch.int64, device=dev).repeat(K)
-    subtree_end[tok_flat] = t(ix.tok_se)
+    input_ids, position_ids, subtree_end = _row_tensors(tokens, ix, tok_flat, gather_src, (K, C), pad_id)
     if check_tokens and tokens.shape[0]:
         _check_tokens(input_ids, tokens, ix, seq_of_c, seq_flat)
 

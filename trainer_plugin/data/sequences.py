@@ -16,7 +16,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
 
-__all__ = ["normalize_trainable", "scored_counts", "group_codes", "check_rows", "concat_arrays"]
+__all__ = ["normalize_trainable", "scored_counts", "group_codes", "check_count", "check_rows", "concat_arrays"]
 
 
 def _as_tensor(x: Any, *, path: str) -> torch.Tensor:
@@ -81,6 +81,17 @@ def scored_counts(flags: Callable[[int], np.ndarray], plan: Plan, trainable: Seq
         p = np.maximum(np.asarray(trainable, dtype=np.int64), 1)
         return np.maximum(plan.seq_lens - p, 0)
     return np.array([int(flags(s)[1:].sum()) for s in range(plan.num_sequences)], dtype=np.int64)
+
+
+def check_count(sequences: Any, S: int) -> None:
+    """``sequences`` must be a list-like of the plan's S sequences.
+
+    Raises:
+        RequestError: another count (or not a list-like), naming what was given.
+    """
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__") or len(sequences) != S:
+        got = len(sequences) if hasattr(sequences, "__len__") else type(sequences).__name__
+        raise RequestError(f"sequences has {got} entries, the plan has {S}", path="$.sequences", rule="length_mismatch")
 
 
 def check_rows(rows: Any, plan: Plan) -> np.ndarray:
