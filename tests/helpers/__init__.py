@@ -4,4 +4,5 @@
 - :mod:`helpers.deploy`: the deployment files parsed, their probe commands, the app's paths.
 - :mod:`helpers.trees`: deep random trees, tree plans and the scored-loss gradient oracle.
 - :mod:`helpers.trainer_cases`: trainer batches, tiny HF models, per-sequence references.
+- :mod:`helpers.tolerance`: ``assert_close`` (fla style), the one tolerance helper.
 """

@@ -14,7 +14,7 @@ segments by tree depth across all rows; this module runs, per depth level:
   from zeros). The gather's backward index-adds every child's state gradient into its
   parent, so a shared prefix receives the sum of its branches' gradients.
   flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA (bf16/fp16), the pure-torch
-  :func:`~treepack.trainer.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
+  :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
 NaN and only real tokens are written; padding gets zeros (a pad token is a sequence of its
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import ragged_arange
-from treepack.proto.index import segment_tokens
+from treepack.proto.index import local_row_index, localize_flat, ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
-from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.index import index_tensor, scatter_filled
+from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 
 __all__ = [
     "GdnLevelIndex",
@@ -94,26 +94,6 @@ class GdnSchedule:
     def num_positions(self) -> int:
         return self.num_rows * self.seq_len
 
-    def to(self, device: torch.device | str) -> "GdnSchedule":
-        """The same schedule with every tensor on ``device``."""
-        lv = tuple(
-            GdnLevelIndex(
-                depth=x.depth,
-                token_idx=x.token_idx.to(device),
-                cu_seqlens=x.cu_seqlens.to(device),
-                parent_slot=x.parent_slot.to(device),
-            )
-            for x in self.levels
-        )
-        return GdnSchedule(
-            num_rows=self.num_rows,
-            seq_len=self.seq_len,
-            conv_width=self.conv_width,
-            levels=lv,
-            conv_window=self.conv_window.to(device),
-            pad_idx=self.pad_idx.to(device),
-        )
-
 
 def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.ndarray | None = None) -> GdnSchedule:
     """Turn ``plan.gdn`` into torch index tensors (vectorized numpy, then one copy each).
@@ -134,12 +114,11 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
     real_rows = keep[keep >= 0]
     if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
         raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
-    new_row = np.full(plan.num_rows, -1, dtype=np.int64)
-    new_row[real_rows] = np.flatnonzero(keep >= 0)
+    new_row = local_row_index(keep, plan.num_rows)
     R = int(keep.shape[0])
 
-    def remap(flat: np.ndarray) -> np.ndarray:  # old flat positions -> stacked flat positions
-        return np.where(flat >= 0, new_row[np.maximum(flat, 0) // C] * C + np.maximum(flat, 0) % C, -1)
+    def remap(flat: np.ndarray) -> np.ndarray:  # plan-wide flat positions -> stacked flat positions
+        return localize_flat(flat, new_row, C)
 
     levels = []
     ctx_all = np.full((seg.num_segments, max(W - 1, 0)), -1, dtype=np.int64)
@@ -157,9 +136,9 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         levels.append(
             GdnLevelIndex(
                 depth=lv.depth,
-                token_idx=torch.from_numpy(remap(segment_tokens(seg, C, segs))).to(device),
-                cu_seqlens=torch.from_numpy(cu).to(device),
-                parent_slot=torch.from_numpy(np.where(par >= 0, slot_new[np.maximum(par, 0)], -1)).to(device),
+                token_idx=index_tensor(remap(segment_tokens(seg, C, segs)), device),
+                cu_seqlens=index_tensor(cu, device, torch.int32),
+                parent_slot=index_tensor(np.where(par >= 0, slot_new[np.maximum(par, 0)], -1), device),
             )
         )
 
@@ -173,7 +152,7 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         lens = seg.length[segs]
         sid = np.repeat(segs, lens)
         off = ragged_arange(lens)
-        pos = remap(np.repeat(seg.row[segs] * C + seg.row_start[segs], lens) + off)
+        pos = remap(segment_tokens(seg, C, segs))
         e = off[:, None] + np.arange(W)[None, :]
         own = pos[:, None] + (e - (W - 1)) - off[:, None]  # positions inside the segment
         if W > 1:
@@ -190,8 +169,8 @@ def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.
         seq_len=C,
         conv_width=W,
         levels=tuple(levels),
-        conv_window=torch.from_numpy(win).to(device),
-        pad_idx=torch.from_numpy(np.flatnonzero(~real)).to(device),
+        conv_window=index_tensor(win, device),
+        pad_idx=index_tensor(np.flatnonzero(~real), device),
     )
 
 
@@ -368,8 +347,7 @@ def tree_gated_delta_rule(
     H, V = v.shape[1], v.shape[2]
     outs.append(q.new_zeros(schedule.pad_idx.shape[0], H, V))
     idx.append(schedule.pad_idx)
-    out = torch.full((N, H, V), float("nan"), dtype=q.dtype, device=q.device)
-    return out.index_put((torch.cat(idx),), torch.cat(outs).to(q.dtype))
+    return scatter_filled(torch.cat(outs).to(q.dtype), torch.cat(idx), N)
 
 
 def naive_tree_gated_delta_rule(
