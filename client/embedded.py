@@ -12,10 +12,12 @@ from typing import Any, Sequence
 
 from treepack.proto import WIRE_VERSION
 from treepack.service.planner.api import plan_batch, plan_normalized
-from treepack.service.planner.inputs import normalize_batch
+from treepack.proto.batch import normalize_batch
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape, shape_of
-from treepack.service.planner.whatif import Composition, WhatIfResult, whatif
+from treepack.proto.shape import BatchShape
+from treepack.service.planner.fingerprint import shape_of
+from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.service.planner.whatif import whatif
 
 __all__ = ["EmbeddedBackend"]
 

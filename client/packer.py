@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence, Union
 from treepack.proto.codec import Format
 from treepack.proto.errors import InputTypeError
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape
-from treepack.service.planner.whatif import Composition, WhatIfResult
+from treepack.proto.shape import BatchShape
+from treepack.proto.whatif import Composition, WhatIfResult
 
 __all__ = ["Packer", "AsyncPacker", "CompositionLike", "as_composition"]
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, TextIO
 
 from treepack.service.planner import workloads as W
 from treepack.service.planner.api import plan_normalized
-from treepack.service.planner.inputs import normalize_batch
+from treepack.proto.batch import normalize_batch
 from treepack.service.planner.placement import PLACEMENTS, naive_place
 from treepack.service.planner.tree import build_tree
 

@@ -15,43 +15,21 @@ from typing import Any
 from treepack.proto import WIRE_VERSION
 from treepack.proto.codec import Format, decode_body, encode_body, parse_message
 from treepack.proto.errors import PayloadTooLargeError
-from treepack.proto.messages import Composition as CompositionMessage
+from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
-from treepack.service.batch_wire import Limits, decode_pack_request, shape_from_wire
+from treepack.proto.plan_wire import plan_to_wire
+from treepack.proto.shape_wire import shape_from_wire
+from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
 from treepack.service.history import HistoryRecorder, HistoryStore, empty_summary
 from treepack.service.metrics import ServiceMetrics
-from treepack.service.plan_wire import plan_to_wire
 from treepack.service.planner.api import plan_normalized
-from treepack.service.planner.whatif import Composition, WhatIfResult, build_pool, whatif
+from treepack.service.planner.whatif import build_pool, whatif
 from treepack.service.pool import PlanPool
 from treepack.service.settings import Settings
 
-__all__ = ["Service", "whatif_result_to_wire", "composition_from_wire"]
+__all__ = ["Service"]
 
 log = logging.getLogger("treepack.service")
-
-
-def composition_from_wire(c: CompositionMessage) -> Composition:
-    return Composition(name=c.name, groups=c.groups, by_tag=None if c.by_tag is None else dict(c.by_tag))
-
-
-def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
-    def dist(d: Any) -> dict[str, float]:
-        return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
-
-    return {
-        "name": r.name,
-        "groups": r.groups,
-        "by_tag": r.by_tag,
-        "trials": r.trials,
-        "rows": dist(r.rows),
-        "packed_tokens": dist(r.packed_tokens),
-        "unpacked_tokens": dist(r.unpacked_tokens),
-        "saved_fraction": dist(r.saved_fraction),
-        "max_rows": r.max_rows,
-        "p_rows_over": r.p_rows_over,
-        "row_counts": r.row_counts.tolist(),
-    }
 
 
 class Service:

@@ -32,10 +32,11 @@ import msgpack
 
 from treepack.proto.codec import parse_message
 from treepack.proto.messages import BatchShapeMessage
-from treepack.service.batch_wire import shape_from_wire, shape_to_wire
-from treepack.service.planner.inputs import Batch
+from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
+from treepack.proto.batch import SequenceBatch
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape, shape_of
+from treepack.proto.shape import BatchShape
+from treepack.service.planner.fingerprint import shape_of
 
 __all__ = ["HistoryStore", "HistoryRecorder", "SCHEMA_VERSION", "empty_summary"]
 
@@ -235,7 +236,7 @@ class HistoryRecorder:
     def pending(self) -> int:
         return self._pending
 
-    def _write(self, batch: Batch, plan: Plan, tags: Sequence[str | None] | None) -> None:
+    def _write(self, batch: SequenceBatch, plan: Plan, tags: Sequence[str | None] | None) -> None:
         try:
             if plan.tree is None:
                 raise ValueError("the plan carries no tree (decoded from the wire?)")
@@ -250,7 +251,7 @@ class HistoryRecorder:
             with self._lock:
                 self._pending -= 1
 
-    def submit(self, batch: Batch, plan: Plan, tags: Sequence[str | None] | None = None) -> bool:
+    def submit(self, batch: SequenceBatch, plan: Plan, tags: Sequence[str | None] | None = None) -> bool:
         """Queue a planned batch for recording.
 
         Returns:

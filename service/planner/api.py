@@ -9,7 +9,7 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.service.planner.bounds import lower_bound_rows
-from treepack.service.planner.inputs import Batch, normalize_batch
+from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.placement import check_placement, place_leaves
@@ -91,7 +91,7 @@ def _check_flag(value: object, name: str) -> bool:
 
 
 def plan_normalized(
-    batch: Batch,
+    batch: SequenceBatch,
     *,
     seq_len: int,
     min_shared_len: int = 64,
@@ -101,7 +101,7 @@ def plan_normalized(
     share_trainable: bool = False,
     t0: float | None = None,
 ) -> Plan:
-    """:func:`plan_batch` on an already validated :class:`Batch` (the service's path)."""
+    """:func:`plan_batch` on an already validated :class:`SequenceBatch` (the service's path)."""
     t0 = time.perf_counter() if t0 is None else t0
     msl = check_min_shared_len(min_shared_len)
     name = check_placement(placement)

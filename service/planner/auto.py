@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
-from treepack.service.planner.inputs import Batch
+from treepack.proto.batch import SequenceBatch
 from treepack.service.planner.placement import _bfd, row_costs
 from treepack.service.planner.rows import OpenRows
 from treepack.service.planner.tree import Tree
@@ -39,7 +39,7 @@ from treepack.service.planner.tree import Tree
 __all__ = ["auto_place", "unit_place"]
 
 
-def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool) -> np.ndarray:
+def unit_place(tree: Tree, batch: SequenceBatch, seq_len: int, *, grouped: bool, split: bool) -> np.ndarray:
     """Best-fit decreasing over units (see module docstring).
 
     Args:
@@ -110,7 +110,7 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     return row_of
 
 
-def auto_place(tree: Tree, batch: Batch, seq_len: int) -> tuple[np.ndarray, str]:
+def auto_place(tree: Tree, batch: SequenceBatch, seq_len: int) -> tuple[np.ndarray, str]:
     """Run the candidates of the module docstring; return (row_of, winning candidate)."""
     bound = lower_bound_rows(tree, seq_len)
     best: tuple[int, int] | None = None

@@ -24,7 +24,7 @@ import numpy as np
 
 from treepack.proto.errors import RequestError
 from treepack.proto.index import ragged_arange
-from treepack.service.planner.inputs import Batch
+from treepack.proto.batch import SequenceBatch
 from treepack.service.planner.rows import OpenRows, naive_best_fit
 from treepack.service.planner.tree import Tree
 
@@ -57,7 +57,7 @@ def check_placement(placement: object) -> str:
     return str(placement)
 
 
-def bfd_order(batch: Batch) -> list[int]:
+def bfd_order(batch: SequenceBatch) -> list[int]:
     """Visit order of ``bfd``: groups by largest leaf (desc, stable), input order inside."""
     kept = np.flatnonzero(batch.kept)
     codes = batch.group_codes[kept]
@@ -99,7 +99,7 @@ def leaf_items(tree: Tree) -> tuple[list[list[int]], list[list[int]]]:
     return anc, anc_end
 
 
-def _bfd(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
+def _bfd(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     anc, ends = leaf_items(tree)
     lens = batch.lens.tolist()
@@ -113,7 +113,7 @@ def _bfd(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
     return row_of
 
 
-def _in_order(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
+def _in_order(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     anc, ends = leaf_items(tree)
     lens = batch.lens.tolist()
@@ -167,7 +167,7 @@ class _MaxTree:
             i //= 2
 
 
-def _no_share(batch: Batch, seq_len: int) -> np.ndarray:
+def _no_share(batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     kept = np.flatnonzero(batch.kept)
     order = kept[np.argsort(-batch.lens[kept], kind="stable")]
@@ -200,7 +200,7 @@ def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = Tr
     return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)
 
 
-def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto") -> Placement:
+def place_leaves(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str = "auto") -> Placement:
     """Assign every kept sequence's leaf to a row.
 
     Args:
@@ -227,7 +227,7 @@ def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto"
     return Placement(name=name, row_of=row_of, num_rows=num_rows, strategy=strategy)
 
 
-def naive_place(tree: Tree, batch: Batch, seq_len: int, placement: str) -> np.ndarray:
+def naive_place(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str) -> np.ndarray:
     """Loop-based reference of ``bfd``, ``in_order`` and ``no_share``: every row checked for every leaf.
 
     Returns:

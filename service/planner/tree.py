@@ -28,7 +28,7 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import forest_depth
-from treepack.service.planner.inputs import Batch
+from treepack.proto.batch import SequenceBatch
 
 __all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree", "check_min_shared_len"]
 
@@ -165,7 +165,7 @@ class _TrieNode:
         self.minseq = minseq
 
 
-def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
+def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
     """(byte view of the shareable prefix, record -> child key, bytes per record).
 
     Without keys a record is the uint32 token; with keys it is (token, key), 12 bytes, and
@@ -187,7 +187,7 @@ def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[
     return memoryview(rec).cast("B"), child_key, 12
 
 
-def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Build the global radix tree of ``batch`` (fast path).
 
     Args:
@@ -258,7 +258,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool 
     return em.finish(msl, share_trainable)
 
 
-def _cut_scored_branches(root: _TrieNode, batch: Batch) -> None:
+def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
     """Generalized mode: give back the last position of each branch node it may not share.
 
     Where sequences diverge at position q (or some end at q while others go on), position
@@ -284,7 +284,7 @@ def _cut_scored_branches(root: _TrieNode, batch: Batch) -> None:
         below[id(v)] = going_on
 
 
-def _trainable_at(batch: Batch, s: int, q: int) -> bool:
+def _trainable_at(batch: SequenceBatch, s: int, q: int) -> bool:
     if batch.trainable is None:
         return q >= int(batch.prompt_lens[s])
     return bool(batch.trainable[s][q])
@@ -365,7 +365,7 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
 
     ``node(S, start)``: find the common run of S from ``start`` (within everyone's
@@ -438,7 +438,7 @@ def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable:
     return em.finish(msl, share_trainable)
 
 
-def flat_tree(batch: Batch) -> Tree:
+def flat_tree(batch: SequenceBatch) -> Tree:
     """The tree without sharing: every kept sequence a root leaf (for ``no_share``)."""
     em = _Emitter(batch.num_sequences)
     for s in np.flatnonzero(batch.kept).tolist():

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treepack.service.planner.inputs import Batch, normalize_batch
+from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.service.planner.metadata import naive_conv_context
 from treepack.proto.plan import Plan
 
@@ -72,15 +72,15 @@ def interval_mask(subtree_end: np.ndarray) -> np.ndarray:
     return (j <= i) & (i < subtree_end[None, :])
 
 
-def _as_batch(plan: Plan, sequences: Any, trainable: Any, keys: Any) -> Batch:
-    if isinstance(sequences, Batch):
+def _as_batch(plan: Plan, sequences: Any, trainable: Any, keys: Any) -> SequenceBatch:
+    if isinstance(sequences, SequenceBatch):
         return sequences
     return normalize_batch(sequences, seq_len=plan.seq_len, trainable=trainable, keys=keys, on_overflow="truncate")
 
 
 def validate_plan(
     plan: Plan,
-    sequences: Sequence[Any] | Batch | None = None,
+    sequences: Sequence[Any] | SequenceBatch | None = None,
     *,
     trainable: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
@@ -91,7 +91,7 @@ def validate_plan(
 
     Args:
         plan: the plan.
-        sequences: optionally the planned sequences (or their :class:`Batch`) for the
+        sequences: optionally the planned sequences (or their :class:`SequenceBatch`) for the
             token-level checks; ``trainable`` and ``keys`` as given to the planner.
         dense_check_max: rows up to this many tokens also get the token-level mask check.
         gather_check_max: with sequences, plans of up to this many row slots (R * C) are

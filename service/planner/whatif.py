@@ -6,8 +6,8 @@ draws groups without replacement from a pool of recorded batch shapes, turns the
 into a batch and plans it with :func:`~.api.plan_batch`, the very code ``/v1/pack`` runs.
 
 Why synthesize tokens instead of building a :class:`~.tree.Tree` from the hashes directly:
-the planner's input is a :class:`~.inputs.Batch` of token arrays; feeding it token runs
-made from the hashes (:func:`~.shapes.run_tokens`) exercises the whole real path
+the planner's input is a :class:`~treepack.proto.batch.SequenceBatch` of token arrays; feeding it token runs
+made from the hashes (:func:`~treepack.proto.shape.run_tokens`) exercises the whole real path
 (validation, tree builder with rule 4 and the shareable-length rule, placement, layout,
 metadata) with no second tree builder to keep in step. The made-up runs rebuild exactly
 the recorded tree (same nodes and sharers), so a trial that samples a whole recorded batch
@@ -34,69 +34,12 @@ import numpy as np
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
 from treepack.service.planner.api import plan_batch
 from treepack.proto.index import ragged_arange
-from treepack.service.planner.shapes import BatchShape, run_tokens
+from treepack.proto.shape import BatchShape, run_tokens
+from treepack.proto.whatif import Composition, Distribution, WhatIfResult
 
 _TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)
 
-__all__ = ["Composition", "Distribution", "WhatIfResult", "GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Composition:
-    """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag."""
-
-    name: str = ""
-    groups: int | None = None
-    by_tag: Mapping[str, int] | None = None
-
-    @property
-    def total_groups(self) -> int:
-        return int(self.groups) if self.groups is not None else int(sum((self.by_tag or {}).values()))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Distribution:
-    """Summary of one figure over the trials (percentiles interpolate linearly)."""
-
-    mean: float
-    p50: float
-    p90: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values: np.ndarray) -> "Distribution":
-        v = np.asarray(values, dtype=np.float64)
-        p50, p90 = np.percentile(v, [50, 90])
-        return cls(mean=float(v.mean()), p50=float(p50), p90=float(p90), min=float(v.min()), max=float(v.max()))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WhatIfResult:
-    """What-if figures of one composition.
-
-    Attributes:
-        name: the composition's name.
-        groups: groups per trial.
-        by_tag: groups per tag, if the composition was given by tag.
-        trials: number of trials.
-        rows, packed_tokens, unpacked_tokens, saved_fraction: distributions over trials.
-        max_rows: the threshold asked about, or None.
-        p_rows_over: fraction of trials needing more than ``max_rows`` rows (None without one).
-        row_counts: [trials] int64 rows of each trial.
-    """
-
-    name: str
-    groups: int
-    by_tag: dict[str, int] | None
-    trials: int
-    rows: Distribution
-    packed_tokens: Distribution
-    unpacked_tokens: Distribution
-    saved_fraction: Distribution
-    max_rows: int | None
-    p_rows_over: float | None
-    row_counts: np.ndarray
+__all__ = ["GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -152,7 +152,7 @@ def test_errors_are_the_same_exceptions(server, kwargs, exc, path, text):
 def test_server_side_errors_keep_kind_message_and_path(server):
     # A request the client does not check itself: the server's error arrives intact.
     from treepack.proto.codec import encode_body
-    from treepack.service.batch_wire import encode_pack_request
+    from treepack.proto.batch_wire import encode_pack_request
 
     msg = encode_pack_request([np.arange(5)], seq_len=64)
     msg["version"] = 7
@@ -192,8 +192,9 @@ def test_timeouts_become_transport_errors(server):
 
 
 def test_whatif_over_http_matches_embedded_on_inline_shapes(server):
-    from treepack.service.planner import normalize_batch, plan_batch
-    from treepack.service.planner.shapes import shape_of
+    from treepack.proto.batch import normalize_batch
+    from treepack.service.planner import plan_batch
+    from treepack.service.planner.fingerprint import shape_of
 
     w = curriculum(12)
     kw = w.plan_kwargs()

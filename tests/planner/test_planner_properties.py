@@ -16,13 +16,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treepack.proto.batch import normalize_batch
 from treepack.service.planner import (
     PLACEMENTS,
     build_tree,
     lower_bound_rows,
     naive_build_tree,
     naive_place,
-    normalize_batch,
     place_leaves,
     plan_batch,
     validate_plan,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from treepack.service.planner import build_tree, naive_place, normalize_batch, place_leaves, plan_batch, validate_plan
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import build_tree, naive_place, place_leaves, plan_batch, validate_plan
 from treepack.service.planner import workloads as W
 
 SMALL = {

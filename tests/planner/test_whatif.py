@@ -12,10 +12,13 @@ import pytest
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import CapacityError, RequestError
 from treepack.service import Settings, create_app
-from treepack.service.batch_wire import encode_pack_request, shape_to_wire
-from treepack.service.planner import build_tree, normalize_batch, plan_batch, validate_plan
-from treepack.service.planner.shapes import shape_of
-from treepack.service.planner.whatif import Composition, build_pool, sample_groups, synthesize, whatif
+from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.shape_wire import shape_to_wire
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import build_tree, plan_batch, validate_plan
+from treepack.service.planner.fingerprint import shape_of
+from treepack.proto.whatif import Composition
+from treepack.service.planner.whatif import build_pool, sample_groups, synthesize, whatif
 from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
 
 TREE_FIELDS = ("parent", "start", "length", "sharers", "source", "depth", "leaf_of", "path_ptr", "path_nodes")

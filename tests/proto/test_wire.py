@@ -17,9 +17,10 @@ from treepack.proto.codec import decode_body, encode_body, parse_message, respon
 from treepack.proto.errors import DecodeError, InputTypeError, RequestError, UnsupportedMediaTypeError
 from treepack.proto.messages import PackRequest
 from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
-from treepack.service.batch_wire import Limits, decode_pack_request, encode_pack_request
-from treepack.service.plan_wire import plan_differences, plan_from_wire, plan_to_wire
-from treepack.service.planner import normalize_batch, plan_batch, validate_plan
+from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_request
+from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
 
 FORMATS = ("msgpack", "json")

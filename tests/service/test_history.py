@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from treepack.service.history import HistoryRecorder, HistoryStore
-from treepack.service.planner import normalize_batch, plan_batch
-from treepack.service.planner.shapes import BatchShape, shape_of
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import plan_batch
+from treepack.proto.shape import BatchShape
+from treepack.service.planner.fingerprint import shape_of
 from treepack.service.planner.workloads import curriculum
 
 
@@ -88,7 +90,7 @@ WRITER = textwrap.dedent(
     import sys
     import numpy as np
     from treepack.service.history import HistoryStore
-    from treepack.service.planner.shapes import BatchShape
+    from treepack.proto.shape import BatchShape
 
     rng = np.random.default_rng(0)
     n = 60_000  # ~1.5 MB per record: every write takes a while

@@ -1,4 +1,4 @@
-"""Request normalization: user sequences -> one validated :class:`Batch`.
+"""Request normalization: user sequences -> one validated :class:`SequenceBatch`.
 
 The planner works in metadata space: after this module, nothing reads token payloads
 except the tree builder (to find shared prefixes) and ``validate_plan`` (to check them).
@@ -16,7 +16,7 @@ import numpy as np
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
 from treepack.proto.plan import OverflowEvent
 
-__all__ = ["Batch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
+__all__ = ["SequenceBatch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
 
 ON_OVERFLOW = ("error", "truncate", "drop")
 MAX_GROUP_LABEL = 256  # characters, as on the wire
@@ -25,7 +25,7 @@ _SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
+class SequenceBatch:
     """A validated batch of sequences, in the planner's terms.
 
     Attributes:
@@ -174,8 +174,8 @@ def normalize_batch(
     groups: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
     on_overflow: str = "error",
-) -> Batch:
-    """Validate a request and bring it into the planner's :class:`Batch` form.
+) -> SequenceBatch:
+    """Validate a request and bring it into the planner's :class:`SequenceBatch` form.
 
     Args:
         sequences: S sequences of token ids (lists, numpy arrays, anything ``np.asarray``
@@ -191,7 +191,7 @@ def normalize_batch(
             :class:`CapacityError`), ``truncate`` (keep its first seq_len tokens) or ``drop``.
 
     Returns:
-        The validated :class:`Batch`.
+        The validated :class:`SequenceBatch`.
 
     Raises:
         RequestError: (or a subclass) naming the rule and the request path.
@@ -276,7 +276,7 @@ def normalize_batch(
         )
         prompt_lens = None
     codes, labels = _group_codes(groups, n)
-    return Batch(
+    return SequenceBatch(
         tokens=tuple(toks),
         lens=lens,
         orig_lens=orig,

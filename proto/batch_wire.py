@@ -1,11 +1,11 @@
-"""Batches on the wire: ``PackRequest`` <-> the planner's :class:`~.planner.Batch`, and shapes.
+"""Batches on the wire: ``PackRequest`` <-> :class:`~treepack.proto.batch.SequenceBatch`.
 
 Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
 
 Encoding builds the columns with :mod:`~.batch_columns` (which writes the msgpack body
 straight from the caller's arrays). Decoding slices the columnar token buffer into
-per-sequence views and hands them to :func:`~.planner.normalize_batch`, which validates
+per-sequence views and hands them to :func:`~treepack.proto.batch.normalize_batch`, which validates
 them without copying (uint32 input), so a msgpack request's tokens are copied once, out
 of the body; only a sequence sent with a prefix reference is copied again, rebuilt into
 an array of its own.
@@ -24,12 +24,11 @@ import numpy as np
 from treepack.proto.buffers import Format, decode_buffer, encode_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
-from treepack.proto.messages import BatchShapeMessage, PackRequest
-from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
-from treepack.service.planner.inputs import Batch, normalize_batch
-from treepack.service.planner.shapes import BatchShape
+from treepack.proto.messages import PackRequest
+from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
+from treepack.proto.batch import SequenceBatch, normalize_batch
 
-__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks", "shape_to_wire", "shape_from_wire"]
+__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,8 +146,8 @@ def _rebuild(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.
     return out
 
 
-def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Batch, PackOptions]:
-    """Validate a pack request and build its :class:`Batch`.
+def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[SequenceBatch, PackOptions]:
+    """Validate a pack request and build its :class:`SequenceBatch`.
 
     Args:
         msg: the parsed message.
@@ -333,33 +332,3 @@ def encode_pack_chunks(sequences: Sequence[Any], **kwargs: Any) -> BodyChunks:
     """The msgpack body of :func:`encode_pack_body` as :class:`~.batch_columns.BodyChunks`:
     written chunk by chunk while it is sent, never whole."""
     return BodyChunks(msgpack_parts(_request_fields(sequences, **kwargs)))
-
-
-def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
-    """A :class:`BatchShape` as a ``BatchShapeMessage`` dict."""
-    return {
-        "seq_len": shape.seq_len,
-        "min_shared_len": shape.min_shared_len,
-        "seq_ptr": encode_buffer(shape.seq_ptr, "<i8", fmt),
-        "run_hash": encode_buffer(shape.run_hash, "<u8", fmt),
-        "run_len": encode_buffer(shape.run_len, "<i8", fmt),
-        "first_trainable": encode_buffer(shape.first_trainable, "<i8", fmt),
-        "groups": list(shape.groups),
-        "tags": None if shape.tags is None else list(shape.tags),
-    }
-
-
-def shape_from_wire(msg: BatchShapeMessage, path: str = "$") -> BatchShape:
-    """Decode and check a shape (``path`` locates it in the request, for errors)."""
-    shape = BatchShape(
-        seq_len=msg.seq_len,
-        min_shared_len=msg.min_shared_len,
-        seq_ptr=decode_buffer(msg.seq_ptr, "<i8", f"{path}.seq_ptr"),
-        run_hash=decode_buffer(msg.run_hash, "<u8", f"{path}.run_hash"),
-        run_len=decode_buffer(msg.run_len, "<i8", f"{path}.run_len"),
-        first_trainable=decode_buffer(msg.first_trainable, "<i8", f"{path}.first_trainable"),
-        groups=tuple(msg.groups),
-        tags=None if msg.tags is None else tuple(msg.tags),
-    )
-    shape.check(path)
-    return shape
