@@ -29,6 +29,7 @@ from treepack.proto.errors import OverloadedError, ServerError, TransportError, 
 from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
 from treepack.proto.batch_columns import BodyChunks
 from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
+from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
 from treepack.proto.plan_wire import plan_from_wire
 from treepack.proto.shape import BatchShape
@@ -127,9 +128,9 @@ def decode_pack(resp: httpx.Response) -> Plan:
 
 
 def whatif_body(
-    compositions: Sequence[Composition], fmt: Format, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
+    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
 ) -> bytes:
-    return encode_body(whatif_request(compositions, fmt, shapes=shapes, **kwargs), fmt)
+    return encode_body(whatif_request(compositions, fmt, shapes=shapes, **options.to_wire(), **kwargs), fmt)
 
 
 def decode_whatif(resp: httpx.Response) -> list[WhatIfResult]:
@@ -178,11 +179,12 @@ class HttpBackend:
                 time.sleep(self.policy.delay(attempt, _retry_after(resp)))
             attempt += 1
 
-    def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        return decode_pack(self.request("POST", "/v1/pack", pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, **kwargs)))
+    def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
+        body = pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, options=options, **kwargs)
+        return decode_pack(self.request("POST", "/v1/pack", body))
 
-    def whatif(self, compositions: Sequence[Composition], **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, **kwargs)))
+    def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
+        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
 
     def history(self) -> dict[str, Any]:
         return _decode(self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()
@@ -227,13 +229,13 @@ class AsyncHttpBackend:
                 await asyncio.sleep(self.policy.delay(attempt, _retry_after(resp)))
             attempt += 1
 
-    async def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, **kwargs))
+    async def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
+        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, options=options, **kwargs))
         resp = await self.request("POST", "/v1/pack", body)
         return await asyncio.to_thread(decode_pack, resp)
 
-    async def whatif(self, compositions: Sequence[Composition], **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, **kwargs)))
+    async def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
+        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
 
     async def history(self) -> dict[str, Any]:
         return _decode(await self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()

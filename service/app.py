@@ -37,6 +37,7 @@ from treepack.service.handlers import Service
 from treepack.service.metrics import MetricsMiddleware
 from treepack.service.openapi import body_spec, install_openapi
 from treepack.service.settings import Settings
+from treepack.service.version import __version__
 
 __all__ = ["create_app", "create_app_from_env"]
 
@@ -98,8 +99,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Finish pending history writes; threads and the database go with the process.
         # (Not a full close: test clients run lifespan around every use of one app.)
         await asyncio.to_thread(svc.flush)
-
-    from treepack.service import __version__
 
     app = FastAPI(title="treepack", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = svc

@@ -17,9 +17,11 @@ import time
 from typing import Any, Callable, TextIO
 
 from treepack.service.planner import workloads as W
-from treepack.service.planner.api import plan_normalized
+from treepack.proto.options import PLACEMENTS, PlanOptions
+from treepack.service.planner.api import plan_with_tree
+from treepack.service.planner.options import check_options
 from treepack.proto.batch import normalize_batch
-from treepack.service.planner.placement import PLACEMENTS, naive_place
+from treepack.service.planner.placement import naive_place
 from treepack.service.planner.tree import build_tree
 
 __all__ = ["SUITES", "run_benchmark"]
@@ -70,7 +72,7 @@ def run_benchmark(
             plan = None
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                plan = plan_normalized(batch, seq_len=w.seq_len, placement=placement, t0=t0)
+                plan = plan_with_tree(batch, check_options(PlanOptions(seq_len=w.seq_len, placement=placement)), t0=t0).plan
                 for k, v in plan.stats.timings_ms.items():
                     phases[k] = min(phases.get(k, float("inf")), v)
             assert plan is not None

@@ -7,16 +7,17 @@ shape type, its run hash and the tokens made back from it are the contract's
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from treepack.proto.batch import SequenceBatch
 from treepack.proto.index import ragged_arange
 from treepack.proto.shape import BatchShape, run_hash
+from treepack.service.planner.api import PlanResult
 from treepack.service.planner.tree import Tree, build_tree
 
-__all__ = ["shape_of"]
+__all__ = ["shape_of", "shape_job"]
 
 
 def shape_of(batch: SequenceBatch, tree: Tree, *, seq_len: int, tags: Sequence[str | None] | None = None) -> BatchShape:
@@ -24,7 +25,7 @@ def shape_of(batch: SequenceBatch, tree: Tree, *, seq_len: int, tags: Sequence[s
 
     Args:
         batch: the batch as planned.
-        tree: its tree (``plan.tree``; a ``no_share`` plan's tree is the real one too).
+        tree: its tree (``PlanResult.tree``; a ``no_share`` plan's tree is the real one too).
             A shape always describes the default-mode tree: a tree built with
             ``share_trainable`` is rebuilt without it (trainable tokens are not recorded).
         seq_len: the capacity it was planned for.
@@ -81,3 +82,12 @@ def shape_of(batch: SequenceBatch, tree: Tree, *, seq_len: int, tags: Sequence[s
         groups=tuple(labels),
         tags=None if tags is None else tuple(tags[i] for i in kept.tolist()),
     )
+
+
+def shape_job(result: PlanResult, tags: Sequence[str | None] | None = None) -> Callable[[], BatchShape] | None:
+    """A deferred :func:`shape_of` of a planned batch, for the history's writer thread;
+    None when every sequence was dropped (nothing to record)."""
+    batch, tree, seq_len = result.batch, result.tree, result.plan.seq_len
+    if not batch.kept.any():
+        return None
+    return lambda: shape_of(batch, tree, seq_len=seq_len, tags=tags)

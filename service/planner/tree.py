@@ -26,11 +26,10 @@ from typing import Callable
 
 import numpy as np
 
-from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import forest_depth
 from treepack.proto.batch import SequenceBatch
 
-__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree", "check_min_shared_len"]
+__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,14 +81,11 @@ class Tree:
         return self.path_nodes[self.path_ptr[s] : self.path_ptr[s + 1]]
 
 
-def check_min_shared_len(min_shared_len: object) -> int:
-    if isinstance(min_shared_len, (bool, np.bool_)) or not isinstance(min_shared_len, (int, np.integer)):
-        raise InputTypeError(
-            f"min_shared_len must be an int, got {type(min_shared_len).__name__}", path="$.min_shared_len", rule="type"
-        )
-    if min_shared_len < 1:
-        raise RequestError(f"min_shared_len must be >= 1, got {min_shared_len}", path="$.min_shared_len", rule="minimum")
-    return int(min_shared_len)
+def _min_shared_len(value: int) -> int:
+    # Checked by check_options on every planning path; the tree builders are also called
+    # directly (tests, what-if), where a bad value is the caller's bug.
+    assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1, value
+    return int(value)
 
 
 class _Emitter:
@@ -200,7 +196,7 @@ def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainabl
     Returns:
         The :class:`Tree`, identical to :func:`naive_build_tree`'s.
     """
-    msl = check_min_shared_len(min_shared_len)
+    msl = _min_shared_len(min_shared_len)
     n = batch.num_sequences
     sh_all = batch.lens.copy() if share_trainable else batch.shareable_lens()
     kept = batch.kept
@@ -375,7 +371,7 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
     ``start``. In the generalized mode the run is everyone's common prefix, less its last
     position when that position is scored for a sequence going on past the divergence.
     """
-    msl = check_min_shared_len(min_shared_len)
+    msl = _min_shared_len(min_shared_len)
     n = batch.num_sequences
     sh = (batch.lens if share_trainable else batch.shareable_lens()).tolist()
     trains = [batch.trainable_of(s).tolist() for s in range(n)]

@@ -3,7 +3,7 @@
 An autotuner asks "if the next batch held 48 groups (or 20 of task A and 28 of task B),
 how many rows would it need at seq_len C?". :func:`whatif` answers by sampling: each trial
 draws groups without replacement from a pool of recorded batch shapes, turns them back
-into a batch and plans it with :func:`~.api.plan_batch`, the very code ``/v1/pack`` runs.
+into a batch and plans it with :func:`~.api.plan_with_tree`, the very code ``/v1/pack`` runs.
 
 Why synthesize tokens instead of building a :class:`~.tree.Tree` from the hashes directly:
 the planner's input is a :class:`~treepack.proto.batch.SequenceBatch` of token arrays; feeding it token runs
@@ -32,7 +32,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
-from treepack.service.planner.api import plan_batch
+from treepack.proto.batch_wire import PackInput
+from treepack.proto.options import PlanOptions, as_options
+from treepack.service.planner.api import plan_with_tree
+from treepack.service.planner.options import check_options
 from treepack.proto.index import ragged_arange
 from treepack.proto.shape import BatchShape, run_tokens
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult
@@ -162,26 +165,21 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
 def whatif(
     shapes: Sequence[BatchShape],
     compositions: Sequence[Composition],
+    options: PlanOptions | None = None,
     *,
-    seq_len: int,
     trials: int = 32,
     seed: int = 0,
-    min_shared_len: int = 64,
-    placement: str = "auto",
-    num_ranks: int = 1,
-    conv_width: int = 4,
-    on_overflow: str = "error",
-    share_trainable: bool = False,
     max_rows: int | None = None,
     max_tokens: int | None = None,
+    **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
 
     Args:
         shapes: the pool of recorded batches to sample groups from.
         compositions: the candidates.
-        seq_len, min_shared_len, placement, num_ranks, conv_width, on_overflow,
-            share_trainable: as for :func:`~.api.plan_batch`, applied to every trial. Shapes
+        options: as for :func:`~.api.plan_batch` (or its fields as keywords), applied to
+            every trial, checked once. Shapes
             do not record trainable tokens (their runs are unique per sequence), so the
             generalized mode shares no trainable token in a trial: its rows are an upper
             bound.
@@ -197,13 +195,15 @@ def whatif(
         RequestError: an empty pool, a composition the pool cannot fill, sequences longer
             than ``seq_len`` with ``on_overflow="error"``, or any planner argument error.
     """
+    opts = check_options(as_options(options, option_kwargs))
+    seq_len = opts.seq_len
     if not shapes:
         raise RequestError("there are no recorded batches to sample from: pack with record=true first, or send shapes", path="$.shapes", rule="no_history")
     if trials < 1:
         raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
     pool = build_pool(shapes)
     longest = int(pool.lens.max(initial=0))
-    if on_overflow == "error" and longest > seq_len:
+    if opts.on_overflow == "error" and longest > seq_len:
         raise CapacityError(
             f"the pool holds sequences of up to {longest} tokens, longer than seq_len {seq_len} "
             "(set on_overflow='truncate' or 'drop' to allow)",
@@ -227,16 +227,8 @@ def whatif(
                     raise PayloadTooLargeError(
                         f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=f"$.compositions[{i}]", rule="max_tokens"
                     )
-            plan = plan_batch(
-                **synthesize(pool, units),
-                seq_len=seq_len,
-                min_shared_len=min_shared_len,
-                placement=placement,
-                num_ranks=num_ranks,
-                conv_width=conv_width,
-                on_overflow=on_overflow,
-                share_trainable=share_trainable,
-            )
+            trial = PackInput(**synthesize(pool, units), options=opts)
+            plan = plan_with_tree(trial.normalize(seq_len, opts.on_overflow), opts).plan
             st = plan.stats
             rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
         out.append(

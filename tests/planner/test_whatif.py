@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from tests.helpers.trees import plan_result
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import CapacityError, RequestError
 from treepack.service import Settings, create_app
@@ -41,8 +42,8 @@ def _cases():
 
 def _shape(kw, tags, msl):
     batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw.get("groups"), keys=kw.get("keys"))
-    plan = plan_batch(**kw, min_shared_len=msl)
-    return shape_of(batch, plan.tree, seq_len=kw["seq_len"], tags=tags), plan, batch
+    result = plan_result(**kw, min_shared_len=msl)
+    return shape_of(batch, result.tree, seq_len=kw["seq_len"], tags=tags), result.plan, batch
 
 
 @pytest.mark.parametrize("name,kw,tags,msl", list(_cases()), ids=[c[0] for c in _cases()])
@@ -225,12 +226,12 @@ def test_generalized_mode_plans_record_default_mode_shapes_with_unique_tails():
     rng = np.random.default_rng(2)
     seq = rng.integers(0, 1000, 300)
     kw = dict(sequences=[seq] * 4, trainable=[200] * 4, groups=[0, 0, 1, 1], seq_len=2048, min_shared_len=16)
-    default = plan_batch(**kw)
-    general = plan_batch(**kw, share_trainable=True)
+    default_r, general_r = plan_result(**kw), plan_result(**kw, share_trainable=True)
+    default, general = default_r.plan, general_r.plan
     assert general.stats.packed_tokens < default.stats.packed_tokens
     batch = normalize_batch(kw["sequences"], seq_len=2048, trainable=kw["trainable"], groups=kw["groups"])
-    s_gen = shape_of(batch, general.tree, seq_len=2048)
-    s_def = shape_of(batch, default.tree, seq_len=2048)
+    s_gen = shape_of(batch, general_r.tree, seq_len=2048)
+    s_def = shape_of(batch, default_r.tree, seq_len=2048)
     for f in ("seq_ptr", "run_hash", "run_len", "first_trainable"):
         assert np.array_equal(getattr(s_gen, f), getattr(s_def, f)), f
     assert (s_def.run_hash == 0).sum() == 4  # one unshareable tail per sequence
