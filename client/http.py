@@ -130,7 +130,7 @@ def decode_pack(resp: httpx.Response) -> Plan:
 def whatif_body(
     compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
 ) -> bytes:
-    return encode_body(whatif_request(compositions, fmt, shapes=shapes, **options.to_wire(), **kwargs), fmt)
+    return encode_body(whatif_request(compositions, fmt, options, shapes=shapes, **kwargs), fmt)
 
 
 def decode_whatif(resp: httpx.Response) -> list[WhatIfResult]:

@@ -13,6 +13,7 @@ from treepack.proto import WIRE_VERSION
 from treepack.proto.buffers import Format
 from treepack.proto.messages import Composition as CompositionMessage
 from treepack.proto.messages import WhatIfResultMessage
+from treepack.proto.options import PlanOptions
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_to_wire
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult
@@ -29,11 +30,11 @@ def composition_from_wire(c: CompositionMessage) -> Composition:
 
 
 def whatif_request(
-    compositions: Sequence[Composition], fmt: Format, *, shapes: Sequence[BatchShape] | None = None, **fields: Any
+    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **fields: Any
 ) -> dict[str, Any]:
-    """A ``WhatIfRequest`` dict: the compositions, inline shapes if any, the other fields
-    given (None = the server's default)."""
-    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in compositions]}
+    """A ``WhatIfRequest`` dict: the compositions, the plan options as given (the server
+    checks them), inline shapes if any, the other fields given (None = the server's default)."""
+    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in compositions], **options.to_wire()}
     msg.update({k: v for k, v in fields.items() if v is not None})
     if shapes is not None:
         msg["shapes"] = [shape_to_wire(s, fmt) for s in shapes]
