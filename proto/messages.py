@@ -105,6 +105,15 @@ OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
 ShareOption = _option({"type": "boolean", "default": False, "description": "generalized sharing mode: trainable tokens shared up to a scored divergence"})
 Index = Annotated[int, Field(ge=-1, le=_INT64[1])]
 GroupId = Union[Annotated[int, Field(ge=_INT64[0], le=_INT64[1])], Annotated[str, Field(max_length=256)], None]
+# A request's group ids are judged by the planner's normalisation (treepack.proto.batch.group_codes),
+# which gives the embedded planner's errors; the schema documents the same limits.
+GroupIdInput = Annotated[Any, WithJsonSchema({
+    "anyOf": [
+        {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]},
+        {"type": "string", "maxLength": 256},
+        {"type": "null"},
+    ]
+})]
 Tag = Optional[Annotated[str, Field(max_length=256)]]
 
 
@@ -128,7 +137,7 @@ class PackRequest(_Model):
         "then its own tokens; with prefix_len (dedup of shared prompts; trainable and keys still cover every token)",
     )
     prefix_len: Optional[Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
-    groups: Optional[list[GroupId]] = Field(None, description="[S] group id (int, string or null) per sequence")
+    groups: Optional[list[GroupIdInput]] = Field(None, description="[S] group id (int, string or null) per sequence")
     tags: Optional[list[Tag]] = Field(None, description="[S] task tag per sequence (recorded in history for what-if by tag)")
     min_shared_len: MinSharedOption = 64
     placement: PlacementOption = "auto"
