@@ -117,13 +117,12 @@ def _in_order(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
 class _MaxTree:
     """Segment tree over row slots holding the max room; finds the first row with room >= x."""
 
-    def __init__(self, capacity: int, n: int) -> None:
+    def __init__(self, n: int) -> None:
         size = 1
         while size < max(n, 1):
             size *= 2
         self.size = size
         self.t = [0] * (2 * size)
-        self.capacity = capacity
 
     def first_fit(self, x: int) -> int:
         t = self.t
@@ -148,7 +147,7 @@ def _no_share(batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     kept = np.flatnonzero(batch.kept)
     order = kept[np.argsort(-batch.lens[kept], kind="stable")]
-    mt = _MaxTree(seq_len, kept.shape[0])
+    mt = _MaxTree(kept.shape[0])
     room: list[int] = []
     lens = batch.lens.tolist()
     for s in order.tolist():
