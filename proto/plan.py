@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import ragged_arange, segment_rows, segment_tokens
 from treepack.proto.options import PlanOptions
 
 __all__ = ["Plan", "PlanStats", "OverflowEvent", "Segments", "AttentionMeta", "GdnLevel", "GdnMeta", "Ranks"]
@@ -261,8 +261,9 @@ class Plan:
         C = self.seq_len
         flat = np.full(self.num_rows * C, -1, dtype=np.int64)
         off = np.zeros(self.num_rows * C, dtype=np.int64)
-        pos = np.repeat(seg.row * C + seg.row_start, seg.length) + ragged_arange(seg.length)
-        flat[pos] = np.repeat(np.arange(seg.num_segments, dtype=np.int64), seg.length)
+        every = np.arange(seg.num_segments, dtype=np.int64)
+        pos = segment_tokens(seg, C, every)
+        flat[pos] = np.repeat(every, seg.length)
         off[pos] = ragged_arange(seg.length)
         return flat, off
 
@@ -310,9 +311,7 @@ class Plan:
         if r < 0:
             raise ValueError(f"sequence {s} was dropped (on_overflow='drop'); it has no row")
         seg = self.segments
-        segs = seg.segments_of(s)
-        lens = seg.length[segs]
-        return r, np.repeat(seg.row_start[segs], lens) + ragged_arange(lens)
+        return r, segment_rows(seg, seg.segments_of(s))
 
     def segment_sharers(self) -> tuple[np.ndarray, np.ndarray]:
         """(ptr [G+1] int64, seqs [sum sharers] int64): the sequences through each segment.
@@ -334,8 +333,5 @@ class Plan:
         Sequence s's tokens are at flat positions ``row * C + index``
         ``out[seq_ptr[s]:seq_ptr[s+1]]``, in order (the vectorized :meth:`locate`).
         """
-        seg = self.segments
-        segs = seg.seq_segs
-        lens = seg.length[segs]
-        flat = np.repeat(seg.row[segs] * self.seq_len + seg.row_start[segs], lens) + ragged_arange(lens)
+        flat = segment_tokens(self.segments, self.seq_len, self.segments.seq_segs)
         return np.concatenate([[0], np.cumsum(self.seq_lens)]).astype(np.int64), flat

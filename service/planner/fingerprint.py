@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from treepack.proto.batch import SequenceBatch
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import csr_gather
 from treepack.proto.shape import BatchShape, run_hash
 from treepack.service.planner.api import PlanResult
 from treepack.service.planner.tree import Tree, build_tree
@@ -51,7 +51,7 @@ def shape_of(batch: SequenceBatch, tree: Tree, *, seq_len: int, tags: Sequence[s
             key = None if batch.keys is None or batch.keys[s] is None else batch.keys[s][a:b]
             node_hash[v] = run_hash(batch.tokens[s][a:b], key)
     plen = tree.path_ptr[kept + 1] - tree.path_ptr[kept]
-    entry = tree.path_nodes[np.repeat(tree.path_ptr[kept], plen) + ragged_arange(plen)]
+    entry = csr_gather(tree.path_ptr, tree.path_nodes, kept)
     entry_seq = np.repeat(kept, plen)
     leaf = is_leaf[entry] & (tree.leaf_of[entry_seq] == entry)
     length = tree.length[entry]

@@ -24,7 +24,7 @@ import numpy as np
 
 from treepack.proto.errors import RequestError
 from treepack.proto.options import PLACEMENTS, PlanOptions
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import csr_gather
 from treepack.proto.batch import SequenceBatch
 from treepack.service.planner.options import check_options
 from treepack.service.planner.rows import OpenRows, naive_best_fit
@@ -169,8 +169,7 @@ def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = Tr
         return np.bincount(row_of[kept], weights=lens[kept], minlength=num_rows).astype(np.int64)
     seqs = np.flatnonzero(kept)
     counts = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
-    idx = np.repeat(tree.path_ptr[seqs], counts) + ragged_arange(counts)
-    nodes = tree.path_nodes[idx]
+    nodes = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
     rows = np.repeat(row_of[seqs], counts)
     pair = np.unique(rows * tree.num_nodes + nodes)
     return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)

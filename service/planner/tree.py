@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from treepack.proto.index import forest_depth
+from treepack.proto.index import ancestor_chains, forest_depth
 from treepack.proto.batch import SequenceBatch
 
 __all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree"]
@@ -116,21 +116,7 @@ class _Emitter:
         parent = np.asarray(self.parent, dtype=np.int64)
         depth = forest_depth(parent)
         leaf_of = self.leaf_of
-        kept = leaf_of >= 0
-        plen = np.zeros(leaf_of.shape[0], dtype=np.int64)
-        plen[kept] = depth[leaf_of[kept]] + 1
-        path_ptr = np.zeros(leaf_of.shape[0] + 1, dtype=np.int64)
-        np.cumsum(plen, out=path_ptr[1:])
-        path_nodes = np.empty(int(path_ptr[-1]), dtype=np.int64)
-        # Fill each path from its leaf upwards, all sequences at once.
-        pos = path_ptr[1:] - 1
-        cur = leaf_of.copy()
-        live = kept.copy()
-        while live.any():
-            path_nodes[pos[live]] = cur[live]
-            cur = np.where(live, parent[np.maximum(cur, 0)], -1)
-            pos = pos - 1
-            live = cur >= 0
+        path_ptr, path_nodes = ancestor_chains(parent, depth, leaf_of)  # dropped: leaf -1, no path
         return Tree(
             parent=parent,
             start=np.asarray(self.start, dtype=np.int64),

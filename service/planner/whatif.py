@@ -36,7 +36,7 @@ from treepack.proto.batch_wire import PackInput
 from treepack.proto.options import PlanOptions, as_options
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import csr_gather, csr_index
 from treepack.proto.shape import BatchShape, run_tokens
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult
 
@@ -144,8 +144,7 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
     for b in np.unique(batch_of).tolist():
         sh = pool.shapes[b]
         local = seqs[batch_of == b] - pool.seq_base[b]
-        n = sh.seq_ptr[local + 1] - sh.seq_ptr[local]
-        runs = np.repeat(sh.seq_ptr[local], n) + ragged_arange(n)
+        runs = csr_index(sh.seq_ptr, local)
         hashes.append(sh.run_hash[runs])
         lengths.append(sh.run_len[runs])
         first.append(sh.first_trainable[local])
@@ -250,5 +249,4 @@ def whatif(
 
 
 def _unit_seqs(pool: GroupPool, units: np.ndarray) -> np.ndarray:
-    counts = pool.unit_ptr[units + 1] - pool.unit_ptr[units]
-    return pool.unit_seqs[np.repeat(pool.unit_ptr[units], counts) + ragged_arange(counts)]
+    return csr_gather(pool.unit_ptr, pool.unit_seqs, units)
