@@ -212,40 +212,39 @@ def whatif(
     for i, comp in enumerate(compositions):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
-    out = []
-    for i, comp in enumerate(compositions):
-        rows = np.zeros(trials, dtype=np.int64)
-        packed = np.zeros(trials, dtype=np.int64)
-        unpacked = np.zeros(trials, dtype=np.int64)
-        saved = np.zeros(trials, dtype=np.float64)
-        for t in range(trials):
-            units = sample_groups(pool, comp, rng)
-            if max_tokens is not None:
-                total = int(pool.lens[_unit_seqs(pool, units)].sum())
-                if total > max_tokens:
-                    raise PayloadTooLargeError(
-                        f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=f"$.compositions[{i}]", rule="max_tokens"
-                    )
-            trial = PackInput(**synthesize(pool, units), options=opts)
-            plan = plan_with_tree(trial.normalize(seq_len, opts.on_overflow), opts).plan
-            st = plan.stats
-            rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
-        out.append(
-            WhatIfResult(
-                name=comp.name,
-                groups=comp.total_groups,
-                by_tag=None if comp.by_tag is None else dict(comp.by_tag),
-                trials=trials,
-                rows=Distribution.of(rows),
-                packed_tokens=Distribution.of(packed),
-                unpacked_tokens=Distribution.of(unpacked),
-                saved_fraction=Distribution.of(saved),
-                max_rows=max_rows,
-                p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
-                row_counts=rows,
-            )
-        )
-    return out
+    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens) for i, comp in enumerate(compositions)]
+
+
+def _trials(
+    pool: GroupPool, comp: Composition, opts: PlanOptions, path: str, rng: np.random.Generator, trials: int, max_rows: int | None, max_tokens: int | None
+) -> WhatIfResult:
+    """Plan ``trials`` sampled batches of one composition and summarize them."""
+    rows = np.zeros(trials, dtype=np.int64)
+    packed = np.zeros(trials, dtype=np.int64)
+    unpacked = np.zeros(trials, dtype=np.int64)
+    saved = np.zeros(trials, dtype=np.float64)
+    for t in range(trials):
+        units = sample_groups(pool, comp, rng)
+        if max_tokens is not None:
+            total = int(pool.lens[_unit_seqs(pool, units)].sum())
+            if total > max_tokens:
+                raise PayloadTooLargeError(f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens")
+        trial = PackInput(**synthesize(pool, units), options=opts)
+        st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts).plan.stats
+        rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
+    return WhatIfResult(
+        name=comp.name,
+        groups=comp.total_groups,
+        by_tag=None if comp.by_tag is None else dict(comp.by_tag),
+        trials=trials,
+        rows=Distribution.of(rows),
+        packed_tokens=Distribution.of(packed),
+        unpacked_tokens=Distribution.of(unpacked),
+        saved_fraction=Distribution.of(saved),
+        max_rows=max_rows,
+        p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
+        row_counts=rows,
+    )
 
 
 def _unit_seqs(pool: GroupPool, units: np.ndarray) -> np.ndarray:
