@@ -1,16 +1,16 @@
 """Losses on packed rows: SFT NLL, GRPO/PPO-clip, CISPO (SPEC 7).
 
 Every loss is a weighted sum over **scored entries** (sequence s, token p trainable, p >= 1)
-and equals the same loss computed on the unpacked sequences. The packed form works per row
-position: a position's weight is the **sum of its sharers' weights** (built with
-``index_add`` over the entries), so one log-probability per position suffices even when a
-scored position is shared (generalized sharing mode, SPEC 2). PPO-clip is not linear in the
-advantage, so it keeps the positive and negative weighted-advantage sums apart::
-
-    sum_s w_s * min(r A_s, clip(r) A_s) = P * min(r, 1 + eps_high) + N * max(r, 1 - eps_low)
-
-with ``P = sum_{A_s > 0} w_s A_s`` and ``N = sum_{A_s < 0} w_s A_s`` (r is the same for all
-sharers: same context, same token).
+and equals the same loss computed on the unpacked sequences, term by term: each entry
+reads the log-probability of the row position that predicts its token
+(``lp[score_flat[e]]``, a gather, so autograd sums the gradients of a shared position's
+sharers) and combines it with **its own sequence's** inputs. A position shared by several
+sequences (generalized sharing mode, SPEC 2) therefore contributes once per sharer, with
+each sharer's own weight, advantage, behaviour and reference log-probability: nothing is
+merged, so PPO-clip (not linear in the advantage, and whose ratio depends on each sharer's
+own ``old_logprobs``) is exact as well as the linear losses. (A behaviour log-probability
+of a shared position may well differ among its sharers: they were sampled by different
+inference runs, engines or policy versions.)
 
 Normalizations (the weight ``w`` of an entry of sequence s, counts over **all**
 sequences of the plan, every rank included, so per-rank losses add up to the global loss):
@@ -21,12 +21,11 @@ sequences of the plan, every rank included, so per-rank losses add up to the glo
   per-group token means;
 - ``sum``: 1; a number c: 1 / c (a constant denominator, Dr. GRPO).
 
-Per-entry inputs (``advantages``, ``weights``) are: a payload name (target-aligned, see
-:func:`~treepack.trainer.data.materialize`), a [S] tensor (one value per sequence, e.g. GRPO
-advantages), a [K, L] packed tensor, or a number. Per-position inputs (``old_logprobs``,
-``ref_logprobs``) are a payload name or a [K, L] tensor; at a shared scored position they
-hold one sharer's value, which is every sharer's value for a log-probability (a function
-of the context and the token, which the sharers have in common).
+Per-entry inputs (``advantages``, ``weights``, ``old_logprobs``, ``ref_logprobs``) are: a
+payload name (target-aligned, see :func:`~treepack.trainer.data.materialize`: read per
+scored entry, i.e. per (position, sharer)), a [S] tensor (one value per sequence, e.g.
+GRPO advantages), a [K, L] packed tensor (one value per position: the same for every
+sharer, e.g. log-probabilities computed on these packed rows), or a number.
 
 ``naive_*`` references compute the same losses from unpacked per-sequence log-probabilities
 with plain loops.
@@ -48,6 +47,7 @@ __all__ = [
     "entry_weights",
     "entry_values",
     "position_sum",
+    "entry_logprobs",
     "sft_loss",
     "ppo_clip_loss",
     "cispo_loss",
@@ -112,26 +112,25 @@ def position_sum(batch: "PackedBatch", values: torch.Tensor) -> torch.Tensor:
     return torch.zeros(K * L, dtype=values.dtype, device=values.device).index_add(0, batch.score_flat, values).view(K, L)
 
 
-def _position_values(batch: "PackedBatch", x: Any, *, what: str, like: torch.Tensor) -> torch.Tensor:
-    """[K, L] a per-position input (payload name or [K, L]), 0 off the loss mask."""
-    if isinstance(x, str):
-        if x not in batch.payloads:
-            raise RequestError(f"{what}: no payload named {x!r} (have {sorted(batch.payloads)})", path=f"$.{what}", rule="unknown_payload")
-        x = batch.payloads[x]
-    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(like.shape):
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise RequestError(f"{what} must have shape {list(like.shape)} (packed rows), got {shape}", path=f"$.{what}", rule="shape")
-    return torch.where(batch.loss_mask, x.to(like.dtype), torch.zeros((), dtype=like.dtype, device=like.device))
+def entry_logprobs(batch: "PackedBatch", logprobs: torch.Tensor) -> torch.Tensor:
+    """[T] the log-probability of every scored entry's token (a gather of the predicting positions).
 
-
-def _logprobs(batch: "PackedBatch", logprobs: torch.Tensor) -> torch.Tensor:
+    Args:
+        batch: the packed batch.
+        logprobs: [K, L] from :meth:`PackedBatch.target_logprobs`, or [K, L, V] logits.
+    """
     if not isinstance(logprobs, torch.Tensor):
         raise InputTypeError(f"logprobs must be a tensor, got {type(logprobs).__name__}", path="$.logprobs", rule="type")
     if logprobs.ndim == 3:
         logprobs = batch.target_logprobs(logprobs)
     if tuple(logprobs.shape) != (batch.num_rows, batch.seq_len):
         raise RequestError(f"logprobs must have shape [{batch.num_rows}, {batch.seq_len}] (or logits [K, L, V]), got {tuple(logprobs.shape)}", path="$.logprobs", rule="shape")
-    return torch.where(batch.loss_mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+    return logprobs.reshape(-1)[batch.score_flat]
+
+
+def _entries_like(batch: "PackedBatch", x: Any, *, what: str, like: torch.Tensor) -> torch.Tensor:
+    """[T] per-entry values of ``x`` in ``like``'s dtype."""
+    return entry_values(batch, x, what=what).to(like.dtype)
 
 
 def sft_loss(logprobs: torch.Tensor, batch: "PackedBatch", *, weights: Any = None, normalization: Any = "token") -> torch.Tensor:
@@ -146,11 +145,11 @@ def sft_loss(logprobs: torch.Tensor, batch: "PackedBatch", *, weights: Any = Non
     Returns:
         Scalar: ``-sum_e w_e * weight_e * lp_e``.
     """
-    lp = _logprobs(batch, logprobs)
-    w = entry_weights(batch, normalization)
+    lp = entry_logprobs(batch, logprobs)
+    w = entry_weights(batch, normalization).to(lp.dtype)
     if weights is not None:
-        w = w * entry_values(batch, weights, what="weights").to(w.dtype)
-    return -(position_sum(batch, w.to(lp.dtype)) * lp).sum()
+        w = w * _entries_like(batch, weights, what="weights", like=lp)
+    return -(w * lp).sum()
 
 
 def ppo_clip_loss(
@@ -175,30 +174,30 @@ def ppo_clip_loss(
         logprobs: [K, L] or [K, L, V] logits.
         batch: the packed batch.
         advantages: per-entry advantages (payload name, [S], [K, L] or a number).
-        old_logprobs: per-position behaviour log-probabilities (payload name or [K, L]);
-            None means on-policy (``old = lp.detach()``, r = 1).
+        old_logprobs: per-entry behaviour log-probabilities (payload name: each sharer's
+            own; or [K, L], [S], a number); None means on-policy (``old = lp.detach()``, r = 1).
         clip_low, clip_high: clip range (``clip_high`` defaults to ``clip_low``).
         normalization: module docstring.
-        ref_logprobs: per-position reference log-probabilities, needed when ``kl_coef`` != 0.
+        ref_logprobs: per-entry reference log-probabilities (as ``old_logprobs``), needed
+            when ``kl_coef`` != 0.
         kl_coef: weight of the k3 KL estimator.
 
     Returns:
         Scalar loss.
     """
-    lp = _logprobs(batch, logprobs)
+    lp = entry_logprobs(batch, logprobs)
     eh = clip_low if clip_high is None else clip_high
-    old = lp.detach() if old_logprobs is None else _position_values(batch, old_logprobs, what="old_logprobs", like=lp)
+    old = lp.detach() if old_logprobs is None else _entries_like(batch, old_logprobs, what="old_logprobs", like=lp)
     ratio = torch.exp(lp - old)
-    w = entry_weights(batch, normalization)
-    wa = w * entry_values(batch, advantages, what="advantages").to(w.dtype)
-    pos = position_sum(batch, wa.clamp(min=0).to(lp.dtype))
-    neg = position_sum(batch, wa.clamp(max=0).to(lp.dtype))
-    loss = -(pos * torch.clamp(ratio, max=1.0 + eh) + neg * torch.clamp(ratio, min=1.0 - clip_low)).sum()
+    w = entry_weights(batch, normalization).to(lp.dtype)
+    adv = _entries_like(batch, advantages, what="advantages", like=lp)
+    term = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + eh) * adv)
+    loss = -(w * term).sum()
     if kl_coef:
         if ref_logprobs is None:
             raise RequestError("kl_coef needs ref_logprobs", path="$.ref_logprobs", rule="required")
-        d = _position_values(batch, ref_logprobs, what="ref_logprobs", like=lp) - lp
-        loss = loss + kl_coef * (position_sum(batch, w.to(lp.dtype)) * (torch.exp(d) - d - 1)).sum()
+        d = _entries_like(batch, ref_logprobs, what="ref_logprobs", like=lp) - lp
+        loss = loss + kl_coef * (w * (torch.exp(d) - d - 1)).sum()
     return loss
 
 
@@ -215,26 +214,26 @@ def cispo_loss(
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight.
 
     Per entry: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * lp`` (no lower clip when
-    ``clip_low`` is None). Linear in A, so one weighted-advantage sum per position.
+    ``clip_low`` is None), each entry with its own ratio and advantage.
 
     Args:
         logprobs: [K, L] or [K, L, V] logits.
         batch: the packed batch.
         advantages: per-entry advantages (payload name, [S], [K, L] or a number).
-        old_logprobs: per-position behaviour log-probabilities (payload name or [K, L]).
+        old_logprobs: per-entry behaviour log-probabilities (payload name: each sharer's
+            own; or [K, L], [S], a number).
         clip_low, clip_high: importance-weight clip range.
         normalization: module docstring.
 
     Returns:
         Scalar loss.
     """
-    lp = _logprobs(batch, logprobs)
-    old = _position_values(batch, old_logprobs, what="old_logprobs", like=lp)
+    lp = entry_logprobs(batch, logprobs)
+    old = _entries_like(batch, old_logprobs, what="old_logprobs", like=lp)
     r = torch.exp(lp.detach() - old)
     r = torch.clamp(r, min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)
-    w = entry_weights(batch, normalization)
-    wa = position_sum(batch, (w * entry_values(batch, advantages, what="advantages").to(w.dtype)).to(lp.dtype))
-    return -(wa * r * lp).sum()
+    w = entry_weights(batch, normalization).to(lp.dtype)
+    return -(w * _entries_like(batch, advantages, what="advantages", like=lp) * r * lp).sum()
 
 
 def naive_entry_weights(trainable: Sequence[torch.Tensor], groups: Sequence[Any] | None, normalization: Any = "token") -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ SURFACE = {
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
         "disable_tree_attention", "packed_forward",
     ],
-    "treepack.trainer.data": ["materialize", "PackedBatch"],
+    "treepack.trainer.data": ["materialize", "PackedBatch", "routing_keys"],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],
 }  # fmt: skip
 

@@ -10,14 +10,19 @@ Two payload alignments:
 
 - ``payloads`` (target-aligned, the loss side: old/ref logprobs, advantages, weights): a
   per-token array ``x[s][p]`` describes token p *as a prediction target*, like the output
-  of :meth:`PackedBatch.unpack_logprobs`. It lands on the row position that predicts
-  token p (``idx(s, p-1)``) for every trainable p >= 1, and also stays available per
-  scored entry (``entry_payloads``) so that shared positions can sum their sharers'
-  values.
+  of :meth:`PackedBatch.unpack_logprobs`. It is kept **per scored entry** (per
+  (position, sharer): ``entry_payloads``, what the losses read, so each sharer of a
+  shared trainable position keeps its own old logprobs, advantages and weights), and
+  lands on the row position that predicts token p (``idx(s, p-1)``) for every trainable
+  p >= 1 (``payloads``); a position whose sharers' values differ holds the fill value
+  there, never one sharer's value picked at random.
 - ``input_payloads`` (token-aligned: MoE routing replay ``[tokens, layers, top_k]``,
   extra embeddings): ``x[s][p]`` lands on ``idx(s, p)``, read from each segment's
-  source sequence (tokens a segment shares are identical in every sharer; use the
-  planner's ``keys`` to make that true for payloads such as routing decisions).
+  source sequence. A shared token enters the forward once, so every sharer must hold the
+  same value there: materialization checks it (each sequence reads its own values back,
+  one gather) and raises :class:`PayloadMismatchError` naming the sequences otherwise.
+  Plan with ``keys`` from :func:`~treepack.trainer.data.routing.routing_keys` so that
+  the planner never shares tokens whose routing differs.
 
 Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
 """
@@ -38,7 +43,7 @@ from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "PayloadMismatchError"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,31 +154,102 @@ def _check_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, ix: _RowIndex, 
         )
 
 
+class PayloadMismatchError(RequestError):
+    """Sequences that share a row position carry different token-aligned payload values.
+
+    A token-aligned payload (MoE routing replay, extra embeddings) enters the forward at
+    the shared position once, so packing it is exact only when every sharer holds the
+    same value there; otherwise materialization refuses, naming the payload, both
+    sequences and the position. Plan with keys from
+    :func:`~treepack.trainer.data.routing.routing_keys` so the planner never shares such
+    tokens.
+
+    Attributes:
+        sequences: (the sequence that differs, the segment's source sequence).
+    """
+
+    kind = "payload_mismatch"
+
+    def __init__(self, message: str, *, path: str, rule: str = "sharers_disagree", sequences: tuple[int, ...] = ()) -> None:
+        super().__init__(message, path=path, rule=rule)
+        self.sequences = tuple(sequences)
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows of ``a`` and ``b`` ([N, ...]) that differ anywhere (NaN equals NaN)."""
+    ne = a != b
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        ne &= ~(torch.isnan(a) & torch.isnan(b))
+    return ne.reshape(ne.shape[0], -1).any(-1) if ne.ndim > 1 else ne
+
+
+def _check_token_payload(name: str, cat: torch.Tensor, packed_flat: torch.Tensor, ix: _RowIndex, seq_flat: torch.Tensor, size: int) -> None:
+    """Every local sequence must read its own values back from the packed payload (one gather)."""
+    bad = torch.nonzero(_differs(packed_flat[seq_flat], cat)).flatten()
+    if not bad.numel():
+        return
+    c = int(bad[0])
+    slot = int(np.searchsorted(ix.ptr, c, side="right") - 1)
+    s, p = int(ix.local_seqs[slot]), c - int(ix.ptr[slot])
+    src = np.full(size, -1, dtype=np.int64)
+    src[ix.tok_flat] = ix.tok_src
+    o = int(src[int(seq_flat[c])])
+    raise PayloadMismatchError(
+        f"input_payloads.{name}: sequences {s} and {o} share token {p} (row position {int(seq_flat[c])}) but their "
+        f"values differ; a token-aligned payload enters the shared position once. Plan with keys that separate "
+        f"them (treepack.trainer.data.routing.routing_keys for MoE routing replay)",
+        path=f"$.input_payloads.{name}[{s}]",
+        sequences=(s, o),
+    )
+
+
+def _unshared_view(entries: torch.Tensor, score_flat: torch.Tensor, size: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """[K, C, ...] one value per scored position; where sharers' entries differ, the fill value.
+
+    Which sharer a scatter with repeated indices keeps is unspecified, so a position whose
+    sharers disagree gets NaN / -1 / False instead of an arbitrary one of them: the
+    per-sharer values live in ``entry_payloads`` (what the losses read).
+    """
+    packed = scatter_filled(entries, score_flat, size)
+    disagree = _differs(packed[score_flat], entries)
+    if bool(disagree.any()):
+        fill = float("nan") if entries.dtype.is_floating_point else (False if entries.dtype == torch.bool else -1)
+        packed[score_flat[disagree]] = torch.as_tensor(fill, dtype=entries.dtype, device=entries.device)
+    return packed.view(*shape)
+
+
 def _payloads(
     plan: Plan,
     ix: _RowIndex,
     payloads: Mapping[str, Any] | None,
     input_payloads: Mapping[str, Any] | None,
-    entry_src: torch.Tensor,
-    score_flat: torch.Tensor,
-    tok_flat: torch.Tensor,
-    gather_src: torch.Tensor,
+    index: Mapping[str, torch.Tensor],
     shape: tuple[int, int],
     dev: torch.device,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(packed [K, C, ...] by name, per scored entry [T, ...] by name), one gather each."""
+    """(packed [K, C, ...] by name, per scored entry [T, ...] by name), one gather each.
+
+    Args:
+        index: the flat index tensors ``entry_src``, ``score_flat``, ``tok_flat``,
+            ``gather_src``, ``seq_flat`` (see :func:`materialize`).
+
+    Raises:
+        PayloadMismatchError: a token-aligned payload whose sharers disagree.
+    """
     size = shape[0] * shape[1]
     packed: dict[str, torch.Tensor] = {}
     entries: dict[str, torch.Tensor] = {}
     for name, value in (payloads or {}).items():
         cat = concat_arrays(value, ix.local_seqs, plan, dev, what=f"payloads.{name}")
-        entries[name] = cat[entry_src]
-        packed[name] = scatter_filled(entries[name], score_flat, size).view(*shape, *cat.shape[1:])
+        entries[name] = cat[index["entry_src"]]
+        packed[name] = _unshared_view(entries[name], index["score_flat"], size, (*shape, *cat.shape[1:]))
     for name, value in (input_payloads or {}).items():
         if name in packed:
             raise RequestError(f"payload name {name!r} is both target- and token-aligned", path=f"$.input_payloads.{name}", rule="unique")
         cat = concat_arrays(value, ix.local_seqs, plan, dev, what=f"input_payloads.{name}")
-        packed[name] = scatter_filled(cat[gather_src], tok_flat, size).view(*shape, *cat.shape[1:])
+        flat = scatter_filled(cat[index["gather_src"]], index["tok_flat"], size)
+        _check_token_payload(name, cat, flat, ix, index["seq_flat"], size)
+        packed[name] = flat.view(*shape, *cat.shape[1:])
     return packed, entries
 
 
@@ -243,7 +319,8 @@ def materialize(
     _check_shared_targets(score_flat, score_target, score_seq)
     loss_mask = torch.zeros(size, dtype=torch.bool, device=dev)
     loss_mask[score_flat_t] = True
-    packed, entries = _payloads(plan, ix, payloads, input_payloads, entry_src, score_flat_t, tok_flat, gather_src, (K, C), dev)
+    index = dict(entry_src=entry_src, score_flat=score_flat_t, tok_flat=tok_flat, gather_src=gather_src, seq_flat=seq_flat)
+    packed, entries = _payloads(plan, ix, payloads, input_payloads, index, (K, C), dev)
     return PackedBatch(
         plan=plan,
         rows=rows_arr,
