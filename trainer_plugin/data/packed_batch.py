@@ -137,25 +137,26 @@ class PackedBatch:
             self._cache["local_segments"] = row_segments(self.plan.segments.row_ptr, self.rows)
         return self._cache["local_segments"]
 
-    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+    def dense_mask(self, sliding_window: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
         """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
-        key = ("dense", sliding_window)
+        key = ("dense", sliding_window, chunk_size)
         if key not in self._cache:
-            self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window)
+            self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window, chunk_size)
         return self._cache[key]
 
-    def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any:
+    def block_mask(self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None) -> Any:
         """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
-        key = ("block", block_size, sliding_window)
+        key = ("block", block_size, sliding_window, chunk_size)
         if key not in self._cache:
-            self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window)
+            self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window, chunk_size=chunk_size)
         return self._cache[key]
 
-    def varlen_meta(self) -> VarlenMeta:
+    def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta:
         """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.kernels.masks.varlen_meta`."""
-        if "varlen" not in self._cache:
-            self._cache["varlen"] = varlen_meta(self.plan, self.rows, self.device)
-        return self._cache["varlen"]
+        key = ("varlen", chunk_size)
+        if key not in self._cache:
+            self._cache[key] = varlen_meta(self.plan, self.rows, self.device, chunk_size=chunk_size)
+        return self._cache[key]
 
     def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
         K, L = self.num_rows, self.seq_len

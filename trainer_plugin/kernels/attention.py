@@ -12,6 +12,19 @@ allows (:mod:`treepack.trainer.kernels.masks`), so they agree within float toler
   aligned bottom-right. ``flash_attn`` is imported only when this backend runs;
   :func:`naive_varlen_attention` has the same signature and runs on CPU, so the gather
   and the metadata are tested without a GPU.
+
+Two attention variants, exact on every backend:
+
+- **attention sinks** (GPT-OSS ``s_aux``): one learned logit per head that joins every
+  query's softmax denominator (``exp(sink)`` added to it) and has no value. Written
+  through the log-sum-exp of the plain attention: ``out_sink = out * sigmoid(lse - sink)``.
+  SDPA appends the sink as an extra logit column; flex uses ``return_lse``; varlen uses
+  the kernel's LSE, made differentiable exactly (:func:`_differentiable_lse`: FlashAttention
+  does not back-propagate through its LSE).
+- **chunked attention** (Llama4 ``attention_chunk_size``): a key is visible iff it is an
+  ancestor (the mask contract) *and* in the query's chunk of its own sequence's positions
+  (``position_ids // c`` equal): an extra mask term (dense, flex ``mask_mod``), and on the
+  varlen path every chain cut to the chunk (:func:`~treepack.trainer.kernels.masks.varlen_meta`).
 """
 
 from __future__ import annotations
@@ -41,11 +54,11 @@ class TreeMasks(Protocol):
     @property
     def seq_len(self) -> int: ...
 
-    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor: ...
+    def dense_mask(self, sliding_window: int | None = None, chunk_size: int | None = None) -> torch.Tensor: ...
 
-    def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any: ...
+    def block_mask(self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None) -> Any: ...
 
-    def varlen_meta(self) -> VarlenMeta: ...
+    def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta: ...
 
 
 BACKENDS = ("sdpa", "flex", "flash")
@@ -78,6 +91,8 @@ def tree_attention(
     softcap: float | None = None,
     varlen_fn: Callable | None = None,
     compile: bool | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed rows under the tree mask.
 
@@ -93,35 +108,66 @@ def tree_attention(
         varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func``;
             :func:`naive_varlen_attention` on CPU).
         compile: ``flex`` only: run ``torch.compile(flex_attention)`` (default: on CUDA).
+        sinks: optional [H] attention-sink logits (GPT-OSS ``s_aux``; module docstring).
+        chunk_size: optional chunk size c of chunked attention (Llama4; module docstring).
 
     Returns:
         [K, H, L, Dv] attention output.
     """
     _check(q, k, v, batch)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise RequestError(f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    mask = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     if backend == "sdpa":
-        return _sdpa(q, k, v, batch, scale, sliding_window, softcap)
+        return _sdpa(q, k, v, batch.dense_mask(**mask), scale, softcap, sinks)
     if backend == "flex":
-        return _flex(q, k, v, batch, scale, sliding_window, softcap, compile)
+        return _flex(q, k, v, batch.block_mask(**mask), scale, softcap, compile, sinks)
     if backend == "flash":
-        return _flash(q, k, v, batch, scale, sliding_window, softcap, varlen_fn)
+        return _flash(q, k, v, batch.varlen_meta(chunk_size=chunk_size), scale, sliding_window, softcap, varlen_fn, sinks)
     raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
 
 
-def _sdpa(q, k, v, batch, scale, sliding_window, softcap):
+def _sdpa(q, k, v, mask, scale, softcap, sinks):
     n_rep = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
-    mask = batch.dense_mask(sliding_window)
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    # SDPA has no soft-capping: the same computation in plain ops.
+    # SDPA has no soft-capping or sinks: the same computation in plain ops.
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s.float(), dim=-1).to(v.dtype), v)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
 
 
-def _flex(q, k, v, batch, scale, sliding_window, softcap, compile):
+def _sink_factor(lse: torch.Tensor, sinks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``sigmoid(lse - sink)``: the share of the softmax mass left to the real keys.
+
+    Args:
+        lse: log-sum-exp of the real keys' logits, heads on axis ``head_dim``.
+        sinks: [H] sink logits.
+    """
+    shape = [1] * lse.ndim
+    shape[head_dim] = -1
+    return torch.sigmoid(lse.float() - sinks.float().view(shape))
+
+
+def _lse_request() -> dict:
+    """flex_attention's keyword asking for the LSE (``return_aux`` from PyTorch 2.9 on)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # pragma: no cover - older PyTorch
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def _flex(q, k, v, block_mask, scale, softcap, compile, sinks):
     from torch.nn.attention.flex_attention import flex_attention
 
     use_compile = q.is_cuda if compile is None else compile
@@ -140,15 +186,21 @@ def _flex(q, k, v, batch, scale, sliding_window, softcap, compile):
     with warnings.catch_warnings():
         # Uncompiled flex (the CPU path) warns that it materializes the scores: intended.
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return fn(
+        out = fn(
             q,
             k,
             v,
             score_mod=score_mod,
-            block_mask=batch.block_mask(sliding_window=sliding_window),
+            block_mask=block_mask,
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
+            **({} if sinks is None else _lse_request()),
         )
+    if sinks is None:
+        return out
+    out, aux = out
+    lse = getattr(aux, "lse", aux)  # [K, H, L], natural log
+    return (out.float() * _sink_factor(lse, sinks, 1)[..., None]).to(out.dtype)
 
 
 def _flash_varlen() -> Callable:
@@ -162,33 +214,52 @@ def _flash_varlen() -> Callable:
     return flash_attn_varlen_func
 
 
-def _flash(q, k, v, batch, scale, sliding_window, softcap, varlen_fn):
+def _differentiable_lse(fn: Callable, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, args: tuple, kw: dict, scale: float) -> torch.Tensor:
+    """[H, Tq] the kernel's LSE with its exact gradient (FlashAttention returns it detached).
+
+    ``d lse_i / d q_i = scale * sum_j p_ij k_j`` and ``d lse_i / d k_j = scale * p_ij q_i``.
+    One more varlen call with the keys as values gives ``a_i = sum_j p_ij k_j``; the term
+    ``t_i = scale * q_i . a_i``, with q and k detached inside the call, has exactly these
+    gradients (through q directly, through the values for k), and ``t - t.detach()`` adds
+    them to the LSE without changing its value. (Exact for plain logits: a soft-cap would
+    scale each p_ij by the cap's derivative, so sinks with a soft-cap are refused.)
+    """
+    a = fn(q.detach(), k.detach(), k, *args, **kw)
+    t = scale * (q.float() * a.float()).sum(-1)  # [Tq, H]
+    return lse.detach().float() + (t - t.detach()).transpose(0, 1)
+
+
+def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
+    if sinks is not None and softcap is not None:
+        raise RequestError(
+            "attention sinks with logit soft-capping are not exact on backend='flash' (the LSE gradient assumes plain logits); "
+            "use backend='sdpa' or 'flex'",
+            path="$.backend",
+            rule="unsupported",
+        )
     fn = varlen_fn if varlen_fn is not None else _flash_varlen()
-    meta = batch.varlen_meta()
     K, H, L, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     qf = q.transpose(1, 2).reshape(K * L, H, D)
     kf = k.transpose(1, 2).reshape(K * L, Hkv, D)
     vf = v.transpose(1, 2).reshape(K * L, Hkv, Dv)
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
-    out = fn(
-        qf[meta.q_index],
-        kf[meta.k_index],
-        vf[meta.k_index],
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=True,
-        window_size=window,
-        softcap=0.0 if softcap is None else float(softcap),
-    )
+    args = (meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
+    kw = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=0.0 if softcap is None else float(softcap))
+    qg, kg = qf[meta.q_index], kf[meta.k_index]
+    if sinks is None:
+        out = fn(qg, kg, vf[meta.k_index], *args, **kw)
+    else:
+        out, lse, _ = fn(qg, kg, vf[meta.k_index], *args, return_attn_probs=True, **kw)
+        lse = _differentiable_lse(fn, qg, kg, lse, args, kw, scale)
+        out = (out.float() * _sink_factor(lse, sinks, 0).transpose(0, 1)[..., None]).to(out.dtype)
     # NaN first so that a position the kernel did not write shows up.
     res = scatter_filled(out, meta.q_index, K * L)
-    # A padding token attends only itself: its output is its own value.
+    # A padding token attends only itself: its output is its own value (times its sink factor).
     pad_v = _repeat_kv(vf[meta.pad_index], H // Hkv, 1).to(out.dtype)
+    if sinks is not None:
+        s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(kf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
+        pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
     res = res.index_put((meta.pad_index,), pad_v)
     return res.view(K, L, H, Dv).transpose(1, 2)
 
@@ -206,8 +277,9 @@ def naive_varlen_attention(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    return_attn_probs: bool = False,
     **unused: Any,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """Pure-torch reference of ``flash_attn_varlen_func`` (same signature), a loop over sequences.
 
     Query i of a sequence with nq queries and nk keys sits at key index ``nk - nq + i``
@@ -222,9 +294,11 @@ def naive_varlen_attention(
         dropout_p: must be 0.
         softmax_scale: default ``D ** -0.5``.
         causal, window_size, softcap: as FlashAttention.
+        return_attn_probs: also return the log-sum-exp of each query's logits, as
+            FlashAttention does (its third output, the probabilities, is None here).
 
     Returns:
-        [Tq, H, Dv].
+        [Tq, H, Dv], or (that, lse [H, Tq] float32, None).
     """
     if dropout_p:
         raise RequestError("naive_varlen_attention has no dropout", path="$.dropout_p", rule="unsupported")
@@ -232,7 +306,7 @@ def naive_varlen_attention(
     n_rep = q.shape[1] // k.shape[1]
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     left, right = window_size
-    outs = []
+    outs, lses = [], []
     for b in range(len(cq) - 1):
         qs, ks, vs = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
         nq, nk = qs.shape[0], ks.shape[0]
@@ -253,6 +327,8 @@ def naive_varlen_attention(
         s = s.masked_fill(~ok, -math.inf)
         p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(vs.dtype)
         outs.append(torch.einsum("hqk,khd->qhd", p, vs))
-    if not outs:
-        return q.new_zeros(0, q.shape[1], v.shape[-1])
-    return torch.cat(outs)
+        lses.append(torch.logsumexp(s.float(), dim=-1))
+    out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
+    if not return_attn_probs:
+        return out
+    return out, torch.cat(lses, dim=1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32), None

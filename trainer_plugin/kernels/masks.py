@@ -2,13 +2,17 @@
 
 Mask contract: query i may attend key j iff ``j <= i and i < subtree_end[j]``; padding
 attends only itself. With a sliding window w (HF semantics) additionally
-``position_ids[i] - position_ids[j] < w``.
+``position_ids[i] - position_ids[j] < w``; with chunked attention of chunk size c (Llama4)
+additionally ``position_ids[i] // c == position_ids[j] // c``: the same chunk of the
+sequence's own positions (on a tree row both are positions of i's sequence, since j is
+on i's ancestor chain).
 
 - :func:`dense_mask`: [K, 1, L, L] bool, the reference (SDPA on CPU).
 - :func:`block_mask`: a FlexAttention ``BlockMask`` built from per-block minima and maxima
   of ``subtree_end``, never from a dense L x L mask (see its docstring for the argument).
 - :func:`varlen_meta`: per segment, its queries and the gathered keys of its ancestor chain,
-  for FlashAttention's varlen kernel with bottom-right causal alignment.
+  for FlashAttention's varlen kernel with bottom-right causal alignment; with a chunk
+  size, per (segment, chunk) piece, its chain cut to the chunk.
 
 Each has a slow reference beside it (``naive_*``) that tests compare against. All are built
 from arrays (``subtree_end``, ``position_ids``, the plan's segment table and ancestor
@@ -24,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from treepack.proto.index import csr_gather, local_row_index, localize_flat, row_segments, segment_tokens
+from treepack.proto.errors import RequestError
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
 from treepack.trainer.kernels.index import index_tensor
 
@@ -40,19 +45,34 @@ __all__ = [
 ]
 
 
-def dense_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+def _check_chunk(chunk_size: int | None) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise RequestError(f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range")
+
+
+def dense_mask(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """[K, 1, L, L] bool tree mask from the interval contract (vectorized).
 
     Args:
         subtree_end: [K, L] int64 the rows' subtree ends.
-        position_ids: [K, L] int64, needed with a sliding window.
+        position_ids: [K, L] int64, needed with a sliding window or a chunk size.
         sliding_window: optional window w: keys at most w-1 positions back.
+        chunk_size: optional chunk size c: keys in the query's chunk of positions only.
     """
+    _check_chunk(chunk_size)
     L = subtree_end.shape[1]
     idx = torch.arange(L, device=subtree_end.device)
     m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
     if sliding_window is not None:
         m &= (position_ids[:, :, None] - position_ids[:, None, :]) < sliding_window
+    if chunk_size is not None:
+        c = position_ids // chunk_size
+        m &= c[:, :, None] == c[:, None, :]
     return m[:, None]
 
 
@@ -80,6 +100,7 @@ def naive_dense_mask(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     device: Any = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`dense_mask`: the ancestor relation of the segment table, row by row.
 
@@ -89,7 +110,7 @@ def naive_dense_mask(
 
     Args:
         plan: the plan. rows: [K] its global rows, -1 for an empty row.
-        position_ids, sliding_window: as :func:`dense_mask`.
+        position_ids, sliding_window, chunk_size: as :func:`dense_mask`.
         device: where the mask goes.
     """
     L = plan.seq_len
@@ -101,28 +122,40 @@ def naive_dense_mask(
                 for j in range(L):
                     if pos[k, i] - pos[k, j] >= sliding_window:
                         out[k, i, j] = False
+    if chunk_size is not None:
+        pos = position_ids.cpu().numpy()
+        for k in range(out.shape[0]):
+            for i in range(L):
+                for j in range(L):
+                    if pos[k, i] // chunk_size != pos[k, j] // chunk_size:
+                        out[k, i, j] = False
     return torch.from_numpy(out)[:, None].to(device)
 
 
-def tree_mask_mod(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> Any:
+def tree_mask_mod(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> Any:
     """FlexAttention ``mask_mod`` of the contract, reading ``subtree_end`` (and positions).
 
     Args:
         subtree_end: [K, Lp] int64, Lp >= L; entries past L must be 0 (nothing visible).
-        position_ids: [K, Lp] int64, needed with a sliding window.
+        position_ids: [K, Lp] int64, needed with a sliding window or a chunk size.
         sliding_window: optional window w.
+        chunk_size: optional chunk size c (same chunk of positions only).
     """
-    if sliding_window is None:
+    w = None if sliding_window is None else int(sliding_window)
+    c = None if chunk_size is None else int(chunk_size)
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
-
-    else:
-        w = int(sliding_window)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            near = (position_ids[b, q_idx] - position_ids[b, kv_idx]) < w
-            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx]) & near
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+        if w is not None:
+            ok = ok & ((position_ids[b, q_idx] - position_ids[b, kv_idx]) < w)
+        if c is not None:
+            ok = ok & ((position_ids[b, q_idx] // c) == (position_ids[b, kv_idx] // c))
+        return ok
 
     return mask_mod
 
@@ -146,6 +179,7 @@ def block_mask(
     *,
     block_size: int = 128,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> Any:
     """FlexAttention ``BlockMask`` of the tree mask, O(L + (L / block)^2) work per row.
 
@@ -154,18 +188,21 @@ def block_mask(
     j cover [k0, k1) without gaps, so their union is exactly ``[k0, max_j subtree_end[j])``:
     a query block [q0, q1) is touched iff ``k0 < q1`` and ``max subtree_end > q0``. It is
     full (every pair allowed, no mask_mod needed) iff ``k1 - 1 <= q0`` and
-    ``min subtree_end >= q1`` (and neither block reaches past L). With a sliding window
-    no block is marked full (``mask_mod`` then checks the window in every touched block).
+    ``min subtree_end >= q1`` (and neither block reaches past L). With a sliding window or
+    a chunk size no block is marked full (``mask_mod`` then checks the window or the chunk
+    in every touched block).
 
     Args:
         subtree_end: [K, L] int64 the rows' subtree ends.
         position_ids: [K, L] int64, needed with a sliding window.
         block_size: FlexAttention's sparse block size (both axes).
         sliding_window: optional window w.
+        chunk_size: optional chunk size c (Llama4 chunked attention).
 
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` for [K, 1, L, L].
     """
+    _check_chunk(chunk_size)
     from torch.nn.attention.flex_attention import BlockMask
 
     K, L = subtree_end.shape
@@ -185,19 +222,20 @@ def block_mask(
     # (which sees subtree_end 0 there) instead of relying on the kernel's bounds checks.
     whole = start + block_size <= L
     full &= whole[None, :, None] & whole[None, None, :]
-    if sliding_window is not None:
+    positional = sliding_window is not None or chunk_size is not None
+    if positional:
         full = torch.zeros_like(full)
     partial = touched & ~full
     kv_num, kv_idx = _block_lists(partial)
     full_num, full_idx = _block_lists(full)
-    pos = _padded(position_ids, Lp, 0) if sliding_window is not None else None
+    pos = _padded(position_ids, Lp, 0) if positional else None
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
         full_num,
         full_idx,
         BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(se, pos, sliding_window),
+        mask_mod=tree_mask_mod(se, pos, sliding_window, chunk_size),
         seq_lengths=(L, L),
     )
 
@@ -208,6 +246,7 @@ def naive_block_mask(
     *,
     block_size: int = 128,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> Any:
     """Reference for :func:`block_mask` (same arguments): FlexAttention's own
     ``create_block_mask``, which evaluates ``mask_mod`` on every (query, key) pair."""
@@ -217,7 +256,7 @@ def naive_block_mask(
     nb = -(-L // block_size)
     se = _padded(subtree_end, nb * block_size, 0)
     pos = _padded(position_ids, nb * block_size, 0) if position_ids is not None else None
-    mod = tree_mask_mod(se, pos, sliding_window)
+    mod = tree_mask_mod(se, pos, sliding_window, chunk_size)
     return create_block_mask(mod, K, None, L, L, device=subtree_end.device, BLOCK_SIZE=block_size)
 
 
@@ -270,14 +309,19 @@ def _meta(size: int, device: Any, segs: np.ndarray, q: np.ndarray, k: np.ndarray
     )
 
 
-def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
+def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None, chunk_size: int | None = None) -> VarlenMeta:
     """:class:`VarlenMeta` from the plan's ancestor chains (vectorized, no per-token loop).
 
     Args:
         plan: the plan (segment table and ``attention`` ancestor chains).
         rows: [K] int64 the global rows stacked locally, -1 for an empty row.
         device: where the index tensors go.
+        chunk_size: optional chunk size c (chunked attention): each segment is cut at the
+            chunk boundaries of its sequence's positions into pieces; a piece's keys are its
+            chain from the chunk's first position (``segments`` then lists each piece's
+            segment, one entry per piece).
     """
+    _check_chunk(chunk_size)
     seg, att = plan.segments, plan.attention
     L = plan.seq_len
     segs, _ = row_segments(seg.row_ptr, rows)
@@ -288,11 +332,32 @@ def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
     k = localize_flat(segment_tokens(seg, L, chain), local_of_row, L)
     klen = att.key_lens[segs]
     assert int(klen.sum()) == k.shape[0], "ancestor chains do not add up to key_lens"
+    if chunk_size is not None:
+        segs, q, k, qlen, klen = _chunk_pieces(segs, seg.seq_start[segs], q, k, qlen, klen, chunk_size)
     return _meta(len(rows) * L, device, segs, q, k, qlen, klen)
 
 
-def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
-    """Reference for :func:`varlen_meta` (same arguments): walks parent pointers segment by segment."""
+def _chunk_pieces(segs, start, q, k, qlen, klen, c):
+    """Cut each varlen sequence (a segment: queries at positions start..start+qlen-1 of its
+    sequence, keys at positions 0..start+qlen-1) into one piece per chunk of positions."""
+    end = start + qlen
+    first = start // c
+    n = np.where(qlen > 0, (end - 1) // c - first + 1, 0)
+    g = np.repeat(np.arange(segs.shape[0]), n)
+    m = np.repeat(first, n) + ragged_arange(n)
+    qa = np.maximum(start[g], m * c)
+    qb = np.minimum(end[g], (m + 1) * c)
+    q_ptr = np.concatenate([[0], np.cumsum(qlen)])[:-1]
+    k_ptr = np.concatenate([[0], np.cumsum(klen)])[:-1]
+    pq, pk = qb - qa, qb - m * c
+    q_pos = np.repeat(q_ptr[g] + qa - start[g], pq) + ragged_arange(pq)
+    k_pos = np.repeat(k_ptr[g] + m * c, pk) + ragged_arange(pk)
+    return segs[g], q[q_pos], k[k_pos], pq, pk
+
+
+def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None, chunk_size: int | None = None) -> VarlenMeta:
+    """Reference for :func:`varlen_meta` (same arguments): walks parent pointers segment by
+    segment, then (with a chunk size) cuts queries and keys position by position."""
     seg = plan.segments
     L = plan.seq_len
     segs, qs, ks, qlen, klen = [], [], [], [], []
@@ -307,10 +372,19 @@ def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> Varle
             while p >= 0:
                 keys = list(range(base + int(seg.row_start[p]), base + int(seg.row_start[p] + seg.length[p]))) + keys
                 p = int(seg.parent[p])
-            segs.append(g)
-            qs += own
-            ks += keys
-            qlen.append(len(own))
-            klen.append(len(keys))
+            pieces = [(own, keys)]
+            if chunk_size is not None:
+                s0 = int(seg.seq_start[g])  # keys[t] is position t of the sequence
+                chunks = sorted({(s0 + i) // chunk_size for i in range(len(own))})
+                pieces = [
+                    ([x for i, x in enumerate(own) if (s0 + i) // chunk_size == m], [x for t, x in enumerate(keys) if t // chunk_size == m and t < s0 + len(own)])
+                    for m in chunks
+                ]
+            for qp, kp in pieces:
+                segs.append(g)
+                qs += qp
+                ks += kp
+                qlen.append(len(qp))
+                klen.append(len(kp))
     arr = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     return _meta(len(rows) * L, device, arr(segs), arr(qs), arr(ks), arr(qlen), arr(klen))
