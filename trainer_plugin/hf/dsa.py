@@ -1,4 +1,4 @@
-"""Stock HF DeepSeek-V3.2 sparse attention (DSA) on tree rows.
+"""Stock HF DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (DSA) on tree rows.
 
 HF's ``DeepseekV32Attention`` is MLA (low-rank q and kv, a shared RoPE key) plus a
 lightning indexer that picks ``index_topk`` keys per query; the eager path folds the picks
@@ -12,6 +12,15 @@ stock layer and replaces the selection and the attention:
 - :func:`~treepack.trainer.kernels.sparse.sparse_attention` over the picked keys (a gather of
   ``index_topk`` keys per query, no [L, L] mask).
 
+GLM-MoE-DSA (``GlmMoeDsaAttention``, GLM-5 style) is the same layer with interleaved RoPE
+in its indexer and **cross-layer top-k sharing**: a layer whose
+``config.indexer_types[layer_idx]`` is ``"shared"`` has no indexer and reuses the top-k of
+the previous full layer, which HF passes up the stack as ``prev_topk_indices``. The
+patched forward (:func:`glm_dsa_forward`) returns a :class:`TreeSelection` (row indices
+plus validity of the picks, computed once by the full layer's tree top-k) in that slot, so
+a shared layer attends to exactly the keys its full layer picked on the tree, as it does
+alone; a shared layer that receives anything else (a stock selection) is refused.
+
 Ties: the stock indexer ends in ``torch.topk``, whose order among equal scores is
 unspecified (on CPU it differs between a row and the same sequence alone), and ReLU-sum
 scores tie at exactly 0 often. So a patched model also gives its indexers, for unpacked
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,9 +43,11 @@ from treepack.trainer.hf.context import BATCH_KWARG, current_packed
 from treepack.trainer.kernels.sparse import indexer_scores, sparse_attention, tree_topk
 
 __all__ = [
+    "TreeSelection",
     "dsa_indexer_scores",
     "dsa_tree_attention",
     "dsa_forward",
+    "glm_dsa_forward",
     "position_tiebreak_indexer_forward",
     "packed_context",
     "STOCK_ATTR",
@@ -43,9 +55,22 @@ __all__ = [
 
 # Indexer class -> the RoPE function of its modeling module. Only the indexers of the DSA
 # layers that hybrid.patch_hybrid_layers patches are listed: no other class reaches here.
-_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb"}
+_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
 # Where a patched module keeps its bound stock forward (in its __dict__, outside nn.Module's registries).
 STOCK_ATTR = "_treepack_stock_forward"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSelection:
+    """A DSA layer's top-k picks on tree rows, handed to the layers that share them.
+
+    Attributes:
+        idx: [K, L, k] int64 row index of each pick, best first.
+        valid: [K, L, k] bool, False for picks that are not visible (dropped).
+    """
+
+    idx: torch.Tensor
+    valid: torch.Tensor
 
 
 def packed_context(kwargs: dict[str, Any]) -> Any:
@@ -123,17 +148,25 @@ def position_tiebreak_indexer_forward(
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
 
 
-def dsa_tree_attention(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], batch: Any) -> torch.Tensor:
-    """``DeepseekV32Attention`` on tree rows: stock MLA projections, tree top-k, gathered attention.
+def dsa_tree_attention(
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
+    shared: TreeSelection | None = None,
+) -> tuple[torch.Tensor, TreeSelection]:
+    """A DSA layer on tree rows: stock MLA projections, tree top-k, gathered attention.
 
     Args:
-        attn: the attention module.
+        attn: a ``DeepseekV32Attention`` or ``GlmMoeDsaAttention``.
         hidden_states: [K, L, hidden] packed rows.
         position_embeddings: (cos, sin) from the per-sequence ``position_ids``.
         batch: the :class:`~treepack.trainer.data.packed_batch.PackedBatch` (``subtree_end``, ``position_ids``).
+        shared: for a layer without an indexer (GLM ``"shared"``), the selection of the
+            previous full layer.
 
     Returns:
-        [K, L, hidden].
+        ([K, L, hidden], the selection this layer attended with).
     """
     K, L = hidden_states.shape[:2]
     if (K, L) != tuple(batch.subtree_end.shape):
@@ -150,10 +183,20 @@ def dsa_tree_attention(attn: torch.nn.Module, hidden_states: torch.Tensor, posit
     q_rot, k_rot = _modeling(attn).apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
     query = torch.cat((q_pass, q_rot), dim=-1)
     key, value = attn.expand_kv(k_pass, k_rot)
-    scores = dsa_indexer_scores(attn.indexer, hidden_states, q_resid, position_embeddings)
-    idx, valid = tree_topk(scores, batch.subtree_end, batch.position_ids, attn.indexer.index_topk)
-    out = sparse_attention(query, key, value, idx, valid, attn.scaling)
-    return attn.o_proj(out.reshape(K, L, -1))
+    if getattr(attn, "indexer", None) is not None:
+        scores = dsa_indexer_scores(attn.indexer, hidden_states, q_resid, position_embeddings)
+        sel = TreeSelection(*tree_topk(scores, batch.subtree_end, batch.position_ids, attn.indexer.index_topk))
+    elif isinstance(shared, TreeSelection) and tuple(shared.idx.shape[:2]) == (K, L):
+        sel = shared
+    else:
+        raise RequestError(
+            f"{type(attn).__name__} (layer {getattr(attn, 'layer_idx', '?')}) shares the top-k of an earlier layer but received "
+            f"{type(shared).__name__}, not that layer's tree selection: every DSA layer of the model must be patched",
+            path="$.model",
+            rule="unpatched_sparse_layer",
+        )
+    out = sparse_attention(query, key, value, sel.idx, sel.valid, attn.scaling)
+    return attn.o_proj(out.reshape(K, L, -1)), sel
 
 
 def dsa_forward(
@@ -171,4 +214,30 @@ def dsa_forward(
         return getattr(self, STOCK_ATTR)(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, **kwargs)
     if cache is not None:
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
-    return dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch), None
+    return dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch)[0], None
+
+
+def glm_dsa_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: Any = None,
+    cache: Any = None,
+    position_ids: torch.Tensor | None = None,
+    prev_topk_indices: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None, Any]:
+    """Patched ``GlmMoeDsaAttention.forward``: tree rows when a packed batch is active, else stock.
+
+    Returns what the stock layer returns, ``(output, None, selection)``; on tree rows the
+    selection is a :class:`TreeSelection`, which the next (shared) layer receives as
+    ``prev_topk_indices``.
+    """
+    ctx = packed_context(kwargs)
+    if ctx is None:
+        stock = getattr(self, STOCK_ATTR)
+        return stock(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
+    if cache is not None:
+        raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
+    out, sel = dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch, shared=prev_topk_indices)
+    return out, None, sel

@@ -8,8 +8,9 @@ implementation; layers that are not attention need their own patch:
   as one sequence; the patch runs the same projections, then
   :func:`~treepack.trainer.kernels.gdn.tree_causal_conv1d` and
   :func:`~treepack.trainer.kernels.gdn.tree_gated_delta_rule` over the batch's GDN schedule.
-- DeepSeek-V3.2 sparse attention (``DeepseekV32Attention``, and its indexer for unpacked
-  calls): see :mod:`treepack.trainer.hf.dsa`.
+- DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (``DeepseekV32Attention``,
+  ``GlmMoeDsaAttention``, and their indexers for unpacked calls): see
+  :mod:`treepack.trainer.hf.dsa`.
 
 :func:`patch_hybrid_layers` installs the patches on a model's modules (idempotent). A
 patched layer finds the packed batch the same way the tree attention function does
@@ -30,13 +31,14 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
-from treepack.trainer.hf.dsa import STOCK_ATTR, dsa_forward, packed_context, position_tiebreak_indexer_forward
+from treepack.trainer.hf.dsa import STOCK_ATTR, dsa_forward, glm_dsa_forward, packed_context, position_tiebreak_indexer_forward
 
 __all__ = ["patch_hybrid_layers", "unpatch_hybrid_layers", "gdn_layer_tree_forward", "batch_gdn_schedule", "packed_context"]
 
 GDN_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 DSA_CLASSES = ("DeepseekV32Attention",)
-DSA_INDEXER_CLASSES = ("DeepseekV32Indexer",)
+GLM_DSA_CLASSES = ("GlmMoeDsaAttention",)
+DSA_INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
 
 
 def batch_gdn_schedule(batch: Any, conv_width: int, who: str) -> GdnSchedule:
@@ -121,6 +123,7 @@ def _gdn_forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any 
 def _patches() -> dict[str, Callable]:
     out: dict[str, Callable] = {name: _gdn_forward for name in GDN_CLASSES}
     out.update({name: dsa_forward for name in DSA_CLASSES})
+    out.update({name: glm_dsa_forward for name in GLM_DSA_CLASSES})
     # The indexers of patched DSA layers break ties by position on unpacked calls too.
     out.update({name: position_tiebreak_indexer_forward for name in DSA_INDEXER_CLASSES})
     return out
