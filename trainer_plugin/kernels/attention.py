@@ -251,6 +251,14 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
         out = fn(qg, kg, vf[meta.k_index], *args, **kw)
     else:
         out, lse, _ = fn(qg, kg, vf[meta.k_index], *args, return_attn_probs=True, **kw)
+        if tuple(lse.shape) != (H, qg.shape[0]):
+            # Older flash-attn returned a padded [B, H, max_seqlen_q] LSE for varlen calls.
+            raise RequestError(
+                f"the varlen kernel returned an LSE of shape {tuple(lse.shape)}, expected [heads, total_q] = {[H, qg.shape[0]]}; "
+                "attention sinks need flash-attn >= 2.6 (or backend='sdpa' / 'flex')",
+                path="$.backend",
+                rule="unsupported",
+            )
         lse = _differentiable_lse(fn, qg, kg, lse, args, kw, scale)
         out = (out.float() * _sink_factor(lse, sinks, 0).transpose(0, 1)[..., None]).to(out.dtype)
     # NaN first so that a position the kernel did not write shows up.
