@@ -122,9 +122,9 @@ def test_shared_scored_positions_keep_advantage_signs_apart():
     """Generalized sharing: two sequences score the same positions with opposite advantages.
 
     a is a prefix of b, planned without trainable flags (so fully shared) and scored from
-    token 4 on: positions 3..10 are scored for both. The packed loss (one logprob per
-    position, P and N sums) equals the per-sequence loss; merging the two signs into one
-    weighted advantage (the negative control) does not.
+    token 4 on: positions 3..10 are scored for both. The packed loss (each sharer's entry
+    with its own advantage, one logprob per position) equals the per-sequence loss;
+    merging the two signs into one weighted advantage (the negative control) does not.
     """
     from treepack.service.planner import plan_batch
 
