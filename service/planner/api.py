@@ -41,6 +41,7 @@ def plan_batch(
     on_overflow: str = "error",
     conv_width: int = 4,
     share_trainable: bool = False,
+    repair_ms: float | None = None,
 ) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
@@ -59,6 +60,8 @@ def plan_batch(
         share_trainable: the generalized mode (SPEC section 2): trainable tokens and scored
             positions are shared where every sharer predicts the same next token; the
             trainer then weights a shared loss position by the sum of its sharers' weights.
+        repair_ms: ``auto``'s repair-pass budget in ms (None: the default,
+            :data:`~.auto.REPAIR_MS`; 0: no repair). Reported as ``timings_ms["repair"]``.
 
     Returns:
         The :class:`Plan`.
@@ -80,6 +83,7 @@ def plan_batch(
         num_ranks=ranks,
         conv_width=width,
         share_trainable=_check_flag(share_trainable, "share_trainable"),
+        repair_ms=repair_ms,
         t0=t0,
     )
 
@@ -88,6 +92,16 @@ def _check_flag(value: object, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}", path=f"$.{name}", rule="type")
     return bool(value)
+
+
+def _check_repair_ms(repair_ms: object) -> float | None:
+    if repair_ms is None:
+        return None
+    if isinstance(repair_ms, (bool, np.bool_)) or not isinstance(repair_ms, (int, float, np.integer, np.floating)):
+        raise InputTypeError(f"repair_ms must be a number, got {type(repair_ms).__name__}", path="$.repair_ms", rule="type")
+    if not 0 <= repair_ms <= 60_000:
+        raise RequestError(f"repair_ms must be in [0, 60000], got {repair_ms}", path="$.repair_ms", rule="range")
+    return float(repair_ms)
 
 
 def plan_normalized(
@@ -99,6 +113,7 @@ def plan_normalized(
     num_ranks: int = 1,
     conv_width: int = 4,
     share_trainable: bool = False,
+    repair_ms: float | None = None,
     t0: float | None = None,
 ) -> Plan:
     """:func:`plan_batch` on an already validated :class:`Batch` (the service's path)."""
@@ -107,12 +122,13 @@ def plan_normalized(
     name = check_placement(placement)
     num_ranks = check_num_ranks(num_ranks)
     conv_width = _check_conv_width(conv_width)
+    repair_ms = _check_repair_ms(repair_ms)
     t1 = time.perf_counter()
     share_trainable = _check_flag(share_trainable, "share_trainable")
     tree = build_tree(batch, msl, share_trainable=share_trainable)
     t2 = time.perf_counter()
-    placed = place_leaves(tree, batch, seq_len, name)
     bound = lower_bound_rows(tree, seq_len)
+    placed = place_leaves(tree, batch, seq_len, name, bound=bound, repair_ms=repair_ms)
     t3 = time.perf_counter()
     layout_tree = flat_tree(batch) if name == "no_share" else tree
     seg = layout_rows(layout_tree, placed.row_of, placed.num_rows)
@@ -137,6 +153,7 @@ def plan_normalized(
             "normalize": (t1 - t0) * 1e3,
             "tree": (t2 - t1) * 1e3,
             "placement": (t3 - t2) * 1e3,
+            "repair": placed.timings_ms.get("repair", 0.0),
             "layout": (t4 - t3) * 1e3,
             "metadata": (t5 - t4) * 1e3,
             "total": (t5 - t0) * 1e3,

@@ -10,36 +10,88 @@ lower bound (:func:`~.bounds.lower_bound_rows`) wins at once since nothing can b
    the row already holds, exactly as for leaves. Units are visited tree by tree (trees by
    total size, largest first; units largest first inside a tree), so rows fill with units
    of one system prompt and its copies stay few.
-2. ``grouped+split`` — the same, but a unit that fits no open row is split into its child
-   units (which then fill the gaps of open rows) before a new row is opened.
-3. ``bfd`` — the reference leaf-level best fit (SPEC section 4).
+2. the **repair pass** (:mod:`.repair`) on the best so far when it is above the bound: an
+   exact re-packing of small neighbourhoods of light rows, within ``repair_ms``.
+3. ``grouped+split`` — as ``grouped``, but a unit that fits no open row is split into its
+   child units (which then fill the gaps of open rows) before a new row is opened.
+4. ``bfd`` — the reference leaf-level best fit (SPEC section 4).
 
-(:func:`unit_place` also has a ``grouped=False`` order, units largest first across all
-trees; on the benchmark workloads it never beat the grouped order, so ``auto`` does not
-spend time on it.)
+If a later candidate wins and is still above the bound, the repair pass runs on it with
+what is left of the budget. (:func:`unit_place` also has a ``grouped=False`` order, units
+largest first across all trees; on the benchmark workloads it never beat the grouped
+order, so ``auto`` does not spend time on it.)
 
-The winner has the fewest rows, then the fewest packed tokens, then the earliest
-candidate; since ``bfd`` is a candidate whenever no cheaper one reaches the bound, ``auto``
-never uses more rows than ``bfd``.
+**Skipping what cannot win.** A candidate is abandoned as soon as it provably cannot use
+fewer rows than the best so far: its open rows, or ``ceil((T + dup) / C)`` where T is the
+tree's tokens and ``dup`` the copies of internal nodes it has made so far (its final rows
+hold every tree token at least once plus at least those copies), reach the best's rows.
+Scores are kept incrementally: a candidate's packed tokens are ``C * rows - sum(room)``.
+
+The winner has the fewest rows, then (among candidates that ran to the end) the fewest
+packed tokens, then the earliest; since ``bfd`` is a candidate whenever no earlier one
+reaches the bound, and is only abandoned once it cannot use fewer rows, ``auto`` never
+uses more rows than ``bfd``.
 
 Time: units are far fewer than leaves (about one per group); each best-fit query costs
-O(depth log R) (:mod:`.rows`), so the whole is near-linear in the number of leaves.
+O(depth log R) (:mod:`.rows`), so the whole is near-linear in the number of leaves; the
+repair pass is bounded by its budget.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
 from treepack.service.planner.inputs import Batch
-from treepack.service.planner.placement import _bfd, row_costs
+from treepack.service.planner.placement import bfd_order, leaf_items, row_costs
+from treepack.service.planner.repair import repair_rows
 from treepack.service.planner.rows import OpenRows
 from treepack.service.planner.tree import Tree
 
-__all__ = ["auto_place", "unit_place"]
+__all__ = ["auto_place", "unit_place", "bfd_place", "REPAIR_MS"]
+
+REPAIR_MS = 20.0  # default wall-clock budget of the repair pass
 
 
-def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool) -> np.ndarray:
+class _Abandon(Exception):
+    pass
+
+
+class _Watch:
+    """Tracks a candidate's copies of internal nodes; abandons it once it cannot beat ``stop`` rows."""
+
+    __slots__ = ("rows", "limit", "stop", "dup")
+
+    def __init__(self, rows: OpenRows, tree_tokens: int, stop: int | None) -> None:
+        self.rows = rows
+        self.stop = stop
+        self.dup = 0
+        self.limit = None if stop is None else (stop - 1) * rows.capacity - tree_tokens
+
+    def add(self, r: int, anc: list[int], ends: list[int], m: int) -> None:
+        rows = self.rows
+        if self.limit is not None:
+            node_rows = rows.node_rows
+            prev = 0
+            for a, e in zip(anc, ends):
+                held = node_rows.get(a)
+                if held is not None and r not in held:
+                    self.dup += e - prev
+                prev = e
+            if self.dup > self.limit or rows.num_rows >= self.stop:
+                raise _Abandon
+        rows.add(r, anc, m)
+
+    def score(self) -> tuple[int, int]:
+        rows = self.rows
+        return rows.num_rows, rows.num_rows * rows.capacity - sum(rows.room)
+
+
+def unit_place(
+    tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool, stop_rows: int | None = None
+) -> tuple[np.ndarray, tuple[int, int]] | None:
     """Best-fit decreasing over units (see module docstring).
 
     Args:
@@ -48,9 +100,10 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
         seq_len: row capacity C.
         grouped: visit units tree by tree (largest tree first) instead of globally.
         split: split a unit that fits no open row into its child units first.
+        stop_rows: abandon (return None) once the result cannot have fewer rows than this.
 
     Returns:
-        [S] int64 row of each sequence (-1 for dropped ones).
+        ([S] int64 row of each sequence (-1 for dropped ones), (rows, packed tokens)), or None.
     """
     size = subtree_sizes(tree)
     start = tree.start
@@ -73,11 +126,8 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     depth = tree.depth.tolist()
     costl = cost.tolist()
 
-    def ancestors(v: int) -> list[int]:
-        s = src[v]
-        return pnodes[ptr[s] : ptr[s] + depth[v]]
-
     rows = OpenRows(seq_len)
+    watch = _Watch(rows, tree.num_tokens, stop_rows)
     node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
     placed: list[int] = []
     placed_row: list[int] = []
@@ -87,19 +137,23 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     else:
         order = units[np.argsort(-cost[units], kind="stable")].tolist()
     stack = order[::-1]
-    while stack:
-        v = stack.pop()
-        anc = ancestors(v)
-        aend = [ends[a] for a in anc]
-        r, m = rows.best_fit(anc, aend, costl[v])
-        if r < 0:
-            if split and kid_ptr[v] < kid_ptr[v + 1]:
-                stack.extend(kid_list[kid_ptr[v + 1] - 1 : kid_ptr[v] - 1 if kid_ptr[v] else None : -1])
-                continue
-            r = rows.open_row()
-        rows.add(r, anc, m)
-        placed.append(v)
-        placed_row.append(r)
+    try:
+        while stack:
+            v = stack.pop()
+            s = src[v]
+            anc = pnodes[ptr[s] : ptr[s] + depth[v]]
+            aend = [ends[a] for a in anc]
+            r, m = rows.best_fit(anc, aend, costl[v])
+            if r < 0:
+                if split and kid_ptr[v] < kid_ptr[v + 1]:
+                    stack.extend(kid_list[kid_ptr[v + 1] - 1 : kid_ptr[v] - 1 if kid_ptr[v] else None : -1])
+                    continue
+                r = rows.open_row()
+            watch.add(r, anc, aend, m)
+            placed.append(v)
+            placed_row.append(r)
+    except _Abandon:
+        return None
     # Each kept sequence's path crosses exactly one placed unit: its row is that unit's.
     node_row[placed] = placed_row
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
@@ -107,27 +161,71 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     if kept.shape[0]:
         per_node = node_row[tree.path_nodes]
         row_of[kept] = np.maximum.reduceat(per_node, tree.path_ptr[kept])
-    return row_of
+    return row_of, watch.score()
 
 
-def auto_place(tree: Tree, batch: Batch, seq_len: int) -> tuple[np.ndarray, str]:
-    """Run the candidates of the module docstring; return (row_of, winning candidate)."""
-    bound = lower_bound_rows(tree, seq_len)
-    best: tuple[int, int] | None = None
-    best_rows = None
-    best_name = ""
+def bfd_place(tree: Tree, batch: Batch, seq_len: int, *, stop_rows: int | None = None) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """``bfd`` (SPEC section 4) as an ``auto`` candidate: same rows as ``place_leaves(..., "bfd")``,
+    abandoned (None) once it cannot have fewer rows than ``stop_rows``.
+
+    Returns:
+        ([S] int64 row of each sequence, (rows, packed tokens)), or None.
+    """
+    row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
+    anc, ends = leaf_items(tree)
+    lens = batch.lens.tolist()
+    rows = OpenRows(seq_len)
+    watch = _Watch(rows, tree.num_tokens, stop_rows)
+    try:
+        for s in bfd_order(batch):
+            r, m = rows.best_fit(anc[s], ends[s], lens[s])
+            if r < 0:
+                r = rows.open_row()
+            watch.add(r, anc[s], ends[s], m)
+            row_of[s] = r
+    except _Abandon:
+        return None
+    return row_of, watch.score()
+
+
+def auto_place(
+    tree: Tree, batch: Batch, seq_len: int, *, bound: int | None = None, repair_ms: float = REPAIR_MS
+) -> tuple[np.ndarray, str, dict[str, float]]:
+    """Run the candidates of the module docstring.
+
+    Args:
+        tree, batch, seq_len: as for :func:`~.placement.place_leaves`.
+        bound: the tree's :func:`~.bounds.lower_bound_rows`, if already known.
+        repair_ms: the repair pass's wall-clock budget (0: no repair).
+
+    Returns:
+        (row_of, winning strategy, sub-phase timings in ms: ``repair``).
+    """
+    if bound is None:
+        bound = lower_bound_rows(tree, seq_len)
+    spent = 0.0
     candidates = (
-        ("grouped", lambda: unit_place(tree, batch, seq_len, grouped=True, split=False)),
-        ("grouped+split", lambda: unit_place(tree, batch, seq_len, grouped=True, split=True)),
-        ("bfd", lambda: _bfd(tree, batch, seq_len)),
+        ("grouped", lambda stop: unit_place(tree, batch, seq_len, grouped=True, split=False, stop_rows=stop)),
+        ("grouped+split", lambda stop: unit_place(tree, batch, seq_len, grouped=True, split=True, stop_rows=stop)),
+        ("bfd", lambda stop: bfd_place(tree, batch, seq_len, stop_rows=stop)),
     )
+    best = None
     for name, run in candidates:
-        row_of = run()
-        n = int(row_of.max()) + 1 if (row_of >= 0).any() else 0
-        score = (n, int(row_costs(tree, row_of, n).sum()))
-        if best is None or score < best:
-            best, best_rows, best_name = score, row_of, name
-        if n <= bound:
+        got = run(None if best is None else best[1][0])
+        if got is None:
+            continue
+        if best is None or got[1] < best[1]:
+            best = (got[0], got[1], name)
+        if best[1][0] > bound and best[2] == name and repair_ms > 0:
+            t = time.perf_counter()
+            budget = repair_ms - spent
+            if budget > 0:
+                res = repair_rows(tree, best[0], best[1][0], seq_len, bound, budget_ms=budget)
+                if res.removed:
+                    tokens = int(row_costs(tree, res.row_of, res.num_rows).sum())
+                    best = (res.row_of, (res.num_rows, tokens), name + "+repair")
+            spent += (time.perf_counter() - t) * 1e3
+        if best[1][0] <= bound:
             break
-    assert best_rows is not None
-    return best_rows, best_name
+    assert best is not None
+    return best[0], best[2], {"repair": spent}

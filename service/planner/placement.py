@@ -18,7 +18,7 @@ row for every leaf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,12 +43,14 @@ class Placement:
         row_of: [S] int64 row of each sequence, -1 for dropped ones.
         num_rows: number of rows.
         strategy: for ``auto``, the candidate that won; else the name.
+        timings_ms: sub-phases worth reporting (``auto``: ``repair``).
     """
 
     name: str
     row_of: np.ndarray
     num_rows: int
     strategy: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 def check_placement(placement: object) -> str:
@@ -200,7 +202,9 @@ def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = Tr
     return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)
 
 
-def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto") -> Placement:
+def place_leaves(
+    tree: Tree, batch: Batch, seq_len: int, placement: str = "auto", *, bound: int | None = None, repair_ms: float | None = None
+) -> Placement:
     """Assign every kept sequence's leaf to a row.
 
     Args:
@@ -208,15 +212,19 @@ def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto"
         batch: the batch (lengths, groups, kept flags).
         seq_len: row capacity C.
         placement: one of :data:`PLACEMENTS`.
+        bound: ``auto``: the tree's lower bound on rows, if already computed.
+        repair_ms: ``auto``: the repair pass's budget (None: :data:`~.auto.REPAIR_MS`).
 
     Returns:
         The :class:`Placement`.
     """
     name = check_placement(placement)
+    timings: dict[str, float] = {}
     if name == "auto":
-        from treepack.service.planner.auto import auto_place
+        from treepack.service.planner.auto import REPAIR_MS, auto_place
 
-        row_of, strategy = auto_place(tree, batch, seq_len)
+        budget = REPAIR_MS if repair_ms is None else repair_ms
+        row_of, strategy, timings = auto_place(tree, batch, seq_len, bound=bound, repair_ms=budget)
     elif name == "bfd":
         row_of, strategy = _bfd(tree, batch, seq_len), name
     elif name == "in_order":
@@ -224,7 +232,7 @@ def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto"
     else:
         row_of, strategy = _no_share(batch, seq_len), name
     num_rows = int(row_of.max()) + 1 if (row_of >= 0).any() else 0
-    return Placement(name=name, row_of=row_of, num_rows=num_rows, strategy=strategy)
+    return Placement(name=name, row_of=row_of, num_rows=num_rows, strategy=strategy, timings_ms=timings)
 
 
 def naive_place(tree: Tree, batch: Batch, seq_len: int, placement: str) -> np.ndarray:
