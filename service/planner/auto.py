@@ -52,7 +52,7 @@ from treepack.service.planner.tree import Tree
 
 __all__ = ["auto_place", "unit_place", "bfd_place", "REPAIR_MS"]
 
-REPAIR_MS = 20.0  # default wall-clock budget of the repair pass
+REPAIR_MS = 10.0  # default wall-clock budget of the repair pass
 
 
 class _Abandon(Exception):
@@ -84,14 +84,16 @@ class _Watch:
                 raise _Abandon
         rows.add(r, anc, m)
 
-    def score(self) -> tuple[int, int]:
+    def result(self, row_of: np.ndarray) -> tuple[np.ndarray, tuple[int, int], np.ndarray]:
+        """(row_of, (rows, packed tokens), [R] tokens per row)."""
         rows = self.rows
-        return rows.num_rows, rows.num_rows * rows.capacity - sum(rows.room)
+        loads = rows.capacity - np.asarray(rows.room, dtype=np.int64)
+        return row_of, (rows.num_rows, int(loads.sum())), loads
 
 
 def unit_place(
     tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool, stop_rows: int | None = None
-) -> tuple[np.ndarray, tuple[int, int]] | None:
+) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
     """Best-fit decreasing over units (see module docstring).
 
     Args:
@@ -103,7 +105,8 @@ def unit_place(
         stop_rows: abandon (return None) once the result cannot have fewer rows than this.
 
     Returns:
-        ([S] int64 row of each sequence (-1 for dropped ones), (rows, packed tokens)), or None.
+        ([S] int64 row of each sequence (-1 for dropped ones), (rows, packed tokens), [R] int64
+        tokens per row), or None.
     """
     size = subtree_sizes(tree)
     start = tree.start
@@ -161,15 +164,17 @@ def unit_place(
     if kept.shape[0]:
         per_node = node_row[tree.path_nodes]
         row_of[kept] = np.maximum.reduceat(per_node, tree.path_ptr[kept])
-    return row_of, watch.score()
+    return watch.result(row_of)
 
 
-def bfd_place(tree: Tree, batch: Batch, seq_len: int, *, stop_rows: int | None = None) -> tuple[np.ndarray, tuple[int, int]] | None:
+def bfd_place(
+    tree: Tree, batch: Batch, seq_len: int, *, stop_rows: int | None = None
+) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
     """``bfd`` (SPEC section 4) as an ``auto`` candidate: same rows as ``place_leaves(..., "bfd")``,
     abandoned (None) once it cannot have fewer rows than ``stop_rows``.
 
     Returns:
-        ([S] int64 row of each sequence, (rows, packed tokens)), or None.
+        ([S] int64 row of each sequence, (rows, packed tokens), [R] tokens per row), or None.
     """
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     anc, ends = leaf_items(tree)
@@ -185,7 +190,7 @@ def bfd_place(tree: Tree, batch: Batch, seq_len: int, *, stop_rows: int | None =
             row_of[s] = r
     except _Abandon:
         return None
-    return row_of, watch.score()
+    return watch.result(row_of)
 
 
 def auto_place(
@@ -215,15 +220,15 @@ def auto_place(
         if got is None:
             continue
         if best is None or got[1] < best[1]:
-            best = (got[0], got[1], name)
+            best = (got[0], got[1], name, got[2])
         if best[1][0] > bound and best[2] == name and repair_ms > 0:
             t = time.perf_counter()
             budget = repair_ms - spent
             if budget > 0:
-                res = repair_rows(tree, best[0], best[1][0], seq_len, bound, budget_ms=budget)
+                res = repair_rows(tree, best[0], best[1][0], seq_len, bound, budget_ms=budget, loads=best[3])
                 if res.removed:
-                    tokens = int(row_costs(tree, res.row_of, res.num_rows).sum())
-                    best = (res.row_of, (res.num_rows, tokens), name + "+repair")
+                    loads = row_costs(tree, res.row_of, res.num_rows)
+                    best = (res.row_of, (res.num_rows, int(loads.sum())), name + "+repair", loads)
             spent += (time.perf_counter() - t) * 1e3
         if best[1][0] <= bound:
             break

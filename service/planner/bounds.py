@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.proto.index import accumulate_up
+from treepack.proto.index import accumulate_up, ragged_arange
 from treepack.service.planner.tree import Tree
 
 __all__ = ["lower_bound_rows", "subtree_sizes", "min_copies", "big_leaf_rows", "big_leaf_thresholds"]
@@ -92,10 +92,21 @@ def big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarra
     """
     t = np.asarray(thresholds, dtype=np.int64)[None, :]
     C = int(seq_len)
-    end = tree.end
-    g = np.zeros((tree.num_nodes, t.shape[1]), dtype=np.int64)
     leaves = tree.leaf_of[tree.leaf_of >= 0]
-    g[leaves] = end[leaves][:, None] >= t
+    big = leaves[tree.end[leaves] >= t.min(initial=C + 1)]
+    if big.size == 0:
+        return np.zeros(t.shape[1], dtype=np.int64)
+    # Only the paths of leaves over the smallest threshold count: everything else is 0.
+    seqs = tree.source[big]
+    counts = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
+    nodes = np.unique(tree.path_nodes[np.repeat(tree.path_ptr[seqs], counts) + ragged_arange(counts)])
+    local = np.full(tree.num_nodes, -1, dtype=np.int64)
+    local[nodes] = np.arange(nodes.shape[0])
+    end = tree.end[nodes]
+    depth = tree.depth[nodes]
+    parent = local[np.maximum(tree.parent[nodes], 0)]
+    g = np.zeros((nodes.shape[0], t.shape[1]), dtype=np.int64)
+    g[local[big]] = tree.end[big][:, None] >= t
 
     def fold(children: np.ndarray, e_u: np.ndarray, starts: np.ndarray) -> np.ndarray:
         s = np.add.reduceat(g[children], starts, axis=0)
@@ -106,14 +117,12 @@ def big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarra
         return np.maximum(m, -(-s // q))
 
     # Pre-order: a level's nodes, in index order, come grouped by parent.
-    for d in range(int(tree.depth.max(initial=0)), 0, -1):
-        at = np.flatnonzero(tree.depth == d)
-        par = tree.parent[at]
+    for d in range(int(depth.max(initial=0)), 0, -1):
+        at = np.flatnonzero(depth == d)
+        par = parent[at]
         starts = np.flatnonzero(np.r_[True, par[1:] != par[:-1]])
         g[par[starts]] = fold(at, end[par[starts]], starts)
-    roots = np.flatnonzero(tree.parent < 0)
-    if roots.size == 0:
-        return np.zeros(t.shape[1], dtype=np.int64)
+    roots = np.flatnonzero(depth == 0)
     return fold(roots, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))[0]
 
 

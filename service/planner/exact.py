@@ -18,11 +18,12 @@ assignment is reachable except those equal to another up to
 and it prunes a branch when the tokens still needed, at least every remaining leaf's own
 segment plus every ancestor that some remaining leaf needs and no row holds yet, exceed
 the room left in all rows together. A node limit bounds the work; a search that reaches
-it answers "unknown", never a wrong "no".
+it answers "unknown", never a wrong "no"; so does one past its deadline, if given.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,9 +70,9 @@ class _Limit(Exception):
 class _Search:
     """State of one :func:`fit_rows` call (see module docstring)."""
 
-    def __init__(self, items: list[Item], m: int, capacity: int, node_len, limit: int) -> None:
+    def __init__(self, items: list[Item], m: int, capacity: int, node_len, limit: int, deadline: float | None) -> None:
         self.items = sorted(items, key=lambda it: (-it.cost, it.chain, it.seq))
-        self.m, self.C, self.node_len, self.limit = m, capacity, node_len, limit
+        self.m, self.C, self.node_len, self.limit, self.deadline = m, capacity, node_len, limit, deadline
         self.nodes = 0
         self.load = [0] * m
         self.count = [0] * m
@@ -119,6 +120,8 @@ class _Search:
         self.nodes += 1
         if self.nodes > self.limit:
             raise _Limit
+        if self.deadline is not None and self.nodes % 64 == 0 and time.perf_counter() > self.deadline:
+            raise _Limit
         if self.uncovered + self.tails > self.room:
             return False
         it = self.items[i]
@@ -144,7 +147,9 @@ class _Search:
         return False
 
 
-def fit_rows(items: list[Item], num_rows: int, capacity: int, node_len, *, node_limit: int = 20_000) -> tuple[str, dict[int, int]]:
+def fit_rows(
+    items: list[Item], num_rows: int, capacity: int, node_len, *, node_limit: int = 20_000, deadline: float | None = None
+) -> tuple[str, dict[int, int]]:
     """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens.
 
     Args:
@@ -153,6 +158,7 @@ def fit_rows(items: list[Item], num_rows: int, capacity: int, node_len, *, node_
         capacity: C.
         node_len: per node id, its length (indexable: a list or an array).
         node_limit: search nodes before giving up with ``UNKNOWN``.
+        deadline: a ``time.perf_counter()`` value after which the search gives up too.
 
     Returns:
         (``FIT``, {seq: row in [0, m)}) or (``NO_FIT`` | ``UNKNOWN``, {}).
@@ -161,7 +167,7 @@ def fit_rows(items: list[Item], num_rows: int, capacity: int, node_len, *, node_
         return FIT, {}
     if num_rows <= 0:
         return NO_FIT, {}
-    search = _Search(items, num_rows, capacity, node_len, node_limit)
+    search = _Search(items, num_rows, capacity, node_len, node_limit, deadline)
     if search.uncovered + search.tails > search.room:
         return NO_FIT, {}
     try:

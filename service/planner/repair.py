@@ -16,8 +16,9 @@ its prefix would have made room. :func:`repair_rows` looks for exactly that:
 Every step keeps a valid placement (all leaves placed, every row within C) and removes one
 row, so the result never has more rows than its input. The search order depends on the
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
-limit counts search nodes), so it is deterministic; the time budget is checked between
-neighbourhoods, so a run that spends the whole budget may stop earlier on a slower machine.
+limit counts search nodes), so it is deterministic as long as the budget lasts; a run that
+spends the whole budget (checked between neighbourhoods and every 64 search nodes) may stop
+earlier on a slower machine.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepack.proto.index import ragged_arange
-from treepack.service.planner.exact import FIT, Item, fit_rows, leaf_items_of
+from treepack.proto.index import accumulate_up
+from treepack.service.planner.exact import FIT, Item, fit_rows
+from treepack.service.planner.placement import row_costs
 from treepack.service.planner.tree import Tree
 
 __all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT"]
@@ -58,51 +60,94 @@ class RepairResult:
     out_of_time: bool
 
 
-class _Rows:
-    """Rows as sets of sequences, with their loads and the internal nodes they hold."""
+class _Lookup(dict):
+    """int(array[i]) on first use, then cached: per-node values without converting every node."""
 
-    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int) -> None:
+    def __init__(self, array: np.ndarray) -> None:
+        super().__init__()
+        self.array = array
+
+    def __missing__(self, i: int) -> int:
+        v = self[i] = int(self.array[i])
+        return v
+
+
+class _Rows:
+    """Rows as sets of sequences, with their loads and the internal nodes they hold.
+
+    Built lazily so that a large batch pays only for the rows and nodes the search looks
+    at: a row's members and held nodes on first use, a node's rows from the leaves of its
+    subtree (a contiguous pre-order range) on first use.
+    """
+
+    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None) -> None:
         self.tree = tree
-        self.node_len = tree.length.tolist()
-        kept = np.flatnonzero(row_of >= 0)
-        by_row = kept[np.argsort(row_of[kept], kind="stable")]
-        cuts = np.searchsorted(row_of[by_row], np.arange(num_rows + 1))
-        self.members: list[list[int]] = [by_row[cuts[r] : cuts[r + 1]].tolist() for r in range(num_rows)]
+        self.row_of = row_of
+        self.node_len = _Lookup(tree.length)
+        self.end = _Lookup(tree.end)
         self.alive = set(range(num_rows))
         self.items: dict[int, Item] = {}
-        # (row, internal node) pairs, vectorized: every path position but the leaf's.
-        counts = tree.path_ptr[kept + 1] - tree.path_ptr[kept] - 1
-        idx = np.repeat(tree.path_ptr[kept], counts) + ragged_arange(counts)
-        pair = np.unique(np.repeat(row_of[kept], counts) * tree.num_nodes + tree.path_nodes[idx])
-        prow, pnode = (pair // tree.num_nodes).tolist(), (pair % tree.num_nodes).tolist()
-        self.held: list[set[int]] = [set() for _ in range(num_rows)]
-        self.node_rows: dict[int, set[int]] = {}
-        for r, v in zip(prow, pnode):
-            self.held[r].add(v)
-            self.node_rows.setdefault(v, set()).add(r)
-        tails = tree.length[tree.leaf_of[kept]]
-        self.tail = np.bincount(row_of[kept], weights=tails, minlength=num_rows).astype(np.int64).tolist()
-        inner = np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows)
-        self.load = (np.asarray(self.tail) + inner.astype(np.int64)).tolist()
+        kept = row_of >= 0
+        tails = np.zeros(row_of.shape[0], dtype=np.int64)
+        tails[kept] = tree.length[tree.leaf_of[kept]]
+        self.tail = np.bincount(row_of[kept], weights=tails[kept], minlength=num_rows).astype(np.int64).tolist()
+        if loads is None:
+            loads = row_costs(tree, row_of, num_rows)
+        self.load = np.asarray(loads, dtype=np.int64).tolist()
+        self.seq_at = np.full(tree.num_nodes, -1, dtype=np.int64)  # [N] sequence of each leaf node
+        self.seq_at[tree.leaf_of[kept]] = np.flatnonzero(kept)
+        self.span = accumulate_up(np.ones(tree.num_nodes, dtype=np.int64), tree.parent, tree.depth)
+        self._members: dict[int, list[int]] = {}
+        self._held: dict[int, set[int]] = {}
+        self._node_rows: dict[int, set[int]] = {}
+        self._dirty: set[int] = set()  # rows rewritten since row_of
+
+    def members(self, r: int) -> list[int]:
+        got = self._members.get(r)
+        if got is None:
+            got = self._members[r] = np.flatnonzero(self.row_of == r).tolist()
+        return got
+
+    def held(self, r: int) -> set[int]:
+        got = self._held.get(r)
+        if got is None:
+            got = self._held[r] = {v for s in self.members(r) for v in self.item(s).chain}
+        return got
+
+    def node_rows(self, v: int) -> set[int]:
+        got = self._node_rows.get(v)
+        if got is None:
+            seqs = self.seq_at[v : v + int(self.span[v])]
+            got = set(np.unique(self.row_of[seqs[seqs >= 0]]).tolist()) - self._dirty
+            got |= {x for x in self._dirty if v in self._held[x]}
+            self._node_rows[v] = got
+        return got
 
     def item(self, s: int) -> Item:
         it = self.items.get(s)
         if it is None:
-            it = self.items[s] = leaf_items_of(self.tree, [s])[0]
+            ptr = self.tree.path_ptr
+            path = self.tree.path_nodes[ptr[s] : ptr[s + 1]].tolist()
+            leaf = path[-1]
+            it = self.items[s] = Item(s, tuple(path[:-1]), self.end[leaf], self.node_len[leaf])
         return it
 
-    def _reindex(self, r: int) -> None:
-        for v in self.held[r]:
-            self.node_rows[v].discard(r)
+    def _reindex(self, r: int, members: list[int]) -> None:
+        for v in self.held(r):
+            if v in self._node_rows:
+                self._node_rows[v].discard(r)
+        self._members[r] = members
         held: set[int] = set()
         tail = 0
-        for s in self.members[r]:
+        for s in members:
             it = self.item(s)
             tail += it.tail
             held.update(it.chain)
         for v in held:
-            self.node_rows.setdefault(v, set()).add(r)
-        self.held[r] = held
+            if v in self._node_rows:
+                self._node_rows[v].add(r)
+        self._held[r] = held
+        self._dirty.add(r)
         self.tail[r] = tail
         self.load[r] = tail + sum(self.node_len[v] for v in held)
 
@@ -113,17 +158,17 @@ class _Rows:
         tokens could fit one row fewer, then up to two more for slack.
         """
         shared: dict[int, int] = {}
-        for v in self.held[r]:
-            for x in self.node_rows[v]:
+        for v in self.held(r):
+            for x in self.node_rows(v):
                 if x != r:
                     shared[x] = shared.get(x, 0) + self.node_len[v]
         by_share = sorted(shared, key=lambda x: (-shared[x], self.load[x], x))
         by_room = sorted((x for x in self.alive if x != r), key=lambda x: (self.load[x], x))
         for pool in (by_share, by_room):
-            group, nodes, tail, extra = [r], set(self.held[r]), self.tail[r], 0
+            group, nodes, tail, extra = [r], set(self.held(r)), self.tail[r], 0
             for x in pool[: max_rows - 1]:
                 group.append(x)
-                nodes |= self.held[x]
+                nodes |= self.held(x)
                 tail += self.tail[x]
                 if tail + sum(self.node_len[v] for v in nodes) <= (len(group) - 1) * seq_len:
                     yield sorted(group)
@@ -133,13 +178,23 @@ class _Rows:
 
     def replace(self, group: list[int], drop: int, assign: dict[int, int]) -> None:
         keep = [x for x in group if x != drop]
-        for x in group:
-            self.members[x] = []
+        new: dict[int, list[int]] = {x: [] for x in group}
         for s, b in sorted(assign.items()):
-            self.members[keep[b]].append(s)
+            new[keep[b]].append(s)
         for x in group:
-            self._reindex(x)
+            self._reindex(x, new[x])
         self.alive.discard(drop)
+
+    def final_row_of(self) -> np.ndarray:
+        out = self.row_of.copy()
+        for x, members in self._members.items():
+            out[members] = x
+        new_id = np.full(max(len(self.load), 1), -1, dtype=np.int64)
+        alive = sorted(self.alive)
+        new_id[alive] = np.arange(len(alive))
+        kept = out >= 0
+        out[kept] = new_id[out[kept]]
+        return out
 
 
 def repair_rows(
@@ -152,6 +207,7 @@ def repair_rows(
     budget_ms: float,
     max_rows: int = MAX_ROWS,
     node_limit: int = NODE_LIMIT,
+    loads: np.ndarray | None = None,
 ) -> RepairResult:
     """Remove rows from a placement by exact re-packing of small neighbourhoods (module docstring).
 
@@ -164,6 +220,7 @@ def repair_rows(
         budget_ms: wall-clock budget; 0 disables the pass.
         max_rows: largest neighbourhood.
         node_limit: branch-and-bound nodes per neighbourhood.
+        loads: [R] tokens of each row, if known (else computed).
 
     Returns:
         The :class:`RepairResult` (``row_of`` is the input itself when nothing changed).
@@ -171,7 +228,7 @@ def repair_rows(
     deadline = time.perf_counter() + budget_ms / 1e3
     if budget_ms <= 0 or num_rows <= bound:
         return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=0, out_of_time=False)
-    rows = _Rows(tree, row_of, num_rows)
+    rows = _Rows(tree, row_of, num_rows, loads)
     failed: set[frozenset[int]] = set()
     tried = 0
     out_of_time = False
@@ -187,8 +244,8 @@ def repair_rows(
                     out_of_time = True
                     break
                 tried += 1
-                items = [rows.item(s) for x in group for s in rows.members[x]]
-                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=node_limit)
+                items = [rows.item(s) for x in group for s in rows.members(x)]
+                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=node_limit, deadline=deadline)
                 if status != FIT:
                     failed.add(key)
                     continue
@@ -203,8 +260,5 @@ def repair_rows(
     removed = num_rows - len(rows.alive)
     if removed == 0:
         return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=tried, out_of_time=out_of_time)
-    new_id = {x: i for i, x in enumerate(sorted(rows.alive))}
-    out = np.full(row_of.shape[0], -1, dtype=np.int64)
-    for x in rows.alive:
-        out[rows.members[x]] = new_id[x]
-    return RepairResult(row_of=out, num_rows=len(new_id), removed=removed, tried=tried, out_of_time=out_of_time)
+    out = rows.final_row_of()
+    return RepairResult(row_of=out, num_rows=len(rows.alive), removed=removed, tried=tried, out_of_time=out_of_time)
