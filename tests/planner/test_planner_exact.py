@@ -243,3 +243,35 @@ def test_abandoned_candidates_could_not_have_won():
 def test_repair_budget_is_checked(bad):
     with pytest.raises(RequestError, match="repair_ms"):
         plan_batch([np.arange(5)], seq_len=8, repair_ms=bad)
+
+
+def test_sharing_by_saving_fast_tree_equals_naive():
+    from helpers.trees import tree_sequences
+
+    from treepack.service.planner import naive_build_tree
+    from treepack.service.planner.tree import shares_run
+
+    seen: Counter = Counter()
+    rng = np.random.default_rng(3)
+    for seed in range(40):
+        seqs = tree_sequences(seed, trees=2, depth=4, max_len=120)
+        trainable = [int(rng.integers(max(1, len(x) - 8), len(x) + 1)) for x in seqs]
+        batch = normalize_batch(seqs, seq_len=128, trainable=trainable)
+        for msl, saving, share in ((64, 0, False), (64, 40, False), (16, 8, False), (64, 40, True)):
+            fast = build_tree(batch, msl, share_trainable=share, min_shared_saving=saving)
+            ref = naive_build_tree(batch, msl, share_trainable=share, min_shared_saving=saving)
+            for f in ("parent", "start", "length", "source", "sharers", "leaf_of", "path_ptr", "path_nodes"):
+                assert np.array_equal(getattr(fast, f), getattr(ref, f)), (seed, msl, saving, f)
+            inner = np.flatnonzero(fast.sharers >= 2)
+            for v in inner.tolist():
+                assert shares_run(int(fast.length[v]), int(fast.sharers[v]), msl, saving)
+            short = inner[fast.length[inner] < msl]
+            seen[f"short shared, saving {saving}"] += bool(short.size)
+            if saving:
+                plain = build_tree(batch, msl, share_trainable=share)
+                assert fast.num_tokens <= plain.num_tokens
+                seen["fewer tokens"] += fast.num_tokens < plain.num_tokens
+    assert seen["short shared, saving 0"] == 0
+    assert seen["short shared, saving 40"] >= 10 and seen["fewer tokens"] >= 10, seen
+    with pytest.raises(RequestError, match="min_shared_saving"):
+        build_tree(batch, 64, min_shared_saving=-1)
