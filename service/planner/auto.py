@@ -45,7 +45,7 @@ import numpy as np
 
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
 from treepack.service.planner.inputs import Batch
-from treepack.service.planner.placement import bfd_order, leaf_items, row_costs
+from treepack.service.planner.placement import bfd_order, row_costs
 from treepack.service.planner.repair import repair_rows
 from treepack.service.planner.rows import OpenRows
 from treepack.service.planner.tree import Tree
@@ -60,35 +60,26 @@ class _Abandon(Exception):
 
 
 class _Watch:
-    """Tracks a candidate's copies of internal nodes; abandons it once it cannot beat ``stop`` rows."""
+    """Abandons a candidate once it cannot beat ``stop`` rows (module docstring)."""
 
-    __slots__ = ("rows", "limit", "stop", "dup")
+    __slots__ = ("rows", "limit", "stop")
 
     def __init__(self, rows: OpenRows, tree_tokens: int, stop: int | None) -> None:
         self.rows = rows
         self.stop = stop
-        self.dup = 0
         self.limit = None if stop is None else (stop - 1) * rows.capacity - tree_tokens
 
     def add(self, r: int, anc: list[int], ends: list[int], m: int) -> None:
         rows = self.rows
-        if self.limit is not None:
-            node_rows = rows.node_rows
-            prev = 0
-            for a, e in zip(anc, ends):
-                held = node_rows.get(a)
-                if held is not None and r not in held:
-                    self.dup += e - prev
-                prev = e
-            if self.dup > self.limit or rows.num_rows >= self.stop:
-                raise _Abandon
-        rows.add(r, anc, m)
+        rows.add(r, anc, m, ends)
+        if self.limit is not None and (rows.copies > self.limit or len(rows.room) >= self.stop):
+            raise _Abandon
 
     def result(self, row_of: np.ndarray) -> tuple[np.ndarray, tuple[int, int], np.ndarray]:
         """(row_of, (rows, packed tokens), [R] tokens per row)."""
         rows = self.rows
         loads = rows.capacity - np.asarray(rows.room, dtype=np.int64)
-        return row_of, (rows.num_rows, int(loads.sum())), loads
+        return row_of, (len(rows.room), int(loads.sum())), loads
 
 
 def unit_place(
@@ -177,16 +168,26 @@ def bfd_place(
         ([S] int64 row of each sequence, (rows, packed tokens), [R] tokens per row), or None.
     """
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
-    anc, ends = leaf_items(tree)
     lens = batch.lens.tolist()
     rows = OpenRows(seq_len)
     watch = _Watch(rows, tree.num_tokens, stop_rows)
+    # Chains on demand, one per parent (as leaf_items, which builds them all up front: an
+    # abandoned candidate should not pay for the leaves it never reached).
+    ptr = tree.path_ptr.tolist()
+    leaf_parent = np.where(tree.leaf_of >= 0, tree.parent[np.maximum(tree.leaf_of, 0)], -1).tolist()
+    end = tree.end
+    chains: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
     try:
         for s in bfd_order(batch):
-            r, m = rows.best_fit(anc[s], ends[s], lens[s])
+            p = leaf_parent[s]
+            chain = chains.get(p)
+            if chain is None:
+                a = tree.path_nodes[ptr[s] : ptr[s + 1] - 1]
+                chain = chains[p] = (a.tolist(), end[a].tolist())
+            r, m = rows.best_fit(chain[0], chain[1], lens[s])
             if r < 0:
                 r = rows.open_row()
-            watch.add(r, anc[s], ends[s], m)
+            watch.add(r, chain[0], chain[1], m)
             row_of[s] = r
     except _Abandon:
         return None

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepack.proto.index import accumulate_up
 from treepack.service.planner.exact import FIT, Item, fit_rows
 from treepack.service.planner.placement import row_costs
 from treepack.service.planner.tree import Tree
@@ -58,6 +57,15 @@ class RepairResult:
     removed: int
     tried: int
     out_of_time: bool
+
+
+def _subtree_nodes(tree: Tree) -> np.ndarray:
+    """[N] int64 nodes in each node's subtree: in pre-order, v's subtree is ``v .. v + span - 1``."""
+    span = np.ones(tree.num_nodes, dtype=np.int64)
+    for d in range(int(tree.depth.max(initial=0)), 0, -1):
+        at = np.flatnonzero(tree.depth == d)
+        span += np.bincount(tree.parent[at], weights=span[at], minlength=tree.num_nodes).astype(np.int64)
+    return span
 
 
 class _Lookup(dict):
@@ -96,7 +104,7 @@ class _Rows:
         self.load = np.asarray(loads, dtype=np.int64).tolist()
         self.seq_at = np.full(tree.num_nodes, -1, dtype=np.int64)  # [N] sequence of each leaf node
         self.seq_at[tree.leaf_of[kept]] = np.flatnonzero(kept)
-        self.span = accumulate_up(np.ones(tree.num_nodes, dtype=np.int64), tree.parent, tree.depth)
+        self.span = _subtree_nodes(tree)
         self._members: dict[int, list[int]] = {}
         self._held: dict[int, set[int]] = {}
         self._node_rows: dict[int, set[int]] = {}
