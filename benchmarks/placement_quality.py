@@ -191,21 +191,21 @@ def _ragged(n: np.ndarray) -> np.ndarray:
     return np.arange(total) - np.repeat(np.cumsum(n) - n, n)
 
 
-def short_question_grpo(num_groups: int = 512, *, seed: int = 0, seq_len: int = 32768) -> W.Workload:
+def short_question_grpo(num_groups: int = 512, *, seed: int = 0, seq_len: int = 32768, answer: int = 300) -> W.Workload:
     """GRPO on short questions: one 256-token system prompt, a question per group
     (log-normal, median 40 tokens, clipped to [8, 200]: mostly under ``min_shared_len``),
-    8 completions per group (log-normal, median 300)."""
+    8 completions per group (log-normal, median ``answer`` tokens)."""
     rng = np.random.default_rng(seed)
     system = rng.integers(0, W.VOCAB, 256, dtype=np.uint32)
     seqs, trainable, groups = [], [], []
     for g in range(num_groups):
         q = W._distinct_tokens(rng, int(W._lognormal_int(rng, 40, 0.7, 8, 200, 1)[0]), g % W.VOCAB)
         prompt = np.concatenate([system, q])
-        for c in W._lognormal_int(rng, 300, 0.8, 8, 4000, 8):
+        for c in W._lognormal_int(rng, answer, 0.8, 8, 4000, 8):
             seqs.append(np.concatenate([prompt, rng.integers(0, W.VOCAB, int(c), dtype=np.uint32)]))
             trainable.append(prompt.shape[0])
             groups.append(g)
-    return W.Workload(name=f"shortq-{num_groups}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len)
+    return W.Workload(name=f"shortq-{num_groups}-answer{answer}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len)
 
 
 SHARING_RULES = (("min_shared_len=64 (default)", 64, 0), ("min_shared_len=16", 16, 0), ("min_shared_len=1", 1, 0),
@@ -216,10 +216,11 @@ def sharing() -> dict:
     from treepack.service.planner.layout import layout_rows  # noqa: PLC0415
 
     out = []
-    for w in (W.curriculum(768), short_question_grpo(512)):
+    for w in (W.curriculum(768), short_question_grpo(512), short_question_grpo(512, answer=64)):
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
         print(f"[{w.name}] {batch.num_sequences:,} sequences, {int(batch.lens.sum()):,} tokens, C = {w.seq_len:,}")
-        print(f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'packed':>12s} {'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}")
+        unpacked = int(batch.lens.sum())
+        print(f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'saved':>6s} {'packed':>12s} {'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}")
         for label, msl, saving in SHARING_RULES:
             tree = build_tree(batch, msl, min_shared_saving=saving)
             placed = place_leaves(tree, batch, w.seq_len, "auto")
@@ -228,7 +229,7 @@ def sharing() -> dict:
             rec = dict(workload=w.name, rule=label, rows=placed.num_rows, bound=lower_bound_rows(tree, w.seq_len),
                        tree_tokens=tree.num_tokens, packed=int(seg.row_len.sum()), segments=int(seg.num_segments), **cost)
             out.append(rec)
-            print(f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} {rec['packed']:12,} {rec['segments']:9,} {rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}", flush=True)
+            print(f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} {1 - rec['tree_tokens'] / unpacked:6.1%} {rec['packed']:12,} {rec['segments']:9,} {rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}", flush=True)
     return dict(sharing=out)
 
 

@@ -17,8 +17,9 @@ Every step keeps a valid placement (all leaves placed, every row within C) and r
 row, so the result never has more rows than its input. The search order depends on the
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
 limit counts search nodes), so it is deterministic as long as the budget lasts; a run that
-spends the whole budget (checked between neighbourhoods and every 64 search nodes) may stop
-earlier on a slower machine.
+spends the whole budget (checked while forming neighbourhoods and every 64 search nodes)
+may stop earlier on a slower machine. Setting up is linear in the batch and lazy (rows and
+nodes are indexed when first looked at), a few ms at 267k completions.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class _Rows:
         self.tail[r] = tail
         self.load[r] = tail + sum(self.node_len[v] for v in held)
 
-    def neighbourhoods(self, r: int, max_rows: int, seq_len: int):
+    def neighbourhoods(self, r: int, max_rows: int, seq_len: int, deadline: float):
         """Row groups containing r, most promising first (module docstring).
 
         From each pool (rows by shared tokens, rows by load) rows join r until the group's
@@ -175,6 +176,8 @@ class _Rows:
         for pool in (by_share, by_room):
             group, nodes, tail, extra = [r], set(self.held(r)), self.tail[r], 0
             for x in pool[: max_rows - 1]:
+                if time.perf_counter() > deadline:
+                    return
                 group.append(x)
                 nodes |= self.held(x)
                 tail += self.tail[x]
@@ -244,7 +247,10 @@ def repair_rows(
         improved = False
         light = sorted(rows.alive, key=lambda x: (rows.load[x], x))[:LIGHT_ROWS]
         for r in light:
-            for group in rows.neighbourhoods(r, max_rows, seq_len):
+            if time.perf_counter() > deadline:
+                out_of_time = True
+                break
+            for group in rows.neighbourhoods(r, max_rows, seq_len, deadline):
                 key = frozenset(group)
                 if key in failed:
                     continue
