@@ -17,9 +17,8 @@ lower bound (:func:`~.bounds.lower_bound_rows`) wins at once since nothing can b
 4. ``bfd`` — the reference leaf-level best fit (SPEC section 4).
 
 If a later candidate wins and is still above the bound, the repair pass runs on it with
-what is left of the budget. (:func:`unit_place` also has a ``grouped=False`` order, units
-largest first across all trees; on the benchmark workloads it never beat the grouped
-order, so ``auto`` does not spend time on it.)
+what is left of the budget. (A global order, units largest first across all trees, never
+beat the grouped order on the benchmark workloads, so it is not a candidate.)
 
 **Skipping what cannot win.** A candidate is abandoned as soon as it provably cannot use
 fewer rows than the best so far: its open rows, or ``ceil((T + dup) / C)`` where T is the
@@ -83,7 +82,7 @@ class _Watch:
 
 
 def unit_place(
-    tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool, stop_rows: int | None = None
+    tree: Tree, batch: Batch, seq_len: int, *, split: bool, stop_rows: int | None = None
 ) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
     """Best-fit decreasing over units (see module docstring).
 
@@ -91,7 +90,6 @@ def unit_place(
         tree: the batch's tree.
         batch: the batch.
         seq_len: row capacity C.
-        grouped: visit units tree by tree (largest tree first) instead of globally.
         split: split a unit that fits no open row into its child units first.
         stop_rows: abandon (return None) once the result cannot have fewer rows than this.
 
@@ -125,11 +123,8 @@ def unit_place(
     node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
     placed: list[int] = []
     placed_row: list[int] = []
-    if grouped:
-        root = tree.path_nodes[tree.path_ptr[tree.source]]  # [N] root of each node's tree
-        order = units[np.lexsort((-cost[units], root[units], -size[root[units]]))].tolist()
-    else:
-        order = units[np.argsort(-cost[units], kind="stable")].tolist()
+    root = tree.path_nodes[tree.path_ptr[tree.source]]  # [N] root of each node's tree
+    order = units[np.lexsort((-cost[units], root[units], -size[root[units]]))].tolist()
     stack = order[::-1]
     try:
         while stack:
@@ -211,8 +206,8 @@ def auto_place(
         bound = lower_bound_rows(tree, seq_len)
     spent = 0.0
     candidates = (
-        ("grouped", lambda stop: unit_place(tree, batch, seq_len, grouped=True, split=False, stop_rows=stop)),
-        ("grouped+split", lambda stop: unit_place(tree, batch, seq_len, grouped=True, split=True, stop_rows=stop)),
+        ("grouped", lambda stop: unit_place(tree, batch, seq_len, split=False, stop_rows=stop)),
+        ("grouped+split", lambda stop: unit_place(tree, batch, seq_len, split=True, stop_rows=stop)),
         ("bfd", lambda stop: bfd_place(tree, batch, seq_len, stop_rows=stop)),
     )
     best = None

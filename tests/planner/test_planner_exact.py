@@ -192,7 +192,7 @@ def test_repair_pass_removes_a_stranded_row_deterministically():
         if base == "bfd":
             before = bfd_place(tree, batch, C)[1][0]
         else:
-            before = unit_place(tree, batch, C, grouped=True, split=base == "grouped+split")[1][0]
+            before = unit_place(tree, batch, C, split=base == "grouped+split")[1][0]
         assert repaired.num_rows < before and repaired.num_rows <= greedy.num_rows
         fewer += repaired.num_rows < greedy.num_rows
         again = place_leaves(tree, batch, C, "auto")
@@ -233,8 +233,8 @@ def test_abandoned_candidates_could_not_have_won():
                 seen["abandoned"] += 1
             else:
                 assert np.array_equal(got[0], full[0])
-        split = unit_place(tree, batch, C, grouped=True, split=True)
-        assert unit_place(tree, batch, C, grouped=True, split=True, stop_rows=split[1][0]) is None
+        split = unit_place(tree, batch, C, split=True)
+        assert unit_place(tree, batch, C, split=True, stop_rows=split[1][0]) is None
         assert int(row_costs(tree, full[0], full[1][0]).sum()) == full[1][1]
     assert seen["abandoned"] >= 50
 
