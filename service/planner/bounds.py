@@ -1,6 +1,6 @@
 """A proven lower bound on the rows any placement needs (SPEC section 4).
 
-:func:`lower_bound_rows` returns ``max(L1, L2, L3)``:
+:func:`lower_bound_rows` returns ``max(L1, L2, L3, L4)``:
 
 - **L1 = ceil(T / C)**, T the tree's token count: every tree token lies in some row.
 - **L2, the duplication bound.** A row that holds any token of the subtree below node v
@@ -33,7 +33,19 @@
   valid bound, so only a few are tried: just above ``C / (q+1)`` at the root, and just
   above ``end(u) + (C - end(u)) / (q+1)`` for the branch points u with the most children.
 
-All three are computed in O(nodes) numpy passes (L3: one pass for all thresholds at once).
+- **L4, Martello and Toth's L2 below a branch point** (:func:`leaf_children_rows`). The
+  leaves that are children of one node u (or root leaves, below the virtual root) are
+  indivisible items: a row holding some of them holds u's root path (``end(u)`` tokens)
+  and each leaf's own segment, which no other of them shares, so their lengths add up to
+  at most ``C_u = C - end(u)`` per row. Restricted to them, any placement is a classical
+  bin packing with bins of ``C_u``, and Martello and Toth's bound applies: for any
+  ``0 <= k <= C_u / 2``, items over ``C_u - k`` (J1) and items in ``(C_u/2, C_u - k]``
+  (J2) need a row each, and items in ``[k, C_u/2]`` (J3) fit only in the room J2 leaves
+  plus new rows: ``|J1| + |J2| + max(0, ceil((sum J3 - (|J2| C_u - sum J2)) / C_u))``.
+  It is only computed where u has more leaf children than the other bounds' rows.
+
+All are computed in O(nodes) numpy passes (L3: one pass for all thresholds at once; L4:
+one sort per qualifying node).
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ import numpy as np
 from treepack.proto.index import accumulate_up, ragged_arange
 from treepack.service.planner.tree import Tree
 
-__all__ = ["lower_bound_rows", "subtree_sizes", "min_copies", "big_leaf_rows", "big_leaf_thresholds"]
+__all__ = ["lower_bound_rows", "subtree_sizes", "min_copies", "big_leaf_rows", "big_leaf_thresholds", "leaf_children_rows", "bin_packing_l2"]
 
 ROOT_SPLITS = 6  # root thresholds just above C/2, C/3, ..., C/(ROOT_SPLITS+1)
 NODE_SPLITS = 2  # per chosen branch point: just above half and a third of the room below it
@@ -126,11 +138,56 @@ def big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarra
     return fold(roots, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))[0]
 
 
+def bin_packing_l2(sizes: np.ndarray, capacity: int) -> int:
+    """Martello and Toth's L2 lower bound on the bins of ``capacity`` that ``sizes`` need.
+
+    Args:
+        sizes: [m] int64 item sizes, each <= capacity.
+        capacity: bin size.
+
+    Returns:
+        ``max over k`` of the bound in the module docstring (L4); 0 for no items.
+    """
+    if sizes.size == 0:
+        return 0
+    s = np.sort(sizes)
+    pre = np.r_[0, np.cumsum(s)]
+    half = capacity // 2  # items <= half: s <= C/2 (integers)
+    ks = np.unique(np.r_[0, s[s <= half]])
+    n_big = s.size - np.searchsorted(s, half, side="right")  # J1 + J2: items > C/2
+    cut = np.searchsorted(s, capacity - ks, side="right")  # items <= C - k
+    j12_lo = np.searchsorted(s, half, side="right")  # first item > C/2
+    j2_n = np.maximum(cut - j12_lo, 0)
+    j2_sum = pre[np.maximum(cut, j12_lo)] - pre[j12_lo]
+    j3_lo = np.searchsorted(s, ks, side="left")
+    j3_sum = pre[j12_lo] - pre[j3_lo]
+    extra = np.maximum(0, -(-(j3_sum - (j2_n * capacity - j2_sum)) // capacity))
+    return int((n_big + extra).max())
+
+
+def leaf_children_rows(tree: Tree, seq_len: int, above: int = 0) -> int:
+    """L4 of the module docstring, over the nodes with more than ``above`` leaf children."""
+    leaves = tree.leaf_of[tree.leaf_of >= 0]
+    if leaves.size == 0:
+        return 0
+    par = tree.parent[leaves]
+    slot = par + 1  # 0: the virtual root
+    counts = np.bincount(slot, minlength=tree.num_nodes + 1)
+    best = 0
+    end = tree.end
+    for u1 in np.flatnonzero(counts > max(above, 1)).tolist():
+        mine = leaves[slot == u1]
+        base = int(end[u1 - 1]) if u1 else 0
+        best = max(best, bin_packing_l2(end[mine] - base, int(seq_len) - base))
+    return best
+
+
 def lower_bound_rows(tree: Tree, seq_len: int) -> int:
-    """max(L1, L2, L3) of the module docstring; 0 for an empty tree."""
+    """max(L1, L2, L3, L4) of the module docstring; 0 for an empty tree."""
     if tree.num_nodes == 0:
         return 0
     copies = min_copies(tree, seq_len)
     total = int((tree.length * copies).sum())
     l3 = int(big_leaf_rows(tree, seq_len, big_leaf_thresholds(tree, seq_len)).max(initial=0))
-    return max(int(-(-total // seq_len)), l3)
+    best = max(int(-(-total // seq_len)), l3)
+    return max(best, leaf_children_rows(tree, seq_len, above=best))

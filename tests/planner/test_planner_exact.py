@@ -19,7 +19,7 @@ import pytest
 from treepack.proto.errors import RequestError
 from treepack.service.planner import build_tree, lower_bound_rows, normalize_batch, place_leaves, plan_batch
 from treepack.service.planner.auto import bfd_place, unit_place
-from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, min_copies
+from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, bin_packing_l2, leaf_children_rows, min_copies
 from treepack.service.planner.exact import FIT, NO_FIT, exact_min_rows, fit_rows, leaf_items_of, naive_min_rows
 from treepack.service.planner.placement import row_costs
 from treepack.service.planner.repair import repair_rows
@@ -275,3 +275,23 @@ def test_sharing_by_saving_fast_tree_equals_naive():
     assert seen["short shared, saving 40"] >= 10 and seen["fewer tokens"] >= 10, seen
     with pytest.raises(RequestError, match="min_shared_saving"):
         build_tree(batch, 64, min_shared_saving=-1)
+
+
+def test_martello_toth_bound_below_a_branch_point():
+    # Four leaves over half a row and two under it that fit only with each other: 5 rows;
+    # volume says 4, and so do the duplication and big-leaf bounds.
+    assert bin_packing_l2(np.array([3545, 4011, 3935, 4087, 4089, 3759]), 7665) == 5
+    rng = np.random.default_rng(5)
+    seen: Counter = Counter()
+    for _ in range(150):
+        C = int(rng.integers(50, 120))
+        prefix = _tokens(rng, int(rng.integers(0, 20)))
+        seqs = [np.concatenate([prefix, _tokens(rng, int(n), 7000 + i)]) for i, n in enumerate(rng.integers(5, C - len(prefix) + 1, int(rng.integers(2, 9))))]
+        batch = normalize_batch(seqs, seq_len=C, trainable=[len(prefix)] * len(seqs))
+        tree = build_tree(batch, 1)
+        opt = naive_min_rows(tree, C)
+        l4 = leaf_children_rows(tree, C)
+        assert l4 <= opt
+        seen["L4 tight"] += l4 == opt
+        seen["L4 above the rest"] += l4 > max(-(-int((tree.length * min_copies(tree, C)).sum()) // C), int(big_leaf_rows(tree, C, big_leaf_thresholds(tree, C)).max()))
+    assert seen["L4 tight"] >= 100 and seen["L4 above the rest"] >= 5, seen
