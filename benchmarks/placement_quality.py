@@ -35,12 +35,12 @@ from collections import Counter
 
 import numpy as np
 
-from treepack.service.planner import workloads as W
+from treepack.proto.batch import normalize_batch
+from treepack.service.cli import workloads as W
 from treepack.service.planner.api import plan_normalized
 from treepack.service.planner.bounds import lower_bound_rows, min_copies
 from treepack.service.planner.exact import exact_min_rows
-from treepack.service.planner.inputs import normalize_batch
-from treepack.service.planner.placement import place_leaves
+from treepack.service.planner.place import place_leaves
 from treepack.service.planner.tree import build_tree
 
 

@@ -42,16 +42,15 @@ import time
 
 import numpy as np
 
+from treepack.proto.batch import SequenceBatch
+from treepack.proto.options import REPAIR_MS
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
-from treepack.service.planner.inputs import Batch
 from treepack.service.planner.placement import bfd_order, row_costs
 from treepack.service.planner.repair import repair_rows
 from treepack.service.planner.rows import OpenRows
 from treepack.service.planner.tree import Tree
 
-__all__ = ["auto_place", "unit_place", "bfd_place", "REPAIR_MS"]
-
-REPAIR_MS = 10.0  # default wall-clock budget of the repair pass
+__all__ = ["auto_place", "unit_place", "bfd_place"]
 
 
 class _Abandon(Exception):
@@ -82,7 +81,7 @@ class _Watch:
 
 
 def unit_place(
-    tree: Tree, batch: Batch, seq_len: int, *, split: bool, stop_rows: int | None = None
+    tree: Tree, batch: SequenceBatch, seq_len: int, *, split: bool, stop_rows: int | None = None
 ) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
     """Best-fit decreasing over units (see module docstring).
 
@@ -154,7 +153,7 @@ def unit_place(
 
 
 def bfd_place(
-    tree: Tree, batch: Batch, seq_len: int, *, stop_rows: int | None = None
+    tree: Tree, batch: SequenceBatch, seq_len: int, *, stop_rows: int | None = None
 ) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
     """``bfd`` (SPEC section 4) as an ``auto`` candidate: same rows as ``place_leaves(..., "bfd")``,
     abandoned (None) once it cannot have fewer rows than ``stop_rows``.
@@ -190,7 +189,7 @@ def bfd_place(
 
 
 def auto_place(
-    tree: Tree, batch: Batch, seq_len: int, *, bound: int | None = None, repair_ms: float = REPAIR_MS
+    tree: Tree, batch: SequenceBatch, seq_len: int, *, bound: int | None = None, repair_ms: float = REPAIR_MS
 ) -> tuple[np.ndarray, str, dict[str, float]]:
     """Run the candidates of the module docstring.
 

@@ -150,6 +150,8 @@ def bin_packing_l2(sizes: np.ndarray, capacity: int) -> int:
     """
     if sizes.size == 0:
         return 0
+    if capacity <= 0:  # a branch point at C: only empty leaves below it, one row holds them all
+        return 1
     s = np.sort(sizes)
     pre = np.r_[0, np.cumsum(s)]
     half = capacity // 2  # items <= half: s <= C/2 (integers)

@@ -11,13 +11,16 @@ packings cut into pieces and shuffled (the classic first-fit trap).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
 import pytest
 
+from treepack.proto.batch import normalize_batch
 from treepack.proto.errors import RequestError
-from treepack.service.planner import build_tree, lower_bound_rows, normalize_batch, place_leaves, plan_batch
+from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
+from treepack.service.planner import PlanInvariantError, build_tree, lower_bound_rows, place_leaves, plan_batch, validate_plan
 from treepack.service.planner.auto import bfd_place, unit_place
 from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, bin_packing_l2, leaf_children_rows, min_copies
 from treepack.service.planner.exact import FIT, NO_FIT, exact_min_rows, fit_rows, leaf_items_of, naive_min_rows
@@ -273,8 +276,9 @@ def test_sharing_by_saving_fast_tree_equals_naive():
                 seen["fewer tokens"] += fast.num_tokens < plain.num_tokens
     assert seen["short shared, saving 0"] == 0
     assert seen["short shared, saving 40"] >= 10 and seen["fewer tokens"] >= 10, seen
-    with pytest.raises(RequestError, match="min_shared_saving"):
-        build_tree(batch, 64, min_shared_saving=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(RequestError, match="min_shared_saving"):
+            plan_batch(seqs, seq_len=128, min_shared_saving=bad)
 
 
 def test_martello_toth_bound_below_a_branch_point():
@@ -295,3 +299,28 @@ def test_martello_toth_bound_below_a_branch_point():
         seen["L4 tight"] += l4 == opt
         seen["L4 above the rest"] += l4 > max(-(-int((tree.length * min_copies(tree, C)).sum()) // C), int(big_leaf_rows(tree, C, big_leaf_thresholds(tree, C)).max()))
     assert seen["L4 tight"] >= 100 and seen["L4 above the rest"] >= 5, seen
+
+
+def test_plans_with_sharing_by_saving_are_valid_and_reported():
+    from helpers.trees import tree_sequences
+
+    seen: Counter = Counter()
+    for seed in range(12):
+        seqs = tree_sequences(seed, trees=2, depth=3, max_len=100)
+        trainable = [max(1, len(x) - 5) for x in seqs]
+        for saving in (0, 24):
+            plan = plan_batch(seqs, seq_len=256, trainable=trainable, min_shared_len=64, min_shared_saving=saving)
+            validate_plan(plan, seqs, trainable=trainable)
+            assert plan.options.min_shared_saving == saving and plan.options.repair_ms == 10.0
+            back = plan_from_wire(plan_to_wire(plan, "json"))
+            assert back.options == plan.options
+            seg = plan.segments
+            short = bool(((seg.sharers >= 2) & (seg.length < 64)).any())
+            seen[f"short shared {saving}"] += short
+            if short:
+                # The validator holds the rule the plan claims: rule 4 alone, or a larger saving.
+                for claim in (0, 10**6):
+                    forged = dataclasses.replace(plan, options=dataclasses.replace(plan.options, min_shared_saving=claim))
+                    with pytest.raises(PlanInvariantError, match="shorter than min_shared_len"):
+                        validate_plan(forged, seqs, trainable=trainable)
+    assert seen["short shared 0"] == 0 and seen["short shared 24"] >= 5, seen

@@ -1,0 +1,13 @@
+"""Kernels on tree rows, each fast path with its slow, loop-based reference beside it.
+
+- :mod:`~treepack.trainer.kernels.masks`: the tree mask (dense, FlexAttention BlockMask,
+  varlen ancestor metadata), built from arrays (``subtree_end``, positions, segment tables);
+- :mod:`~treepack.trainer.kernels.attention`: :func:`tree_attention` (sdpa | flex | flash);
+- :mod:`~treepack.trainer.kernels.gdn` and :mod:`~treepack.trainer.kernels.gdn_ref`:
+  Gated DeltaNet per tree depth level, and its pure-torch kernels;
+- :mod:`~treepack.trainer.kernels.sparse`: top-k indexer attention on the ancestor chain;
+- :mod:`~treepack.trainer.kernels.index`: torch-side index helpers.
+
+GPU packages (flash-attn, flash-linear-attention, triton) are imported only inside the
+functions that use them.
+"""
