@@ -194,7 +194,7 @@ def auto_place(
     """Run the candidates of the module docstring.
 
     Args:
-        tree, batch, seq_len: as for :func:`~.placement.place_leaves`.
+        tree, batch, seq_len: as for :func:`~.place.place_leaves`.
         bound: the tree's :func:`~.bounds.lower_bound_rows`, if already known.
         repair_ms: the repair pass's wall-clock budget (0: no repair).
 
