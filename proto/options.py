@@ -42,8 +42,9 @@ class PlanOptions:
         min_shared_saving: 0 (off, rule 4 alone), or also share a run shorter than
             ``min_shared_len`` when ``(sharers - 1) * length`` is at least this many tokens;
             in [0, MAX_SEQ_LEN].
-        repair_ms: wall-clock budget of ``auto``'s repair pass, in [0, MAX_REPAIR_MS] ms
-            (0: no repair); reported as ``stats.timings_ms["repair"]``.
+        repair_ms: budget of ``auto``'s repair pass, in CPU ms of the planning thread, in
+            [0, MAX_REPAIR_MS] (0: no repair); the wall time it took is reported as
+            ``stats.timings_ms["repair"]``.
     """
 
     seq_len: Any

@@ -120,7 +120,7 @@ class _Search:
         self.nodes += 1
         if self.nodes > self.limit:
             raise _Limit
-        if self.deadline is not None and self.nodes % 64 == 0 and time.perf_counter() > self.deadline:
+        if self.deadline is not None and self.nodes % 64 == 0 and time.thread_time() > self.deadline:
             raise _Limit
         if self.uncovered + self.tails > self.room:
             return False
@@ -158,7 +158,8 @@ def fit_rows(
         capacity: C.
         node_len: per node id, its length (indexable: a list or an array).
         node_limit: search nodes before giving up with ``UNKNOWN``.
-        deadline: a ``time.perf_counter()`` value after which the search gives up too.
+        deadline: a ``time.thread_time()`` value (this thread's CPU time) after which the
+            search gives up too.
 
     Returns:
         (``FIT``, {seq: row in [0, m)}) or (``NO_FIT`` | ``UNKNOWN``, {}).
