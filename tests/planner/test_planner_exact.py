@@ -23,7 +23,7 @@ from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
 from treepack.service.planner import PlanInvariantError, build_tree, lower_bound_rows, place_leaves, plan_batch, validate_plan
 from treepack.service.planner.auto import bfd_place, unit_place
 from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, bin_packing_l2, leaf_children_rows, min_copies
-from treepack.service.planner.exact import FIT, NO_FIT, exact_min_rows, fit_rows, leaf_items_of, naive_min_rows
+from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, leaf_items_of, naive_min_rows
 from treepack.service.planner.placement import row_costs
 from treepack.service.planner.repair import repair_rows
 
@@ -148,7 +148,11 @@ def test_branch_and_bound_equals_brute_force():
         if opt > 1:
             assert fit_rows(items, opt - 1, C, tree.length.tolist())[0] == NO_FIT
             seen["opt>1"] += 1
-    assert seen["opt>1"] >= 60
+        if len(items) >= 2:
+            # Out of nodes the answer is "unknown", never a wrong "no".
+            assert fit_rows(items, opt, C, tree.length.tolist(), node_limit=1)[0] == UNKNOWN
+            seen["unknown"] += 1
+    assert seen["opt>1"] >= 60 and seen["unknown"] >= 60
 
 
 def test_big_leaf_bound_is_sound_and_tight_on_half_row_leaves():
