@@ -180,3 +180,16 @@ def test_sink_argument_errors(case):
         tree_attention(q, k, v, batch, backend="flash", sinks=torch.zeros(H), softcap=5.0, varlen_fn=naive_varlen_attention)
     with pytest.raises(RequestError, match="chunk_size must be a positive int"):
         batch.dense_mask(chunk_size=0)
+
+
+def test_backends_agree_everywhere_with_padding(case):
+    """Sinks and chunk together: the three backends agree on every row position, padding
+    included (a pad token attends only itself, plus the sink)."""
+    _, batch = case
+    q, k, v, sinks = (x.detach() for x in _leaves(batch, seed=3))
+    kw = dict(sinks=sinks, chunk_size=16, varlen_fn=naive_varlen_attention)
+    ref = tree_attention(q, k, v, batch, backend="sdpa", **kw)
+    pad = batch.subtree_end == torch.arange(1, batch.seq_len + 1)
+    assert bool((pad & (batch.position_ids == 0)).any())
+    for backend in ("flex", "flash"):
+        assert_close(f"{backend} vs sdpa", ref, tree_attention(q, k, v, batch, backend=backend, **kw), atol=1e-5)
