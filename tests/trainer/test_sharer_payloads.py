@@ -107,7 +107,7 @@ def _one_sharer_per_position(batch, name):
     for e, f in enumerate(batch.score_flat.tolist()):
         first.setdefault(f, e)
     idx = torch.tensor(sorted(first))
-    flat[idx] = batch.entry_payloads[name][torch.tensor([first[f] for f in sorted(first)])]
+    flat[idx] = batch.entry_payloads[name][torch.tensor([first[f] for f in sorted(first)])].double()
     return flat.view(batch.num_rows, batch.seq_len)
 
 
