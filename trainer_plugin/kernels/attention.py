@@ -18,9 +18,11 @@ Two attention variants, exact on every backend:
 - **attention sinks** (GPT-OSS ``s_aux``): one learned logit per head that joins every
   query's softmax denominator (``exp(sink)`` added to it) and has no value. Written
   through the log-sum-exp of the plain attention: ``out_sink = out * sigmoid(lse - sink)``.
-  SDPA appends the sink as an extra logit column; flex uses ``return_lse``; varlen uses
-  the kernel's LSE, made differentiable exactly (:func:`_differentiable_lse`: FlashAttention
-  does not back-propagate through its LSE).
+  SDPA appends the sink as an extra logit column; flex and varlen use the kernel's LSE,
+  made differentiable exactly by one more call with the keys as values
+  (:func:`_differentiable_lse`: FlashAttention does not back-propagate through its LSE,
+  and flex's LSE gradient is not relied on either). Sinks with a logit soft-cap run on
+  SDPA only (refused elsewhere).
 - **chunked attention** (Llama4 ``attention_chunk_size``): a key is visible iff it is an
   ancestor (the mask contract) *and* in the query's chunk of its own sequence's positions
   (``position_ids // c`` equal): an extra mask term (dense, flex ``mask_mod``), and on the
@@ -183,24 +185,32 @@ def _flex(q, k, v, block_mask, scale, softcap, compile, sinks):
         def score_mod(score, b, h, q_idx, kv_idx):
             return c * torch.tanh(score / c)
 
-    with warnings.catch_warnings():
-        # Uncompiled flex (the CPU path) warns that it materializes the scores: intended.
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        out = fn(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            **({} if sinks is None else _lse_request()),
-        )
+    gqa = q.shape[1] != k.shape[1]
+
+    def call(q_, k_, v_, **extra):
+        with warnings.catch_warnings():
+            # Uncompiled flex (the CPU path) warns that it materializes the scores: intended.
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return fn(q_, k_, v_, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa, **extra)
+
     if sinks is None:
-        return out
-    out, aux = out
+        return call(q, k, v)
+    if softcap is not None:
+        raise RequestError(_SINK_SOFTCAP.format(backend="flex"), path="$.backend", rule="unsupported")
+    out, aux = call(q, k, v, **_lse_request())
     lse = getattr(aux, "lse", aux)  # [K, H, L], natural log
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        # As on the varlen path: the LSE's exact gradient without relying on the kernel's.
+        a = call(q.detach(), k.detach(), k)  # [K, H, L, D]: sum_j p_ij k_j
+        t = scale * (q.float() * a.float()).sum(-1)
+        lse = lse.detach().float() + (t - t.detach())
     return (out.float() * _sink_factor(lse, sinks, 1)[..., None]).to(out.dtype)
+
+
+_SINK_SOFTCAP = (
+    "attention sinks with logit soft-capping are not exact on backend='{backend}' (the LSE gradient assumes plain logits); "
+    "use backend='sdpa'"
+)
 
 
 def _flash_varlen() -> Callable:
@@ -231,12 +241,7 @@ def _differentiable_lse(fn: Callable, q: torch.Tensor, k: torch.Tensor, lse: tor
 
 def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
     if sinks is not None and softcap is not None:
-        raise RequestError(
-            "attention sinks with logit soft-capping are not exact on backend='flash' (the LSE gradient assumes plain logits); "
-            "use backend='sdpa' or 'flex'",
-            path="$.backend",
-            rule="unsupported",
-        )
+        raise RequestError(_SINK_SOFTCAP.format(backend="flash"), path="$.backend", rule="unsupported")
     fn = varlen_fn if varlen_fn is not None else _flash_varlen()
     K, H, L, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
