@@ -41,8 +41,10 @@ class PackedBatch:
         loss_mask: [K, L] bool scored positions.
         owner: [K, L] int64 a sequence scored at each position (the only one in the
             default mode), -1 elsewhere.
-        payloads: packed payloads by name, [K, L, ...] (NaN / -1 / False where unwritten).
-        entry_payloads: target-aligned payloads per scored entry by name, [T, ...].
+        payloads: packed payloads by name, [K, L, ...] (NaN / -1 / False where unwritten,
+            and, for a target-aligned payload, where a shared position's sharers differ).
+        entry_payloads: target-aligned payloads per scored entry by name, [T, ...]: each
+            (position, sharer) its own value (what the losses read).
         local_seqs: [S_local] int64 (numpy) sequences held by these rows, ascending.
         seq_ptr: [S_local + 1] int64 (numpy) CSR of their tokens in ``seq_flat``.
         seq_flat: [sum len] int64 flat row position of every local sequence's tokens, in order.
