@@ -10,16 +10,17 @@ as not run):
 
 - ``probe``: device, torch, triton, and which GPU kernels import (``gpu.available()``);
 - ``kernels``: per mixer kernel (GDN, KDA, Mamba2, Mamba1, short conv via fla and via
-  causal-conv1d) x dtype (bf16, fp16, fp32): the project's GPU wrapper over a depth-3
-  tree plan against the fp64 token-loop reference (outputs and input/parameter
-  gradients, relative to the reference's max), then fwd+bwd time of the wrapper on a
+  causal-conv1d) x dtype (``--dtypes``, default bf16 and fp16; fp32 runs under the
+  interpreter in CI): the project's GPU wrapper over a depth-3 tree plan against the fp64
+  token-loop reference (outputs and input/parameter gradients, relative to the
+  reference's max), then, for ``--time-dtypes`` (bf16), fwd+bwd time of the wrapper on a
   rollout tree at layer shapes, tree-packed vs every sequence unpacked (same kernel);
-- ``attention``: ``benchmarks/gpu_attention.py``: flex / flash-gather tree (and unpacked
-  FlashAttention when flash-attn imports) checked against the dense-mask SDPA reference
-  at golden / 8, then timed on the golden example;
 - ``gdn``: ``benchmarks/gpu_gdn.py`` (the GDN layer, tree vs unpacked, fla vs reference);
 - ``sparse``: top-k indexer selection and sparse attention on packed rows against the
-  naive references, then timed.
+  naive references, then timed;
+- ``attention``: ``benchmarks/gpu_attention.py``: flex / flash-gather tree (and unpacked
+  FlashAttention when flash-attn imports) checked against the dense-mask SDPA reference
+  at golden / 8, then timed on the golden example (last: FlexAttention compiles longest).
 
 The report goes to ``--json``, else ``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``gpu_check.json``. Exit status 1 when any check failed, 2 without a CUDA device (unless
@@ -158,9 +159,12 @@ def kernels(args) -> dict:
             if not args.cpu_smoke and avail[kname]:
                 res[kernel][dtype] = dict(ok=None, skipped=f"{kname} unavailable: {avail[kname]}")
                 continue
+            if time.perf_counter() > args.deadline:
+                res[kernel][dtype] = dict(ok=None, skipped="time budget")
+                continue
             try:
                 r = _check_case(kernel, dtype, args, tree)
-                if r["ok"]:
+                if r["ok"] and dtype in args.time_dtypes:
                     r["timing"] = _time_case(kernel, dtype, args, big)
             except Exception as e:  # one broken kernel must not hide the others
                 r = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
@@ -236,7 +240,7 @@ def sparse(args) -> dict:
     return res
 
 
-SECTIONS = {"probe": probe, "kernels": kernels, "attention": attention, "gdn": gdn, "sparse": sparse}
+SECTIONS = {"probe": probe, "kernels": kernels, "gdn": gdn, "sparse": sparse, "attention": attention}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -244,22 +248,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny, CPU, token-loop references in place of the GPU kernels")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
-    ap.add_argument("--dtypes", default="bfloat16,float16,float32")
+    ap.add_argument("--dtypes", default="bfloat16,float16", help="checked dtypes (fp32 runs under the interpreter in CI)")
+    ap.add_argument("--time-dtypes", default="bfloat16", help="dtypes also timed at layer shapes")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attention-scale", type=int, default=1)
     ap.add_argument("--gdn-scale", type=int, default=1)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="sections starting after this many seconds are not run")
+    ap.add_argument("--budget-s", type=float, default=360.0, help="sections and kernel cases starting after this many seconds are not run")
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here. Run it on a machine with a GPU (make gpu-check), or --cpu-smoke for the CPU code paths.", file=sys.stderr)
         raise SystemExit(2)
     args.device, args.mode, args.shape = ("cpu", "smoke", "tiny") if args.cpu_smoke else ("cuda", "gpu", "layer")
     args.dtypes = ["float32"] if args.cpu_smoke else args.dtypes.split(",")
+    args.time_dtypes = ["float32"] if args.cpu_smoke else args.time_dtypes.split(",")
     if args.cpu_smoke:
         args.iters, args.warmup = 1, 0
     report = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cpu_smoke=args.cpu_smoke, sections={})
     t_start = time.perf_counter()
+    args.deadline = t_start + args.budget_s
     for name in args.sections.split(","):
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:

@@ -112,9 +112,22 @@ def _mamba1_fns(params):
     return loop, level
 
 
-def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, shape: str = "tiny") -> torch.Tensor:
-    """The tree output [N, ...] of one case (modes: module docstring)."""
+def _no_fork(level_fn):
+    """``level_fn`` with the parents' states dropped (every segment from zeros): a negative control."""
+
+    def level(*a, initial_state=None, **kw):
+        return level_fn(*a, initial_state=None, **kw)
+
+    return level
+
+
+def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, shape: str = "tiny", fork: bool = True) -> torch.Tensor:
+    """The tree output [N, ...] of one case (modes: module docstring).
+
+    ``fork=False`` (scan kernels, ``gpu``/``smoke`` modes) starts every segment from zeros.
+    """
     t = tuple(toks.values())
+    wrap = (lambda f: f) if fork else _no_fork
     if kernel.startswith("short_conv"):
         w, b = params["weight"], params["bias"]
         if mode == "reference":
@@ -127,10 +140,10 @@ def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, s
         if mode == "reference":
             return naive_tree(loop, plan, t)
         if mode == "smoke":
-            return gpu.scan_tree(loop_level(loop), sched, t)
+            return gpu.scan_tree(wrap(loop_level(loop)), sched, t)
         if kernel == "gdn":
-            return tree_gated_delta_rule(*t, sched, use_qk_l2norm_in_kernel=True, kernel=gpu.gated_delta_rule_level)
-        return gpu.scan_tree(gpu.kda_level, sched, t, use_qk_l2norm_in_kernel=True)
+            return tree_gated_delta_rule(*t, sched, use_qk_l2norm_in_kernel=True, kernel=wrap(gpu.gated_delta_rule_level))
+        return gpu.scan_tree(wrap(gpu.kda_level), sched, t, use_qk_l2norm_in_kernel=True)
     if kernel == "mamba2":
         loop, level = _mamba2_fns(params, SHAPES[shape]["chunk"])
     elif kernel == "mamba1":
@@ -139,4 +152,4 @@ def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, s
         raise KeyError(kernel)
     if mode == "reference":
         return naive_tree(loop, plan, t)
-    return gpu.scan_tree(loop_level(loop) if mode == "smoke" else level, sched, t)
+    return gpu.scan_tree(wrap(loop_level(loop) if mode == "smoke" else level), sched, t)

@@ -121,7 +121,7 @@ def naive_tree(loop_fn, plan, tensors, **kw) -> torch.Tensor:
     states: dict[int, torch.Tensor] = {}
     for s in range(seg.num_segments):
         b = int(seg.row[s]) * C + int(seg.row_start[s])
-        t = torch.arange(b, b + int(seg.length[s]))
+        t = torch.arange(b, b + int(seg.length[s]), device=tensors[0].device)
         p = int(seg.parent[s])
         assert p < s, "segments must come parents first"
         o, states[s] = loop_fn(*(x[t] for x in tensors), None if p < 0 else states[p], **kw)

@@ -87,3 +87,17 @@ def test_every_interpreter_case_ran(interp_results):
     ran = {(k, d) for k, per in interp_results.items() for d, r in per.items() if r["passed"]}
     want = {(k, d) for k in KERNELS for d in DTYPES}
     assert ran == want, f"missing interpreter cases: {sorted(want - ran)}"
+
+
+@pytest.mark.parametrize("kernel", ["gdn", "mamba2"])
+def test_negative_control_without_state_forking(kernel, tree):
+    """The same wrapper with every segment started from zeros misses the reference by far:
+    the tree plan does exercise the forked states the tests above compare."""
+    plan, sched = tree
+    gen = torch.Generator().manual_seed(99)
+    toks, params = make_inputs(kernel, sched.num_positions, torch.float32, gen)
+    real = torch.from_numpy(plan.segment_ids().reshape(-1) >= 0)
+    with torch.no_grad():
+        ref = run_case(kernel, plan, sched, toks, params, mode="reference")
+        out = run_case(kernel, plan, sched, toks, params, mode="gpu", fork=False)
+    assert _rel(out[real], ref[real]) > 1e-2

@@ -172,14 +172,13 @@ def length_buckets(lens: list[int], max_pad_ratio: float = 1.0) -> list[list[int
     return out
 
 
-def _left_pad_index(cu: list[int], group: list[int]) -> tuple[torch.Tensor, int]:
+def _left_pad_index(cu: list[int], group: list[int], device: torch.device) -> torch.Tensor:
     """[b, Lmax] flat token index of each segment of ``group``, left-padded with -1."""
-    lens = [cu[i + 1] - cu[i] for i in group]
-    L = max(lens)
-    idx = torch.full((len(group), L), -1, dtype=torch.int64)
-    for r, (i, n) in enumerate(zip(group, lens)):
-        idx[r, L - n :] = torch.arange(cu[i], cu[i + 1])
-    return idx, L
+    lens = torch.tensor([cu[i + 1] - cu[i] for i in group], dtype=torch.int64)
+    starts = torch.tensor([cu[i] for i in group], dtype=torch.int64)
+    L = int(lens.max())
+    j = torch.arange(L)[None, :] - (L - lens)[:, None]  # offset inside the segment
+    return torch.where(j >= 0, starts[:, None] + j, -1).to(device)
 
 
 def _gather_padded(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -221,7 +220,7 @@ def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, d
     y = x.new_zeros(T, H, P)
     finals = [None] * n
     for group in length_buckets([cu[i + 1] - cu[i] for i in range(n)], max_pad_ratio):
-        idx, _ = _left_pad_index(cu, group)
+        idx = _left_pad_index(cu, group, x.device)
         xs, dts, Bs, Cs = (_gather_padded(t, idx) for t in (x[0], dt, B[0], C[0]))
         zs = None if z is None else _gather_padded(z[0], idx)
         h0 = None if initial_state is None else initial_state[group].float().contiguous()
@@ -255,7 +254,7 @@ def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     finals = [None] * n
     Af = A.float()
     for group in length_buckets([cu[i + 1] - cu[i] for i in range(n)], max_pad_ratio):
-        idx, _ = _left_pad_index(cu, group)
+        idx = _left_pad_index(cu, group, u.device)
         us, ds, Bs, Cs = (_gather_padded(t, idx).transpose(1, 2) for t in (u[0], delta, B[0], C[0]))
         out = fn(us.to(u.dtype).contiguous(), ds.to(u.dtype).contiguous(), A, Bs.contiguous(), Cs.contiguous(), D=D).float()
         us, ds, Bs, Cs = us.float(), ds.float(), Bs.float(), Cs.float()
