@@ -27,7 +27,7 @@ test: venv
 # kernels fail on CPU there. CPU torch pinned as above; mamba_ssm and causal-conv1d
 # without their CUDA builds (their setup.py would otherwise ask nvcc or download a
 # CUDA wheel): what they bring here is their Python + Triton code.
-TVENV := .venv-triton
+TVENV ?= .venv-triton
 TBIN := $(TVENV)/bin
 TPIP := $(TBIN)/python -m pip -q --disable-pip-version-check
 TRITON_PKGS := triton==3.8.0 fla-core==0.6.0 flash-linear-attention==0.6.0 einops
