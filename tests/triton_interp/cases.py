@@ -8,23 +8,35 @@ of three modes:
   device the tensors are (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``reference``: the fp64 token loops of :mod:`loop_refs` walked over the plan's segments
   (no level metadata), the oracle;
-- ``smoke``: :func:`~treepack.trainer.kernels.gpu.scan_tree` with a token-loop level
-  function in place of the GPU kernel (CPU, no kernel package needed): the driver's code
-  path without the kernel, so ``gpu_check --cpu-smoke`` keeps running in CI.
+- ``smoke``: the same wrappers with a token-loop stand-in for each stock kernel
+  (:data:`STOCK`, same signature and semantics, CPU, no kernel package needed): every
+  line of the wrappers runs but the kernel, so ``gpu_check --cpu-smoke`` keeps them (and
+  itself) from rotting in CI.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from loop_refs import loop_delta_rule, loop_mamba2, loop_selective_scan, naive_tree
+from loop_refs import (
+    loop_delta_rule,
+    loop_mamba2,
+    loop_selective_scan,
+    naive_tree,
+    stock_causal_conv1d_fn,
+    stock_chunk_gated_delta_rule,
+    stock_fla_causal_conv1d,
+    stock_mamba_chunk_scan_combined,
+    stock_selective_scan_fn,
+)
 
-from treepack.trainer.gdn import naive_tree_causal_conv1d, tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels import gpu
 
-__all__ = ["KERNELS", "SHAPES", "make_inputs", "run_case", "loop_level"]
+__all__ = ["KERNELS", "SHAPES", "STOCK", "make_inputs", "run_case"]
 
 #: kernel case -> the GPU kernel it runs (a key of gpu.KERNELS)
 KERNELS = {
@@ -72,44 +84,15 @@ def make_inputs(kernel: str, n: int, dtype: torch.dtype, gen: torch.Generator, *
     return {k: cast(k, t) for k, t in toks.items()}, {k: cast(k, t) for k, t in params.items()}
 
 
-def loop_level(loop_fn):
-    """A level function (the ``gpu.*_level`` contract) that runs ``loop_fn`` per segment."""
-
-    def level(*tensors, initial_state=None, output_final_state=True, cu_seqlens=None, **kw):
-        cu = cu_seqlens.tolist()
-        outs, finals = [], []
-        for i in range(len(cu) - 1):
-            seg = [t[0, cu[i] : cu[i + 1]] for t in tensors]
-            o, h = loop_fn(*seg, None if initial_state is None else initial_state[i], **kw)
-            outs.append(o)
-            finals.append(h)
-        return torch.cat(outs)[None].to(tensors[0].dtype), torch.stack(finals)
-
-    return level
-
-
-def _mamba2_fns(params, chunk):
-    A, D, dt_bias = params["A"], params["D"], params["dt_bias"]
-
-    def loop(x, dt, B, C, z, h0):
-        return loop_mamba2(x, dt, A, B, C, h0, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
-
-    def level(x, dt, B, C, z, **kw):
-        return gpu.mamba2_level(x, dt, A, B, C, chunk_size=chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True, **kw)
-
-    return loop, level
-
-
-def _mamba1_fns(params):
-    A, D, bias = params["A"], params["D"], params["delta_bias"]
-
-    def loop(u, delta, B, C, z, h0):
-        return loop_selective_scan(u, delta, A, B, C, h0, D=D, z=z, delta_bias=bias, delta_softplus=True)
-
-    def level(u, delta, B, C, z, **kw):
-        return gpu.selective_scan_level(u, delta, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True, **kw)
-
-    return loop, level
+#: case -> the stand-in for its stock kernel (``smoke`` mode)
+STOCK = {
+    "gdn": stock_chunk_gated_delta_rule,
+    "kda": stock_chunk_gated_delta_rule,
+    "mamba2": stock_mamba_chunk_scan_combined,
+    "mamba1": stock_selective_scan_fn,
+    "short_conv_fla": stock_fla_causal_conv1d,
+    "short_conv_cuda": stock_causal_conv1d_fn,
+}
 
 
 def _no_fork(level_fn):
@@ -127,29 +110,43 @@ def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, s
     ``fork=False`` (scan kernels, ``gpu``/``smoke`` modes) starts every segment from zeros.
     """
     t = tuple(toks.values())
+    p = params
+    if mode == "reference":
+        return _reference(kernel, plan, t, p)
+    stock = STOCK[kernel] if mode == "smoke" else None
     wrap = (lambda f: f) if fork else _no_fork
     if kernel.startswith("short_conv"):
-        w, b = params["weight"], params["bias"]
-        if mode == "reference":
-            return naive_tree_causal_conv1d(t[0].double(), w.double(), b.double(), plan, "silu")
-        if mode == "smoke":
-            return tree_causal_conv1d(t[0], w, b, sched, "silu")
-        return gpu.tree_short_conv(t[0], w, b, sched, "silu", backend="fla" if kernel == "short_conv_fla" else "causal_conv1d")
-    if kernel in ("gdn", "kda"):
-        loop = lambda *a: loop_delta_rule(*a, use_qk_l2norm_in_kernel=True)  # noqa: E731
-        if mode == "reference":
-            return naive_tree(loop, plan, t)
-        if mode == "smoke":
-            return gpu.scan_tree(wrap(loop_level(loop)), sched, t)
-        if kernel == "gdn":
-            return tree_gated_delta_rule(*t, sched, use_qk_l2norm_in_kernel=True, kernel=wrap(gpu.gated_delta_rule_level))
-        return gpu.scan_tree(wrap(gpu.kda_level), sched, t, use_qk_l2norm_in_kernel=True)
-    if kernel == "mamba2":
-        loop, level = _mamba2_fns(params, SHAPES[shape]["chunk"])
+        backend = "fla" if kernel == "short_conv_fla" else "causal_conv1d"
+        return gpu.tree_short_conv(t[0], p["weight"], p["bias"], sched, "silu", backend=backend, kernel=stock)
+    if kernel == "gdn":
+        level = partial(gpu.gated_delta_rule_level, kernel=stock)
+        return tree_gated_delta_rule(*t, sched, use_qk_l2norm_in_kernel=True, kernel=wrap(level))
+    if kernel == "kda":
+        level = partial(gpu.kda_level, kernel=stock, use_qk_l2norm_in_kernel=True)
+    elif kernel == "mamba2":
+        chunk = SHAPES[shape]["chunk"]
+
+        def level(x, dt, B, C, z, **kw):
+            return gpu.mamba2_level(x, dt, p["A"], B, C, chunk_size=chunk, D=p["D"], z=z, dt_bias=p["dt_bias"], dt_softplus=True, kernel=stock, **kw)
     elif kernel == "mamba1":
-        loop, level = _mamba1_fns(params)
+
+        def level(u, delta, B, C, z, **kw):
+            return gpu.selective_scan_level(u, delta, p["A"], B, C, D=p["D"], z=z, delta_bias=p["delta_bias"], delta_softplus=True, kernel=stock, **kw)
     else:
         raise KeyError(kernel)
-    if mode == "reference":
-        return naive_tree(loop, plan, t)
-    return gpu.scan_tree(wrap(loop_level(loop) if mode == "smoke" else level), sched, t)
+    return gpu.scan_tree(wrap(level), sched, t)
+
+
+def _reference(kernel: str, plan, t: tuple, p: dict) -> torch.Tensor:
+    """The fp64 token-loop oracle: segments walked parents first, no level metadata."""
+    if kernel.startswith("short_conv"):
+        return naive_tree_causal_conv1d(t[0].double(), p["weight"].double(), p["bias"].double(), plan, "silu")
+    if kernel in ("gdn", "kda"):
+        return naive_tree(partial(loop_delta_rule, use_qk_l2norm_in_kernel=True), plan, t)
+    if kernel == "mamba2":
+        loop = lambda x, dt, B, C, z, h0: loop_mamba2(x, dt, p["A"], B, C, h0, D=p["D"], z=z, dt_bias=p["dt_bias"], dt_softplus=True)  # noqa: E731
+    elif kernel == "mamba1":
+        loop = lambda u, delta, B, C, z, h0: loop_selective_scan(u, delta, p["A"], B, C, h0, D=p["D"], z=z, delta_bias=p["delta_bias"], delta_softplus=True)  # noqa: E731
+    else:
+        raise KeyError(kernel)
+    return naive_tree(loop, plan, t)

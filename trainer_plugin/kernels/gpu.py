@@ -122,14 +122,15 @@ def available() -> dict[str, str | None]:
     return out
 
 
-def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
     """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.chunk_gated_delta_rule_ref``.
 
     Grouped values (fewer q/k heads than v heads) are expanded here, as HF's fallback does,
     so the head mapping does not depend on the installed fla version. Usable as the
-    ``kernel=`` of ``tree_gated_delta_rule``.
+    ``kernel=`` of ``tree_gated_delta_rule``. ``kernel``: a stand-in with the stock
+    kernel's signature (tests on CPU); default the installed one, as in every wrapper here.
     """
-    fn = load_kernel("fla.chunk_gated_delta_rule")
+    fn = kernel or load_kernel("fla.chunk_gated_delta_rule")
     if v.shape[2] != q.shape[2]:
         q = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2)
         k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
@@ -139,10 +140,10 @@ def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, out
     )
 
 
-def kda_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+def kda_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
     """fla's ``chunk_kda`` (Kimi Delta Attention): as :func:`gated_delta_rule_level` with a
     per-channel decay ``g [1, T, Hv, K]`` (log space, precomputed: no gate fused in the kernel)."""
-    fn = load_kernel("fla.chunk_kda")
+    fn = kernel or load_kernel("fla.chunk_kda")
     if v.shape[2] != q.shape[2]:
         q = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2)
         k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
@@ -187,11 +188,16 @@ def _gather_padded(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return xe[torch.where(idx < 0, x.shape[0], idx)]
 
 
+def _f32(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (fp64 stays fp64): the precision the kernels keep states in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _mamba_dt(dt, dt_bias, dt_softplus, dt_limit):
-    """mamba_ssm's dt preprocessing (bias, softplus with threshold 20, clamp), in fp32."""
-    dt = dt.float()
+    """mamba_ssm's dt preprocessing (bias, softplus with threshold 20, clamp), in >= fp32."""
+    dt = dt.to(_f32(dt.dtype))
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + dt_bias
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
     if dt_limit != (0.0, float("inf")):
@@ -199,7 +205,7 @@ def _mamba_dt(dt, dt_bias, dt_softplus, dt_limit):
     return dt
 
 
-def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0):
+def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0, kernel=None):
     """mamba_ssm's ``mamba_chunk_scan_combined`` on one tree level (module docstring).
 
     Args:
@@ -211,7 +217,7 @@ def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, d
     Returns:
         (y [1, T, H, P] in x's dtype, final state [n, H, P, N] fp32).
     """
-    fn = load_kernel("mamba_ssm.mamba_chunk_scan_combined")
+    fn = kernel or load_kernel("mamba_ssm.mamba_chunk_scan_combined")
     T, H, P = x.shape[1:]
     N = B.shape[-1]
     cu = [0, T] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
@@ -223,17 +229,17 @@ def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, d
         idx = _left_pad_index(cu, group, x.device)
         xs, dts, Bs, Cs = (_gather_padded(t, idx) for t in (x[0], dt, B[0], C[0]))
         zs = None if z is None else _gather_padded(z[0], idx)
-        h0 = None if initial_state is None else initial_state[group].float().contiguous()
+        h0 = None if initial_state is None else initial_state[group].to(_f32(x.dtype)).contiguous()
         out, fin = fn(xs, dts, A, Bs, Cs, chunk_size, D=D, z=zs, initial_states=h0, return_final_states=True)
         keep = idx >= 0
         y = y.index_put((idx[keep],), out[keep].to(y.dtype))
         for r, i in enumerate(group):
             finals[i] = fin[r]
     final = torch.stack(finals) if n else x.new_zeros(0, H, P, N, dtype=torch.float32)
-    return y[None], final.float()
+    return y[None], final.to(_f32(final.dtype))
 
 
-def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0):
+def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0, kernel=None):
     """mamba_ssm's ``selective_scan_fn`` (Mamba1) on one tree level (module docstring).
 
     Args:
@@ -244,24 +250,25 @@ def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     Returns:
         (y [1, T, Dm] in u's dtype, final state [n, Dm, N] fp32).
     """
-    fn = load_kernel("mamba_ssm.selective_scan_fn")
+    fn = kernel or load_kernel("mamba_ssm.selective_scan_fn")
     T, Dm = u.shape[1:]
     N = A.shape[-1]
     cu = [0, T] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
     n = len(cu) - 1
     delta = _mamba_dt(delta[0], delta_bias, delta_softplus, (0.0, float("inf")))
-    y = u.new_zeros(T, Dm, dtype=torch.float32)
+    f32 = _f32(u.dtype)
+    y = u.new_zeros(T, Dm, dtype=f32)
     finals = [None] * n
-    Af = A.float()
+    Af = A.to(f32)
     for group in length_buckets([cu[i + 1] - cu[i] for i in range(n)], max_pad_ratio):
         idx = _left_pad_index(cu, group, u.device)
         us, ds, Bs, Cs = (_gather_padded(t, idx).transpose(1, 2) for t in (u[0], delta, B[0], C[0]))
-        out = fn(us.to(u.dtype).contiguous(), ds.to(u.dtype).contiguous(), A, Bs.contiguous(), Cs.contiguous(), D=D).float()
-        us, ds, Bs, Cs = us.float(), ds.float(), Bs.float(), Cs.float()
+        out = fn(us.to(u.dtype).contiguous(), ds.to(u.dtype).contiguous(), A, Bs.contiguous(), Cs.contiguous(), D=D).to(f32)
+        us, ds, Bs, Cs = (t.to(f32) for t in (us, ds, Bs, Cs))
         cum = ds.cumsum(-1)  # [b, Dm, L]
         decay_in = torch.exp(Af[None, :, :, None] * cum[:, :, None, :])  # [b, Dm, N, L]
         if initial_state is not None:
-            h0 = initial_state[group].float()
+            h0 = initial_state[group].to(f32)
             out = out + torch.einsum("bdn,bnl,bdnl->bdl", h0, Cs, decay_in)
         tail = torch.exp(Af[None, :, :, None] * (cum[:, :, None, -1:] - cum[:, :, None, :]))  # [b, Dm, N, L]
         fin = torch.einsum("bdnl,bdl,bnl->bdn", tail, ds * us, Bs)
@@ -272,12 +279,12 @@ def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
         for r, i in enumerate(group):
             finals[i] = fin[r]
     if z is not None:
-        y = y * F.silu(z[0].float())
-    final = torch.stack(finals) if n else u.new_zeros(0, Dm, N, dtype=torch.float32)
+        y = y * F.silu(z[0].to(f32))
+    final = torch.stack(finals) if n else u.new_zeros(0, Dm, N, dtype=f32)
     return y.to(u.dtype)[None], final
 
 
-def short_conv_level(x, weight, bias, context, cu_seqlens, activation=None, backend="auto"):
+def short_conv_level(x, weight, bias, context, cu_seqlens, activation=None, backend="auto", kernel=None):
     """A depthwise causal conv of width W over varlen segments with given left context.
 
     Args:
@@ -286,6 +293,7 @@ def short_conv_level(x, weight, bias, context, cu_seqlens, activation=None, back
             where the chain starts). cu_seqlens: [n+1].
         activation: None, ``silu`` or ``swish``.
         backend: ``causal_conv1d`` (CUDA), ``fla`` (Triton) or ``auto`` (the first that imports).
+        kernel: a stand-in with the chosen backend's stock signature (default: installed).
 
     Returns:
         [T, Dc] in x's dtype.
@@ -306,11 +314,11 @@ def short_conv_level(x, weight, bias, context, cu_seqlens, activation=None, back
     if backend == "auto":
         backend = "causal_conv1d" if _imports("causal_conv1d.causal_conv1d_fn") else "fla"
     if backend == "causal_conv1d":
-        fn = load_kernel("causal_conv1d.causal_conv1d_fn")
+        fn = kernel or load_kernel("causal_conv1d.causal_conv1d_fn")
         seq_idx = torch.repeat_interleave(torch.arange(n, device=x.device, dtype=torch.int32), ext_lens)[None]
         y = fn(xe.T[None], weight, bias, seq_idx=seq_idx, activation=activation)[0].T  # channel-last layout
     elif backend == "fla":
-        fn = load_kernel("fla.causal_conv1d")
+        fn = kernel or load_kernel("fla.causal_conv1d")
         y, _ = fn(xe[None], weight, bias, activation=activation, cu_seqlens=ext_cu)
         y = y[0]
     else:
@@ -355,12 +363,13 @@ def scan_tree(level_fn: Callable, schedule, tensors: tuple[torch.Tensor, ...], *
     return out.index_put((torch.cat(idx),), torch.cat(outs))
 
 
-def tree_short_conv(x, weight, bias, schedule, activation=None, backend="auto") -> torch.Tensor:
+def tree_short_conv(x, weight, bias, schedule, activation=None, backend="auto", kernel=None) -> torch.Tensor:
     """The tree causal conv (``tree_causal_conv1d``'s contract) through :func:`short_conv_level`.
 
     Args:
         x: [N, Dc] flat row inputs. weight: [Dc, W]. bias: [Dc] or None.
         schedule: a ``GdnSchedule`` whose ``conv_window`` gives each token's W inputs.
+        backend, kernel: as :func:`short_conv_level`.
 
     Returns:
         [N, Dc]; padding positions see only themselves, as a one-token sequence.
@@ -373,7 +382,7 @@ def tree_short_conv(x, weight, bias, schedule, activation=None, backend="auto") 
     first = tok[cu[:-1]]
     xe = torch.cat([x, x.new_zeros(1, x.shape[1])])
     context = xe[schedule.conv_window[first, : W - 1]]  # [n, W-1, Dc]; index N = zeros
-    y = short_conv_level(x[tok], weight, bias, context, cu, activation=activation, backend=backend)
+    y = short_conv_level(x[tok], weight, bias, context, cu, activation=activation, backend=backend, kernel=kernel)
     pad = schedule.pad_idx
     yp = x[pad].to(weight.dtype) * weight[:, -1] + (0 if bias is None else bias)
     if activation in ("silu", "swish"):
