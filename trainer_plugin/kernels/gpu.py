@@ -34,7 +34,10 @@ Kernels and what their stock API lacks (the wrappers make up for it exactly):
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
+import sys
+import types
 from typing import Callable
 
 import torch
@@ -93,12 +96,9 @@ def _bare_package(top: str) -> None:
     with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` (no nvcc, or no time to compile) the package has
     only its Python and Triton code, and that import fails although the Triton SSD
     kernels (``mamba_ssm.ops.triton.*``) need nothing compiled. A failed import leaves
-    no entry in ``sys.modules``, so the bare package takes its place.
+    no entry in ``sys.modules``, so the bare package takes its place (and stays: a later
+    ``import mamba_ssm`` in this process gets it too).
     """
-    import importlib.util
-    import sys
-    import types
-
     if top in sys.modules:
         return
     spec = importlib.util.find_spec(top)
