@@ -17,7 +17,7 @@ from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.messages import PlanMessage
-from treepack.service.plan_wire import plan_to_wire
+from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
 
@@ -101,6 +101,17 @@ def test_obtain_plan_with_the_client_packer():
     kw = dict(seq_len=64, min_shared_len=6, trainable=c["trainable"], groups=c["groups"], num_ranks=2)
     got = obtain_plan(c["sequences"], planner=Packer(), **kw)
     _same(plan_batch(c["sequences"], **kw), got)
+
+
+def test_obtain_plan_through_a_sidecar_url():
+    """A URL plans through treepack.client's HTTP backend: the same plan as the embedded default."""
+    from helpers.service import running_server
+
+    c = mixed_batch()
+    kw = dict(seq_len=64, min_shared_len=6, trainable=c["trainable"], groups=c["groups"], num_ranks=2)
+    with running_server() as (url, _):
+        got = obtain_plan(c["sequences"], planner=url, **kw)
+    _same(obtain_plan(c["sequences"], **kw), got)
 
 
 def _free_port() -> int:

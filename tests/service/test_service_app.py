@@ -13,7 +13,7 @@ from helpers.service import assert_same_plan, pack_body, plan_kwargs, small_batc
 from treepack.client import AsyncPacker
 from treepack.proto.errors import OverloadedError
 from treepack.service import Settings, create_app
-from treepack.service.plan_wire import plan_from_wire
+from treepack.proto.plan_wire import plan_from_wire
 from treepack.service.planner import plan_batch
 
 
@@ -31,13 +31,13 @@ def _client(app):
 @pytest.mark.parametrize(
     "ctype,accept,want",
     [
-        ("application/msgpack", None, "application/msgpack"),
-        (None, None, "application/msgpack"),
-        ("application/json", None, "application/json"),
-        ("application/msgpack", "application/json", "application/json"),
-        ("application/json", "application/x-msgpack", "application/msgpack"),
-        ("application/vnd.msgpack", "*/*", "application/msgpack"),
-        ("application/json; charset=utf-8", "text/html, application/msgpack;q=0.4", "application/msgpack"),
+        pytest.param("application/msgpack", None, "application/msgpack", id="msgpack, no Accept"),
+        pytest.param(None, None, "application/msgpack", id="no headers: msgpack"),
+        pytest.param("application/json", None, "application/json", id="json, no Accept"),
+        pytest.param("application/msgpack", "application/json", "application/json", id="msgpack in, json out"),
+        pytest.param("application/json", "application/x-msgpack", "application/msgpack", id="json in, x-msgpack out"),
+        pytest.param("application/vnd.msgpack", "*/*", "application/msgpack", id="vnd.msgpack, any Accept"),
+        pytest.param("application/json; charset=utf-8", "text/html, application/msgpack;q=0.4", "application/msgpack", id="charset, Accept list"),
     ],
 )
 async def test_content_negotiation(app, ctype, accept, want):

@@ -1,0 +1,200 @@
+"""Plans on the wire: :class:`~treepack.proto.plan.Plan` <-> ``PlanMessage`` (response side).
+
+Shared by the service (encode) and the HTTP client (decode); no FastAPI here. Every plan
+array travels as a typed array object (:mod:`treepack.proto.buffers`) whose dtype and
+rank are fixed by :data:`ARRAYS`; the decoder checks them, so a decoded plan has exactly
+the embedded plan's dtypes and shapes. The plan travels whole: its options, per-sequence
+first trainable index, trainable flags (when given as flags) and group codes included.
+
+:func:`plan_differences` compares two plans field by field and array by array (dtype
+included); the backends are tested to agree with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from treepack.proto.buffers import Format, array_from_wire, array_to_wire
+from treepack.proto.errors import RequestError
+from treepack.proto.messages import PlanMessage
+from treepack.proto.options import PlanOptions
+from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
+
+__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "plan_differences"]
+
+_I8, _I4, _F8 = "<i8", "<i4", "<f8"
+
+# (message section, field) -> (dtype, ndim). Section "" is the plan itself.
+ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
+    **{("", f): (_I8, 1) for f in ("seq_lens", "orig_lens", "row_of", "first_trainable", "group_codes")},
+    **{("segments", f): (_I8, 1) for f in Segments.__dataclass_fields__},
+    **{("attention", f): (_I8, 1) for f in AttentionMeta.__dataclass_fields__},
+    ("gdn.levels", "segs"): (_I8, 1),
+    ("gdn.levels", "cu_seqlens"): (_I4, 1),
+    ("gdn.levels", "parent"): (_I8, 1),
+    ("gdn.levels", "parent_slot"): (_I8, 1),
+    ("gdn.levels", "conv_context"): (_I8, 2),
+    ("ranks", "rank_rows"): (_I8, 2),
+    ("ranks", "row_cost"): (_F8, 1),
+    ("ranks", "rank_cost"): (_F8, 1),
+}
+_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f != "timings_ms")
+
+
+_SECTIONS: dict[str, tuple[tuple[str, str, int], ...]] = {
+    sec: tuple((f, dt, nd) for (s, f), (dt, nd) in ARRAYS.items() if s == sec) for sec in dict.fromkeys(s for s, _ in ARRAYS)
+}
+
+
+def _section(obj: Any, section: str, fmt: Format) -> dict[str, Any]:
+    return {f: array_to_wire(getattr(obj, f), dt, fmt) for f, dt, _ in _SECTIONS[section]}
+
+
+def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
+    """The ``PlanMessage`` dict of a plan (byte views for msgpack, lists for JSON)."""
+    st = plan.stats
+    return {
+        "version": 1,
+        "seq_len": plan.seq_len,
+        "num_rows": plan.num_rows,
+        "placement": plan.placement,
+        "strategy": plan.strategy,
+        "min_shared_len": plan.min_shared_len,
+        "share_trainable": plan.share_trainable,
+        "on_overflow": plan.options.on_overflow,
+        **_section(plan, "", fmt),
+        "trainable": None if plan.trainable is None else array_to_wire(plan.trainable.view(np.uint8), "|u1", fmt),
+        "segments": _section(plan.segments, "segments", fmt),
+        "attention": _section(plan.attention, "attention", fmt),
+        "gdn": {
+            "conv_width": plan.gdn.conv_width,
+            "levels": [{"depth": lv.depth, **_section(lv, "gdn.levels", fmt)} for lv in plan.gdn.levels],
+        },
+        "ranks": {"num_ranks": plan.ranks.num_ranks, **_section(plan.ranks, "ranks", fmt)},
+        "stats": {
+            **{f: getattr(st, f) for f in _STATS},
+            "saved_fraction": float(st.saved_fraction),
+            "timings_ms": {k: float(v) for k, v in st.timings_ms.items()},
+        },
+        "overflow": [{"index": e.index, "length": e.length, "action": e.action} for e in plan.overflow],
+    }
+
+
+def _arrays(msg: Any, section: str, path: str) -> dict[str, np.ndarray]:
+    # The validated ArrayMessages are read as they are (dumping each to a dict cost more
+    # than decoding it).
+    prefix = path or "$"
+    return {f: array_from_wire(getattr(msg, f), dtype=dt, ndim=nd, path=f"{prefix}.{f}") for f, dt, nd in _SECTIONS[section]}
+
+
+def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
+    """Rebuild a :class:`Plan` from its message.
+
+    Raises:
+        RequestError: an array of the wrong dtype, rank or size (the path names it).
+    """
+    if not isinstance(msg, PlanMessage):
+        from treepack.proto.codec import parse_message  # msgpack is only needed here
+
+        msg = parse_message(PlanMessage, msg)
+    seg = Segments(**_arrays(msg.segments, "segments", "$.segments"))
+    att = AttentionMeta(**_arrays(msg.attention, "attention", "$.attention"))
+    levels = []
+    for d, lv in enumerate(msg.gdn.levels):
+        arrs = _arrays(lv, "gdn.levels", f"$.gdn.levels[{d}]")
+        levels.append(GdnLevel(depth=lv.depth, **arrs))
+    if any(lv.conv_context.shape[1:] != (max(msg.gdn.conv_width - 1, 0),) for lv in levels):
+        raise RequestError("conv_context must have conv_width - 1 columns", path="$.gdn.levels", rule="shape")
+    ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
+    st = msg.stats
+    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms))
+    options = PlanOptions(
+        seq_len=msg.seq_len,
+        min_shared_len=msg.min_shared_len,
+        placement=msg.placement,
+        num_ranks=msg.ranks.num_ranks,
+        conv_width=msg.gdn.conv_width,
+        share_trainable=msg.share_trainable,
+        on_overflow=msg.on_overflow,
+    )
+    top = _arrays(msg, "", "")
+    return Plan(
+        options=options,
+        num_rows=msg.num_rows,
+        strategy=msg.strategy,
+        **top,
+        trainable=_flags(msg.trainable, int(top["seq_lens"].sum())),
+        segments=seg,
+        attention=att,
+        gdn=GdnMeta(conv_width=msg.gdn.conv_width, levels=tuple(levels)),
+        ranks=ranks,
+        stats=stats,
+        overflow=tuple(OverflowEvent(index=e.index, length=e.length, action=e.action) for e in msg.overflow),
+    )
+
+
+def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:
+    if obj is None:
+        return None
+    flags = array_from_wire(obj, dtype="|u1", ndim=1, path="$.trainable")
+    if flags.shape[0] != num_tokens:
+        raise RequestError(f"trainable has {flags.shape[0]} flags for {num_tokens} placed tokens", path="$.trainable", rule="length_mismatch")
+    if flags.size and flags.max() > 1:
+        raise RequestError("trainable flags must be 0 or 1", path="$.trainable", rule="flag")
+    return flags.view(np.bool_)
+
+
+def _diff_array(name: str, a: np.ndarray, b: np.ndarray, out: list[str]) -> None:
+    if a.dtype != b.dtype and (a.size or b.size):
+        out.append(f"{name}: dtype {a.dtype} != {b.dtype}")
+    elif a.shape != b.shape:
+        out.append(f"{name}: shape {a.shape} != {b.shape}")
+    elif not np.array_equal(a, b):
+        i = tuple(int(x) for x in np.argwhere(a != b)[0])
+        out.append(f"{name}: differs first at {list(i)} ({a[i]} != {b[i]})")
+
+
+def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
+    """Every difference between two plans, one line each; ``[]`` when they are equal.
+
+    Compares scalars, every array (dtype, shape, values; the dtype of an empty array is
+    not compared: numpy gives some empty results a default dtype), GDN levels, ranks,
+    stats, overflow events, options and trainable flags. The stats' phase timings are
+    ignored unless ``timings`` is True.
+    """
+    out: list[str] = []
+    if a.options != b.options:
+        out.append(f"options: {a.options!r} != {b.options!r}")
+    for f in ("num_rows", "strategy"):
+        if getattr(a, f) != getattr(b, f):
+            out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
+    if (a.trainable is None) != (b.trainable is None):
+        out.append(f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}")
+    elif a.trainable is not None and b.trainable is not None:
+        _diff_array("trainable", a.trainable, b.trainable, out)
+    sources = {"": (a, b), "segments": (a.segments, b.segments), "attention": (a.attention, b.attention), "ranks": (a.ranks, b.ranks)}
+    for (sec, f), _ in ARRAYS.items():
+        if sec in sources:
+            x, y = sources[sec]
+            _diff_array(f"{sec + '.' if sec else ''}{f}", getattr(x, f), getattr(y, f), out)
+    if a.gdn.conv_width != b.gdn.conv_width:
+        out.append(f"gdn.conv_width: {a.gdn.conv_width} != {b.gdn.conv_width}")
+    if len(a.gdn.levels) != len(b.gdn.levels):
+        out.append(f"gdn.levels: {len(a.gdn.levels)} != {len(b.gdn.levels)} levels")
+    else:
+        for d, (la, lb) in enumerate(zip(a.gdn.levels, b.gdn.levels)):
+            if la.depth != lb.depth:
+                out.append(f"gdn.levels[{d}].depth: {la.depth} != {lb.depth}")
+            for (sec, f), _ in ARRAYS.items():
+                if sec == "gdn.levels":
+                    _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
+    if a.ranks.num_ranks != b.ranks.num_ranks:
+        out.append(f"ranks.num_ranks: {a.ranks.num_ranks} != {b.ranks.num_ranks}")
+    for f in _STATS + (("timings_ms",) if timings else ()):
+        if getattr(a.stats, f) != getattr(b.stats, f):
+            out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")
+    if tuple(a.overflow) != tuple(b.overflow):
+        out.append(f"overflow: {a.overflow!r} != {b.overflow!r}")
+    return out

@@ -1,0 +1,259 @@
+"""The packed batch: a plan's rows as tensors, plus the index maps back to the sequences.
+
+Built by :func:`treepack.trainer.data.materialize`. Shapes: K rows (the materialized rows, a
+rank's share or all), L = ``plan.seq_len``, S sequences of the plan, T scored entries
+(one per sequence and per position whose next token is trainable; in the default sharing
+mode every scored position belongs to exactly one sequence, so T = ``loss_mask.sum()``).
+
+Flat row positions are ``local_row * L + index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from treepack.proto.errors import RequestError
+from treepack.proto.index import local_row_index, row_segments
+from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import scatter_filled
+from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
+
+__all__ = ["PackedBatch"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackedBatch:
+    """Packed rows of a plan and the maps between rows and sequences.
+
+    Attributes:
+        plan: the plan.
+        rows: [K] int64 global row of each local row, -1 for an empty padding row.
+        input_ids: [K, L] int64 token ids (``pad_id`` at padding).
+        position_ids: [K, L] int64 position of each token in its own sequence (0 at padding).
+        subtree_end: [K, L] int64 mask contract: query i sees key j iff
+            ``j <= i < subtree_end[j]`` (``i + 1`` at padding).
+        targets: [K, L] int64 the next token of the sequence owning each scored position,
+            -1 elsewhere.
+        loss_mask: [K, L] bool scored positions.
+        owner: [K, L] int64 a sequence scored at each position (the only one in the
+            default mode), -1 elsewhere.
+        payloads: packed payloads by name, [K, L, ...] (NaN / -1 / False where unwritten).
+        entry_payloads: target-aligned payloads per scored entry by name, [T, ...].
+        local_seqs: [S_local] int64 (numpy) sequences held by these rows, ascending.
+        seq_ptr: [S_local + 1] int64 (numpy) CSR of their tokens in ``seq_flat``.
+        seq_flat: [sum len] int64 flat row position of every local sequence's tokens, in order.
+        score_seq: [T] int64 sequence of each scored entry.
+        score_pos: [T] int64 index of the token predicted (the entry sits at the row
+            position of token ``score_pos - 1``).
+        score_flat: [T] int64 flat row position of each entry.
+        score_target: [T] int64 the token predicted.
+        score_counts: [S] int64 scored entries of every sequence of the plan (all ranks).
+        groups: [S] int64 dense group code of every sequence.
+        device: where the tensors live.
+    """
+
+    plan: Plan
+    rows: np.ndarray
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    owner: torch.Tensor
+    payloads: dict[str, torch.Tensor]
+    entry_payloads: dict[str, torch.Tensor]
+    local_seqs: np.ndarray
+    seq_ptr: np.ndarray
+    seq_flat: torch.Tensor
+    score_seq: torch.Tensor
+    score_pos: torch.Tensor
+    score_flat: torch.Tensor
+    score_target: torch.Tensor
+    score_counts: torch.Tensor
+    groups: torch.Tensor
+    device: torch.device
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_rows(self) -> int:
+        """K, the rows of this batch (empty padding rows included)."""
+        return int(self.rows.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        """L, the row length."""
+        return self.plan.seq_len
+
+    @property
+    def empty_rows(self) -> np.ndarray:
+        """[K] bool rows that hold nothing (a rank's padding rows)."""
+        return self.rows < 0
+
+    @property
+    def num_scored(self) -> int:
+        """T, the scored entries of this batch."""
+        return int(self.score_seq.shape[0])
+
+    def local_row_of(self, s: int) -> int:
+        """Local row holding sequence s.
+
+        Raises:
+            RequestError: if s is out of range, dropped, or held by rows not in this batch.
+        """
+        S = self.plan.num_sequences
+        if not 0 <= s < S:
+            raise RequestError(f"sequence index {s} is out of range [0, {S})", path="$.s", rule="range")
+        r = int(self.plan.row_of[s])
+        hit = np.flatnonzero(self.rows == r) if r >= 0 else np.zeros(0)
+        if hit.shape[0] == 0:
+            why = "was dropped (on_overflow='drop')" if r < 0 else f"is in row {r}, not materialized in this batch"
+            raise RequestError(f"sequence {s} {why}", path="$.s", rule="not_local")
+        return int(hit[0])
+
+    def locate(self, s: int) -> tuple[int, torch.Tensor]:
+        """(local row, [len(s)] int64 row indices of sequence s's tokens, in order).
+
+        ``input_ids[row, idx]`` is sequence s and ``position_ids[row, idx]`` is 0..n-1.
+        """
+        row = self.local_row_of(s)
+        k = int(np.searchsorted(self.local_seqs, s))
+        flat = self.seq_flat[int(self.seq_ptr[k]) : int(self.seq_ptr[k + 1])]
+        return row, flat - row * self.seq_len
+
+    @property
+    def local_of_row(self) -> np.ndarray:
+        """[R] int64 local row of each global row of the plan, -1 if not in this batch."""
+        if "local_of_row" not in self._cache:
+            self._cache["local_of_row"] = local_row_index(self.rows, self.plan.num_rows)
+        return self._cache["local_of_row"]
+
+    def local_segments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(global segment ids [G_local], their local rows [G_local]) in row order."""
+        if "local_segments" not in self._cache:
+            self._cache["local_segments"] = row_segments(self.plan.segments.row_ptr, self.rows)
+        return self._cache["local_segments"]
+
+    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
+        key = ("dense", sliding_window)
+        if key not in self._cache:
+            self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window)
+        return self._cache[key]
+
+    def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any:
+        """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
+        key = ("block", block_size, sliding_window)
+        if key not in self._cache:
+            self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window)
+        return self._cache[key]
+
+    def varlen_meta(self) -> VarlenMeta:
+        """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.kernels.masks.varlen_meta`."""
+        if "varlen" not in self._cache:
+            self._cache["varlen"] = varlen_meta(self.plan, self.rows, self.device)
+        return self._cache["varlen"]
+
+    def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
+        K, L = self.num_rows, self.seq_len
+        if not isinstance(x, torch.Tensor) or x.ndim < 2 or tuple(x.shape[:2]) != (K, L):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise RequestError(f"{what} must have shape [{K}, {L}, ...] (rows, seq_len), got {shape}", path=f"$.{what}", rule="shape")
+
+    def target_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[K, L] log-probability of ``targets`` at every scored position, 0 elsewhere.
+
+        Args:
+            logits: [K, L, V] model outputs on the packed rows (any float dtype; the
+                log-softmax runs in float32 or wider, on the scored positions only).
+        """
+        self._check_rows_tensor(logits, "logits")
+        if logits.ndim != 3:
+            raise RequestError(f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape")
+        K, L, V = logits.shape
+        pos = self._loss_positions(V, "logits")
+        lp = _target_logprobs(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos])
+        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+
+    def target_logprobs_from_hidden(self, hidden: torch.Tensor, head: Any, *, chunk_size: int = 4096) -> torch.Tensor:
+        """:meth:`target_logprobs` from final hidden states, never holding [K, L, V] logits.
+
+        The head runs on the scored positions only, ``chunk_size`` at a time, each chunk
+        under activation checkpointing, so at most one chunk's logits exist at once
+        (forward or backward). For heads that are a plain projection (``lm_head``);
+        models that post-process logits (final soft-capping, scaling) need that applied
+        inside ``head``.
+
+        Args:
+            hidden: [K, L, d] final hidden states (``packed_forward(..., output="hidden")``).
+            head: callable [n, d] -> [n, V], e.g. ``model.lm_head``.
+            chunk_size: positions per chunk.
+
+        Returns:
+            [K, L] log-probabilities, 0 off the loss mask.
+        """
+        from torch.utils.checkpoint import checkpoint
+
+        self._check_rows_tensor(hidden, "hidden")
+        K, L, d = hidden.shape
+        pos = self._loss_positions(None, "hidden")
+        flat = hidden.reshape(K * L, d)
+        tgt = self.targets.reshape(-1)
+        parts = []
+        for a in range(0, int(pos.shape[0]), chunk_size):
+            p = pos[a : a + chunk_size]
+            fn = lambda h, t: _target_logprobs(head(h), t)  # noqa: E731
+            parts.append(checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p]))
+        lp = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+
+    def _loss_positions(self, vocab: int | None, what: str) -> torch.Tensor:
+        """[U] flat scored positions (cached); checks ``vocab`` covers every target."""
+        if "loss_positions" not in self._cache:
+            self._cache["loss_positions"] = torch.nonzero(self.loss_mask.reshape(-1)).flatten()
+            self._cache["max_target"] = int(self.targets.max()) if self.targets.numel() else -1
+        if vocab is not None and vocab <= self._cache["max_target"]:
+            raise RequestError(f"{what} have {vocab} vocabulary entries, but target token {self._cache['max_target']} needs more", path=f"$.{what}", rule="shape")
+        return self._cache["loss_positions"]
+
+    def entry_logprobs(self, x: torch.Tensor) -> torch.Tensor:
+        """[T] log-probability of each scored entry's target.
+
+        Args:
+            x: [K, L, V] logits, or [K, L] per-position log-probabilities from
+                :meth:`target_logprobs`.
+        """
+        lp = x if isinstance(x, torch.Tensor) and x.ndim == 2 else self.target_logprobs(x)
+        self._check_rows_tensor(lp, "logprobs")
+        return lp.reshape(-1)[self.score_flat]
+
+    def unpack_logprobs(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per-sequence token log-probabilities, as if each sequence ran alone.
+
+        Args:
+            x: [K, L, V] logits of the packed rows, or [K, L] from :meth:`target_logprobs`.
+
+        Returns:
+            S entries: for a sequence of these rows a [len(s)] tensor holding the
+            log-probability of token i for every trainable i >= 1 and NaN elsewhere;
+            None for a sequence not materialized here (dropped, or on another rank).
+        """
+        lp = self.entry_logprobs(x)
+        total = int(self.seq_ptr[-1])
+        slot = torch.from_numpy(np.searchsorted(self.local_seqs, self.score_seq.cpu().numpy())).to(lp.device)
+        ptr = torch.from_numpy(self.seq_ptr).to(lp.device)
+        cat = scatter_filled(lp, ptr[slot] + self.score_pos, total)
+        parts = torch.split(cat, np.diff(self.seq_ptr).tolist())
+        out: list[torch.Tensor | None] = [None] * self.plan.num_sequences
+        for s, p in zip(self.local_seqs.tolist(), parts):
+            out[s] = p
+        return out
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[n] log-softmax of [n, V] ``logits`` at ``targets`` (half precision lifted to float32)."""
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return x.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)

@@ -1,0 +1,316 @@
+"""The tree mask in the three forms attention kernels take (SPEC 3 and 7).
+
+Mask contract: query i may attend key j iff ``j <= i and i < subtree_end[j]``; padding
+attends only itself. With a sliding window w (HF semantics) additionally
+``position_ids[i] - position_ids[j] < w``.
+
+- :func:`dense_mask`: [K, 1, L, L] bool, the reference (SDPA on CPU).
+- :func:`block_mask`: a FlexAttention ``BlockMask`` built from per-block minima and maxima
+  of ``subtree_end``, never from a dense L x L mask (see its docstring for the argument).
+- :func:`varlen_meta`: per segment, its queries and the gathered keys of its ancestor chain,
+  for FlashAttention's varlen kernel with bottom-right causal alignment.
+
+Each has a slow reference beside it (``naive_*``) that tests compare against. All are built
+from arrays (``subtree_end``, ``position_ids``, the plan's segment table and ancestor
+chains), never from the packed batch; :class:`~treepack.trainer.data.PackedBatch` calls
+them and caches the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, row_segments, segment_tokens
+from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import index_tensor
+
+__all__ = [
+    "dense_mask",
+    "naive_dense_mask",
+    "block_mask",
+    "naive_block_mask",
+    "tree_mask_mod",
+    "VarlenMeta",
+    "varlen_meta",
+    "naive_varlen_meta",
+]
+
+
+def dense_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """[K, 1, L, L] bool tree mask from the interval contract (vectorized).
+
+    Args:
+        subtree_end: [K, L] int64 the rows' subtree ends.
+        position_ids: [K, L] int64, needed with a sliding window.
+        sliding_window: optional window w: keys at most w-1 positions back.
+    """
+    L = subtree_end.shape[1]
+    idx = torch.arange(L, device=subtree_end.device)
+    m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
+    if sliding_window is not None:
+        m &= (position_ids[:, :, None] - position_ids[:, None, :]) < sliding_window
+    return m[:, None]
+
+
+def _naive_row_mask(plan: Plan, r: int, L: int) -> np.ndarray:
+    """[L, L] bool mask of global row r from the ancestor relation, padding seeing itself."""
+    seg = plan.segments
+    m = np.zeros((L, L), dtype=bool)
+    n = 0 if r < 0 else int(seg.row_len[r])
+    for g in range(0 if r < 0 else int(seg.row_ptr[r]), 0 if r < 0 else int(seg.row_ptr[r + 1])):
+        a, k = int(seg.row_start[g]), int(seg.length[g])
+        for i in range(k):
+            m[a + i, a : a + i + 1] = True
+        p = int(seg.parent[g])
+        while p >= 0:
+            m[a : a + k, int(seg.row_start[p]) : int(seg.row_start[p] + seg.length[p])] = True
+            p = int(seg.parent[p])
+    for i in range(n, L):
+        m[i, i] = True
+    return m
+
+
+def naive_dense_mask(
+    plan: Plan,
+    rows: np.ndarray,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    device: Any = None,
+) -> torch.Tensor:
+    """Reference for :func:`dense_mask`: the ancestor relation of the segment table, row by row.
+
+    Uses no interval arithmetic: each token sees its segment's earlier tokens and every
+    token of its ancestor segments (walking parent pointers); padding and empty rows
+    (``rows == -1``) see only themselves.
+
+    Args:
+        plan: the plan. rows: [K] its global rows, -1 for an empty row.
+        position_ids, sliding_window: as :func:`dense_mask`.
+        device: where the mask goes.
+    """
+    L = plan.seq_len
+    out = np.stack([_naive_row_mask(plan, int(r), L) for r in rows]) if len(rows) else np.zeros((0, L, L), bool)
+    if sliding_window is not None:
+        pos = position_ids.cpu().numpy()
+        for k in range(out.shape[0]):
+            for i in range(L):
+                for j in range(L):
+                    if pos[k, i] - pos[k, j] >= sliding_window:
+                        out[k, i, j] = False
+    return torch.from_numpy(out)[:, None].to(device)
+
+
+def tree_mask_mod(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> Any:
+    """FlexAttention ``mask_mod`` of the contract, reading ``subtree_end`` (and positions).
+
+    Args:
+        subtree_end: [K, Lp] int64, Lp >= L; entries past L must be 0 (nothing visible).
+        position_ids: [K, Lp] int64, needed with a sliding window.
+        sliding_window: optional window w.
+    """
+    if sliding_window is None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+
+    else:
+        w = int(sliding_window)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            near = (position_ids[b, q_idx] - position_ids[b, kv_idx]) < w
+            return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx]) & near
+
+    return mask_mod
+
+
+def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    out = torch.full((x.shape[0], length), fill, dtype=x.dtype, device=x.device)
+    out[:, : x.shape[1]] = x
+    return out
+
+
+def _block_lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[K, nq, nk] bool -> (num [K, 1, nq] int32, indices [K, 1, nq, nk] int32, true blocks first in order)."""
+    num = m.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None], idx[:, None]
+
+
+def block_mask(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    block_size: int = 128,
+    sliding_window: int | None = None,
+) -> Any:
+    """FlexAttention ``BlockMask`` of the tree mask, O(L + (L / block)^2) work per row.
+
+    A key block [k0, k1) lets query i through iff some key j of it has
+    ``j <= i < subtree_end[j]``. Every interval ``[j, subtree_end[j])`` contains j, and the
+    j cover [k0, k1) without gaps, so their union is exactly ``[k0, max_j subtree_end[j])``:
+    a query block [q0, q1) is touched iff ``k0 < q1`` and ``max subtree_end > q0``. It is
+    full (every pair allowed, no mask_mod needed) iff ``k1 - 1 <= q0`` and
+    ``min subtree_end >= q1`` (and neither block reaches past L). With a sliding window
+    no block is marked full (``mask_mod`` then checks the window in every touched block).
+
+    Args:
+        subtree_end: [K, L] int64 the rows' subtree ends.
+        position_ids: [K, L] int64, needed with a sliding window.
+        block_size: FlexAttention's sparse block size (both axes).
+        sliding_window: optional window w.
+
+    Returns:
+        ``torch.nn.attention.flex_attention.BlockMask`` for [K, 1, L, L].
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    K, L = subtree_end.shape
+    nb = -(-L // block_size)
+    Lp = nb * block_size
+    dev = subtree_end.device
+    se = _padded(subtree_end, Lp, 0)
+    blocks_max = se.view(K, nb, block_size).amax(-1)
+    blocks_min = _padded(subtree_end, Lp, Lp + 1).view(K, nb, block_size).amin(-1)
+    start = torch.arange(nb, device=dev) * block_size
+    end = torch.clamp(start + block_size, max=L)
+    q0, q1 = start[None, :, None], end[None, :, None]
+    k0, k1 = start[None, None, :], end[None, None, :]
+    touched = (k0 < q1) & (blocks_max[:, None, :] > q0)
+    full = (k1 - 1 <= q0) & (blocks_min[:, None, :] >= q1)
+    # A block reaching past L is never full: out-of-range pairs then go through mask_mod
+    # (which sees subtree_end 0 there) instead of relying on the kernel's bounds checks.
+    whole = start + block_size <= L
+    full &= whole[None, :, None] & whole[None, None, :]
+    if sliding_window is not None:
+        full = torch.zeros_like(full)
+    partial = touched & ~full
+    kv_num, kv_idx = _block_lists(partial)
+    full_num, full_idx = _block_lists(full)
+    pos = _padded(position_ids, Lp, 0) if sliding_window is not None else None
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=tree_mask_mod(se, pos, sliding_window),
+        seq_lengths=(L, L),
+    )
+
+
+def naive_block_mask(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    block_size: int = 128,
+    sliding_window: int | None = None,
+) -> Any:
+    """Reference for :func:`block_mask` (same arguments): FlexAttention's own
+    ``create_block_mask``, which evaluates ``mask_mod`` on every (query, key) pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    K, L = subtree_end.shape
+    nb = -(-L // block_size)
+    se = _padded(subtree_end, nb * block_size, 0)
+    pos = _padded(position_ids, nb * block_size, 0) if position_ids is not None else None
+    mod = tree_mask_mod(se, pos, sliding_window)
+    return create_block_mask(mod, K, None, L, L, device=subtree_end.device, BLOCK_SIZE=block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VarlenMeta:
+    """Varlen attention over gathered ancestor keys: one varlen sequence per segment.
+
+    Flat positions index the rows flattened to [K * L]. Segment g's queries are its own
+    tokens; its keys are the tokens of its ancestor chain, root first, then its own: the
+    positions 0 .. seq_start + length - 1 of its sequence, so causal attention aligned
+    bottom-right (FlashAttention >= 2.1 when seqlen_q != seqlen_k) is exactly the tree mask.
+
+    Attributes:
+        segments: [G] int64 global segment ids, in row order.
+        q_index: [Tq] int64 flat positions of the queries (all non-padding tokens).
+        k_index: [Tk] int64 flat positions of the gathered keys.
+        cu_seqlens_q: [G+1] int32 from 0.
+        cu_seqlens_k: [G+1] int32 from 0.
+        max_seqlen_q: longest segment.
+        max_seqlen_k: longest chain.
+        pad_index: [P] int64 flat positions of padding (they attend only themselves).
+    """
+
+    segments: np.ndarray
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    pad_index: torch.Tensor
+
+
+def _meta(size: int, device: Any, segs: np.ndarray, q: np.ndarray, k: np.ndarray, qlen: np.ndarray, klen: np.ndarray) -> VarlenMeta:
+    used = np.zeros(size, dtype=bool)
+    used[q] = True
+    cu_q = np.zeros(segs.shape[0] + 1, dtype=np.int32)
+    cu_k = np.zeros(segs.shape[0] + 1, dtype=np.int32)
+    np.cumsum(qlen, out=cu_q[1:])
+    np.cumsum(klen, out=cu_k[1:])
+    return VarlenMeta(
+        segments=segs,
+        q_index=index_tensor(q, device),
+        k_index=index_tensor(k, device),
+        cu_seqlens_q=index_tensor(cu_q, device, torch.int32),
+        cu_seqlens_k=index_tensor(cu_k, device, torch.int32),
+        max_seqlen_q=int(qlen.max(initial=0)),
+        max_seqlen_k=int(klen.max(initial=0)),
+        pad_index=index_tensor(np.flatnonzero(~used), device),
+    )
+
+
+def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
+    """:class:`VarlenMeta` from the plan's ancestor chains (vectorized, no per-token loop).
+
+    Args:
+        plan: the plan (segment table and ``attention`` ancestor chains).
+        rows: [K] int64 the global rows stacked locally, -1 for an empty row.
+        device: where the index tensors go.
+    """
+    seg, att = plan.segments, plan.attention
+    L = plan.seq_len
+    segs, _ = row_segments(seg.row_ptr, rows)
+    local_of_row = local_row_index(rows, plan.num_rows)
+    qlen = seg.length[segs]
+    q = localize_flat(segment_tokens(seg, L, segs), local_of_row, L)
+    chain = csr_gather(att.anc_ptr, att.anc_segs, segs)
+    k = localize_flat(segment_tokens(seg, L, chain), local_of_row, L)
+    klen = att.key_lens[segs]
+    assert int(klen.sum()) == k.shape[0], "ancestor chains do not add up to key_lens"
+    return _meta(len(rows) * L, device, segs, q, k, qlen, klen)
+
+
+def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
+    """Reference for :func:`varlen_meta` (same arguments): walks parent pointers segment by segment."""
+    seg = plan.segments
+    L = plan.seq_len
+    segs, qs, ks, qlen, klen = [], [], [], [], []
+    for k_local, r in enumerate(np.asarray(rows).tolist()):
+        if r < 0:
+            continue
+        for g in range(int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])):
+            base = k_local * L
+            own = list(range(base + int(seg.row_start[g]), base + int(seg.row_start[g] + seg.length[g])))
+            keys = list(own)
+            p = int(seg.parent[g])
+            while p >= 0:
+                keys = list(range(base + int(seg.row_start[p]), base + int(seg.row_start[p] + seg.length[p]))) + keys
+                p = int(seg.parent[p])
+            segs.append(g)
+            qs += own
+            ks += keys
+            qlen.append(len(own))
+            klen.append(len(keys))
+    arr = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    return _meta(len(rows) * L, device, arr(segs), arr(qs), arr(ks), arr(qlen), arr(klen))
