@@ -48,7 +48,7 @@ from cases import KERNELS, make_inputs, run_case  # noqa: E402
 from helpers.trees import tree_plan  # noqa: E402
 
 from treepack.service.planner import plan_batch  # noqa: E402
-from treepack.trainer.gdn import gdn_schedule  # noqa: E402
+from treepack.trainer.kernels.gdn import gdn_schedule  # noqa: E402
 from treepack.trainer.kernels import gpu  # noqa: E402
 
 #: relative tolerance per dtype (outputs and gradients vs the fp64 reference)
@@ -207,7 +207,7 @@ def gdn(args) -> dict:
 
 def sparse(args) -> dict:
     from treepack.trainer import materialize
-    from treepack.trainer.sparse import indexer_scores, naive_sparse_attention, naive_tree_topk, sparse_attention, tree_topk
+    from treepack.trainer.kernels.sparse import indexer_scores, naive_sparse_attention, naive_tree_topk, sparse_attention, tree_topk
 
     dt = torch.float32 if args.cpu_smoke else torch.bfloat16
     res = {}

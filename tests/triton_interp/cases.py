@@ -33,7 +33,7 @@ from loop_refs import (
     stock_selective_scan_fn,
 )
 
-from treepack.trainer.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels import gpu
 
 __all__ = ["KERNELS", "SHAPES", "STOCK", "make_inputs", "run_case"]

@@ -23,7 +23,7 @@ import torch
 from cases import make_inputs, run_case
 from helpers.trees import tree_plan
 
-from treepack.trainer.gdn import gdn_schedule
+from treepack.trainer.kernels.gdn import gdn_schedule
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests: run `make test-triton` (TRITON_INTERPRET=1 in .venv-triton)")
 
@@ -101,3 +101,28 @@ def test_negative_control_without_state_forking(kernel, tree):
         ref = run_case(kernel, plan, sched, toks, params, mode="reference")
         out = run_case(kernel, plan, sched, toks, params, mode="gpu", fork=False)
     assert _rel(out[real], ref[real]) > 1e-2
+
+
+def test_stock_signature_dropins_run_the_triton_kernels():
+    """gpu_varlen's drop-ins on the real Triton kernels (fp32, forward): per-sequence Mamba2
+    states through mamba_ssm, and the varlen conv through fla, vs the token loops."""
+    from loop_refs import loop_mamba2, stock_causal_conv1d_fn
+
+    from treepack.trainer.kernels.gpu_varlen import causal_conv1d_varlen, mamba_chunk_scan_varlen
+
+    g = torch.Generator().manual_seed(11)
+    lens = [5, 70, 1, 40]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    T, H, P, N = sum(lens), 2, 8, 8
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, dt, B, C = r(1, T, H, P), r(1, T, H) - 1, r(1, T, 1, N) / 3, r(1, T, 1, N)
+    A, D, h0 = -(0.5 + torch.rand(H, generator=g)), r(H), 0.3 * r(len(lens), H, P, N)
+    y, states = mamba_chunk_scan_varlen(x, dt, A, B, C, 64, D=D, dt_softplus=True, initial_states=h0, cu_seqlens=cu, return_varlen_states=True)
+    for i in range(len(lens)):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        o, h = loop_mamba2(x[0, s], dt[0, s], A, B[0, s], C[0, s], h0[i], D=D, dt_softplus=True)
+        assert _rel(y[0, s], o) < 1e-4 and _rel(states[i], h) < 1e-4, i
+    xc, w, b = r(1, 12, T), 0.5 * r(12, 4), r(12)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens))[None]
+    yc = causal_conv1d_varlen(xc, w, b, seq_idx=seq_idx, activation="silu", backend="fla")
+    assert _rel(yc, stock_causal_conv1d_fn(xc, w, b, seq_idx=seq_idx, activation="silu")) < 1e-5
