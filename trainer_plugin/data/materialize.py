@@ -34,6 +34,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.data.advice import warn_hidden_sharing, warn_no_sharing
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, plan_groups, plan_trainable
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
@@ -190,6 +191,7 @@ def materialize(
     pad_id: int = 0,
     check_tokens: bool = True,
     allow_empty_loss: bool = False,
+    advise: bool = True,
 ) -> PackedBatch:
     """Build the packed tensors of ``plan`` (all rows, or the given ``rows``).
 
@@ -214,6 +216,9 @@ def materialize(
             planned ones in content).
         allow_empty_loss: accept a plan that scores no token at all (a forward-only use);
             by default that raises, since every loss would be a silent 0.
+        advise: warn (:class:`~treepack.trainer.data.advice.TreepackWarning`) when the plan
+            shares nothing, or when ``min_shared_len`` hides sharing (with what a smaller
+            value would share); see :mod:`treepack.trainer.data.advice`.
 
     Returns:
         The :class:`PackedBatch`.
@@ -242,6 +247,9 @@ def materialize(
     score_flat = ix.seq_flat[c_sel]
 
     tokens = _token_ids(sequences, plan, ix, dev)
+    if advise:
+        warn_no_sharing(plan)
+        warn_hidden_sharing(plan, tokens.cpu().numpy(), ix.ptr, ix.local_seqs)
     t = lambda a: index_tensor(a, dev)  # noqa: E731
     tok_flat, seq_flat, entry_src, score_flat_t = t(ix.tok_flat), t(ix.seq_flat), t(c_sel + 1), t(score_flat)
     gather_src = t(ix.gather_src)

@@ -19,6 +19,7 @@ import torch
 from treepack.proto.errors import RequestError
 from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
+from treepack.trainer.data.advice import warn_dense_mask
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 
@@ -141,6 +142,7 @@ class PackedBatch:
         """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
         key = ("dense", sliding_window)
         if key not in self._cache:
+            warn_dense_mask(self.num_rows, self.seq_len)
             self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window)
         return self._cache[key]
 
