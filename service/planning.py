@@ -90,7 +90,7 @@ class PlanningService:
         self.settings = settings
         self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
         self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s)
-        self.replay = ReplayCache()
+        self.replay = ReplayCache(max_bytes=settings.idempotency_cache_bytes, ttl_s=settings.idempotency_ttl_s)
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
         self.history_problem: str | None = None

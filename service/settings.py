@@ -46,6 +46,8 @@ class Settings(BaseSettings):
             seconds of opening (or of its previous answer), else it is closed.
         max_header_bytes: request line and headers larger than this close the
             connection (uvicorn's ``h11_max_incomplete_event_size``).
+        idempotency_cache_bytes: answers kept for repeated ``Idempotency-Key`` s (oldest
+            go first); ``idempotency_ttl_s``: for how long (a retry comes within seconds).
         keep_alive_s: idle keep-alive connections are closed after this (uvicorn
             ``timeout_keep_alive``).
         max_connections: open connections (and tasks) beyond this get 503 from uvicorn
@@ -92,6 +94,8 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(60.0, gt=0, le=3600)
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
     max_header_bytes: int = Field(64 * 2**10, ge=1024)
+    idempotency_cache_bytes: int = Field(32 * 2**20, ge=0)
+    idempotency_ttl_s: float = Field(120.0, gt=0)
     keep_alive_s: int = Field(5, ge=1, le=3600)
     max_connections: int = Field(256, ge=1)
     retry_after_s: float = Field(1.0, gt=0, le=3600)
