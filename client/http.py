@@ -184,7 +184,7 @@ def transport_error(exc: httpx.HTTPError, url: str) -> TransportError:
 def _decode(resp: httpx.Response, model: type) -> Any:
     fmt: Format = "msgpack" if "msgpack" in resp.headers.get("content-type", "") else "json"
     try:
-        return parse_message(model, decode_body(resp.content, fmt))
+        return parse_message(model, decode_body(resp.content, fmt, unique_keys=False))
     except TreepackError as exc:
         raise ServerError(f"the server sent an invalid {model.__name__}: {exc}", path=exc.path, rule="bad_response") from None
 

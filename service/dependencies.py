@@ -106,17 +106,27 @@ def _announced(request: Request, limit: int) -> int | None:
     return n
 
 
-async def _read_into(chunks: AsyncIterator[bytes], buf: bytearray, deadline: float, timeout_s: float) -> int:
-    """Copy the body's chunks into ``buf`` (its announced size); returns the bytes read."""
-    view, got = memoryview(buf), 0
-    while True:
-        chunk = await _next_chunk(chunks, deadline, timeout_s)
-        if chunk is None:
-            return got
-        if got + len(chunk) > len(buf):
-            raise DecodeError(f"the body is longer than its Content-Length of {len(buf)}", path="Content-Length", rule="header")
-        view[got : got + len(chunk)] = chunk
+async def _read_exactly(chunks: AsyncIterator[bytes], n: int, deadline: float, timeout_s: float) -> bytes | bytearray:
+    """The body of announced size ``n``: the first chunk itself when it is the whole body
+    (no copy), else the chunks copied into one buffer of ``n`` bytes as they arrive."""
+    longer = DecodeError(f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header")
+    first = await _next_chunk(chunks, deadline, timeout_s) or b""
+    if len(first) > n:
+        raise longer
+    if len(first) == n:
+        if await _next_chunk(chunks, deadline, timeout_s) is not None:
+            raise longer
+        return first
+    buf, got = bytearray(n), len(first)
+    buf[:got] = first
+    while (chunk := await _next_chunk(chunks, deadline, timeout_s)) is not None:
+        if got + len(chunk) > n:
+            raise longer
+        buf[got : got + len(chunk)] = chunk
         got += len(chunk)
+    if got != n:
+        raise DecodeError(f"the body ended after {got} of its {n} bytes", path="Content-Length", rule="header")
+    return buf
 
 
 async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float) -> bytes | None:
@@ -132,7 +142,7 @@ async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: 
             return chunk
 
 
-async def read_body(request: Request) -> AsyncIterator[bytearray]:
+async def read_body(request: Request) -> AsyncIterator[bytes | bytearray]:
     """The request body, admitted and bounded before it is read (a dependency with cleanup).
 
     Order: the encoding (415 unless identity), the announced size (413 over
@@ -143,7 +153,8 @@ async def read_body(request: Request) -> AsyncIterator[bytearray]:
     Content-Length) reserves its bytes as they arrive.
 
     Yields:
-        The body (one ``bytearray``).
+        The body: one buffer (the single chunk it came in, or a ``bytearray`` of the
+        announced size the chunks were copied into).
 
     Raises:
         UnsupportedMediaTypeError, DecodeError, PayloadTooLargeError, OverloadedError,
@@ -159,11 +170,7 @@ async def read_body(request: Request) -> AsyncIterator[bytearray]:
         if n is not None:
             intake.acquire(n)
             reserved = n
-            buf = bytearray(n)
-            got = await _read_into(aiter(request.stream()), buf, deadline, timeout_s)
-            if got != n:
-                raise DecodeError(f"the body ended after {got} of its {n} bytes", path="Content-Length", rule="header")
-            yield buf
+            yield await _read_exactly(aiter(request.stream()), n, deadline, timeout_s)
             return
         parts = bytearray()
         chunks = aiter(request.stream())
