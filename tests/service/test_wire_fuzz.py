@@ -90,7 +90,7 @@ def _run(svc: PlanningService, method: str, msg: dict) -> None:
     # Anything else (ServerError, DeadlineError, IndexError, MemoryError, ...) fails the test.
 
 
-PACK_FIELDS = ["seq_len", "min_shared_len", "num_ranks", "conv_width", "version", "tokens", "offsets", "prompt_lens", "keys", "prefix_src", "prefix_len", "trainable"]
+PACK_FIELDS = ["seq_len", "min_shared_len", "min_shared_saving", "repair_ms", "num_ranks", "conv_width", "version", "tokens", "offsets", "prompt_lens", "keys", "prefix_src", "prefix_len", "trainable"]
 _BASE_PACK = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in pack_message(small_batch(), dedup=True).items()}
 
 
@@ -130,7 +130,7 @@ def _base_whatif() -> dict:
 
 
 _BASE_WHATIF = _materialize(_base_whatif())
-_WHATIF_FIELDS = ["seq_len", "trials", "seed", "min_shared_len", "num_ranks", "conv_width", "max_rows", "history_batches", "comp.groups", "comp.by_tag"]
+_WHATIF_FIELDS = ["seq_len", "trials", "seed", "min_shared_len", "min_shared_saving", "repair_ms", "num_ranks", "conv_width", "max_rows", "history_batches", "comp.groups", "comp.by_tag"]
 _SHAPE_FIELDS = ["shape.seq_len", "shape.min_shared_len", "shape.seq_ptr", "shape.run_hash", "shape.run_len", "shape.first_trainable", "shape.groups"]
 
 
