@@ -54,8 +54,18 @@ def raw_server(handler: Handler) -> Iterator[tuple[str, list[int]]]:
     try:
         yield f"http://127.0.0.1:{port}", seen
     finally:
+
+        async def shutdown():
+            box["server"].close()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
+        loop.close()
 
 
 async def _trickle(reader, writer, n):
