@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from helpers.service import pack_message, plan_kwargs, small_batch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from treepack.proto.codec import encode_body
@@ -50,8 +50,13 @@ def _wrap(value: int, dtype: str) -> bytes:
     return int(value % 2**bits).to_bytes(dt.itemsize, "little")
 
 
-def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool) -> None:
-    """Put ``value`` in ``msg[key]``: the scalar, one buffer item (``where``), or every item (None)."""
+def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool, pair: bool = False) -> None:
+    """Put ``value`` in ``msg[key]``: the scalar, one buffer item (``where``), or every item (None).
+
+    With ``pair`` (typed bytes, one item), the next item absorbs the change modulo the
+    dtype's width: the buffer's wrapped sum stays what it was, so every check done in
+    wrapped arithmetic still passes (the attack on run lengths that sum past int64).
+    """
     old = msg.get(key)
     if key not in _DTYPE:
         msg[key] = value
@@ -71,6 +76,13 @@ def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool) -> N
     raw = bytearray(bytes(old) if old is not None else b"\x00" * (n * np.dtype(dtype).itemsize)) or bytearray(np.dtype(dtype).itemsize)
     size = np.dtype(dtype).itemsize
     count = len(raw) // size
+    if pair and where is not None and count >= 2:
+        i = where % (count - 1)
+        old_pair = np.frombuffer(bytes(raw[i * size : (i + 2) * size]), dtype=dtype).astype(object)
+        raw[i * size : (i + 1) * size] = _wrap(value, dtype)
+        raw[(i + 1) * size : (i + 2) * size] = _wrap(int(old_pair[0]) + int(old_pair[1]) - value, dtype)
+        msg[key] = bytes(raw)
+        return
     for i in range(count) if where is None else [where % count]:
         raw[i * size : (i + 1) * size] = _wrap(value, dtype)
     msg[key] = bytes(raw)
@@ -95,8 +107,12 @@ _BASE_PACK = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in pack_m
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(key=st.sampled_from(PACK_FIELDS + ["groups"]), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 3000)), as_list=st.booleans())
-def test_pack_request_extremes(svc, key, value, where, as_list):
+@given(
+    key=st.sampled_from(PACK_FIELDS + ["groups"]), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 3000)),
+    as_list=st.booleans(), pair=st.booleans(),
+)  # fmt: skip
+@example(key="prefix_len", value=2**63 - 1, where=1, as_list=False, pair=True)
+def test_pack_request_extremes(svc, key, value, where, as_list, pair):
     msg = copy.deepcopy(_BASE_PACK)
     if key == "trainable":
         msg.pop("prompt_lens")
@@ -104,7 +120,7 @@ def test_pack_request_extremes(svc, key, value, where, as_list):
     if key == "groups":
         msg["groups"] = [value if i == (where or 0) % 6 else i for i in range(6)]
     else:
-        _put(msg, key, value, where, as_list)
+        _put(msg, key, value, where, as_list, pair)
     _run(svc, "pack", msg)
 
 
@@ -135,8 +151,12 @@ _SHAPE_FIELDS = ["shape.seq_len", "shape.min_shared_len", "shape.seq_ptr", "shap
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(key=st.sampled_from(_WHATIF_FIELDS + _SHAPE_FIELDS), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 50)), as_list=st.booleans())
-def test_whatif_request_extremes(svc, key, value, where, as_list):
+@given(
+    key=st.sampled_from(_WHATIF_FIELDS + _SHAPE_FIELDS), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 50)),
+    as_list=st.booleans(), pair=st.booleans(),
+)  # fmt: skip
+@example(key="shape.run_len", value=2**63 - 1, where=0, as_list=False, pair=True)  # the SIGSEGV of issue 12
+def test_whatif_request_extremes(svc, key, value, where, as_list, pair):
     msg = copy.deepcopy(_BASE_WHATIF)
     if key == "comp.groups":
         msg["compositions"] = [{"groups": value}]
@@ -146,9 +166,9 @@ def test_whatif_request_extremes(svc, key, value, where, as_list):
         shape = msg["shapes"][0]
         shape["groups"] = [value if i == (where or 0) % len(shape["groups"]) else g for i, g in enumerate(shape["groups"])]
     elif key.startswith("shape."):
-        _put(msg["shapes"][0], key.removeprefix("shape."), value, where, as_list)
+        _put(msg["shapes"][0], key.removeprefix("shape."), value, where, as_list, pair)
     else:
-        _put(msg, key, value, where, as_list)
+        _put(msg, key, value, where, as_list, pair)
     _run(svc, "whatif", msg)
 
 
