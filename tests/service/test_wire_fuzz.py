@@ -53,9 +53,10 @@ def _wrap(value: int, dtype: str) -> bytes:
 def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool, pair: bool = False) -> None:
     """Put ``value`` in ``msg[key]``: the scalar, one buffer item (``where``), or every item (None).
 
-    With ``pair`` (typed bytes, one item), the next item absorbs the change modulo the
-    dtype's width: the buffer's wrapped sum stays what it was, so every check done in
-    wrapped arithmetic still passes (the attack on run lengths that sum past int64).
+    With ``pair`` (typed bytes, one item), ``value`` goes into two neighbouring items and
+    a third absorbs the change modulo the dtype's width: the buffer's wrapped sum stays
+    what it was and, for ``2**63 - 1``, every item stays positive, so every check done in
+    wrapped arithmetic passes (the issue's attack: run lengths that sum past int64).
     """
     old = msg.get(key)
     if key not in _DTYPE:
@@ -76,11 +77,12 @@ def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool, pair
     raw = bytearray(bytes(old) if old is not None else b"\x00" * (n * np.dtype(dtype).itemsize)) or bytearray(np.dtype(dtype).itemsize)
     size = np.dtype(dtype).itemsize
     count = len(raw) // size
-    if pair and where is not None and count >= 2:
-        i = where % (count - 1)
-        old_pair = np.frombuffer(bytes(raw[i * size : (i + 2) * size]), dtype=dtype).astype(object)
+    if pair and where is not None and count >= 3:
+        i = where % (count - 2)
+        old = [int(x) for x in np.frombuffer(bytes(raw[i * size : (i + 3) * size]), dtype=dtype).tolist()]
         raw[i * size : (i + 1) * size] = _wrap(value, dtype)
-        raw[(i + 1) * size : (i + 2) * size] = _wrap(int(old_pair[0]) + int(old_pair[1]) - value, dtype)
+        raw[(i + 1) * size : (i + 2) * size] = _wrap(value, dtype)
+        raw[(i + 2) * size : (i + 3) * size] = _wrap(sum(old) - 2 * value, dtype)
         msg[key] = bytes(raw)
         return
     for i in range(count) if where is None else [where % count]:
