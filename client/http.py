@@ -5,19 +5,37 @@ decoded by the functions below, and :func:`raise_for_response` is the one place 
 an HTTP answer becomes the project's exception (the server's kind, message, path and
 rule), while :func:`transport_error` does the same for httpx's transport failures.
 
-Retries: a connection that cannot be made (or is dropped before an answer) and a 503
-are retried up to ``retries`` times. A 503's ``Retry-After`` is honoured; otherwise the
-wait is ``backoff * 2**attempt`` with +-25% jitter; every wait is capped at
-``max_backoff``. Timeouts are not retried (the server may still be planning).
+Retries, up to ``retries`` times:
+
+- a connection that cannot be made (the request surely did not reach the server);
+- a connection dropped before the whole answer arrived, only when repeating the request
+  is safe: a GET, a what-if (it records nothing), or a pack that carries an
+  ``Idempotency-Key`` (the default: the server answers a repeated key from its cache, so
+  the batch is planned and recorded once);
+- a 503 of an overloaded server (not one that says the history is damaged).
+
+A 503's ``Retry-After`` (seconds or an HTTP date) is honoured when it is a finite,
+non-negative number; otherwise (``nan``, ``-1``, garbage) the wait is ``backoff *
+2**attempt`` with +-25% jitter; every wait is capped at ``max_backoff``. Timeouts are not
+retried (the server may still be planning).
+
+Deadlines: ``timeout`` bounds each attempt as a whole (connect, send, wait, receive: a
+server trickling its answer cannot stretch it; the async backend cuts at exactly
+``timeout``, the sync one checks between received chunks, so at most twice it), and
+``total_timeout`` bounds the call, attempts and waits together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
+import math
 import random
 import time
+import uuid
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any, Sequence
 
 import httpx
@@ -25,7 +43,7 @@ import msgpack
 import numpy as np
 
 from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
-from treepack.proto.errors import OverloadedError, ServerError, TransportError, TreepackError, error_from_payload
+from treepack.proto.errors import OverloadedError, RequestError, ServerError, TransportError, TreepackError, error_from_payload
 from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
 from treepack.proto.batch_columns import BodyChunks
 from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
@@ -36,33 +54,101 @@ from treepack.proto.shape import BatchShape
 from treepack.proto.whatif import Composition, WhatIfResult
 from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
-__all__ = ["RetryPolicy", "HttpBackend", "AsyncHttpBackend", "raise_for_response", "transport_error"]
+__all__ = ["RetryPolicy", "HttpBackend", "AsyncHttpBackend", "raise_for_response", "transport_error", "parse_retry_after"]
 
-_RETRY_EXC = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# Failures before the request left: always safe to retry.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# The connection broke after the request may have arrived: retried only when safe.
+_CUT_OFF = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
-    """How often and how long to wait (module docstring)."""
+    """How often and how long to wait (module docstring).
+
+    Attributes:
+        retries: retries after the first attempt.
+        backoff: first wait in seconds without a usable Retry-After (doubles each retry).
+        max_backoff: cap on any single wait, Retry-After included.
+        total_timeout: seconds for the whole call, attempts and waits (None: no bound).
+    """
 
     retries: int = 4
     backoff: float = 0.2
     max_backoff: float = 30.0
+    total_timeout: float | None = None
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return min(max(retry_after, 0.0), self.max_backoff)
+        """Seconds to wait before retry ``attempt`` (0-based)."""
+        if retry_after is not None and math.isfinite(retry_after) and retry_after >= 0:
+            return min(retry_after, self.max_backoff)
         return min(self.backoff * 2**attempt * random.uniform(0.75, 1.25), self.max_backoff)
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
-    value = resp.headers.get("retry-after")
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` as seconds from now: delta-seconds or an HTTP date; None when unusable.
+
+    Non-finite, negative or unparsable values give None (the caller falls back to its
+    backoff); huge ones are returned as they are (the policy caps every wait).
+    """
     if value is None:
         return None
+    text = value.strip()
     try:
-        return float(value)
+        secs = float(text)
     except ValueError:
-        return None  # an HTTP date: fall back to the backoff
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        secs = when.timestamp() - time.time()
+    return secs if math.isfinite(secs) and secs >= 0 else None
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    return parse_retry_after(resp.headers.get("retry-after"))
+
+
+def _retryable_503(resp: httpx.Response) -> bool:
+    """A 503 worth retrying: overload (or uvicorn's connection limit), not a damaged history."""
+    if resp.status_code != 503:
+        return False
+    try:
+        return json.loads(resp.content).get("error") != "unavailable"
+    except (ValueError, AttributeError):
+        return True
+
+
+class _Call:
+    """The deadlines and retry decisions of one client call (module docstring)."""
+
+    def __init__(self, policy: RetryPolicy, timeout: float, url: str, safe: bool) -> None:
+        self.policy, self.timeout, self.url, self.safe = policy, timeout, url, safe
+        self.start = time.monotonic()
+        self.attempt = 0
+
+    def attempt_timeout(self) -> float:
+        """Seconds the next attempt may take (the per-attempt bound, within the total)."""
+        if self.policy.total_timeout is None:
+            return self.timeout
+        left = self.start + self.policy.total_timeout - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"request to {self.url} timed out: the total deadline of {self.policy.total_timeout:g} s passed", path="$", rule="total_timeout")
+        return min(self.timeout, left)
+
+    def wait_for_retry(self, exc: BaseException | None, resp: httpx.Response | None) -> float | None:
+        """Seconds to wait before retrying, or None to give up (then the caller raises)."""
+        if self.attempt >= self.policy.retries:
+            return None
+        if exc is not None and not (isinstance(exc, _NOT_SENT) or (isinstance(exc, _CUT_OFF) and self.safe)):
+            return None
+        wait = self.policy.delay(self.attempt, None if resp is None else _retry_after(resp))
+        if self.policy.total_timeout is not None and time.monotonic() + wait >= self.start + self.policy.total_timeout:
+            return None
+        self.attempt += 1
+        return wait
 
 
 def raise_for_response(resp: httpx.Response) -> None:
@@ -98,7 +184,7 @@ def transport_error(exc: httpx.HTTPError, url: str) -> TransportError:
 def _decode(resp: httpx.Response, model: type) -> Any:
     fmt: Format = "msgpack" if "msgpack" in resp.headers.get("content-type", "") else "json"
     try:
-        return parse_message(model, decode_body(resp.content, fmt))
+        return parse_message(model, decode_body(resp.content, fmt, unique_keys=False))
     except TreepackError as exc:
         raise ServerError(f"the server sent an invalid {model.__name__}: {exc}", path=exc.path, rule="bad_response") from None
 
@@ -138,53 +224,94 @@ def decode_whatif(resp: httpx.Response) -> list[WhatIfResult]:
 
 
 def _headers(token: str | None, fmt: Format) -> dict[str, str]:
+    """Default headers; the token stripped and checked (HTTP headers carry printable ASCII only).
+
+    Raises:
+        RequestError: an empty or non-ASCII token (rule ``token``).
+    """
     h = {"accept": content_type(fmt), "user-agent": "treepack-client/1"}
-    if token:
+    if token is not None:
+        token = token.strip()
+        if not token or not token.isascii() or not token.isprintable():
+            raise RequestError("the bearer token must be non-empty printable ASCII", path="token", rule="token")
         h["authorization"] = f"Bearer {token}"
     return h
+
+
+def _request_headers(fmt: Format, body: Any, accept: str | None, key: str | None) -> dict[str, str]:
+    headers = {"content-type": content_type(fmt)} if body is not None else {}
+    if isinstance(body, BodyChunks):
+        headers["content-length"] = str(body.nbytes)  # else httpx would send it chunked
+    if accept:
+        headers["accept"] = accept
+    if key:
+        headers["idempotency-key"] = key
+    return headers
+
+
+def _read_within(client: httpx.Client, method: str, path: str, body: Any, headers: dict[str, str], limit: float) -> httpx.Response:
+    """One sync attempt, its answer read whole, ended past ``limit`` seconds (checked between chunks)."""
+    end = time.monotonic() + limit
+    with client.stream(method, path, content=body, headers=headers, timeout=limit) as resp:
+        parts = []
+        for chunk in resp.iter_bytes():
+            parts.append(chunk)
+            if time.monotonic() > end:
+                raise httpx.ReadTimeout(f"the answer did not arrive within {limit:g} s", request=resp.request)
+    kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+    return httpx.Response(resp.status_code, headers=kept, content=b"".join(parts), request=resp.request)
 
 
 class HttpBackend:
     """Synchronous HTTP backend (see :class:`treepack.client.Packer`)."""
 
     def __init__(
-        self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None, dedup: bool = True
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout: float,
+        policy: RetryPolicy,
+        fmt: Format,
+        transport: Any = None,
+        dedup: bool = True,
+        idempotent: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.fmt = fmt
         self.policy = policy
+        self.timeout = timeout
         self.dedup = dedup
+        self.idempotent = idempotent
         self._client = httpx.Client(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
 
-    def request(self, method: str, path: str, body: bytes | BodyChunks | None = None, *, accept: str | None = None) -> httpx.Response:
-        headers = {"content-type": content_type(self.fmt)} if body is not None else {}
-        if isinstance(body, BodyChunks):
-            headers["content-length"] = str(body.nbytes)  # else httpx would send it chunked
-        if accept:
-            headers["accept"] = accept
-        attempt = 0
+    def request(
+        self, method: str, path: str, body: bytes | BodyChunks | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
+    ) -> httpx.Response:
+        """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
+        headers = _request_headers(self.fmt, body, accept, key)
+        call = _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
         while True:
             try:
-                resp = self._client.request(method, path, content=body, headers=headers)
-            except _RETRY_EXC as exc:
-                if attempt >= self.policy.retries:
-                    raise transport_error(exc, self.url + path) from None
-                time.sleep(self.policy.delay(attempt, None))
+                resp = _read_within(self._client, method, path, body, headers, call.attempt_timeout())
             except httpx.HTTPError as exc:
-                raise transport_error(exc, self.url + path) from None
+                wait = call.wait_for_retry(exc, None)
+                if wait is None:
+                    raise transport_error(exc, self.url + path) from None
             else:
-                if resp.status_code != 503 or attempt >= self.policy.retries:
+                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                if wait is None:
                     raise_for_response(resp)
                     return resp
-                time.sleep(self.policy.delay(attempt, _retry_after(resp)))
-            attempt += 1
+            time.sleep(wait)
 
     def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
         body = pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, options=options, **kwargs)
-        return decode_pack(self.request("POST", "/v1/pack", body))
+        key = uuid.uuid4().hex if self.idempotent else None
+        return decode_pack(self.request("POST", "/v1/pack", body, safe=key is not None, key=key))
 
     def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
+        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs), safe=True))
 
     def history(self) -> dict[str, Any]:
         return _decode(self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()
@@ -200,42 +327,56 @@ class AsyncHttpBackend:
     """Asynchronous HTTP backend (see :class:`treepack.client.AsyncPacker`)."""
 
     def __init__(
-        self, url: str, *, token: str | None, timeout: float, policy: RetryPolicy, fmt: Format, transport: Any = None, dedup: bool = True
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout: float,
+        policy: RetryPolicy,
+        fmt: Format,
+        transport: Any = None,
+        dedup: bool = True,
+        idempotent: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.fmt = fmt
         self.policy = policy
+        self.timeout = timeout
         self.dedup = dedup
+        self.idempotent = idempotent
         self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
 
-    async def request(self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None) -> httpx.Response:
-        headers = {"content-type": content_type(self.fmt)} if body is not None else {}
-        if accept:
-            headers["accept"] = accept
-        attempt = 0
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
+    ) -> httpx.Response:
+        """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
+        headers = _request_headers(self.fmt, body, accept, key)
+        call = _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
         while True:
+            limit = call.attempt_timeout()
             try:
-                resp = await self._client.request(method, path, content=body, headers=headers)
-            except _RETRY_EXC as exc:
-                if attempt >= self.policy.retries:
-                    raise transport_error(exc, self.url + path) from None
-                await asyncio.sleep(self.policy.delay(attempt, None))
+                resp = await asyncio.wait_for(self._client.request(method, path, content=body, headers=headers), limit)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise TransportError(f"request to {self.url + path} timed out: no whole answer within {limit:g} s", path="$", rule="ReadTimeout") from None
             except httpx.HTTPError as exc:
-                raise transport_error(exc, self.url + path) from None
+                wait = call.wait_for_retry(exc, None)
+                if wait is None:
+                    raise transport_error(exc, self.url + path) from None
             else:
-                if resp.status_code != 503 or attempt >= self.policy.retries:
+                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                if wait is None:
                     raise_for_response(resp)
                     return resp
-                await asyncio.sleep(self.policy.delay(attempt, _retry_after(resp)))
-            attempt += 1
+            await asyncio.sleep(wait)
 
     async def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
         body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, options=options, **kwargs))
-        resp = await self.request("POST", "/v1/pack", body)
+        key = uuid.uuid4().hex if self.idempotent else None
+        resp = await self.request("POST", "/v1/pack", body, safe=key is not None, key=key)
         return await asyncio.to_thread(decode_pack, resp)
 
     async def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
+        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs), safe=True))
 
     async def history(self) -> dict[str, Any]:
         return _decode(await self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()

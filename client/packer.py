@@ -40,19 +40,8 @@ def as_composition(c: CompositionLike, i: int = 0) -> Composition:
     raise InputTypeError(f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type")
 
 
-def _backend(
-    url: str | None,
-    token: str | None,
-    timeout: float,
-    retries: int,
-    backoff: float,
-    max_backoff: float,
-    fmt: Format,
-    transport: Any,
-    history_path: str | None,
-    dedup: bool,
-    asynchronous: bool,
-) -> Any:
+def _backend(url: str | None, http: dict[str, Any], history_path: str | None, asynchronous: bool) -> Any:
+    """The embedded backend (no ``url``) or an HTTP one built from the ``http`` options."""
     if url is None:
         from treepack.client.embedded import EmbeddedBackend
 
@@ -60,8 +49,8 @@ def _backend(
     from treepack.client.http import AsyncHttpBackend, HttpBackend, RetryPolicy
 
     cls = AsyncHttpBackend if asynchronous else HttpBackend
-    policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
-    return cls(url, token=token, timeout=timeout, policy=policy, fmt=fmt, transport=transport, dedup=dedup)
+    policy = RetryPolicy(retries=http.pop("retries"), backoff=http.pop("backoff"), max_backoff=http.pop("max_backoff"), total_timeout=http.pop("total_timeout"))
+    return cls(url, policy=policy, **http)
 
 
 class Packer:
@@ -70,7 +59,11 @@ class Packer:
     Args:
         url: the sidecar's base URL (``http://127.0.0.1:8000``); None plans in-process.
         token: bearer token for a sidecar that requires one.
-        timeout: seconds per HTTP attempt (connect, write, read each).
+        timeout: seconds per HTTP attempt as a whole (connect, send, wait, receive).
+        total_timeout: seconds for a whole call, retries and waits included (None: no bound).
+        idempotent: HTTP only: send each pack with a fresh ``Idempotency-Key``, so a pack
+            whose answer was cut off is retried safely (recorded once); False never
+            retries a pack that may have reached the server.
         retries: retries on connection failures and 503 (module ``treepack.client.http``).
         backoff: first retry wait in seconds (doubles each retry) when no Retry-After.
         max_backoff: cap on any single wait, Retry-After included.
@@ -94,9 +87,13 @@ class Packer:
         transport: Any = None,
         history_path: str | None = None,
         dedup: bool = True,
+        total_timeout: float | None = None,
+        idempotent: bool = True,
     ) -> None:
         self.url = url
-        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, dedup, False)
+        http = dict(token=token, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout,
+                    fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)  # fmt: skip
+        self._b = _backend(url, http, history_path, False)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> "Packer":
@@ -206,9 +203,13 @@ class AsyncPacker:
         transport: Any = None,
         history_path: str | None = None,
         dedup: bool = True,
+        total_timeout: float | None = None,
+        idempotent: bool = True,
     ) -> None:
         self.url = url
-        self._b = _backend(url, token, timeout, retries, backoff, max_backoff, fmt, transport, history_path, dedup, True)
+        http = dict(token=token, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout,
+                    fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)  # fmt: skip
+        self._b = _backend(url, http, history_path, True)
         self._embedded = url is None
 
     @classmethod

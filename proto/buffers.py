@@ -27,7 +27,7 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
 
-__all__ = ["DTYPES", "decode_buffer", "encode_buffer", "array_to_wire", "array_from_wire", "Format"]
+__all__ = ["DTYPES", "exact_sum", "decode_buffer", "encode_buffer", "array_to_wire", "array_from_wire", "Format"]
 
 Format = Literal["msgpack", "json"]
 
@@ -43,6 +43,23 @@ _INT_RANGE = {
 
 
 _ITEMSIZE = {d: np.dtype(d).itemsize for d in DTYPES}
+
+
+def exact_sum(arr: np.ndarray) -> int:
+    """The exact sum of an integer array, as a Python int (numpy's int64 sum wraps).
+
+    Args:
+        arr: [n] integer array.
+
+    Returns:
+        The sum; computed in int64 when ``n * max|x|`` cannot wrap, else item by item.
+    """
+    if arr.size == 0:
+        return 0
+    big = max(abs(int(arr.max())), abs(int(arr.min())))
+    if big * arr.size < 2**63:
+        return int(arr.sum(dtype=np.int64)) if arr.dtype != np.uint64 else int(arr.sum(dtype=np.uint64))
+    return sum(arr.tolist())
 
 
 def _native(arr: np.ndarray) -> np.ndarray:

@@ -72,7 +72,7 @@ def request_format(header: str | None, *, default: Format = "msgpack") -> Format
     fmt = _TYPES.get(media)
     if fmt is None:
         raise UnsupportedMediaTypeError(
-            f"Content-Type {media!r} is not spoken here; use {MSGPACK} or {JSON}", path="Content-Type", rule="media_type"
+            f"Content-Type {_clip(media)!r} is not spoken here; use {MSGPACK} or {JSON}", path="Content-Type", rule="media_type"
         )
     return fmt
 
@@ -94,10 +94,8 @@ def response_format(header: str | None, *, default: Format) -> Format:
         q = 1.0
         for f in fields[1:]:
             if f.lower().startswith("q="):
-                try:
-                    q = float(f[2:])
-                except ValueError:
-                    q = 0.0
+                # RFC 9110 qvalue: 0, 0.x.., 1, 1.0..; anything else (nan, inf, 2, -1) is not a weight.
+                q = float(f[2:]) if _QVALUE.fullmatch(f[2:]) else 0.0
         if q <= 0 or not media:
             continue
         fmt = default if media in ("*/*", "application/*") else _TYPES.get(media)
@@ -108,33 +106,65 @@ def response_format(header: str | None, *, default: Format) -> Format:
             best = key
     if best is None:
         raise UnsupportedMediaTypeError(
-            f"Accept {header!r} names no format spoken here; accept {MSGPACK} or {JSON}", path="Accept", rule="media_type"
+            f"Accept {_clip(header)!r} names no format spoken here; accept {MSGPACK} or {JSON}", path="Accept", rule="media_type"
         )
     return best[2]
+
+
+_QVALUE = re.compile(r"0(\.[0-9]{0,3})?|1(\.0{0,3})?")
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A map from its key/value pairs, refusing a key given twice (no silent last-wins)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[Any] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: Any) -> None:
+        super().__init__(f"key {_short(key)} appears twice in one map")
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def decode_body(body: bytes, fmt: Format) -> Any:
+def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = True) -> Any:
     """Parse a request or response body.
+
+    Args:
+        body: the bytes.
+        fmt: their format.
+        unique_keys: refuse a map that names a key twice (requests: no silent
+            last-wins); the client reads its own server's answers with False (the check
+            costs a Python call per map, and a plan has dozens).
 
     Raises:
         DecodeError: the bytes are not one complete msgpack object / JSON document.
     """
+    hook = _unique_map if unique_keys else None
     if not body:
         raise DecodeError("the body is empty", path="$", rule="empty_body")
     if fmt == "msgpack":
         try:
-            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+            return msgpack.unpackb(body, raw=False, strict_map_key=True, object_pairs_hook=hook)
+        except _DuplicateKey as exc:
+            raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="duplicate_key") from None
         except msgpack.ExtraData:
             raise DecodeError("msgpack body has trailing bytes after the first object", path="$", rule="msgpack") from None
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             # Truncated data, bad type bytes, non-string map keys, invalid UTF-8 strings.
             raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="msgpack") from None
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=hook)
+    except _DuplicateKey as exc:
+        raise DecodeError(f"malformed JSON: {exc}", path="$", rule="duplicate_key") from None
     except UnicodeDecodeError as exc:
         raise DecodeError(f"JSON body is not UTF-8: {exc.reason} at byte {exc.start}", path="$", rule="json") from None
     except json.JSONDecodeError as exc:
@@ -180,11 +210,18 @@ def json_path(loc: tuple[Any, ...]) -> str:
             out += f"[{part}]"
         elif isinstance(part, str) and _TAG.match(part):
             continue
-        elif isinstance(part, str) and part.isidentifier():
+        elif isinstance(part, str) and part.isidentifier() and len(part) <= _ECHO:
             out += f".{part}"
         else:
-            out += f"[{json.dumps(str(part))}]"
+            out += f"[{json.dumps(_clip(str(part)))}]"
     return out
+
+
+_ECHO = 64  # characters of a request's own text echoed back in an error
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _ECHO else text[: _ECHO - 3] + "..."
 
 
 def _type_name(v: Any) -> str:
@@ -194,7 +231,7 @@ def _type_name(v: Any) -> str:
 def _short(v: Any) -> str:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return f"<{len(v)} bytes>"
-    r = repr(v)
+    r = repr(v) if not isinstance(v, str) or len(v) <= _ECHO else repr(v[:_ECHO])
     return r if len(r) <= 60 else r[:57] + "..."
 
 
@@ -214,9 +251,9 @@ def _convert(err: ValidationError) -> RequestError:
     kind = first["type"]
     got = first.get("input")
     if kind == "missing":
-        return RequestError(f"missing required field `{first['loc'][-1]}`{tail}", path=path, rule="required")
+        return RequestError(f"missing required field `{_clip(str(first['loc'][-1]))}`{tail}", path=path, rule="required")
     if kind == "extra_forbidden":
-        return RequestError(f"unknown field `{first['loc'][-1]}`{tail}", path=path, rule="unknown_field")
+        return RequestError(f"unknown field `{_clip(str(first['loc'][-1]))}`{tail}", path=path, rule="unknown_field")
     if all(e["type"].endswith("_type") or e["type"] == "none_required" for e in same):
         wanted = sorted({e["type"].removesuffix("_type").replace("none_required", "null") for e in same})
         return InputTypeError(f"expected {' or '.join(wanted)}, got {_type_name(got)}{tail}", path=path, rule="type")

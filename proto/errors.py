@@ -38,11 +38,15 @@ __all__ = [
     "CapacityError",
     "DecodeError",
     "PayloadTooLargeError",
+    "BodyTimeoutError",
+    "ConflictError",
     "UnsupportedMediaTypeError",
     "UnsupportedVersionError",
     "AuthError",
     "OverloadedError",
     "ServerError",
+    "DeadlineError",
+    "UnavailableError",
     "TransportError",
     "HTTP_STATUS",
     "http_status",
@@ -102,6 +106,18 @@ class PayloadTooLargeError(RequestError):
     kind = "too_large"
 
 
+class BodyTimeoutError(RequestError):
+    """The request body did not arrive within the service's body timeout (HTTP 408)."""
+
+    kind = "body_timeout"
+
+
+class ConflictError(RequestError):
+    """An ``Idempotency-Key`` reused for a different request (HTTP 409)."""
+
+    kind = "conflict"
+
+
 class UnsupportedMediaTypeError(RequestError):
     """Content-Type or Accept names a format the service does not speak (HTTP 415)."""
 
@@ -139,6 +155,18 @@ class ServerError(TreepackError):
     kind = "server_error"
 
 
+class DeadlineError(TreepackError):
+    """The work ran past the request's deadline, or its client went away, and was stopped (HTTP 504)."""
+
+    kind = "deadline_exceeded"
+
+
+class UnavailableError(TreepackError):
+    """A part the request needs is out of order (a damaged history); ``/readyz`` says why (HTTP 503)."""
+
+    kind = "unavailable"
+
+
 class TransportError(TreepackError):
     """The client could not talk to the server (connection refused, timeout, ...)."""
 
@@ -148,6 +176,8 @@ class TransportError(TreepackError):
 HTTP_STATUS: dict[type[TreepackError], int] = {
     DecodeError: 400,
     AuthError: 401,
+    BodyTimeoutError: 408,
+    ConflictError: 409,
     PayloadTooLargeError: 413,
     UnsupportedMediaTypeError: 415,
     CapacityError: 422,
@@ -155,6 +185,8 @@ HTTP_STATUS: dict[type[TreepackError], int] = {
     UnsupportedVersionError: 422,
     RequestError: 422,
     OverloadedError: 503,
+    DeadlineError: 504,
+    UnavailableError: 503,
     ServerError: 500,
 }
 
@@ -166,11 +198,15 @@ _BY_KIND: dict[str, type[TreepackError]] = {
         CapacityError,
         DecodeError,
         PayloadTooLargeError,
+        BodyTimeoutError,
+        ConflictError,
         UnsupportedMediaTypeError,
         UnsupportedVersionError,
         AuthError,
         OverloadedError,
         ServerError,
+        DeadlineError,
+        UnavailableError,
         TransportError,
     )
 }

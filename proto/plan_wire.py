@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from treepack.proto.buffers import Format, array_from_wire, array_to_wire
+from treepack.proto.buffers import Format, array_from_wire, array_to_wire, exact_sum
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import PlanMessage
 from treepack.proto.options import PlanOptions
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
-__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "plan_differences"]
+__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
 
 _I8, _I4, _F8 = "<i8", "<i4", "<f8"
 
@@ -95,7 +95,8 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
     """Rebuild a :class:`Plan` from its message.
 
     Raises:
-        RequestError: an array of the wrong dtype, rank or size (the path names it).
+        RequestError: an array of the wrong dtype, rank or size, or arrays that disagree
+            (:func:`check_plan_structure`; the path names the field).
     """
     if not isinstance(msg, PlanMessage):
         from treepack.proto.codec import parse_message  # msgpack is only needed here
@@ -124,12 +125,12 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         repair_ms=msg.repair_ms,
     )
     top = _arrays(msg, "", "")
-    return Plan(
+    plan = Plan(
         options=options,
         num_rows=msg.num_rows,
         strategy=msg.strategy,
         **top,
-        trainable=_flags(msg.trainable, int(top["seq_lens"].sum())),
+        trainable=_flags(msg.trainable, exact_sum(top["seq_lens"])),
         segments=seg,
         attention=att,
         gdn=GdnMeta(conv_width=msg.gdn.conv_width, levels=tuple(levels)),
@@ -137,6 +138,79 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         stats=stats,
         overflow=tuple(OverflowEvent(index=e.index, length=e.length, action=e.action) for e in msg.overflow),
     )
+    check_plan_structure(plan)
+    return plan
+
+
+def _need(ok: bool, what: str, path: str) -> None:
+    if not ok:
+        raise RequestError(f"the plan's fields disagree: {what}", path=path, rule="plan_structure")
+
+
+def _sizes(arrays: dict[str, np.ndarray], n: int, section: str, count: str) -> None:
+    for name, a in arrays.items():
+        _need(a.shape[0] == n, f"{name} has {a.shape[0]} entries for {n} {count}", f"$.{section}{name}")
+
+
+def _in(a: np.ndarray, lo: int, hi: int, path: str) -> None:
+    """Every value in [lo, hi)."""
+    _need(a.size == 0 or (int(a.min()) >= lo and int(a.max()) < hi), f"values outside [{lo}, {hi})", path)
+
+
+def _csr(ptr: np.ndarray, total: int, path: str) -> None:
+    _need(ptr.shape[0] >= 1 and int(ptr[0]) == 0 and int(ptr[-1]) == total, f"must run from 0 to {total}", path)
+    _need(bool(np.all(np.diff(ptr) >= 0)), "must not decrease", path)
+
+
+def check_plan_structure(plan: Plan) -> None:
+    """Cheap O(size) checks that a decoded plan's fields agree, before anything is derived from it.
+
+    Sizes between tables (S sequences, R = ``num_rows`` rows, G segments), CSR pointers,
+    index ranges, and token counts against ``seq_len``: a plan that passes cannot make
+    :meth:`Plan.position_ids` (``[R, C]``) or the gathers index out of range or allocate
+    more than its own arrays imply. (The planner's invariants are
+    ``validate_plan``'s job; this is the receiver's guard.)
+
+    Raises:
+        RequestError: (rule ``plan_structure``) naming the first field that disagrees.
+    """
+    seg, c = plan.segments, plan.seq_len
+    s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(seg.row.shape[0])
+    _sizes({f: getattr(plan, f) for f in ("orig_lens", "row_of", "first_trainable", "group_codes")}, s, "", "sequences")
+    _sizes({f: getattr(seg, f) for f in ("row_start", "length", "seq", "seq_start", "parent", "depth", "subtree_end", "sharers")}, g, "segments.", "segments")
+    _need(seg.row_ptr.shape[0] == r + 1 and seg.row_len.shape[0] == r, f"row tables for {r} rows", "$.segments.row_ptr")
+    _csr(seg.row_ptr, g, "$.segments.row_ptr")
+    _need(seg.seq_ptr.shape[0] == s + 1, f"seq_ptr for {s} sequences", "$.segments.seq_ptr")
+    _csr(seg.seq_ptr, int(seg.seq_segs.shape[0]), "$.segments.seq_ptr")
+    _in(seg.seq_segs, 0, g, "$.segments.seq_segs")
+    _in(seg.row, 0, r, "$.segments.row")
+    _in(seg.seq, 0, s, "$.segments.seq")
+    _in(seg.parent, -1, g, "$.segments.parent")
+    _in(seg.length, 1, c + 1, "$.segments.length")
+    _in(seg.row_start, 0, c, "$.segments.row_start")
+    _need(bool(np.all(seg.row_start + seg.length <= c)), f"segments end past seq_len {c}", "$.segments.length")
+    _in(seg.subtree_end, 0, c + 1, "$.segments.subtree_end")
+    _in(seg.row_len, 0, c + 1, "$.segments.row_len")
+    _in(plan.seq_lens, 0, 2**48, "$.seq_lens")
+    _in(seg.seq_start, 0, 2**48, "$.segments.seq_start")
+    _in(plan.row_of, -1, r, "$.row_of")
+    _need(bool(np.all((plan.first_trainable >= 0) & (plan.first_trainable <= plan.seq_lens))), "first_trainable outside [0, seq_lens]", "$.first_trainable")
+    att = plan.attention
+    _need(att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g, f"attention tables for {g} segments", "$.attention.anc_ptr")
+    _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
+    _in(att.anc_segs, 0, g, "$.attention.anc_segs")
+    for d, lv in enumerate(plan.gdn.levels):
+        n = int(lv.segs.shape[0])
+        where = f"$.gdn.levels[{d}]"
+        _sizes({"parent": lv.parent, "parent_slot": lv.parent_slot, "conv_context": lv.conv_context}, n, f"gdn.levels[{d}].", "segments")
+        _need(lv.cu_seqlens.shape[0] == n + 1, f"cu_seqlens for {n} segments", f"{where}.cu_seqlens")
+        _in(lv.segs, 0, g, f"{where}.segs")
+        _in(lv.conv_context, -1, r * c, f"{where}.conv_context")
+    rk = plan.ranks
+    _need(rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks, f"rank tables for {rk.num_ranks} ranks", "$.ranks.rank_rows")
+    _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")
+    _in(rk.rank_rows, -1, r, "$.ranks.rank_rows")
+    _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
 def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:

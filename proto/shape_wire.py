@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from treepack.proto.buffers import Format, decode_buffer, encode_buffer
+import numpy as np
+
+from treepack.proto.buffers import Format, decode_buffer, encode_buffer, exact_sum
+from treepack.proto.errors import RequestError
 from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.shape import BatchShape
 
-__all__ = ["shape_to_wire", "shape_from_wire"]
+__all__ = ["MAX_SHAPE_TOKENS", "shape_to_wire", "shape_from_wire"]
+
+# Tokens one shape may describe: 4096 inline shapes of this many tokens still sum inside
+# int64 (2**60), so every later sum over a pool is exact.
+MAX_SHAPE_TOKENS = 2**48
 
 
 def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
@@ -30,13 +37,27 @@ def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
 
 
 def shape_from_wire(msg: BatchShapeMessage, path: str = "$") -> BatchShape:
-    """Decode and check a shape (``path`` locates it in the request, for errors)."""
+    """Decode and check a shape (``path`` locates it in the request, for errors).
+
+    Run lengths are checked with exact integers before any sum over them is taken:
+    lengths that wrap int64 would pass every later check on the wrapped value.
+
+    Raises:
+        RequestError: an inconsistent shape, or one of more than :data:`MAX_SHAPE_TOKENS`.
+    """
+    run_len = decode_buffer(msg.run_len, "<i8", f"{path}.run_len")
+    if run_len.size and int(run_len.min()) < 1:
+        i = int(np.argmax(run_len < 1))
+        raise RequestError(f"run length must be >= 1, got {int(run_len[i])}", path=f"{path}.run_len[{i}]", rule="range")
+    total = exact_sum(run_len)
+    if total > MAX_SHAPE_TOKENS:
+        raise RequestError(f"the runs sum to {total} tokens, over the limit of {MAX_SHAPE_TOKENS}", path=f"{path}.run_len", rule="max_tokens")
     shape = BatchShape(
         seq_len=msg.seq_len,
         min_shared_len=msg.min_shared_len,
         seq_ptr=decode_buffer(msg.seq_ptr, "<i8", f"{path}.seq_ptr"),
         run_hash=decode_buffer(msg.run_hash, "<u8", f"{path}.run_hash"),
-        run_len=decode_buffer(msg.run_len, "<i8", f"{path}.run_len"),
+        run_len=run_len,
         first_trainable=decode_buffer(msg.first_trainable, "<i8", f"{path}.first_trainable"),
         groups=tuple(msg.groups),
         tags=None if msg.tags is None else tuple(msg.tags),

@@ -19,14 +19,14 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto.codec import json_path
-from treepack.proto.errors import AuthError, OverloadedError, RequestError, ServerError, TreepackError, http_status
+from treepack.proto.errors import AuthError, DeadlineError, OverloadedError, RequestError, ServerError, TreepackError, http_status
 from treepack.service.metrics import MetricsMiddleware
-from treepack.service.openapi import install_openapi
+from treepack.service.openapi import OFFLINE_DOCS, install_openapi
 from treepack.service.planning import PlanningService
 from treepack.service.routes import router
 from treepack.service.settings import Settings
@@ -46,6 +46,8 @@ def _error_response(request: Request, exc: TreepackError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, AuthError):
         headers["WWW-Authenticate"] = 'Bearer realm="treepack"'
+    if isinstance(exc, DeadlineError):
+        request.app.state.service.metrics.work_stopped.labels(exc.rule).inc()
     request.app.state.service.metrics.errors.labels(exc.kind).inc()
     return JSONResponse(exc.to_payload(), status_code=http_status(exc), headers=headers)
 
@@ -78,12 +80,18 @@ async def on_bug(request: Request, exc: Exception) -> JSONResponse:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """On shutdown, finish pending history writes; threads and the database go with the process.
+    """On shutdown, finish pending history writes and checkpoint the WAL into the database file.
 
-    (Not a full close: test clients run the lifespan around every use of one app.)
+    (Not a full close: test clients run the lifespan around every use of one app; the
+    connection stays usable, the file alone is complete.)
     """
     yield
     await asyncio.to_thread(app.state.service.flush)
+
+
+async def _offline_docs() -> HTMLResponse:
+    """``/docs`` without a network (settings ``docs="offline"``, the default)."""
+    return HTMLResponse(OFFLINE_DOCS)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -100,7 +108,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     svc = PlanningService(settings)
-    app = FastAPI(title="treepack", version=version("treepack"), description=DESCRIPTION, lifespan=lifespan)
+    swagger = settings.docs == "swagger"
+    app = FastAPI(
+        title="treepack", version=version("treepack"), description=DESCRIPTION, lifespan=lifespan, docs_url="/docs" if swagger else None, redoc_url=None
+    )
+    if settings.docs == "offline":
+        app.add_api_route("/docs", _offline_docs, methods=["GET"], include_in_schema=False)
     app.state.service = svc
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     install_openapi(app, description=DESCRIPTION, bearer=settings.token is not None)

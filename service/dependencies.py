@@ -4,23 +4,25 @@ FastAPI dependencies (all ``async``: none of them blocks, so none takes a trip t
 the thread pool), evaluated in the order a route declares them: a route's
 ``dependencies=[Depends(authorize)]`` first, then its parameters. The pack and what-if
 routes declare ``negotiate`` before ``read_body``, so a request is refused for its token
-(401), then for its formats (415), then for its size (413), before any byte of a large
-body is read or decoded. Every refusal is raised as the project's exception; the app's
+(401), then for its formats (415), then for its encoding (415), its size (413) and the
+intake budget (503), before any byte of a large body is read or decoded. Every refusal is raised as the project's exception; the app's
 one exception handler turns it into the JSON error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import NamedTuple
+import time
+from typing import AsyncIterator, NamedTuple
 
 from fastapi import Request
 
 from treepack.proto.codec import Format, request_format, response_format
-from treepack.proto.errors import AuthError, DecodeError, PayloadTooLargeError
+from treepack.proto.errors import AuthError, BodyTimeoutError, DecodeError, PayloadTooLargeError, RequestError, UnsupportedMediaTypeError
 from treepack.service.planning import PlanningService
 
-__all__ = ["Formats", "service", "authorize", "negotiate", "accept_format", "read_body"]
+__all__ = ["Formats", "service", "authorize", "negotiate", "accept_format", "read_body", "idempotency_key"]
 
 
 class Formats(NamedTuple):
@@ -71,29 +73,113 @@ async def accept_format(request: Request) -> Format:
     return response_format(request.headers.get("accept"), default="json")
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body, refusing more than ``max_body_bytes`` (413) before reading it all.
-
-    A declared Content-Length over the limit is refused before the first chunk; a body
-    without one (chunked) is refused as soon as the chunks read so far pass the limit.
+def idempotency_key(request: Request) -> str | None:
+    """The ``Idempotency-Key`` header (1..128 printable ASCII characters), or None.
 
     Raises:
-        DecodeError: Content-Length is not an integer.
-        PayloadTooLargeError: the body is over the limit.
+        RequestError: a key that is empty, longer or not printable ASCII.
     """
-    limit = _service(request).settings.max_body_bytes
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    key = key.strip()
+    if not 1 <= len(key) <= 128 or not key.isascii() or not key.isprintable():
+        raise RequestError("Idempotency-Key must be 1 to 128 printable ASCII characters", path="Idempotency-Key", rule="header")
+    return key
+
+
+def _announced(request: Request, limit: int) -> int | None:
+    """The body's Content-Length (None: chunked), refused over ``limit`` or when it has an encoding."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaTypeError(
+            f"Content-Encoding {encoding[:64]!r} is not supported; send the body uncompressed", path="Content-Encoding", rule="content_encoding"
+        )
     declared = request.headers.get("content-length")
-    if declared is not None:
+    if declared is None:
+        return None
+    if not declared.isascii() or not declared.isdigit():
+        raise DecodeError(f"Content-Length {declared[:64]!r} is not an integer", path="Content-Length", rule="header")
+    n = int(declared)
+    if n > limit:
+        raise PayloadTooLargeError(f"body of {n} bytes, over the limit of {limit}", path="$", rule="max_body_bytes")
+    return n
+
+
+async def _read_exactly(chunks: AsyncIterator[bytes], n: int, deadline: float, timeout_s: float) -> bytes | bytearray:
+    """The body of announced size ``n``: the first chunk itself when it is the whole body
+    (no copy), else the chunks copied into one buffer of ``n`` bytes as they arrive."""
+    longer = DecodeError(f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header")
+    first = await _next_chunk(chunks, deadline, timeout_s) or b""
+    if len(first) > n:
+        raise longer
+    if len(first) == n:
+        if await _next_chunk(chunks, deadline, timeout_s) is not None:
+            raise longer
+        return first
+    buf, got = bytearray(n), len(first)
+    buf[:got] = first
+    while (chunk := await _next_chunk(chunks, deadline, timeout_s)) is not None:
+        if got + len(chunk) > n:
+            raise longer
+        buf[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != n:
+        raise DecodeError(f"the body ended after {got} of its {n} bytes", path="Content-Length", rule="header")
+    return buf
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float) -> bytes | None:
+    """The next non-empty chunk, None at the end; :class:`BodyTimeoutError` past ``deadline``."""
+    while True:
         try:
-            n = int(declared)
-        except ValueError:
-            raise DecodeError(f"Content-Length {declared!r} is not an integer", path="Content-Length", rule="header") from None
-        if n > limit:
-            raise PayloadTooLargeError(f"body of {n} bytes, over the limit of {limit}", path="$", rule="max_body_bytes")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise PayloadTooLargeError(f"body over the limit of {limit} bytes", path="$", rule="max_body_bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+            chunk = await asyncio.wait_for(anext(chunks), max(deadline - time.monotonic(), 0.0))
+        except StopAsyncIteration:
+            return None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise BodyTimeoutError(f"the body did not arrive within {timeout_s:g} s", path="$", rule="body_timeout") from None
+        if chunk:
+            return chunk
+
+
+async def read_body(request: Request) -> AsyncIterator[bytes | bytearray]:
+    """The request body, admitted and bounded before it is read (a dependency with cleanup).
+
+    Order: the encoding (415 unless identity), the announced size (413 over
+    ``max_body_bytes``), admission (503 + Retry-After when the announced bytes would
+    pass ``intake_budget_bytes`` of bodies in flight), then the bytes, into one buffer of
+    the announced size, within ``body_timeout_s`` (408). The reservation is held until
+    the answer is sent, so bodies waiting for a planner count too. A chunked body (no
+    Content-Length) reserves its bytes as they arrive.
+
+    Yields:
+        The body: one buffer (the single chunk it came in, or a ``bytearray`` of the
+        announced size the chunks were copied into).
+
+    Raises:
+        UnsupportedMediaTypeError, DecodeError, PayloadTooLargeError, OverloadedError,
+        BodyTimeoutError: as above.
+    """
+    svc = _service(request)
+    settings, intake = svc.settings, svc.intake
+    limit, timeout_s = settings.max_body_bytes, settings.body_timeout_s
+    n = _announced(request, limit)
+    deadline = time.monotonic() + timeout_s
+    reserved = 0
+    try:
+        if n is not None:
+            intake.acquire(n)
+            reserved = n
+            yield await _read_exactly(aiter(request.stream()), n, deadline, timeout_s)
+            return
+        parts = bytearray()
+        chunks = aiter(request.stream())
+        while (chunk := await _next_chunk(chunks, deadline, timeout_s)) is not None:
+            if len(parts) + len(chunk) > limit:
+                raise PayloadTooLargeError(f"body over the limit of {limit} bytes", path="$", rule="max_body_bytes")
+            intake.acquire(len(chunk))
+            reserved += len(chunk)
+            parts += chunk
+        yield parts
+    finally:
+        intake.release(reserved)

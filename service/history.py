@@ -7,10 +7,19 @@ tokens). Durability:
 - WAL journal with ``synchronous=NORMAL``: a commit is atomic and survives the process
   being killed (SIGKILL) at any point; readers never see a half-written batch. (A power
   cut may lose the last commits, never the file.)
-- Retention is enforced inside the inserting transaction: at most ``max_batches`` rows
-  and none older than ``max_age_s``.
+- Retention is enforced inside the inserting transaction: at most ``max_batches`` rows,
+  at most ``max_bytes`` of shape blobs (the newest batch always stays) and none older than
+  ``max_age_s``.
 - ``PRAGMA user_version`` marks the schema; a file from an unknown version is refused
   rather than misread.
+- Integrity: opening runs ``PRAGMA quick_check``; a file that is not a database, fails the
+  check or has another schema raises :class:`HistoryDamaged`, one line naming the file and
+  the cause (:func:`move_aside` is the recovery: rename it and start fresh). A database
+  error later marks the store damaged (:attr:`HistoryStore.damaged`, for readiness) and
+  raises :class:`HistoryDamaged` too. A row whose shape does not decode is skipped and
+  counted (:attr:`HistoryStore.undecodable`), never blamed on a request.
+- :meth:`HistoryStore.checkpoint` (at shutdown, and in :meth:`HistoryStore.close`) folds
+  the WAL into the database file, so the file alone is complete after a clean stop.
 
 :class:`HistoryRecorder` writes from one background thread so a pack response never
 waits for hashing or the disk; :meth:`HistoryRecorder.flush` lets readers see every
@@ -31,12 +40,13 @@ from typing import Any, Callable
 import msgpack
 
 from treepack.proto.codec import parse_message
+from treepack.proto.errors import TreepackError
 from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.plan import PlanStats
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
 
-__all__ = ["HistoryStore", "HistoryRecorder", "SCHEMA_VERSION", "empty_summary"]
+__all__ = ["HistoryStore", "HistoryRecorder", "HistoryDamaged", "SCHEMA_VERSION", "empty_summary", "move_aside"]
 
 log = logging.getLogger("treepack.history")
 
@@ -72,6 +82,32 @@ def _groups_per_tag(shape: BatchShape) -> dict[str, int]:
     return out
 
 
+class HistoryDamaged(RuntimeError):
+    """The history database cannot be used; the message names the file and the cause in one line."""
+
+
+def move_aside(path: str | Path) -> Path | None:
+    """Rename a damaged history file (and its ``-wal``/``-shm``) to ``<file>.damaged-<unix time>``.
+
+    Returns:
+        The new path of the database file, or None when there was no file.
+    """
+    src = Path(path)
+    stamp = int(time.time())
+    target = src.with_name(f"{src.name}.damaged-{stamp}")
+    moved = None
+    for suffix in ("", "-wal", "-shm"):
+        f = src.with_name(src.name + suffix)
+        if f.exists():
+            f.rename(target.with_name(target.name + suffix))
+            moved = moved or target
+    return moved
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class HistoryStore:
     """SQLite store of batch shapes (module docstring). Thread-safe.
 
@@ -79,28 +115,56 @@ class HistoryStore:
         path: database file (created with its folder), or None for an in-memory store.
         max_batches: retention by count.
         max_age_s: retention by age in seconds (None: none).
+        max_bytes: retention by the bytes of the stored shapes (None: none).
+
+    Raises:
+        HistoryDamaged: the file cannot be opened as a history (module docstring).
     """
 
-    def __init__(self, path: str | Path | None, *, max_batches: int = 1000, max_age_s: float | None = None) -> None:
+    def __init__(self, path: str | Path | None, *, max_batches: int = 1000, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
         self.path = None if path is None else str(path)
         self.max_batches = max_batches
         self.max_age_s = max_age_s
-        if self.path is not None:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.damaged: str | None = None
+        self.undecodable = 0
         self._lock = threading.Lock()
         self._decoded: dict[int, BatchShape] = {}
-        self._conn = sqlite3.connect(self.path or ":memory:", check_same_thread=False, isolation_level=None, timeout=30.0)
+        where = self.path or ":memory:"
+        try:
+            if self.path is not None:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(where, check_same_thread=False, isolation_level=None, timeout=30.0)
+        except (OSError, sqlite3.Error) as exc:
+            raise HistoryDamaged(f"history database {where}: cannot open: {_one_line(exc)}") from None
+        try:
+            self._open()
+        except (sqlite3.Error, HistoryDamaged) as exc:
+            self._conn.close()
+            if isinstance(exc, HistoryDamaged):
+                raise
+            raise HistoryDamaged(f"history database {where}: {_one_line(exc)}") from None
+
+    def _open(self) -> None:
         with self._lock:
             c = self._conn
             if self.path is not None:
                 c.execute("PRAGMA journal_mode=WAL")
             c.execute("PRAGMA synchronous=NORMAL")
+            check = c.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                raise HistoryDamaged(f"history database {self.path}: integrity check failed: {_one_line(Exception(check[0][0]))}")
             version = c.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, SCHEMA_VERSION):
-                c.close()
-                raise RuntimeError(f"history database {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
+                raise HistoryDamaged(f"history database {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
             c.executescript(_SCHEMA)
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _failed(self, exc: sqlite3.Error) -> HistoryDamaged:
+        """Mark the store damaged after a database error (readiness reports it)."""
+        self.damaged = f"history database {self.path or ':memory:'}: {_one_line(exc)}"
+        log.error("%s", self.damaged)
+        return HistoryDamaged(self.damaged)
 
     def record(self, shape: BatchShape, *, rows: int, packed_tokens: int, saved_fraction: float, created: float | None = None) -> int:
         """Store one batch's shape and apply retention, in one transaction.
@@ -126,18 +190,22 @@ class HistoryStore:
         )
         with self._lock:
             c = self._conn
-            c.execute("BEGIN IMMEDIATE")
             try:
-                cur = c.execute(
-                    "INSERT INTO batches (created, seq_len, min_shared_len, sequences, groups, tokens, rows,"
-                    " packed_tokens, saved_fraction, tags, shape) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    row,
-                )
-                self._prune(now)
-                c.execute("COMMIT")
-            except BaseException:
-                c.execute("ROLLBACK")
-                raise
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    cur = c.execute(
+                        "INSERT INTO batches (created, seq_len, min_shared_len, sequences, groups, tokens, rows,"
+                        " packed_tokens, saved_fraction, tags, shape) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        row,
+                    )
+                    self._prune(now)
+                    c.execute("COMMIT")
+                except BaseException:
+                    if c.in_transaction:
+                        c.execute("ROLLBACK")
+                    raise
+            except sqlite3.DatabaseError as exc:
+                raise self._failed(exc) from None
             return int(cur.lastrowid)
 
     def _prune(self, now: float) -> None:
@@ -148,30 +216,57 @@ class HistoryStore:
         )
         if self.max_age_s is not None:
             c.execute("DELETE FROM batches WHERE created < ?", (now - self.max_age_s,))
+        if self.max_bytes is not None:
+            # Oldest first, until the shapes from the newest back fit; the newest always stays.
+            c.execute(
+                "DELETE FROM batches WHERE id < (SELECT MAX(id) FROM batches) AND id IN (SELECT id FROM"
+                " (SELECT id, SUM(LENGTH(shape)) OVER (ORDER BY id DESC) AS kept FROM batches) WHERE kept > ?)",
+                (self.max_bytes,),
+            )
 
     def prune(self, now: float | None = None) -> None:
         """Apply retention now (recording does it too; this serves an idle store)."""
         with self._lock:
-            self._prune(time.time() if now is None else now)
+            try:
+                self._prune(time.time() if now is None else now)
+            except sqlite3.DatabaseError as exc:
+                raise self._failed(exc) from None
 
     def count(self) -> int:
+        return int(self._query(lambda c: c.execute("SELECT COUNT(*) FROM batches").fetchone()[0]))
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored shape blobs (what ``max_bytes`` bounds)."""
+        return int(self._query(lambda c: c.execute("SELECT COALESCE(SUM(LENGTH(shape)), 0) FROM batches").fetchone()[0]))
+
+    def _query(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """``fn(connection)`` under the lock; a database error marks the store damaged."""
         with self._lock:
-            return int(self._conn.execute("SELECT COUNT(*) FROM batches").fetchone()[0])
+            try:
+                return fn(self._conn)
+            except sqlite3.DatabaseError as exc:
+                raise self._failed(exc) from None
 
     def summary(self) -> dict[str, Any]:
         """Counts, time span, seq_lens, groups per tag and means over the retained batches."""
-        with self._lock:
-            c = self._conn
-            n, seqs, groups, toks, oldest, newest, mean_rows, mean_saved = c.execute(
+
+        def read(c: sqlite3.Connection) -> tuple[Any, ...]:
+            head = c.execute(
                 "SELECT COUNT(*), COALESCE(SUM(sequences),0), COALESCE(SUM(groups),0), COALESCE(SUM(tokens),0),"
                 " MIN(created), MAX(created), AVG(rows), AVG(saved_fraction) FROM batches"
             ).fetchone()
             seq_lens = [int(r[0]) for r in c.execute("SELECT DISTINCT seq_len FROM batches ORDER BY seq_len")]
-            tag_rows = c.execute("SELECT tags FROM batches").fetchall()
+            return head, seq_lens, c.execute("SELECT tags FROM batches").fetchall()
+
+        (n, seqs, groups, toks, oldest, newest, mean_rows, mean_saved), seq_lens, tag_rows = self._query(read)
         tags: dict[str, int] = {}
         for (t,) in tag_rows:
-            for k, v in json.loads(t).items():
-                tags[k] = tags.get(k, 0) + int(v)
+            try:
+                per_tag = json.loads(t)
+                for k, v in per_tag.items():
+                    tags[k] = tags.get(k, 0) + int(v)
+            except (TypeError, ValueError, AttributeError):
+                continue  # an undecodable row's tags: counted by shapes(), skipped here
         return dict(
             batches=int(n),
             sequences=int(seqs),
@@ -191,27 +286,60 @@ class HistoryStore:
         Decoded shapes are kept between calls (rows never change once written), so
         repeated what-if requests only decode batches recorded since the last one.
         """
-        with self._lock:
-            ids = [r[0] for r in self._conn.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))]
+
+        def read(c: sqlite3.Connection) -> tuple[list[int], list[Any]]:
+            ids = [r[0] for r in c.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))]
             missing = [i for i in ids if i not in self._decoded]
             rows = []
             for k in range(0, len(missing), 500):  # stay under SQLite's bound-parameter limit
                 part = missing[k : k + 500]
-                rows += self._conn.execute(f"SELECT id, shape FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
-        fresh = {bid: shape_from_wire(parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False)), f"history[{bid}]") for bid, blob in rows}
+                rows += c.execute(f"SELECT id, shape FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
+            return ids, rows
+
+        ids, rows = self._query(read)
+        fresh = {}
+        for bid, blob in rows:
+            shape = _decode_row(bid, blob)
+            if shape is None:
+                self.undecodable += 1
+            else:
+                fresh[bid] = shape
         known = {**self._decoded, **fresh}
         self._decoded = {i: known[i] for i in ids if i in known}
         return [self._decoded[i] for i in reversed(ids) if i in self._decoded]
 
     def check(self) -> str:
-        """``"ok"`` when the database answers a query (readiness)."""
-        with self._lock:
-            self._conn.execute("SELECT 1 FROM batches LIMIT 1").fetchall()
+        """``"ok"`` when the database answers a query, else why not (readiness)."""
+        if self.damaged is not None:
+            return f"damaged: {self.damaged}"
+        try:
+            self._query(lambda c: c.execute("SELECT 1 FROM batches LIMIT 1").fetchall())
+        except HistoryDamaged as exc:
+            return f"damaged: {exc}"
         return "ok"
 
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file (the file alone is then complete)."""
+        if self.path is not None and self.damaged is None:
+            self._query(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+
     def close(self) -> None:
+        """Checkpoint (when healthy) and close the database."""
+        try:
+            self.checkpoint()
+        except HistoryDamaged:
+            pass  # already logged; closing is all that is left
         with self._lock:
             self._conn.close()
+
+
+def _decode_row(bid: int, blob: Any) -> BatchShape | None:
+    """A stored shape, or None (logged) when the row does not decode or is inconsistent."""
+    try:
+        return shape_from_wire(parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False)), f"history[{bid}]")
+    except (TreepackError, ValueError, TypeError, msgpack.UnpackException) as exc:
+        log.warning("history row %d skipped: it does not decode (%s)", bid, _one_line(exc))
+        return None
 
 
 class HistoryRecorder:

@@ -16,6 +16,14 @@ Exported (``GET /metrics``, text format):
 - ``treepack_history_recorded_total``, ``treepack_history_skipped_total``,
   ``treepack_history_failed_total``, ``treepack_history_pending``: the shape recorder.
 - ``treepack_whatif_trials_total``: planner runs made by what-if requests.
+- ``treepack_history_undecodable_total``: stored shapes skipped because they do not
+  decode; ``treepack_history_damaged``: 1 while the history is damaged (``/readyz``
+  says why).
+- ``treepack_intake_bytes``: bytes of request bodies being read or held for planning;
+  ``treepack_intake_refused_total``: bodies refused with 503 before they were read.
+- ``treepack_work_stopped_total{reason}``: planning stopped at its deadline
+  (``deadline``) or because its client went away (``cancelled``).
+- ``treepack_idempotent_replays_total``: packs answered from the idempotency cache.
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ _SAVED = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 class _StateCollector(Collector):
     """Reads the pool's and the recorder's counters at scrape time."""
 
-    def __init__(self, pool: PlanPool, recorder: HistoryRecorder | None) -> None:
+    def __init__(self, pool: PlanPool, recorder: HistoryRecorder | None, service: Any = None) -> None:
         self.pool = pool
         self.recorder = recorder
+        self.service = service
 
     def collect(self) -> Iterable[Any]:
         yield GaugeMetricFamily("treepack_queue_depth", "planner jobs waiting for a worker", value=self.pool.queue_depth)
@@ -55,12 +64,21 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("treepack_history_skipped", "batch shapes not recorded: writer backlog full", value=rec.skipped if rec else 0)
         yield CounterMetricFamily("treepack_history_failed", "batch shapes that failed to record", value=rec.failed if rec else 0)
         yield GaugeMetricFamily("treepack_history_pending", "batch shapes waiting for the writer", value=rec.pending if rec else 0)
+        svc = self.service
+        if svc is None:
+            return
+        store = svc.store
+        yield CounterMetricFamily("treepack_history_undecodable", "stored shapes skipped: they do not decode", value=store.undecodable if store else 0)
+        yield GaugeMetricFamily("treepack_history_damaged", "1 while the history is damaged", value=int(svc.history_damage() is not None))
+        yield GaugeMetricFamily("treepack_intake_bytes", "bytes of request bodies being read or held", value=svc.intake.in_flight)
+        yield CounterMetricFamily("treepack_intake_refused", "bodies refused with 503 before reading", value=svc.intake.rejected)
+        yield CounterMetricFamily("treepack_idempotent_replays", "packs answered from the idempotency cache", value=svc.replay.replayed)
 
 
 class ServiceMetrics:
     """The metric objects of one service instance."""
 
-    def __init__(self, pool: PlanPool, recorder: HistoryRecorder | None) -> None:
+    def __init__(self, pool: PlanPool, recorder: HistoryRecorder | None, service: Any = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("treepack_requests", "HTTP requests", ["route", "method", "status"], registry=r)
         self.latency = Histogram("treepack_request_seconds", "HTTP request latency", ["route"], buckets=_LATENCY, registry=r)
@@ -75,7 +93,8 @@ class ServiceMetrics:
         self.rows = Histogram("treepack_rows", "rows per packed batch", buckets=_ROWS, registry=r)
         self.errors = Counter("treepack_errors", "error responses by kind", ["kind"], registry=r)
         self.whatif_trials = Counter("treepack_whatif_trials", "planner runs made by what-if requests", registry=r)
-        r.register(_StateCollector(pool, recorder))
+        self.work_stopped = Counter("treepack_work_stopped", "planning stopped: deadline or client gone", ["reason"], registry=r)
+        r.register(_StateCollector(pool, recorder, service))
 
     def observe_plan(self, plan: Plan) -> None:
         st = plan.stats

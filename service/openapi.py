@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from treepack.proto import messages as m
 from treepack.proto.codec import JSON, MSGPACK
 
-__all__ = ["body_spec", "install_openapi", "MODELS", "ERRORS", "PACK_EXAMPLE", "WHATIF_EXAMPLE"]
+__all__ = ["body_spec", "install_openapi", "OFFLINE_DOCS", "MODELS", "ERRORS", "PACK_EXAMPLE", "WHATIF_EXAMPLE"]
 
 MODELS = (
     m.PackRequest,
@@ -32,12 +32,15 @@ MODELS = (
 )
 
 ERRORS = {
-    400: "malformed msgpack/JSON body",
+    400: "malformed msgpack/JSON body (duplicate keys included)",
     401: "missing or wrong bearer token (when the service has one)",
-    413: "body, sequences or tokens over the configured limits",
-    415: "Content-Type or Accept names a format other than msgpack/JSON",
+    408: "the body did not arrive within body_timeout_s",
+    409: "an Idempotency-Key reused for a different request",
+    413: "body, sequences, tokens or what-if work over the configured limits",
+    415: "Content-Type or Accept names a format other than msgpack/JSON, or the body has a Content-Encoding",
     422: "the request breaks a rule; the body names the field path and the rule",
-    503: "the planner queue is full; retry after Retry-After seconds",
+    503: "the planner queue or the body intake budget is full (retry after Retry-After seconds), or the history is damaged",
+    504: "the work ran past request_timeout_s and was stopped",
 }
 
 
@@ -136,3 +139,25 @@ def install_openapi(app: FastAPI, *, description: str, bearer: bool) -> None:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+
+
+# /docs without a network: a page of this file only, listing the operations of
+# /openapi.json (Swagger UI's assets are not bundled: settings.docs="swagger" loads them
+# from their CDN).
+OFFLINE_DOCS = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>treepack API</title>
+<style>body{font:14px/1.4 sans-serif;margin:2em;max-width:60em}code{background:#eee;padding:0 .2em}
+h2{font-size:1.1em;margin-top:1.5em}</style></head>
+<body><h1>treepack API</h1><p>The full document: <a href="openapi.json"><code>/openapi.json</code></a>.</p>
+<div id="ops">loading /openapi.json ...</div>
+<script>
+fetch("openapi.json").then(r => r.json()).then(doc => {
+  const ops = document.getElementById("ops"); ops.textContent = "";
+  for (const [path, item] of Object.entries(doc.paths)) for (const [method, op] of Object.entries(item)) {
+    const h = document.createElement("h2"); h.textContent = method.toUpperCase() + " " + path; ops.appendChild(h);
+    const p = document.createElement("p"); p.textContent = (op.summary || "") + ": " + (op.description || ""); ops.appendChild(p);
+    const s = document.createElement("p"); s.textContent = "answers: " + Object.keys(op.responses || {}).join(", "); ops.appendChild(s);
+  }
+});
+</script></body></html>
+"""

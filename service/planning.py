@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto.codec import Format, decode_body, encode_body, parse_message
-from treepack.proto.errors import PayloadTooLargeError
+from treepack.proto.errors import PayloadTooLargeError, UnavailableError
 from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
 from treepack.proto.options import OPTION_NAMES, PlanOptions
@@ -23,13 +25,14 @@ from treepack.proto.plan_wire import plan_to_wire
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire
 from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
-from treepack.service.history import HistoryRecorder, HistoryStore, empty_summary
+from treepack.service.history import HistoryDamaged, HistoryRecorder, HistoryStore, empty_summary, move_aside
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job
 from treepack.service.planner.options import check_options
-from treepack.service.planner.whatif import build_pool, whatif
-from treepack.service.pool import PlanPool
+from treepack.service.planner.whatif import GroupPool, build_pool, whatif
+from treepack.service.pool import IntakeBudget, PlanPool
+from treepack.service.replay import ReplayCache
 from treepack.service.settings import Settings
 
 __all__ = ["PlanningService"]
@@ -37,11 +40,38 @@ __all__ = ["PlanningService"]
 log = logging.getLogger("treepack.service")
 
 
-def _pool_summary(shapes: list[BatchShape]) -> dict[str, Any]:
+Check = Callable[[], None]
+
+
+def whatif_work(pool: GroupPool, compositions: list[Any], trials: int) -> int:
+    """Tokens a what-if may plan: per composition, trials x the most tokens one draw can hold.
+
+    Exact Python ints (a composition drawing the k largest groups is the bound).
+
+    Args:
+        pool: the sampling pool.
+        compositions: the :class:`~treepack.proto.whatif.Composition` s.
+        trials: trials per composition.
+
+    Returns:
+        The sum over compositions of ``trials * max tokens per trial``.
+    """
+    sizes = np.add.reduceat(pool.lens[pool.unit_seqs], pool.unit_ptr[:-1]) if pool.num_groups else np.zeros(0, np.int64)
+    tag_arr = np.asarray(pool.unit_tag, dtype=object)
+    total = 0
+    for comp in compositions:
+        if comp.groups is not None:
+            top = np.sort(sizes)[::-1][: comp.groups]
+        else:
+            top = np.concatenate([np.sort(sizes[tag_arr == t])[::-1][:k] for t, k in (comp.by_tag or {}).items()] or [np.zeros(0, np.int64)])
+        total += trials * sum(int(x) for x in top.tolist())
+    return total
+
+
+def _pool_summary(pool: GroupPool) -> dict[str, Any]:
     """What a what-if sampled from: batches, groups, sequences, tokens, groups per tag."""
-    pool = build_pool(shapes)
     return {
-        "batches": len(shapes),
+        "batches": len(pool.shapes),
         "groups": pool.num_groups,
         "sequences": pool.num_sequences,
         "tokens": int(pool.lens.sum()),
@@ -59,25 +89,54 @@ class PlanningService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
+        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s)
+        self.replay = ReplayCache(max_bytes=settings.idempotency_cache_bytes, ttl_s=settings.idempotency_ttl_s)
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
+        self.history_problem: str | None = None
         if settings.history_enabled:
-            self.store = HistoryStore(settings.history_path, max_batches=settings.history_max_batches, max_age_s=settings.history_max_age_s)
-            self.recorder = HistoryRecorder(self.store, max_pending=settings.history_max_pending)
+            self.store = self._open_history()
+            if self.store is not None:
+                self.recorder = HistoryRecorder(self.store, max_pending=settings.history_max_pending)
             if settings.history_path is None:
                 log.warning("the shape history is kept in memory; set TREEPACK_HISTORY_PATH to keep it across restarts")
-        self.metrics = ServiceMetrics(self.pool, self.recorder)
+        self.metrics = ServiceMetrics(self.pool, self.recorder, self)
         self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
 
-    def pack(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
-        """``POST /v1/pack``: body -> plan (worker thread)."""
+    def _open_history(self) -> HistoryStore | None:
+        """The store; a damaged file is moved aside (``history_recover``) or leaves the history off."""
+        s = self.settings
+
+        def open_store() -> HistoryStore:
+            return HistoryStore(s.history_path, max_batches=s.history_max_batches, max_age_s=s.history_max_age_s, max_bytes=s.history_max_bytes)
+
+        try:
+            return open_store()
+        except HistoryDamaged as exc:
+            if s.history_recover and s.history_path is not None:
+                moved = move_aside(s.history_path)
+                log.error("%s; moved it to %s and started a fresh history (history_recover)", exc, moved)
+                return open_store()
+            self.history_problem = f"{exc} (the history is off; restart with TREEPACK_HISTORY_RECOVER=true to move the file aside)"
+            log.error("%s", self.history_problem)
+            return None
+
+    def history_damage(self) -> str | None:
+        if self.history_problem is not None:
+            return self.history_problem
+        return None if self.store is None else self.store.damaged
+
+    def pack(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> bytes:
+        """``POST /v1/pack``: body -> plan (worker thread); ``check`` stops it (deadline, disconnect)."""
+        if check is not None:
+            check()  # it may have waited in the queue past its deadline
         t0 = time.perf_counter()
         msg = parse_message(PackRequest, decode_body(body, fmt_in))
         # Options (422) before size limits (413); plan_request's check is then a no-op.
         check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         request = decode_pack_request(msg, self.limits)
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
-        result = plan_request(request)
+        result = plan_request(request, check=check)
         plan = result.plan
         recorded = bool(request.record and self.recorder is not None and self.recorder.submit(shape_job(result, request.tags), plan.stats))
         self.metrics.observe_plan(plan)
@@ -86,8 +145,14 @@ class PlanningService:
         self.metrics.pack_phase.labels("encode").observe(time.perf_counter() - t0)
         return out
 
-    def whatif(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
-        """``POST /v1/whatif``: compositions -> row distributions (worker thread)."""
+    def whatif(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> bytes:
+        """``POST /v1/whatif``: compositions -> row distributions (worker thread).
+
+        Refused before any trial (413) when its work (:func:`whatif_work`) passes
+        ``whatif_max_work``; ``check`` stops it between trials (deadline, disconnect).
+        """
+        if check is not None:
+            check()
         msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
@@ -102,26 +167,41 @@ class PlanningService:
                 rule="max_trials",
             )
         source, shapes = ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
+        comps = [composition_from_wire(c) for c in msg.compositions]
+        pool = build_pool(shapes)
+        work = whatif_work(pool, comps, msg.trials)
+        if work > self.settings.whatif_max_work:
+            raise PayloadTooLargeError(
+                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {self.settings.whatif_max_work}",
+                path="$.trials",
+                rule="max_work",
+            )
         results = whatif(
             shapes,
-            [composition_from_wire(c) for c in msg.compositions],
+            comps,
             options,
             trials=msg.trials,
             seed=msg.seed,
             max_rows=msg.max_rows,
             max_tokens=self.settings.max_tokens,
+            check=check,
         )
         self.metrics.whatif_trials.inc(runs)
         out = {
             "version": WIRE_VERSION,
             "source": source,
-            "pool": _pool_summary(shapes),
+            "pool": _pool_summary(pool),
             "results": [whatif_result_to_wire(r) for r in results],
         }
         return encode_body(out, fmt_out)
 
     def _recorded_shapes(self, last: int | None) -> list[BatchShape]:
-        """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history."""
+        """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history.
+
+        Raises:
+            UnavailableError: the history is damaged (503; ``/readyz`` says why).
+        """
+        self._refuse_if_damaged()
         if self.recorder is None or self.store is None:
             return []
         self.recorder.flush()
@@ -130,11 +210,12 @@ class PlanningService:
     def history_summary(self) -> dict[str, Any]:
         """``GET /v1/history`` (blocking: waits for pending writes, then queries)."""
         s = self.settings
+        self._refuse_if_damaged()
         if self.store is None or self.recorder is None:
             summary, enabled = empty_summary(), False
         else:
             self.recorder.flush()
-            summary, enabled = self.store.summary(), True
+            summary, enabled = self._history_call(self.store.summary), True
         return {
             "version": WIRE_VERSION,
             "enabled": enabled,
@@ -142,10 +223,24 @@ class PlanningService:
             "retention": {"max_batches": s.history_max_batches, "max_age_s": s.history_max_age_s},
         }
 
+    def _refuse_if_damaged(self) -> None:
+        problem = self.history_damage()
+        if problem is not None:
+            raise UnavailableError(f"the shape history is unavailable: {problem}", path="$", rule="history_damaged")
+
+    def _history_call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except HistoryDamaged:
+            self._refuse_if_damaged()
+            raise
+
     def ready_checks(self) -> dict[str, str]:
         """Readiness: each part answers (``"ok"``) or says why not."""
         checks = {"planner": "ok"}
-        if self.store is not None:
+        if self.history_problem is not None:
+            checks["history"] = f"damaged: {self.history_problem}"
+        elif self.store is not None:
             try:
                 checks["history"] = self.store.check()
             except Exception as exc:  # any database failure means not ready
@@ -153,11 +248,17 @@ class PlanningService:
         return checks
 
     def flush(self, timeout: float | None = 60.0) -> None:
-        """Wait until every queued history write is done."""
+        """Wait until every queued history write is done, then fold the WAL into the file."""
         if self.recorder is not None:
             self.recorder.flush(timeout)
+        if self.store is not None:
+            try:
+                self.store.checkpoint()
+            except HistoryDamaged:
+                pass  # logged; readiness reports it
 
     def close(self) -> None:
+        """Stop the workers, write what is pending, checkpoint and close the history."""
         self.pool.close()
         if self.recorder is not None:
             self.recorder.close()

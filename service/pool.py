@@ -4,23 +4,94 @@
 A job beyond that is refused at once with :class:`~treepack.proto.errors.OverloadedError`
 (HTTP 503 + Retry-After): the service never queues without bound and never hangs.
 
-A slot is released when the job *finishes*, not when its awaiting request goes away
-(a client that disconnects does not stop numpy), so admission always counts the threads'
-real work.
+A slot is released when the job *finishes*, not when its awaiting request goes away, so
+admission always counts the threads' real work. A job carries a :class:`Ticket`: the
+planner calls it between phases and trials, and it raises
+:class:`~treepack.proto.errors.DeadlineError` once the request's deadline has passed or
+its client went away (:meth:`Ticket.cancel`), so abandoned work stops within one phase.
+
+:class:`IntakeBudget` is the admission of request bodies: the bytes of bodies being read
+at once, counted by their announced size before the first byte is read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from treepack.proto.errors import OverloadedError
+from treepack.proto.errors import DeadlineError, OverloadedError
 
-__all__ = ["PlanPool"]
+__all__ = ["PlanPool", "Ticket", "IntakeBudget"]
 
 T = TypeVar("T")
+
+
+class Ticket:
+    """The stop condition of one request's work: a deadline and a cancel flag.
+
+    Args:
+        timeout_s: seconds from now until the deadline.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Mark the work abandoned (its client disconnected)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def __call__(self) -> None:
+        """Raise :class:`DeadlineError` when the work should stop (the planner's ``check``)."""
+        if self._cancelled.is_set():
+            raise DeadlineError("the client went away; the work was stopped", path="$", rule="cancelled")
+        if time.monotonic() > self.deadline:
+            raise DeadlineError(f"the work ran past the request deadline of {self.timeout_s:g} s and was stopped", path="$", rule="deadline")
+
+
+class IntakeBudget:
+    """Bytes of request bodies being read at once, bounded (module docstring).
+
+    Args:
+        budget: the bound in bytes.
+        retry_after_s: advised back-off carried by the 503.
+    """
+
+    def __init__(self, budget: int, retry_after_s: float = 1.0) -> None:
+        self.budget = budget
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+        self.rejected = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> None:
+        """Reserve ``nbytes``, or raise :class:`OverloadedError` (503) when the budget would pass.
+
+        A body larger than the whole budget is still admitted when nothing else is being
+        read (``max_body_bytes`` is its bound), so a budget below it never locks a size out.
+        """
+        with self._lock:
+            if self.in_flight and self.in_flight + nbytes > self.budget:
+                self.rejected += 1
+                raise OverloadedError(
+                    f"{self.in_flight} bytes of request bodies are being read (budget {self.budget}); retry later",
+                    path="$",
+                    rule="intake_budget",
+                    retry_after=self.retry_after_s,
+                )
+            self.in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.in_flight -= nbytes
 
 
 class PlanPool:

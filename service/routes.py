@@ -11,22 +11,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto import messages as m
 from treepack.proto.codec import Format, content_type, encode_body
-from treepack.service.dependencies import Formats, accept_format, authorize, negotiate, read_body, service
+from treepack.service.dependencies import Formats, accept_format, authorize, idempotency_key, negotiate, read_body, service
 from treepack.service.openapi import body_spec
 from treepack.service.planning import PlanningService
+from treepack.service.pool import Ticket
 
 __all__ = ["router"]
 
 router = APIRouter()
 
 AUTH = [Depends(authorize)]
-STATUSES = (400, 401, 413, 415, 422, 503)
+STATUSES = (400, 401, 408, 409, 413, 415, 422, 503, 504)
 
 
 def _ready_spec() -> dict[str, Any]:
@@ -41,22 +42,53 @@ def _metrics_spec() -> dict[str, Any]:
     return spec
 
 
-async def _plan_in_pool(svc: PlanningService, work: Callable[[bytes, Format, Format], bytes], formats: Formats, body: bytes) -> Response:
-    """Run ``work(body, request format, response format)`` on the planner pool; answer its bytes."""
-    answer = await svc.pool.run(work, body, formats.request, formats.response)
+async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
+    """Cancel ``ticket`` when the client disconnects (the body is read: the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            ticket.cancel()
+            return
+
+
+async def _plan_in_pool(
+    request: Request, svc: PlanningService, work: Callable[[bytearray, Format, Format, Ticket], bytes], formats: Formats, body: bytearray
+) -> Response:
+    """Run ``work(body, request format, response format, ticket)`` on the planner pool; answer its bytes.
+
+    The ticket stops the work at ``request_timeout_s`` (504) or when the client goes away.
+    """
+    ticket = Ticket(svc.settings.request_timeout_s)
+    watcher = asyncio.create_task(_watch_disconnect(request, ticket))
+    try:
+        answer = await svc.pool.run(work, body, formats.request, formats.response, ticket)
+    finally:
+        watcher.cancel()
     return Response(answer, media_type=content_type(formats.response))
 
 
 @router.post("/v1/pack", dependencies=AUTH, openapi_extra=body_spec(m.PackRequest, m.PackResponse, STATUSES, description="the plan"))
-async def pack(svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytes = Depends(read_body)) -> Response:
-    """Pack a batch into rows: the plan with every array the trainer needs."""
-    return await _plan_in_pool(svc, svc.pack, formats, body)
+async def pack(
+    request: Request, svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytearray = Depends(read_body)
+) -> Response:
+    """Pack a batch into rows: the plan with every array the trainer needs.
+
+    An ``Idempotency-Key`` header (up to 128 printable ASCII characters) makes a retry
+    safe: a second request with the same key and body gets the first answer again and is
+    not recorded twice.
+    """
+    key = idempotency_key(request)
+    if key is None:
+        return await _plan_in_pool(request, svc, svc.pack, formats, body)
+    return await svc.replay.run(key, body, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
 
 
 @router.post("/v1/whatif", dependencies=AUTH, openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"))
-async def whatif(svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytes = Depends(read_body)) -> Response:
+async def whatif(
+    request: Request, svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytearray = Depends(read_body)
+) -> Response:
     """Rows needed by candidate batch compositions, sampled from recorded (or given) shapes."""
-    return await _plan_in_pool(svc, svc.whatif, formats, body)
+    return await _plan_in_pool(request, svc, svc.whatif, formats, body)
 
 
 @router.get("/v1/history", dependencies=AUTH, openapi_extra=body_spec(None, m.HistorySummary, (401, 415), description="the summary"))
@@ -74,7 +106,7 @@ async def healthz() -> JSONResponse:
 
 @router.get("/readyz", openapi_extra=_ready_spec())
 async def readyz(svc: PlanningService = Depends(service)) -> JSONResponse:
-    """Readiness: the planner and the history database answer."""
+    """Readiness: the planner and the history database answer (a damaged history says why; packs are still served)."""
     checks = await asyncio.to_thread(svc.ready_checks)
     ok = all(v == "ok" for v in checks.values())
     body: dict[str, Any] = {"version": WIRE_VERSION, "status": "ready" if ok else "not_ready", "checks": checks}

@@ -38,7 +38,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from treepack.service.settings import Settings
 
     for name, field in Settings.model_fields.items():
-        if name in ("token", "history_enabled"):
+        if name in ("token", "token_file", "history_enabled", "history_recover"):
             continue
         args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
         base = args[0] if args else field.annotation
@@ -53,7 +53,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             help=f"env TREEPACK_{name.upper()}; default {default}{hint}",
         )
     p.add_argument("--no-history", dest="history_enabled", action="store_const", const=False, default=None, help="record no batch shapes")
-    p.add_argument("--token-file", default=None, help="read the bearer token from this file (or set env TREEPACK_TOKEN)")
+    p.add_argument("--recover-history", dest="history_recover", action="store_const", const=True, default=None,
+                   help="move a damaged history file aside and start a fresh one (env TREEPACK_HISTORY_RECOVER)")  # fmt: skip
+    p.add_argument("--token-file", default=None, help="read the bearer token from this file, stripped (or env TREEPACK_TOKEN_FILE / TREEPACK_TOKEN)")
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
 
 
@@ -81,8 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     given = {k: (None if v == _UNSET else v) for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     if getattr(args, "token_file", None):
-        with open(args.token_file, encoding="utf-8") as f:
-            given["token"] = f.read().strip()
+        given["token_file"] = args.token_file
     try:
         return Settings(**given)
     except ValidationError as exc:
@@ -99,6 +100,8 @@ def _export(settings: Any) -> None:
             os.environ[key] = _UNSET  # read back as None (env_parse_none_str), not as the default
         elif name == "token":
             os.environ[key] = settings.token.get_secret_value()
+        elif name == "token_file":
+            os.environ.pop(key, None)  # the token itself is exported, already read and stripped
         else:
             os.environ[key] = str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -108,6 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     try:
         import uvicorn
+
+        from treepack.service.protocol import guarded_protocol
 
         import treepack.service.app  # noqa: F401  (fail here, clearly, without FastAPI)
     except ImportError as exc:
@@ -123,6 +128,10 @@ def run_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         workers=settings.workers,
         log_level=settings.log_level,
+        http=guarded_protocol(),
+        timeout_keep_alive=settings.keep_alive_s,
+        limit_concurrency=settings.max_connections,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     return 0
 

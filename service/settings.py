@@ -7,9 +7,10 @@ environment when called.
 
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
+from typing import Literal, Optional
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -25,17 +26,43 @@ class Settings(BaseSettings):
         workers: uvicorn worker processes (each with its own planner pool and metrics;
             one is right for a sidecar).
         token: if set, every ``/v1/*`` and ``/metrics`` request needs
-            ``Authorization: Bearer <token>`` (compared in constant time).
+            ``Authorization: Bearer <token>`` (compared in constant time). Surrounding
+            whitespace is stripped (a Secret made from a file ends in a newline); an empty
+            or non-ASCII token is refused at startup.
+        token_file: read the token from this file instead (stripped the same way).
         max_body_bytes: request bodies above this get 413.
         max_sequences: sequences per request above this get 413.
         max_tokens: tokens per request (and per what-if trial) above this get 413.
         max_concurrent_plans: planner worker threads.
+        whatif_max_work: tokens a what-if may plan in all: the sum over compositions of
+            trials x the most tokens one trial can draw; above it, 413 before any trial.
+        request_timeout_s: wall-clock deadline of a pack or what-if (from admission);
+            past it the planner stops between phases or trials and the answer is 504.
+            Work for a client that disconnected is stopped the same way.
+        intake_budget_bytes: bytes of request bodies being read at once (their announced
+            sizes); a body that would pass it gets 503 + Retry-After before it is read.
+        body_timeout_s: a request body must arrive within this many seconds (else 408).
+        header_timeout_s: a connection must send a request's headers within this many
+            seconds of opening (or of its previous answer), else it is closed.
+        max_header_bytes: request line and headers larger than this close the
+            connection (uvicorn's ``h11_max_incomplete_event_size``).
+        idempotency_cache_bytes: answers kept for repeated ``Idempotency-Key`` s (oldest
+            go first); ``idempotency_ttl_s``: for how long (a retry comes within seconds).
+        keep_alive_s: idle keep-alive connections are closed after this (uvicorn
+            ``timeout_keep_alive``).
+        max_connections: open connections (and tasks) beyond this get 503 from uvicorn
+            (``limit_concurrency``).
         max_queue: requests that may wait for a worker; beyond, 503 + Retry-After.
         retry_after_s: the Retry-After the service advises when overloaded.
         history_enabled: record batch shapes at all.
         history_path: SQLite file for the shape history; unset keeps it in memory
             (lost on restart).
         history_max_batches: keep at most this many recorded batches (oldest go first).
+        history_max_bytes: keep at most this many bytes of recorded shapes (oldest go
+            first; the newest batch is always kept).
+        history_recover: at startup, move a damaged history file aside (renamed
+            ``<file>.damaged-<unix time>``) and start a fresh one; without it a damaged file
+            leaves the history off and ``/readyz`` not ready (packs are still served).
         history_max_age_s: drop batches older than this (``none``: no age limit).
         history_max_pending: shapes waiting for the history writer; beyond, a batch is
             not recorded (counted in ``treepack_history_skipped_total``), never delayed.
@@ -44,6 +71,9 @@ class Settings(BaseSettings):
             returning it to the OS (glibc only; 0 keeps the allocator's defaults): large
             requests then reuse warm pages (:mod:`treepack.service.malloc`).
         log_level: uvicorn log level.
+        docs: ``offline`` (default) serves ``/docs`` as a self-contained page that lists
+            the operations from ``/openapi.json``; ``swagger`` serves Swagger UI from its CDN
+            (needs the network); ``off`` serves no ``/docs``.
     """
 
     model_config = SettingsConfigDict(env_prefix="TREEPACK_", extra="ignore", frozen=True, env_parse_none_str="none")
@@ -52,17 +82,53 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=64)
     token: Optional[SecretStr] = None
+    token_file: Optional[str] = None
     max_body_bytes: int = Field(256 * 2**20, ge=1)
     max_sequences: int = Field(262_144, ge=1)
     max_tokens: int = Field(64 * 2**20, ge=1)
     max_concurrent_plans: int = Field(2, ge=1, le=256)
     max_queue: int = Field(8, ge=0, le=10_000)
+    whatif_max_work: int = Field(2**30, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    intake_budget_bytes: int = Field(512 * 2**20, ge=1)
+    body_timeout_s: float = Field(60.0, gt=0, le=3600)
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    max_header_bytes: int = Field(64 * 2**10, ge=1024)
+    idempotency_cache_bytes: int = Field(32 * 2**20, ge=0)
+    idempotency_ttl_s: float = Field(120.0, gt=0)
+    keep_alive_s: int = Field(5, ge=1, le=3600)
+    max_connections: int = Field(256, ge=1)
     retry_after_s: float = Field(1.0, gt=0, le=3600)
     history_enabled: bool = True
     history_path: Optional[str] = None
     history_max_batches: int = Field(1000, ge=1)
+    history_max_bytes: int = Field(256 * 2**20, ge=1)
+    history_recover: bool = False
     history_max_age_s: Optional[float] = Field(7 * 24 * 3600.0, gt=0)
     history_max_pending: int = Field(32, ge=1)
     whatif_max_trials: int = Field(2000, ge=1)
     malloc_keep_mb: int = Field(256, ge=0, le=2047)
     log_level: str = "info"
+    docs: Literal["offline", "swagger", "off"] = "offline"
+
+    @model_validator(mode="after")
+    def _clean_token(self) -> "Settings":
+        """Strip the token (from the environment or ``token_file``); refuse an empty or non-ASCII one."""
+        raw, where = None, "TREEPACK_TOKEN"
+        if self.token_file is not None:
+            where = f"token file {self.token_file}"
+            try:
+                raw = Path(self.token_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the {where}: {exc}") from None
+        elif self.token is not None:
+            raw = self.token.get_secret_value()
+        if raw is None:
+            return self
+        token = raw.strip()
+        if not token:
+            raise ValueError(f"the bearer token ({where}) is empty; unset it to run without a token")
+        if not token.isascii() or not token.isprintable():
+            raise ValueError(f"the bearer token ({where}) must be printable ASCII (HTTP headers carry nothing else)")
+        object.__setattr__(self, "token", SecretStr(token))
+        return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from treepack.proto.batch import SequenceBatch
 from treepack.proto.batch_wire import PackInput
@@ -68,11 +68,14 @@ def plan_batch(
     return plan_request(request).plan
 
 
-def plan_request(request: PackInput) -> PlanResult:
-    """Check the options, normalize the batch with them, plan it (the sidecar's path too)."""
+def plan_request(request: PackInput, *, check: Callable[[], None] | None = None) -> PlanResult:
+    """Check the options, normalize the batch with them, plan it (the sidecar's path too).
+
+    ``check`` is as for :func:`plan_with_tree`.
+    """
     t0 = time.perf_counter()
     opts = check_options(request.options)
-    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0)
+    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check)
 
 
 def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, **option_kwargs: Any) -> Plan:
@@ -80,28 +83,41 @@ def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, **
     return plan_with_tree(batch, check_options(as_options(options, option_kwargs))).plan
 
 
-def plan_with_tree(batch: SequenceBatch, options: PlanOptions, *, t0: float | None = None) -> PlanResult:
+def _no_check() -> None:
+    return None
+
+
+def plan_with_tree(
+    batch: SequenceBatch, options: PlanOptions, *, t0: float | None = None, check: Callable[[], None] | None = None
+) -> PlanResult:
     """Plan a normalized batch with options as returned by :func:`~.options.check_options`.
 
     Args:
         batch: the batch (normalized with ``options.seq_len`` and ``options.on_overflow``).
         options: the checked options.
         t0: when the request started (``perf_counter``), for the ``normalize`` timing.
+        check: called between phases; it raises to stop the work (the sidecar's
+            deadline and cancellation), or None.
 
     Returns:
         The plan and its tree.
     """
     t0 = time.perf_counter() if t0 is None else t0
+    check = check or _no_check
     seq_len = options.seq_len
     t1 = time.perf_counter()
+    check()
     tree = build_tree(batch, options.min_shared_len, share_trainable=options.share_trainable, min_shared_saving=options.min_shared_saving)
     t2 = time.perf_counter()
+    check()
     bound = lower_bound_rows(tree, seq_len)
     placed = place_leaves(tree, batch, seq_len, options.placement, bound=bound, repair_ms=options.repair_ms)
     row_of, strategy, num_rows = placed.row_of, placed.strategy, placed.num_rows
     t3 = time.perf_counter()
+    check()
     seg = layout_rows(flat_tree(batch) if options.placement == "no_share" else tree, row_of, num_rows)
     t4 = time.perf_counter()
+    check()
     att = attention_meta(seg)
     gdn = gdn_meta(seg, seq_len, options.conv_width)
     rk = assign_ranks(seg, num_rows, options.num_ranks)

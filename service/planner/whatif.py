@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -170,6 +170,7 @@ def whatif(
     seed: int = 0,
     max_rows: int | None = None,
     max_tokens: int | None = None,
+    check: Callable[[], None] | None = None,
     **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
@@ -186,6 +187,8 @@ def whatif(
         seed: the sampling seed; equal seeds give equal answers.
         max_rows: report the fraction of trials needing more rows than this.
         max_tokens: refuse trials with more tokens than this (the service's limit).
+        check: called before every trial and between its planning phases; it raises to
+            stop the work (the sidecar's deadline and cancellation), or None.
 
     Returns:
         One :class:`WhatIfResult` per composition, in order.
@@ -212,11 +215,19 @@ def whatif(
     for i, comp in enumerate(compositions):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
-    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens) for i, comp in enumerate(compositions)]
+    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check) for i, comp in enumerate(compositions)]
 
 
 def _trials(
-    pool: GroupPool, comp: Composition, opts: PlanOptions, path: str, rng: np.random.Generator, trials: int, max_rows: int | None, max_tokens: int | None
+    pool: GroupPool,
+    comp: Composition,
+    opts: PlanOptions,
+    path: str,
+    rng: np.random.Generator,
+    trials: int,
+    max_rows: int | None,
+    max_tokens: int | None,
+    check: Callable[[], None] | None = None,
 ) -> WhatIfResult:
     """Plan ``trials`` sampled batches of one composition and summarize them."""
     rows = np.zeros(trials, dtype=np.int64)
@@ -224,13 +235,15 @@ def _trials(
     unpacked = np.zeros(trials, dtype=np.int64)
     saved = np.zeros(trials, dtype=np.float64)
     for t in range(trials):
+        if check is not None:
+            check()
         units = sample_groups(pool, comp, rng)
         if max_tokens is not None:
             total = int(pool.lens[_unit_seqs(pool, units)].sum())
             if total > max_tokens:
                 raise PayloadTooLargeError(f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens")
         trial = PackInput(**synthesize(pool, units), options=opts)
-        st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts).plan.stats
+        st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check).plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
     return WhatIfResult(
         name=comp.name,

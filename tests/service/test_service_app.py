@@ -124,7 +124,8 @@ async def test_probes_and_docs(app):
         ready = (await c.get("/readyz")).json()
         assert ready == {"version": 1, "status": "ready", "checks": {"planner": "ok", "history": "ok"}}
         docs = await c.get("/docs")
-        assert docs.status_code == 200 and "swagger" in docs.text.lower()
+        # Offline by default: the page loads nothing but /openapi.json (no CDN).
+        assert docs.status_code == 200 and "openapi.json" in docs.text and "cdn" not in docs.text.lower() and "//" not in docs.text.replace("http://www.w3.org", "")
         doc = (await c.get("/openapi.json")).json()
     op = doc["paths"]["/v1/pack"]["post"]
     assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PackRequest"}
@@ -137,7 +138,7 @@ async def test_readyz_reports_a_broken_history(app):
     async with _client(app) as c:
         r = await c.get("/readyz")
     assert r.status_code == 503 and r.json()["status"] == "not_ready"
-    assert r.json()["checks"]["history"].startswith("error")
+    assert r.json()["checks"]["history"].startswith("damaged")
 
 
 async def test_overload_gives_503_then_the_client_retry_succeeds():

@@ -1,0 +1,183 @@
+"""The bounded fault suite: a real server on 127.0.0.1 under load, slow and vanishing clients, bad bodies, SIGKILL.
+
+Bounded: fixed request counts, every socket with a timeout, the whole suite stops after
+``SUITE_S`` seconds of load at most. Loopback only. Figures are printed (``-s``) and, with
+``TREEPACK_FAULT_REPORT=<file>``, written as JSON (BENCHMARKS.md quotes them).
+
+Resident memory bound: after the faults the server's RSS may exceed its RSS after the
+warm-up by at most ``RSS_BOUND`` (the allocator keeps up to ``malloc_keep_mb`` = 64 MiB
+here, plus the history and caches).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import sqlite3
+import threading
+import time
+
+import httpx
+import msgpack
+from helpers.service import pack_body, rss_bytes, running_server, small_batch
+
+from treepack.client import Packer
+from treepack.service.cli.workloads import curriculum
+
+SUITE_S = 120.0
+RSS_BOUND = 160 << 20
+FLAGS = (
+    "--max-body-bytes", str(16 << 20), "--intake-budget-bytes", str(48 << 20), "--body-timeout-s", "2", "--header-timeout-s", "2",
+    "--max-connections", "96", "--request-timeout-s", "5", "--malloc-keep-mb", "64",
+)  # fmt: skip
+
+
+def _raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def _closed_within(s: socket.socket, limit: float) -> float | None:
+    """Seconds until the server closes (or answers) ``s``; None if it did neither within ``limit``."""
+    s.settimeout(limit)
+    t0 = time.monotonic()
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data or b"\r\n\r\n" in data:
+                return time.monotonic() - t0
+    except (socket.timeout, TimeoutError):
+        return None
+    except ConnectionError:
+        return time.monotonic() - t0
+    finally:
+        s.close()
+
+
+def _half_headers(url: str) -> float | None:
+    s = _raw(url)
+    s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\n")
+    return _closed_within(s, 10)
+
+
+def _stalled_body(url: str) -> float | None:
+    s = _raw(url)
+    s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 1000000\r\n\r\n" + b"\x80" * 1000)
+    return _closed_within(s, 10)
+
+
+def _vanish_mid_body(url: str) -> None:
+    s = _raw(url)
+    s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 4000000\r\n\r\n" + b"\x00" * 2_000_000)
+    s.close()
+
+
+def _whatif_then_leave(url: str) -> None:
+    body = msgpack.packb({"version": 1, "seq_len": 32768, "trials": 2000, "compositions": [{"groups": 4}]})
+    s = _raw(url)
+    s.sendall(b"POST /v1/whatif HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(0.3)
+    s.close()
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_fault_suite(tmp_path):
+    report: dict = {}
+    w = curriculum(8)
+    with running_server("--history-path", str(tmp_path / "h.sqlite3"), *FLAGS) as (url, proc):
+        with Packer(url) as p:
+            for _ in range(5):
+                p.pack(**w.plan_kwargs(), tags=w.tags)
+        rss_before = rss_bytes(proc.pid)
+        t_start = time.monotonic()
+        done, errors = [], []
+
+        def load(n: int) -> None:
+            with Packer(url, timeout=30, total_timeout=60) as p:
+                for _ in range(n):
+                    if time.monotonic() - t_start > SUITE_S:
+                        return
+                    try:
+                        p.pack(**w.plan_kwargs(), tags=w.tags)
+                        done.append(1)
+                    except Exception as exc:  # counted: the suite requires none
+                        errors.append(repr(exc))
+
+        loaders = [threading.Thread(target=load, args=(25,)) for _ in range(6)]
+        for t in loaders:
+            t.start()
+        slow = {"half_headers_s": [], "stalled_body_s": []}
+        for _ in range(4):
+            slow["half_headers_s"].append(_half_headers(url))
+            slow["stalled_body_s"].append(_stalled_body(url))
+            _vanish_mid_body(url)
+        _whatif_then_leave(url)
+        oversized = httpx.post(url + "/v1/pack", content=b"\x00" * (17 << 20), headers={"content-type": "application/msgpack"}, timeout=30)
+        gz = httpx.post(url + "/v1/pack", content=gzip.compress(pack_body(small_batch())), headers={"content-type": "application/msgpack", "content-encoding": "gzip"}, timeout=30)
+        burst_status: list[int] = []
+
+        def big_upload() -> None:
+            r = httpx.post(url + "/v1/pack", content=b"\x00" * (12 << 20), headers={"content-type": "application/msgpack"}, timeout=30)
+            burst_status.append(r.status_code)
+
+        burst = [threading.Thread(target=big_upload) for _ in range(16)]
+        for t in burst:
+            t.start()
+        for t in burst + loaders:
+            t.join(SUITE_S)
+        elapsed = time.monotonic() - t_start
+        time.sleep(1.0)
+        rss_after = rss_bytes(proc.pid)
+        stopped = _metric(url, "treepack_work_stopped_total")
+        ready = httpx.get(url + "/readyz", timeout=10).status_code
+        report.update(
+            packs=len(done), pack_errors=len(errors), load_s=round(elapsed, 1), packs_per_s=round(len(done) / elapsed, 1),
+            half_headers_closed_s=max(slow["half_headers_s"], key=lambda x: x or 1e9), stalled_body_closed_s=max(slow["stalled_body_s"], key=lambda x: x or 1e9),
+            oversized=oversized.status_code, gzip=gz.status_code, burst={str(k): burst_status.count(k) for k in sorted(set(burst_status))},
+            work_stopped=stopped, rss_before_mb=round(rss_before / 2**20, 1), rss_after_mb=round(rss_after / 2**20, 1),
+        )  # fmt: skip
+        assert errors == [], errors[:3]
+        assert all(x is not None and x < 4.5 for x in slow["half_headers_s"]), slow  # header_timeout_s 2 (+ slack)
+        assert all(x is not None and x < 4.5 for x in slow["stalled_body_s"]), slow  # body_timeout_s 2 -> 408
+        assert oversized.status_code == 413 and gz.status_code == 415
+        assert set(burst_status) <= {400, 503} and len(burst_status) == 16  # read and refused as garbage, or 503 before reading
+        assert stopped >= 1  # the what-if whose client left was stopped (or hit its 5 s deadline)
+        assert ready == 200
+        assert rss_after - rss_before < RSS_BOUND, report
+    report["sigkill_rounds"] = _sigkill_rounds(tmp_path / "k.sqlite3", rounds=3)
+    print("fault suite:", json.dumps(report))
+    if os.environ.get("TREEPACK_FAULT_REPORT"):
+        with open(os.environ["TREEPACK_FAULT_REPORT"], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _sigkill_rounds(db, rounds: int) -> list[int]:
+    """Pack, SIGKILL mid-load, restart: each round the history opens healthy and keeps every batch it had."""
+    w = curriculum(6)
+    counts = []
+    for _ in range(rounds):
+        with running_server("--history-path", str(db), *FLAGS) as (url, proc):
+            assert httpx.get(url + "/readyz", timeout=10).status_code == 200
+            with Packer(url) as p:
+                for _ in range(3):
+                    p.pack(**w.plan_kwargs(), tags=w.tags)
+            counts.append(httpx.get(url + "/v1/history", timeout=10).json()["batches"])
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+        conn = sqlite3.connect(db)
+        assert conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        conn.close()
+    assert counts == sorted(counts) and counts[-1] >= 3 * rounds - 3, counts
+    return counts
