@@ -22,6 +22,7 @@ from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
 from treepack.trainer.hf.forward import packed_forward
+from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "naive_varlen_attention",
     "BACKENDS",
     "packed_forward",
+    "check_model",
     "PackedContext",
     "use_packed",
     "current_packed",

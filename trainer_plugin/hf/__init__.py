@@ -6,13 +6,18 @@
   implementation;
 - :mod:`~treepack.trainer.hf.context`: how a layer finds the packed batch it runs on;
 - :mod:`~treepack.trainer.hf.hybrid` and :mod:`~treepack.trainer.hf.dsa`: layer patches
-  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention.
+  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention;
+- :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
+  every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
+- :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
+  that take one.
 
 transformers itself is imported only when a model is switched (``register_tree_attention``).
 """
 
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
 from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed_forward
+from treepack.trainer.hf.support import SupportReport, check_model
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -21,4 +26,6 @@ __all__ = [
     "enable_tree_attention",
     "disable_tree_attention",
     "packed_forward",
+    "check_model",
+    "SupportReport",
 ]

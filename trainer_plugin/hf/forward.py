@@ -32,6 +32,8 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward"]
@@ -103,6 +105,7 @@ def packed_forward(
         raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
     if output not in ("logits", "hidden"):
         raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
+    check_model(model, backend=backend, output=output, patch_layers=patch_layers, **kwargs)
     enable_tree_attention(model, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     mask = None
@@ -115,7 +118,7 @@ def packed_forward(
         out = target(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
-            attention_mask=mask,
+            attention_mask=attention_mask_for(target, mask),
             use_cache=False,
             **{BATCH_KWARG: ctx},
             **kwargs,
