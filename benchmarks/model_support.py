@@ -119,6 +119,7 @@ class Family:
         overrides: config fields set after shrinking.
         refused: None when the row must pass the oracle, else a regex the refusal matches.
         lands_with: work that makes a refused row exact (then it must pass the oracle).
+        flex: False where the model reads its mask as a tensor (``flex`` is refused).
     """
 
     name: str
@@ -127,6 +128,7 @@ class Family:
     overrides: dict = field(default_factory=dict)
     refused: str | None = None
     lands_with: str | None = None
+    flex: bool = True
 
 
 F = Family
@@ -151,7 +153,7 @@ FAMILIES: tuple[Family, ...] = (
     F("StableLM", "stablelm", "partial RoPE"),
     F("Starcoder2", "starcoder2", "sliding window, bias", dict(sliding_window=6)),
     F("GPT-NeoX", "gpt_neox", "parallel residual, partial RoPE"),
-    F("GPT-2", "gpt2", "learned absolute positions, Conv1D projections"),
+    F("GPT-2", "gpt2", "learned absolute positions, Conv1D projections", flex=False),
     F("GPTBigCode", "gpt_bigcode", "multi-query, learned positions"),
     F("GLM-4", "glm4", "dense"),
     F("GLM-4-MoE", "glm4_moe", "MoE"),
@@ -293,7 +295,7 @@ def render_table(statuses: dict[str, tuple[str, str]]) -> str:
     for row in FAMILIES:
         status, reason = statuses[row.name]
         if status == "exact":
-            cell, backends = "exact", "sdpa, flash (+grad), flex (forward)"
+            cell, backends = "exact", "sdpa, flash (+grad)" + (", flex (forward)" if row.flex else "; flex refused")
         else:
             until = f" (until {row.lands_with} lands)" if row.lands_with else ""
             cell, backends = f"refused{until}: {reason}", "-"

@@ -276,6 +276,20 @@ def _position_refusals(model: Any) -> list[Refusal]:
     return out
 
 
+def _backend_refusals(model: Any, backend: str) -> list[Refusal]:
+    """``flex`` hands the model a ``BlockMask``; a model that inspects its mask as a tensor cannot take one."""
+    if backend != "flex":
+        return []
+    for mod in (model, getattr(model, "base_model", None)):
+        try:
+            src = inspect.getsource(type(mod).forward)
+        except (OSError, TypeError):
+            continue
+        if "attention_mask.ndim" in src or "attention_mask.dim()" in src:
+            return [Refusal("", type(mod).__name__, "its forward reads the attention mask as a tensor (ndim); the flex BlockMask is not one: use backend='sdpa' or 'flash'")]
+    return []
+
+
 def _layer_type_refusals(model: torch.nn.Module, config: Any, report: SupportReport) -> None:
     types = getattr(config, "layer_types", None)
     if not isinstance(types, (list, tuple)) or not types:
@@ -314,6 +328,7 @@ def check_model(model: Any, *, backend: str = "sdpa", output: str = "logits", pa
     for config in _configs(model):
         report.refusals.extend(_config_refusals(config, output=output, kwargs=kwargs))
     report.refusals.extend(_position_refusals(model))
+    report.refusals.extend(_backend_refusals(model, backend))
     hooks = _mixer_hooks()
     config = getattr(model, "config", None)
     skip: tuple[str, ...] = ()
