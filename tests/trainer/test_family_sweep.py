@@ -192,7 +192,7 @@ def test_router_logits_requested_per_call_is_refused(case):
 def test_hidden_output_refused_while_it_skips_logit_transforms(case, model_type, attr):
     from treepack.trainer.hf import forward
 
-    if getattr(forward, "HIDDEN_APPLIES_LOGIT_TRANSFORMS", False):
+    if forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS:
         pytest.skip("output='hidden' applies the model's logit transforms (tested with the chunked head)")
     row = next(r for r in ms.FAMILIES if r.model_type == model_type and r.refused is None)
     model = ms.build_family(row)

@@ -38,6 +38,10 @@ from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward"]
 
+# output="hidden" returns the base model's states; True once it applies the model's final
+# logit transforms (soft-cap, logit_scale, logits_scaling), which check_model then allows.
+HIDDEN_APPLIES_LOGIT_TRANSFORMS = False
+
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
     """Switch ``model`` (and its sub-models) to tree attention; returns the previous implementation.
@@ -105,7 +109,7 @@ def packed_forward(
         raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
     if output not in ("logits", "hidden"):
         raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
-    check_model(model, backend=backend, output=output, patch_layers=patch_layers, **kwargs)
+    check_model(model, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=HIDDEN_APPLIES_LOGIT_TRANSFORMS, **kwargs)
     enable_tree_attention(model, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     mask = None

@@ -29,8 +29,9 @@ only by class name:
   the positions of the rows, where a shared prefix is one position for all its sharers, so
   it differs from the unpacked batch's; refused;
 - logit post-processing (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``):
-  applied by the model for ``output="logits"``; refused for ``output="hidden"`` unless
-  :mod:`treepack.trainer.hf.forward` declares ``HIDDEN_APPLIES_LOGIT_TRANSFORMS``.
+  applied by the model for ``output="logits"``; refused for ``output="hidden"`` unless the
+  caller applies them (``hidden_applies_logit_transforms=True``, passed by
+  ``packed_forward`` from ``treepack.trainer.hf.forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS``).
 
 Modules from torch and transformers that work per token (linear layers, norms, embeddings,
 MLPs, MoE routers, rotary tables) pass; a module from elsewhere passes only as a parameter-
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
+from treepack.trainer.hf.hybrid import _patches
 
 __all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES", "kernel_supports"]
 
@@ -116,8 +118,6 @@ def _is_known(cls: type) -> bool:
 
 
 def _patched_classes() -> dict[str, Any]:
-    from treepack.trainer.hf.hybrid import _patches
-
     return _patches()
 
 
@@ -175,7 +175,7 @@ def _attention_refusals(mod: torch.nn.Module, config: Any) -> list[str]:
     return out
 
 
-def _config_refusals(config: Any, *, output: str, kwargs: dict) -> list[Refusal]:
+def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwargs: dict) -> list[Refusal]:
     """Model-wide settings with no tree-exact path (RoPE scaling, chunked attention, ALiBi, aux losses, logit transforms)."""
     out: list[Refusal] = []
     name = type(config).__name__
@@ -189,7 +189,7 @@ def _config_refusals(config: Any, *, output: str, kwargs: dict) -> list[Refusal]
         out.append(Refusal("config.alibi", name, "ALiBi biases are not applied by tree attention"))
     if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
         out.append(Refusal("output_router_logits", name, "MoE auxiliary (load-balancing) loss: HF averages it over the packed positions, where a shared prefix counts once for all its sharers, so it differs from the unpacked batch's; pass output_router_logits=False"))
-    if output == "hidden" and not _hidden_applies_transforms():
+    if output == "hidden" and not hidden_transforms:
         for attr in _LOGIT_TRANSFORMS:
             v = getattr(config, attr, None)
             if v not in (None, 0, 0.0, 1, 1.0):
@@ -206,12 +206,6 @@ def _rope_dicts(config: Any) -> list[dict]:
         per_layer_type = all(isinstance(x, dict) for x in v.values())
         out.extend(v.values()) if per_layer_type else out.append(v)
     return out
-
-
-def _hidden_applies_transforms() -> bool:
-    from treepack.trainer.hf import forward
-
-    return bool(getattr(forward, "HIDDEN_APPLIES_LOGIT_TRANSFORMS", False))
 
 
 def _configs(model: Any) -> list[Any]:
@@ -306,7 +300,16 @@ def _layer_type_refusals(model: torch.nn.Module, config: Any, report: SupportRep
             report.refusals.append(Refusal(root if layers is not None else "config.layer_types", str(kind), f"layer type {kind!r} (config.layer_types[{i}]) has no tree-exact mixer"))
 
 
-def check_model(model: Any, *, backend: str = "sdpa", output: str = "logits", patch_layers: bool = True, raise_error: bool = True, **kwargs: Any) -> SupportReport:
+def check_model(
+    model: Any,
+    *,
+    backend: str = "sdpa",
+    output: str = "logits",
+    patch_layers: bool = True,
+    hidden_applies_logit_transforms: bool = False,
+    raise_error: bool = True,
+    **kwargs: Any,
+) -> SupportReport:
     """Check that every token mixer of ``model`` runs tree-exact; refuse before any compute otherwise.
 
     Args:
@@ -314,6 +317,8 @@ def check_model(model: Any, *, backend: str = "sdpa", output: str = "logits", pa
         backend: ``sdpa`` | ``flex`` | ``flash`` (all run the same layer set).
         output: ``logits`` or ``hidden`` (see :func:`~treepack.trainer.hf.packed_forward`).
         patch_layers: whether the GDN / DSA patches will be installed.
+        hidden_applies_logit_transforms: the caller's ``output="hidden"`` path applies the
+            model's final logit transforms (then they are not refused).
         raise_error: raise on refusals (default); False returns the report to inspect.
         **kwargs: the keyword arguments the model will be called with
             (``output_router_logits`` is checked).
@@ -326,7 +331,7 @@ def check_model(model: Any, *, backend: str = "sdpa", output: str = "logits", pa
     """
     report = SupportReport()
     for config in _configs(model):
-        report.refusals.extend(_config_refusals(config, output=output, kwargs=kwargs))
+        report.refusals.extend(_config_refusals(config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs))
     report.refusals.extend(_position_refusals(model))
     report.refusals.extend(_backend_refusals(model, backend))
     hooks = _mixer_hooks()
