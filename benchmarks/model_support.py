@@ -44,7 +44,7 @@ SIZES: dict[str, int] = {
     "sliding_window": 6, "attention_chunk_size": 6,
     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
-    "mamba_n_groups": 1, "n_groups": 1, "mamba_d_conv": 4, "conv_kernel": 4, "mamba_expand": 2, "time_step_rank": 4,
+    "mamba_d_ssm": 64, "linear_head_dim": 8, "linear_num_heads": 4, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_conv": 4, "conv_kernel": 4, "mamba_expand": 2, "time_step_rank": 4,
     "num_nextn_predict_layers": 0, "vocab_size": VOCAB, "decoder_sparse_step": 1, "num_codebooks": 1,
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "image_token_id", "image_token_index")
@@ -172,7 +172,7 @@ FAMILIES: tuple[Family, ...] = (
     F("Nemotron-H", "nemotron_h", "Mamba2 hybrid", refused=HYBRID, lands_with="mixers"),
     F("GraniteMoeHybrid", "granitemoehybrid", "Mamba2 hybrid, MoE", refused=HYBRID, lands_with="mixers"),
     F("LFM2", "lfm2", "short causal conv hybrid", dict(layer_types=["conv", "full_attention"]), refused=HYBRID, lands_with="mixers"),
-    F("Kimi-Linear", "kimi_linear", "KDA hybrid, MLA", refused=HYBRID, lands_with="mixers"),
+    F("Kimi-Linear", "kimi_linear", "KDA hybrid, MLA", MLA, refused=HYBRID, lands_with="mixers"),
     F("OLMo-hybrid", "olmo_hybrid", "GDN hybrid", refused=HYBRID, lands_with="mixers"),
     F("Mamba", "mamba", "pure SSM", refused=r"position_ids|scan over the whole row"),
     F("Llama, dynamic NTK", "llama", "length-dependent RoPE", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), refused=r"length-dependent RoPE 'dynamic'"),

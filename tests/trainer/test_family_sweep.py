@@ -111,7 +111,10 @@ def test_family(case, row):
         lp, loss, grads = _packed(model, case, backend)
         assert_close(f"{backend} logprobs", ref_lp, lp, atol=LOGPROB_TOL)
         assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (backend, float(loss), float(ref_loss))
-        assert_close(f"{backend} grad", ref_grads, grads, ratio=GRAD_RTOL, nonzero_ref=True)
+        # 1e-4 relative per parameter, with a floor at fp32 rounding of the largest gradient
+        # (a parameter whose gradient is 1e-5 of the others cannot be held to 1e-4 of itself).
+        floor = 1e-7 * max(float(g.abs().max()) for g in ref_grads.values())
+        assert_close(f"{backend} grad", ref_grads, grads, atol=floor, ratio=GRAD_RTOL, nonzero_ref=True)
         _unpacked_again(model, case, ref_lp)
     if not row.flex:
         with pytest.raises(UnsupportedModelError, match="BlockMask"):
@@ -133,7 +136,7 @@ def test_the_table_covers_every_mechanism():
         assert word in mechanisms, word
 
 
-class _PlantedRecurrence(torch.nn.Module):
+class _PlantedLayer(torch.nn.Module):
     """An unknown recurrent layer: h_t = a * h_{t-1} + x_t over the whole row (no telltale names)."""
 
     def __init__(self, hidden: int) -> None:
@@ -148,10 +151,10 @@ class _PlantedRecurrence(torch.nn.Module):
         return torch.stack(out, 1)
 
 
-class _MlpWithRecurrence(torch.nn.Module):
+class _MlpWithExtra(torch.nn.Module):
     def __init__(self, mlp: torch.nn.Module, hidden: int) -> None:
         super().__init__()
-        self.mlp, self.mix = mlp, _PlantedRecurrence(hidden)
+        self.mlp, self.mix = mlp, _PlantedLayer(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.mix(x))
@@ -160,8 +163,8 @@ class _MlpWithRecurrence(torch.nn.Module):
 def test_negative_control_planted_recurrent_layer_is_refused(case):
     model = ms.build_family(ms.FAMILIES[2])  # Qwen3
     layer = model.model.layers[1]
-    layer.mlp = _MlpWithRecurrence(layer.mlp, model.config.hidden_size)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.mix \(_PlantedRecurrence\): unknown module with its own parameters"):
+    layer.mlp = _MlpWithExtra(layer.mlp, model.config.hidden_size)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.mix \(_PlantedLayer\): unknown module with its own parameters"):
         packed_forward(model, case["batch"])
 
 

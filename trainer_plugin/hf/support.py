@@ -279,7 +279,7 @@ def _backend_refusals(model: Any, backend: str) -> list[Refusal]:
             src = inspect.getsource(type(mod).forward)
         except (OSError, TypeError):
             continue
-        if "attention_mask.ndim" in src or "attention_mask.dim()" in src:
+        if re.search(r"\battention_mask\.(ndim|dim\(\))", src):
             return [Refusal("", type(mod).__name__, "its forward reads the attention mask as a tensor (ndim); the flex BlockMask is not one: use backend='sdpa' or 'flash'")]
     return []
 
