@@ -224,7 +224,7 @@ def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
     """Max |packed - unpacked| logprob over the trainable targets of :func:`small_case` (no gradients)."""
     from treepack.service.planner import plan_batch
     from treepack.trainer import materialize, naive_varlen_attention
-    from treepack.trainer.hf import disable_tree_attention, packed_forward
+    from treepack.trainer.hf import packed_forward
 
     c = small_case()
     plan = plan_batch(c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"], groups=c["groups"])
@@ -232,7 +232,6 @@ def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
     with torch.no_grad():
         ref = unpacked_logprobs(model, c["sequences"])
         got = batch.unpack_logprobs(batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, compile=False)))
-        disable_tree_attention(model, "eager")
     err = 0.0
     for r, g, t in zip(ref, got, c["trainable"]):
         g = g[1:]

@@ -8,8 +8,7 @@ sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), a
 Rows marked ``lands_with`` (recurrent mixers, sinks, chunked attention, GLM-MoE-DSA) are
 refused with their reason until that work lands, after which the check accepts them and
 they must pass the same oracle. After every ``packed_forward`` the same model runs
-unpacked and gives the reference again; every row relies on ``disable_tree_attention``
-for that until packed_forward restores the model itself (issue 11).
+unpacked, as it is (packed_forward leaves it as it found it), and gives the reference again.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from helpers.tolerance import assert_close
 from helpers.trainer_cases import plan_of, trainable_flags
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import check_model, materialize, naive_varlen_attention
-from treepack.trainer.hf import disable_tree_attention, packed_forward
+from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import naive_sft_loss, sft_loss
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "model_support.py"
@@ -71,7 +70,6 @@ def _packed(model, c, backend):
     lp = batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention))
     loss = sft_loss(lp, batch, normalization="sequence")
     loss.backward()
-    disable_tree_attention(model, "eager")
     return [x.detach() for x in batch.unpack_logprobs(lp)], loss.detach(), _grads(model)
 
 
@@ -122,7 +120,6 @@ def test_family(case, row):
         return
     with torch.no_grad():
         logits = packed_forward(model, case["batch"], backend="flex", compile=False)
-        disable_tree_attention(model, "eager")
     assert_close("flex logprobs", ref_lp, case["batch"].unpack_logprobs(logits), atol=LOGPROB_TOL)
     _unpacked_again(model, case, ref_lp)
 
