@@ -134,10 +134,11 @@ def test_the_table_covers_every_mechanism():
 
 
 class _PlantedLayer(torch.nn.Module):
-    """An unknown recurrent layer: h_t = a * h_{t-1} + x_t over the whole row (no telltale names)."""
+    """An unknown recurrent layer around an MLP: h_t = a * h_{t-1} + x_t over the whole row (no telltale names)."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, mlp: torch.nn.Module, hidden: int) -> None:
         super().__init__()
+        self.mlp = mlp
         self.decay = torch.nn.Parameter(torch.full((hidden,), 0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,23 +146,33 @@ class _PlantedLayer(torch.nn.Module):
         for t in range(x.shape[1]):
             h = self.decay * h + x[:, t]
             out.append(h)
-        return torch.stack(out, 1)
-
-
-class _MlpWithExtra(torch.nn.Module):
-    def __init__(self, mlp: torch.nn.Module, hidden: int) -> None:
-        super().__init__()
-        self.mlp, self.mix = mlp, _PlantedLayer(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.mix(x))
+        return self.mlp(torch.stack(out, 1))
 
 
 def test_negative_control_planted_recurrent_layer_is_refused(case):
     model = ms.build_family(ms.FAMILIES[2])  # Qwen3
     layer = model.model.layers[1]
-    layer.mlp = _MlpWithExtra(layer.mlp, model.config.hidden_size)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.mix \(_PlantedLayer\): unknown module with its own parameters"):
+    layer.mlp = _PlantedLayer(layer.mlp, model.config.hidden_size)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(_PlantedLayer\): forward defined outside torch / transformers"):
+        packed_forward(model, case["batch"])
+    with torch.no_grad():  # the planted layer does mix tokens: packed and unpacked would differ
+        x = torch.randn(1, 5, model.config.hidden_size)
+        assert not torch.allclose(layer.mlp(x)[:, 3:], layer.mlp(x[:, 3:]))
+
+
+def test_subclass_overriding_attention_forward_is_refused(case):
+    from transformers.models.qwen3 import modeling_qwen3 as q
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return q.Qwen3Attention.forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    model = ms.build_family(ms.FAMILIES[2])
+    inherited = type("MyAttention", (q.Qwen3Attention,), {})  # same forward: runs exactly
+    model.model.layers[0].self_attn.__class__ = inherited
+    check_model(model)
+    overridden = type("MyAttention", (q.Qwen3Attention,), {"forward": forward, "__module__": __name__})
+    model.model.layers[0].self_attn.__class__ = overridden
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(MyAttention\): (attention forward overridden|attention that does not dispatch)"):
         packed_forward(model, case["batch"])
 
 

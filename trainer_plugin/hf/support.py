@@ -22,7 +22,7 @@ only by class name:
 - ``config.layer_types``: a layer of a type that is not attention must contain a handled mixer;
 - length-dependent RoPE (``dynamic`` NTK, ``longrope``): HF picks the scaling from the
   longest position of the whole call, so one long sequence would change the others'
-  rotary embedding. Refused (decision, see docs/trainer.md): making it exact needs every
+  rotary embedding. Refused (decision, see the README's model-support section): exact needs every
   sequence's scaling regime in the plan's keys, and a packed row would still need one
   rotary table per sequence, which HF's rotary module does not take;
 - MoE auxiliary losses (``output_router_logits``): HF's load-balancing loss averages over
@@ -34,8 +34,8 @@ only by class name:
   ``packed_forward`` from ``treepack.trainer.hf.forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS``).
 
 Modules from torch and transformers that work per token (linear layers, norms, embeddings,
-MLPs, MoE routers, rotary tables) pass; a module from elsewhere passes only as a parameter-
-free wrapper.
+MLPs, MoE routers, rotary tables) pass; a module whose ``forward`` is defined elsewhere
+(outside torch, transformers, peft, accelerate, treepack) is refused: its code is unknown.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportRepor
     reason = _mixer_reason(mod) or _conv_reason(mod)
     if reason is None and _ATTENTION_NAME.search(cls.__name__) and any(True for _ in mod.parameters()) and not _has_dispatching_child(mod):
         reason = "attention that does not dispatch through HF's AttentionInterface (its own mask and softmax run over the whole row)"
-    if reason is None and not _is_known(cls) and (origin is None or not _is_known(origin)) and any(True for _ in mod.parameters(recurse=False)):
-        reason = f"unknown module with its own parameters and forward ({cls.__module__}): treepack cannot tell whether it mixes tokens"
+    if reason is None and origin is not None and not _is_known(origin):
+        reason = f"forward defined outside torch / transformers ({origin.__module__}.{origin.__qualname__}): treepack cannot tell whether it mixes tokens"
     if reason is not None:
         report.refusals.append(Refusal(path, cls.__name__, reason))
         return True
