@@ -200,15 +200,16 @@ def test_router_logits_requested_per_call_is_refused(case):
 
 
 @pytest.mark.parametrize("model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling"), ("gemma2", "final_logit_softcapping")])
-def test_hidden_output_refused_while_it_skips_logit_transforms(case, model_type, attr):
+def test_hidden_output_with_logit_transforms_needs_a_head_that_applies_them(case, model_type, attr):
+    """output='hidden' is allowed because output_head applies the transforms; a caller without one is refused."""
     from treepack.trainer.hf import forward
 
-    if forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS:
-        pytest.skip("output='hidden' applies the model's logit transforms (tested with the chunked head)")
-    row = next(r for r in ms.FAMILIES if r.model_type == model_type and r.refused is None)
-    model = ms.build_family(row)
+    assert forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == model_type and r.refused is None))
+    check_model(model, output="hidden", hidden_applies_logit_transforms=True)
     with pytest.raises(UnsupportedModelError, match=rf"config\.{attr}"):
-        packed_forward(model, case["batch"], output="hidden")
+        check_model(model, output="hidden", hidden_applies_logit_transforms=False)
+    check_model(model, output="logits", hidden_applies_logit_transforms=False)
 
 
 def test_training_with_attention_dropout_is_refused():

@@ -44,9 +44,9 @@ __all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward", 
 
 OUTPUTS = ("logits", "hidden")
 
-# output="hidden" returns the base model's states; True once it applies the model's final
-# logit transforms (soft-cap, logit_scale, logits_scaling), which check_model then allows.
-HIDDEN_APPLIES_LOGIT_TRANSFORMS = False
+# output="hidden" returns the states before the head; output_head(model) applies the model's
+# final logit transforms (soft-cap, logit_scale, logits_scaling), so check_model allows them.
+HIDDEN_APPLIES_LOGIT_TRANSFORMS = True
 
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
