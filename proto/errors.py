@@ -21,6 +21,7 @@ Hierarchy::
     |   +-- PayloadTooLargeError           413  a configured size limit is exceeded
     |   +-- UnsupportedMediaTypeError      415  wrong Content-Type / Accept
     |   +-- UnsupportedVersionError        422  wire version this build does not speak
+    |   +-- UnsupportedModelError          422  a model layer has no tree-exact path (trainer)
     +-- AuthError                          401  missing or wrong bearer token
     +-- OverloadedError                    503  the planner queue is full (retry later)
     +-- ServerError                        500  a bug on the server side
@@ -42,6 +43,7 @@ __all__ = [
     "ConflictError",
     "UnsupportedMediaTypeError",
     "UnsupportedVersionError",
+    "UnsupportedModelError",
     "AuthError",
     "OverloadedError",
     "ServerError",
@@ -130,6 +132,21 @@ class UnsupportedVersionError(RequestError):
     kind = "unsupported_version"
 
 
+class UnsupportedModelError(RequestError):
+    """A model the trainer was asked to run packed has a layer with no tree-exact path (HTTP 422).
+
+    Raised by ``treepack.trainer.hf.check_model`` before any compute; the message names
+    each refused module's path in the model, its class and the reason. ``refusals`` holds
+    them as ``(path, class name, reason)`` triples.
+    """
+
+    kind = "unsupported_model"
+
+    def __init__(self, message: str, *, path: str = "$.model", rule: str = "", refusals: tuple = ()) -> None:
+        super().__init__(message, path=path, rule=rule)
+        self.refusals = tuple(refusals)
+
+
 class AuthError(TreepackError):
     """Missing or wrong bearer token (HTTP 401)."""
 
@@ -183,6 +200,7 @@ HTTP_STATUS: dict[type[TreepackError], int] = {
     CapacityError: 422,
     InputTypeError: 422,
     UnsupportedVersionError: 422,
+    UnsupportedModelError: 422,
     RequestError: 422,
     OverloadedError: 503,
     DeadlineError: 504,
@@ -202,6 +220,7 @@ _BY_KIND: dict[str, type[TreepackError]] = {
         ConflictError,
         UnsupportedMediaTypeError,
         UnsupportedVersionError,
+        UnsupportedModelError,
         AuthError,
         OverloadedError,
         ServerError,

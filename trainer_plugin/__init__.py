@@ -24,6 +24,7 @@ from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
 from treepack.trainer.hf.forward import packed, packed_forward
 from treepack.trainer.hf.head import output_head
+from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "packed",
     "output_head",
     "TreepackWarning",
+    "check_model",
     "PackedContext",
     "use_packed",
     "current_packed",

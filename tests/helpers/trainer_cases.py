@@ -167,3 +167,24 @@ def shared_trainable_batch() -> dict[str, Any]:
     seqs.append(r(11))
     trainable = [16] * (len(seqs) - 1) + [3]
     return dict(sequences=seqs, trainable=trainable, groups=[0] * 6 + [1, 2], seq_len=96, min_shared_len=6)
+
+
+def unchecked_packed_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """[K, L, vocab] logits of the packed rows with the model's layers as they are, skipping
+    ``check_model`` (which refuses unpatched mixers): for negative controls only, to show what
+    running a stock mixer over a whole row gives."""
+    from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+    from treepack.trainer.hf.dispatch import install_dispatch
+    from treepack.trainer.hf.layer_masks import attention_mask_for
+
+    install_dispatch(model)
+    ctx = PackedContext(batch=batch, backend="sdpa")
+    with use_packed(ctx):
+        out = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=attention_mask_for(model, batch.dense_mask()),
+            use_cache=False,
+            **{BATCH_KWARG: ctx},
+        )
+    return out.logits

@@ -18,6 +18,7 @@ import torch
 
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
+from helpers.trainer_cases import unchecked_packed_logits
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
@@ -94,7 +95,7 @@ def test_packed_logprobs_equal_unpacked_and_linear_scan_does_not(case):
     with torch.no_grad():
         ref = _unpacked(model, seqs)
         unpatch_hybrid_layers(model)
-        scan = _packed_logprobs(model, batch, patch_layers=False)  # GDN layers stock: each row one linear scan
+        scan = torch.log_softmax(unchecked_packed_logits(model, batch).float(), -1)  # GDN layers stock: each row one linear scan
         tree = _packed_logprobs(model, batch)  # packed_forward patches the GDN layers itself
         assert patch_hybrid_layers(model) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.3.linear_attn"]
     disable_tree_attention(model, "eager")

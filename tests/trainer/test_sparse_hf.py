@@ -186,17 +186,17 @@ def test_tiebreak_indexer_with_a_cache_matches_the_full_forward(case):
 
 
 def test_unpatched_sparse_layer_is_refused_not_run_dense(case):
-    """Without the DSA patch the stock layer hands top-k indices to the tree attention
-    function, which would silently ignore them: it must refuse instead."""
-    from treepack.proto.errors import RequestError
+    """Without the DSA patch the stock layer would hand top-k indices to the tree attention
+    function, which would ignore them: the support check refuses before any compute."""
+    from treepack.proto.errors import UnsupportedModelError
     from treepack.trainer.hf.hybrid import unpatch_hybrid_layers
 
     seqs, _, plan, model, batch, _ = case
     assert unpatch_hybrid_layers(model) > 0
     try:
-        with torch.no_grad(), pytest.raises(RequestError) as info:
+        with torch.no_grad(), pytest.raises(UnsupportedModelError) as info:
             packed_forward(model, batch, backend="sdpa", patch_layers=False)
-        assert info.value.rule == "unpatched_sparse_layer" and "DeepseekV32Attention" in info.value.message
+        assert "DeepseekV32Attention" in info.value.message and "patch_layers=False" in info.value.message
         with torch.no_grad():  # the default patches the layers again
             lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
         assert not lp.isnan().any()

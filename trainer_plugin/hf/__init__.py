@@ -7,7 +7,11 @@
   implementation;
 - :mod:`~treepack.trainer.hf.context`: how a layer finds the packed batch it runs on;
 - :mod:`~treepack.trainer.hf.hybrid` and :mod:`~treepack.trainer.hf.dsa`: layer patches
-  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention.
+  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention;
+- :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
+  every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
+- :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
+  that take one.
 
 - :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
   transforms, for the chunked head.
@@ -19,6 +23,7 @@ from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_att
 from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed, packed_forward
 from treepack.trainer.hf.head import OutputHead, output_head
 from treepack.trainer.hf.wrapped import unwrap_model
+from treepack.trainer.hf.support import SupportReport, check_model
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -31,4 +36,6 @@ __all__ = [
     "output_head",
     "OutputHead",
     "unwrap_model",
+    "check_model",
+    "SupportReport",
 ]

@@ -34,6 +34,8 @@ import torch
 from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
@@ -41,6 +43,10 @@ from treepack.trainer.kernels.attention import BACKENDS
 __all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward", "packed", "OUTPUTS"]
 
 OUTPUTS = ("logits", "hidden")
+
+# output="hidden" returns the states before the head; output_head(model) applies the model's
+# final logit transforms (soft-cap, logit_scale, logits_scaling), so check_model allows them.
+HIDDEN_APPLIES_LOGIT_TRANSFORMS = True
 
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
@@ -126,12 +132,13 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
+    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=HIDDEN_APPLIES_LOGIT_TRANSFORMS, **kwargs)
     enable_tree_attention(hf, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     inputs = dict(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=_mask(batch, backend),
+        attention_mask=attention_mask_for(hf, _mask(batch, backend)),
         use_cache=False,
         **{BATCH_KWARG: ctx},
         **kwargs,

@@ -1,0 +1,333 @@
+"""Model support of treepack's trainer: tiny HF decoders, their expected outcome, the README table.
+
+``python benchmarks/model_support.py --write-readme`` rewrites the README's model-support
+section from :data:`FAMILIES` (the tests check every row's outcome and that the README
+matches, tests/trainer/test_family_sweep.py); ``--auto`` runs the automatic sweep over every
+causal-LM architecture of the installed transformers (forward oracle, SDPA) and prints it.
+
+Each family row is a tiny random fp32 config (hidden 32, 2-3 layers, 4 heads) of one HF
+model type; its expectation is ``pass`` (the oracle: packed logprobs == each sequence
+alone) or a refusal whose reason matches a pattern. Rows whose support lands with other
+work (recurrent-mixer patches, attention sinks, chunked attention) are marked with the
+capability that turns the refusal into a pass (:func:`expected`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB = 97
+MAX_PARAMS = 3_000_000
+
+# Sizes every tiny config gets where the key exists (HF spells the same size many ways).
+SIZES: dict[str, int] = {
+    "hidden_size": 32, "n_embd": 32, "d_model": 32, "dim": 32, "n_embed": 32, "embed_dim": 32,
+    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "ffn_hidden_size": 64, "mlp_hidden_size": 64,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "multi_query_group_num": 2,
+    "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
+    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "max_seq_len": 256,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "num_experts_per_token": 2,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "expert_intermediate_size": 16,
+    "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "qk_head_dim": 16,
+    "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
+    "sliding_window": 6, "attention_chunk_size": 6,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
+    "mamba_d_ssm": 64, "linear_head_dim": 8, "linear_num_heads": 4, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_conv": 4, "conv_kernel": 4, "mamba_expand": 2, "time_step_rank": 4,
+    "num_nextn_predict_layers": 0, "vocab_size": VOCAB, "decoder_sparse_step": 1, "num_codebooks": 1,
+}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "image_token_id", "image_token_index")
+
+
+def _layer_types(types: list[str]) -> list[str]:
+    """One layer of each distinct type, in first-appearance order (at least 2 layers)."""
+    seen: list[str] = []
+    for t in types:
+        if t not in seen:
+            seen.append(t)
+    return seen if len(seen) >= 2 else (seen * 2)[:2]
+
+
+def shrink_config(config: Any) -> Any:
+    """Shrink ``config`` (and its ``text_config``) in place to a tiny fp32 model; returns it."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None or cfg is not config and not hasattr(cfg, "to_dict"):
+            continue
+        keys = set(cfg.to_dict())
+        for k, v in SIZES.items():
+            if k in keys and isinstance(getattr(cfg, k, None), int) and not isinstance(getattr(cfg, k), bool):
+                setattr(cfg, k, v)
+        for k in TOKEN_IDS:
+            if k in keys and isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= VOCAB:
+                setattr(cfg, k, 1)
+        types = getattr(cfg, "layer_types", None)
+        n = 2
+        if isinstance(types, (list, tuple)) and types:
+            try:
+                cfg.layer_types = _layer_types(list(types))
+                n = len(cfg.layer_types)
+            except AttributeError:  # derived from other fields (a read-only property)
+                pass
+        for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
+            if k in keys and isinstance(getattr(cfg, k, None), int):
+                setattr(cfg, k, n)
+        for k in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
+            if k in keys and isinstance(getattr(cfg, k, None), float):
+                setattr(cfg, k, 0.0)
+    return config
+
+
+def build_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """An fp32, eval-mode, random tiny ``*ForCausalLM`` of ``model_type`` (raises when it cannot be built)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = shrink_config(AutoConfig.for_model(model_type))
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{n} parameters after shrinking (over {MAX_PARAMS}): a size this helper does not shrink")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.float().eval()
+
+
+HYBRID = r"scan over the whole row|Conv1d|token mixer|no tree-exact mixer"
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, n_group=2, topk_group=1)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the sweep.
+
+    Attributes:
+        name: the row's name (README).
+        model_type: the HF model type (``AutoConfig.for_model``).
+        mechanism: what the row covers (README).
+        overrides: config fields set after shrinking.
+        refused: None when the row must pass the oracle, else a regex the refusal matches.
+        lands_with: work that makes a refused row exact (then it must pass the oracle).
+        flex: False where the model reads its mask as a tensor (``flex`` is refused).
+    """
+
+    name: str
+    model_type: str
+    mechanism: str
+    overrides: dict = field(default_factory=dict)
+    refused: str | None = None
+    lands_with: str | None = None
+    flex: bool = True
+
+
+F = Family
+FAMILIES: tuple[Family, ...] = (
+    F("Llama", "llama", "dense, GQA"),
+    F("Qwen2", "qwen2", "dense, qkv bias"),
+    F("Qwen3", "qwen3", "dense, q/k norm"),
+    F("Mistral", "mistral", "sliding window", dict(sliding_window=6)),
+    F("Mixtral", "mixtral", "MoE, sliding window", dict(sliding_window=6)),
+    F("Qwen2-MoE", "qwen2_moe", "MoE, shared expert"),
+    F("Qwen3-MoE", "qwen3_moe", "MoE"),
+    F("Gemma", "gemma", "dense, GeGLU"),
+    F("Gemma 2", "gemma2", "sliding/global, attention and final soft-caps", dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    F("Gemma 3", "gemma3_text", "sliding/global, two RoPE bases"),
+    F("Cohere", "cohere", "logit_scale", dict(logit_scale=0.5)),
+    F("Cohere 2", "cohere2", "sliding/global, logit_scale"),
+    F("Granite", "granite", "logits_scaling, multipliers", dict(logits_scaling=2.0)),
+    F("GraniteMoE", "granitemoe", "MoE, logits_scaling"),
+    F("Phi-3", "phi3", "fused qkv"),
+    F("OLMo 2", "olmo2", "q/k norm"),
+    F("OLMoE", "olmoe", "MoE"),
+    F("StableLM", "stablelm", "partial RoPE"),
+    F("Starcoder2", "starcoder2", "sliding window, bias", dict(sliding_window=6)),
+    F("GPT-NeoX", "gpt_neox", "parallel residual, partial RoPE"),
+    F("GPT-2", "gpt2", "learned absolute positions, Conv1D projections", flex=False),
+    F("GPTBigCode", "gpt_bigcode", "multi-query, learned positions"),
+    F("GLM-4", "glm4", "dense"),
+    F("GLM-4-MoE", "glm4_moe", "MoE"),
+    F("DeepSeek-V3", "deepseek_v3", "MLA, MoE", MLA),
+    F("DeepSeek-V3.2", "deepseek_v32", "MLA, DSA sparse indexer", dict(MLA, index_topk=8, index_head_dim=16, index_n_heads=4)),
+    F("Qwen3-Next", "qwen3_next", "Gated DeltaNet hybrid, MoE"),
+    F("Qwen3.5", "qwen3_5_text", "Gated DeltaNet hybrid"),
+    F("SmolLM3", "smollm3", "NoPE layers"),
+    F("EXAONE 4", "exaone4", "sliding/global"),
+    F("GPT-OSS", "gpt_oss", "attention sinks, MoE", refused=r"attention sinks", lands_with="sinks"),
+    F("Llama 4", "llama4_text", "chunked attention, MoE", refused=r"chunked attention", lands_with="chunked"),
+    F("GLM-MoE-DSA", "glm_moe_dsa", "shared DSA indexer", MLA, refused=r"Indexer", lands_with="GLM-MoE-DSA patch"),
+    F("Jamba", "jamba", "Mamba1 hybrid", refused=HYBRID, lands_with="mixers"),
+    F("Bamba", "bamba", "Mamba2 hybrid", refused=HYBRID, lands_with="mixers"),
+    F("Falcon-H1", "falcon_h1", "Mamba2 parallel hybrid", refused=HYBRID, lands_with="mixers"),
+    F("Nemotron-H", "nemotron_h", "Mamba2 hybrid", refused=HYBRID, lands_with="mixers"),
+    F("GraniteMoeHybrid", "granitemoehybrid", "Mamba2 hybrid, MoE", refused=HYBRID, lands_with="mixers"),
+    F("LFM2", "lfm2", "short causal conv hybrid", dict(layer_types=["conv", "full_attention"]), refused=HYBRID, lands_with="mixers"),
+    F("Kimi-Linear", "kimi_linear", "KDA hybrid, MLA", MLA, refused=HYBRID, lands_with="mixers"),
+    F("OLMo-hybrid", "olmo_hybrid", "GDN hybrid", refused=HYBRID, lands_with="mixers"),
+    F("Mamba", "mamba", "pure SSM", refused=r"position_ids|scan over the whole row"),
+    F("Llama, dynamic NTK", "llama", "length-dependent RoPE", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), refused=r"length-dependent RoPE 'dynamic'"),
+    F("Phi-3, LongRoPE", "phi3", "length-dependent RoPE", dict(max_position_embeddings=256, original_max_position_embeddings=16, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}), refused=r"length-dependent RoPE 'longrope'"),
+    F("Mixtral, router logits", "mixtral", "MoE auxiliary loss", dict(output_router_logits=True), refused=r"auxiliary \(load-balancing\) loss"),
+    F("Bloom", "bloom", "ALiBi, own attention", refused=r"AttentionInterface|takes no position_ids"),
+    F("BART decoder", "bart", "positions from the row", refused=r"takes no position_ids"),
+)
+
+
+def build_family(row: Family, seed: int = 0) -> torch.nn.Module:
+    """The row's tiny model (eval mode, eager attention)."""
+    model = build_causal_lm(row.model_type, seed=seed, **row.overrides)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def status_of(row: Family) -> tuple[str, str]:
+    """(``exact`` | ``refused``, reason) as :func:`treepack.trainer.hf.check_model` sees the row's model now."""
+    from treepack.trainer.hf import check_model
+
+    report = check_model(build_family(row), raise_error=False)
+    if not report.refusals:
+        return "exact", ""
+    return "refused", report.refusals[0].reason
+
+
+def small_case() -> dict[str, Any]:
+    """A tree of a shared prompt with 3 completions (one duplicated, one prompt prefix) and 2 unrelated sequences."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 10)
+    seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (5, 7, 4)]
+    seqs += [seqs[1].copy(), prompt[:6].copy(), rng.integers(0, VOCAB, 9), rng.integers(0, VOCAB, 13)]
+    trainable = [10, 10, 10, 10, 0, 2, 2]
+    return dict(sequences=seqs, trainable=trainable, groups=[0, 0, 0, 0, 0, 1, 2], seq_len=32, min_shared_len=4)
+
+
+def unpacked_logprobs(model: torch.nn.Module, sequences: list[np.ndarray]) -> list[torch.Tensor]:
+    """[n_i - 1] logprob of token t given tokens < t, each sequence alone through the stock model."""
+    out = []
+    for s in sequences:
+        x = torch.as_tensor(np.asarray(s), dtype=torch.int64)[None]
+        logits = model(input_ids=x, use_cache=False).logits[0].float()
+        out.append(torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None]).squeeze(1))
+    return out
+
+
+def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
+    """Max |packed - unpacked| logprob over the trainable targets of :func:`small_case` (no gradients)."""
+    from treepack.service.planner import plan_batch
+    from treepack.trainer import materialize, naive_varlen_attention
+    from treepack.trainer.hf import packed_forward
+
+    c = small_case()
+    plan = plan_batch(c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"], groups=c["groups"])
+    batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
+    with torch.no_grad():
+        ref = unpacked_logprobs(model, c["sequences"])
+        got = batch.unpack_logprobs(batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, compile=False)))
+    err = 0.0
+    for r, g, t in zip(ref, got, c["trainable"]):
+        g = g[1:]
+        keep = torch.arange(1, g.shape[0] + 1) >= max(t, 1)
+        err = max(err, float((g[keep] - r[keep]).abs().max()) if bool(keep.any()) else 0.0)
+    return err
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type of the installed transformers with a causal-LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
+    """(status, detail) of one architecture: ``unbuildable`` | ``stock_fails`` | ``refused`` | ``pass`` | ``WRONG``.
+
+    ``unbuildable``: no tiny model from the shrunken default config; ``stock_fails``: the
+    stock model fails unpacked on it (nothing to compare with). ``WRONG`` (accepted by the
+    check but off the oracle) must never happen.
+    """
+    from treepack.trainer.hf import check_model
+
+    try:
+        model = build_causal_lm(model_type)
+        model.set_attn_implementation("eager")
+    except Exception as e:  # noqa: BLE001 - any failure to build is listed, not hidden
+        return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    report = check_model(model, raise_error=False)
+    if report.refusals:
+        return "refused", report.refusals[0].reason
+    try:
+        with torch.no_grad():
+            unpacked_logprobs(model, small_case()["sequences"][:1])
+    except Exception as e:  # noqa: BLE001
+        return "stock_fails", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    err = forward_oracle(model)
+    return ("pass" if err <= tol else "WRONG"), f"max logprob error {err:.2g}"
+
+
+BEGIN, END = "<!-- model-support:begin -->", "<!-- model-support:end -->"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def render_table(statuses: dict[str, tuple[str, str]]) -> str:
+    """The README section: one line per family (status from :func:`status_of`), with the transformers version."""
+    import transformers
+
+    lines = [
+        BEGIN,
+        f"Generated by `python benchmarks/model_support.py --write-readme` with transformers {transformers.__version__}, "
+        "torch " + torch.__version__.split("+")[0] + "; checked by `tests/trainer/test_family_sweep.py` (tiny random fp32 configs: "
+        "packed logprobs within 1e-5 and gradients within 1e-4 relative of each sequence alone on `sdpa` and the `flash` "
+        "reference, `flex` forward; refused rows raise `UnsupportedModelError` before any compute).",
+        "",
+        "| family | HF model type | mechanism | status | backends |",
+        "|---|---|---|---|---|",
+    ]
+    for row in FAMILIES:
+        status, reason = statuses[row.name]
+        if status == "exact":
+            cell, backends = "exact", "sdpa, flash (+grad)" + (", flex (forward)" if row.flex else "; flex refused")
+        else:
+            until = f" (until {row.lands_with} lands)" if row.lands_with else ""
+            cell, backends = f"refused{until}: {reason}", "-"
+        lines.append(f"| {row.name} | `{row.model_type}` | {row.mechanism} | {cell.replace('|', '/')} | {backends} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def readme_section(text: str) -> str:
+    """The generated section of ``text`` (between the markers)."""
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    return text[start:end]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write-readme", action="store_true", help="rewrite the README's model-support section")
+    ap.add_argument("--auto", action="store_true", help="sweep every causal-LM architecture of the installed transformers")
+    args = ap.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if args.auto:
+        for t in causal_lm_types():
+            print(t, *sweep_one(t), sep="\t", flush=True)
+    table = render_table({row.name: status_of(row) for row in FAMILIES})
+    if args.write_readme:
+        text = README.read_text()
+        README.write_text(text.replace(readme_section(text), table))
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The family sweep: every HF family either passes the oracle or is refused by name before any compute.
+
+Rows come from ``benchmarks/model_support.py`` (:data:`FAMILIES`, tiny random fp32 configs).
+A ``pass`` row: packed logprobs within 1e-5 and gradients within 1e-4 relative of each
+sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), and the
+``flex`` forward (uncompiled; FlexAttention has no CPU backward). A refused row raises
+:class:`UnsupportedModelError` matching its reason, and the model is left untouched.
+Rows marked ``lands_with`` (recurrent mixers, sinks, chunked attention, GLM-MoE-DSA) are
+refused with their reason until that work lands, after which the check accepts them and
+they must pass the same oracle. After every ``packed_forward`` the same model runs
+unpacked, as it is (packed_forward leaves it as it found it), and gives the reference again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import plan_of, trainable_flags
+from treepack.proto.errors import UnsupportedModelError
+from treepack.trainer import check_model, materialize, naive_varlen_attention
+from treepack.trainer.hf import packed_forward
+from treepack.trainer.losses import naive_sft_loss, sft_loss
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "model_support.py"
+_spec = importlib.util.spec_from_file_location("_bench_model_support", _PATH)
+ms = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ms
+_spec.loader.exec_module(ms)
+
+LOGPROB_TOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def case():
+    c = ms.small_case()  # small: the sweep runs ~50 models on 2 shared cores
+    plan = plan_of(c)
+    batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
+    return dict(case=c, batch=batch, flags=trainable_flags(c))
+
+
+def _reference(model, c):
+    """Per-sequence logprobs (NaN off the trainable targets), SFT loss and gradients, each sequence alone."""
+    out = []
+    for lp, f in zip(ms.unpacked_logprobs(model, c["case"]["sequences"]), c["flags"]):
+        full = torch.cat([lp.new_full((1,), float("nan")), lp])
+        keep = f.clone()
+        keep[0] = False
+        out.append(torch.where(keep, full, torch.full_like(full, float("nan"))))
+    loss = naive_sft_loss([torch.nan_to_num(x) for x in out], c["flags"], groups=c["case"]["groups"], normalization="sequence")
+    loss.backward()
+    return [x.detach() for x in out], loss.detach(), _grads(model)
+
+
+def _grads(model):
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _packed(model, c, backend):
+    batch = c["batch"]
+    lp = batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention))
+    loss = sft_loss(lp, batch, normalization="sequence")
+    loss.backward()
+    return [x.detach() for x in batch.unpack_logprobs(lp)], loss.detach(), _grads(model)
+
+
+def _unpacked_again(model, c, ref_lp):
+    """The same model, after packed_forward, still runs unpacked and gives the reference."""
+    with torch.no_grad():
+        again = ms.unpacked_logprobs(model, c["case"]["sequences"][:3])
+    want = [x[1:] for x in ref_lp[:3]]
+    assert_close("unpacked after packed_forward", want, [torch.where(torch.isnan(w), w, a) for w, a in zip(want, again)], atol=1e-6)
+
+
+def _expect_refusal(row) -> bool:
+    if row.refused is None:
+        return False
+    if row.lands_with is None:
+        return True
+    # Rows whose support lands elsewhere: refused until then, exact (and checked so) after.
+    return bool(check_model(ms.build_family(row), raise_error=False).refusals)
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.model_type + ("-" + r.name.split(", ")[1].replace(" ", "_") if ", " in r.name else "")) for r in ms.FAMILIES])
+def test_family(case, row):
+    model = ms.build_family(row)
+    if _expect_refusal(row):
+        with pytest.raises(UnsupportedModelError) as e:
+            packed_forward(model, case["batch"])
+        reasons = " / ".join(r[2] for r in e.value.refusals)
+        assert re.search(row.refused, reasons), reasons
+        assert e.value.kind == "unsupported_model" and str(e.value.path).startswith("$.model")
+        assert model.config._attn_implementation == "eager", "refused after switching the model"
+        with torch.no_grad():
+            ms.unpacked_logprobs(model, case["case"]["sequences"][:1])  # untouched, runs unpacked
+        return
+    ref_lp, ref_loss, ref_grads = _reference(model, case)
+    assert len(ref_grads) > 0 and abs(float(ref_loss)) > 1e-3
+    for backend in ("sdpa", "flash"):
+        lp, loss, grads = _packed(model, case, backend)
+        assert_close(f"{backend} logprobs", ref_lp, lp, atol=LOGPROB_TOL)
+        assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (backend, float(loss), float(ref_loss))
+        # 1e-4 relative per parameter, with a floor at fp32 rounding of the largest gradient
+        # (a parameter whose gradient is 1e-5 of the others cannot be held to 1e-4 of itself).
+        floor = 1e-7 * max(float(g.abs().max()) for g in ref_grads.values())
+        assert_close(f"{backend} grad", ref_grads, grads, atol=floor, ratio=GRAD_RTOL, nonzero_ref=True)
+        _unpacked_again(model, case, ref_lp)
+    if not row.flex:
+        with pytest.raises(UnsupportedModelError, match="BlockMask"):
+            packed_forward(model, case["batch"], backend="flex", compile=False)
+        return
+    with torch.no_grad():
+        logits = packed_forward(model, case["batch"], backend="flex", compile=False)
+    assert_close("flex logprobs", ref_lp, case["batch"].unpack_logprobs(logits), atol=LOGPROB_TOL)
+    _unpacked_again(model, case, ref_lp)
+
+
+def test_the_table_covers_every_mechanism():
+    assert len(ms.FAMILIES) >= 30 and len({r.name for r in ms.FAMILIES}) == len(ms.FAMILIES)
+    passing = [r for r in ms.FAMILIES if r.refused is None]
+    assert len(passing) >= 25
+    mechanisms = " ".join(r.mechanism for r in ms.FAMILIES)
+    for word in ("MoE", "sliding", "sinks", "chunked", "soft-cap", "logit_scale", "logits_scaling", "MLA", "DSA", "hybrid", "length-dependent RoPE", "auxiliary loss"):
+        assert word in mechanisms, word
+
+
+class _PlantedLayer(torch.nn.Module):
+    """An unknown recurrent layer around an MLP: h_t = a * h_{t-1} + x_t over the whole row (no telltale names)."""
+
+    def __init__(self, mlp: torch.nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.decay = torch.nn.Parameter(torch.full((hidden,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = self.decay * h + x[:, t]
+            out.append(h)
+        return self.mlp(torch.stack(out, 1))
+
+
+def test_negative_control_planted_recurrent_layer_is_refused(case):
+    model = ms.build_family(ms.FAMILIES[2])  # Qwen3
+    layer = model.model.layers[1]
+    layer.mlp = _PlantedLayer(layer.mlp, model.config.hidden_size)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(_PlantedLayer\): forward defined outside torch / transformers"):
+        packed_forward(model, case["batch"])
+    with torch.no_grad():  # the planted layer does mix tokens: packed and unpacked would differ
+        x = torch.randn(1, 5, model.config.hidden_size)
+        assert not torch.allclose(layer.mlp(x)[:, 3:], layer.mlp(x[:, 3:]))
+
+
+def test_subclass_overriding_attention_forward_is_refused(case):
+    from transformers.models.qwen3 import modeling_qwen3 as q
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return q.Qwen3Attention.forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    model = ms.build_family(ms.FAMILIES[2])
+    inherited = type("MyAttention", (q.Qwen3Attention,), {})  # same forward: runs exactly
+    model.model.layers[0].self_attn.__class__ = inherited
+    check_model(model)
+    overridden = type("MyAttention", (q.Qwen3Attention,), {"forward": forward, "__module__": __name__})
+    model.model.layers[0].self_attn.__class__ = overridden
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(MyAttention\): (attention forward overridden|attention that does not dispatch)"):
+        packed_forward(model, case["batch"])
+
+
+def test_renamed_subclass_of_a_patched_layer_is_refused(case):
+    from transformers.models.qwen3_next import modeling_qwen3_next as q
+
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == "qwen3_next"))
+    renamed = type("MyGatedDeltaNet", (q.Qwen3NextGatedDeltaNet,), {})
+    path = next(n for n, m in model.named_modules() if type(m) is q.Qwen3NextGatedDeltaNet)
+    model.get_submodule(path).__class__ = renamed
+    with pytest.raises(UnsupportedModelError, match=rf"{re.escape(path)} \(MyGatedDeltaNet\): subclass of Qwen3NextGatedDeltaNet"):
+        packed_forward(model, case["batch"])
+
+
+def test_patch_layers_false_is_refused_for_hybrids(case):
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == "qwen3_next"))
+    with pytest.raises(UnsupportedModelError, match=r"patch_layers=False"):
+        packed_forward(model, case["batch"], patch_layers=False)
+
+
+def test_router_logits_requested_per_call_is_refused(case):
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == "mixtral"))
+    with pytest.raises(UnsupportedModelError, match=r"output_router_logits=False"):
+        packed_forward(model, case["batch"], output_router_logits=True)
+
+
+@pytest.mark.parametrize("model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling"), ("gemma2", "final_logit_softcapping")])
+def test_hidden_output_with_logit_transforms_needs_a_head_that_applies_them(case, model_type, attr):
+    """output='hidden' is allowed because output_head applies the transforms; a caller without one is refused."""
+    from treepack.trainer.hf import forward
+
+    assert forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == model_type and r.refused is None))
+    check_model(model, output="hidden", hidden_applies_logit_transforms=True)
+    with pytest.raises(UnsupportedModelError, match=rf"config\.{attr}"):
+        check_model(model, output="hidden", hidden_applies_logit_transforms=False)
+    check_model(model, output="logits", hidden_applies_logit_transforms=False)
+
+
+def test_training_with_attention_dropout_is_refused():
+    model = ms.build_family(ms.FAMILIES[0])
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(UnsupportedModelError, match=r"attention dropout 0.1 while training"):
+        check_model(model)
+    model.eval()
+    check_model(model)
+
+
+def test_readme_table_matches_the_sweep():
+    text = ms.README.read_text()
+    assert ms.readme_section(text) == ms.render_table({row.name: ms.status_of(row) for row in ms.FAMILIES}), (
+        "README model-support table is stale: run `python benchmarks/model_support.py --write-readme`"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ms.causal_lm_types())
+def test_automatic_sweep_none_silently_wrong(model_type):
+    """Every causal-LM architecture of the installed transformers: refused, or exact (forward oracle, sdpa)."""
+    status, detail = ms.sweep_one(model_type)
+    if status in ("unbuildable", "stock_fails"):
+        pytest.skip(f"{status}: {detail}")
+    assert status in ("pass", "refused"), f"{model_type}: {status} ({detail})"
