@@ -175,7 +175,7 @@ def _attention_refusals(mod: torch.nn.Module, config: Any) -> list[str]:
     return out
 
 
-def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwargs: dict) -> list[Refusal]:
+def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwargs: dict, row_len: int | None = None) -> list[Refusal]:
     """Model-wide settings with no tree-exact path (RoPE scaling, chunked attention, ALiBi, aux losses, logit transforms)."""
     out: list[Refusal] = []
     name = type(config).__name__
@@ -185,6 +185,12 @@ def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwarg
             out.append(Refusal("config.rope_parameters", name, f"length-dependent RoPE {kind!r}: HF scales it by the longest position of the whole packed call, so sequences would change each other's rotary embedding"))
     if getattr(config, "attention_chunk_size", None) and not kernel_supports("chunk_size"):
         out.append(Refusal("config.attention_chunk_size", name, f"chunked attention (chunks of {config.attention_chunk_size}) is not run by tree attention yet"))
+    floor_scale = getattr(config, "floor_scale", None)
+    if getattr(config, "attn_temperature_tuning", False) and floor_scale and row_len is not None and row_len >= floor_scale:
+        # Llama4 scales NoPE queries by log1p(floor((i + 1) / floor_scale)) of the ROW index i, not
+        # of position_ids: every index below floor_scale - 1 gets scale 1 whatever the sequence, so
+        # rows shorter than floor_scale are exact; longer rows would scale by the wrong position.
+        out.append(Refusal("config.attn_temperature_tuning", name, f"NoPE attention temperature tuning reads the row index, not the position: exact only for rows shorter than floor_scale={floor_scale}, got rows of {row_len}; use seq_len < {floor_scale}"))
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         out.append(Refusal("config.alibi", name, "ALiBi biases are not applied by tree attention"))
     if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
@@ -308,6 +314,7 @@ def check_model(
     patch_layers: bool = True,
     hidden_applies_logit_transforms: bool = False,
     raise_error: bool = True,
+    row_len: int | None = None,
     **kwargs: Any,
 ) -> SupportReport:
     """Check that every token mixer of ``model`` runs tree-exact; refuse before any compute otherwise.
@@ -320,6 +327,8 @@ def check_model(
         hidden_applies_logit_transforms: the caller's ``output="hidden"`` path applies the
             model's final logit transforms (then they are not refused).
         raise_error: raise on refusals (default); False returns the report to inspect.
+        row_len: the packed rows' length (``batch.seq_len``), for settings that read the
+            row index instead of ``position_ids`` (Llama4's NoPE temperature tuning).
         **kwargs: the keyword arguments the model will be called with
             (``output_router_logits`` is checked).
 
@@ -331,7 +340,7 @@ def check_model(
     """
     report = SupportReport()
     for config in _configs(model):
-        report.refusals.extend(_config_refusals(config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs))
+        report.refusals.extend(_config_refusals(config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs, row_len=row_len))
     report.refusals.extend(_position_refusals(model))
     report.refusals.extend(_backend_refusals(model, backend))
     hooks = _mixer_hooks()
