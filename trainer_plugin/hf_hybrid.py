@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 from treepack.trainer.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf_dsa import STOCK_ATTR, dsa_forward, packed_context, position_tiebreak_indexer_forward
+from treepack.trainer.hf_mixers import patch_mixer_layers
 
 __all__ = ["patch_hybrid_layers", "unpatch_hybrid_layers", "gdn_layer_tree_forward", "batch_gdn_schedule", "packed_context"]
 
@@ -127,7 +128,7 @@ def _patches() -> dict[str, Callable]:
 
 
 def patch_hybrid_layers(model: torch.nn.Module) -> list[str]:
-    """Install the tree forwards on every GDN / DSA layer of ``model`` (idempotent).
+    """Install the tree forwards on every GDN / DSA layer and handled mixer of ``model`` (idempotent).
 
     Returns:
         The qualified names of the patched modules (already patched ones included).
@@ -142,6 +143,8 @@ def patch_hybrid_layers(model: torch.nn.Module) -> list[str]:
             mod.__dict__[STOCK_ATTR] = mod.forward  # bound stock forward, outside nn.Module's registries
             mod.forward = types.MethodType(fn, mod)
         names.append(name)
+    # Recurrent / conv mixers found by mechanism (Mamba2, Mamba, short conv, KDA, GDN variants).
+    names += [n for n in patch_mixer_layers(model) if n not in names]
     return names
 
 

@@ -1,0 +1,270 @@
+"""Layer patches for HF's recurrent and convolutional mixers on tree rows (SPEC 7, issue 10).
+
+Mixers are found by mechanism, not by class name (:func:`mixer_kind`): a module's
+parameters and attributes say which recurrence it runs, and its ``forward`` must be the
+code of a stock HF layer of that kind (inherited, or an identical copy under another name,
+as HF's modular converter makes them), so a subclass that changes the computation is not
+taken for the stock one (:func:`is_handled` is False, :func:`unhandled_reason` says why).
+
+Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree rows):
+
+- ``mamba2``: Mamba2 mixers with grouped B/C, a gated RMSNorm and the SSD scan: Bamba
+  (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
+  (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
+  muP vector on the projection, optional gated norm).
+
+Each patched forward runs the stock projections, then
+:func:`~treepack.trainer.kernels.tree_scan.tree_conv` and the family's tree scan over the
+batch's :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule`. Outside
+``packed_forward`` (no packed context) a patched layer runs its stock forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+from functools import lru_cache
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from treepack.proto.errors import RequestError
+from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
+from treepack.trainer.kernels.mamba2 import tree_ssd_scan
+from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_schedule
+
+__all__ = [
+    "MIXER_KINDS",
+    "mixer_kind",
+    "is_handled",
+    "unhandled_reason",
+    "mixer_tree_forward",
+    "patch_mixer_layers",
+    "batch_tree_schedule",
+    "mamba2_tree_forward",
+]
+
+# kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
+STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "mamba2": (
+        ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
+        ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+        ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+        ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
+    ),
+}
+MIXER_KINDS = tuple(STOCK_LAYERS)
+CONV_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _has(module: torch.nn.Module, *names: str) -> bool:
+    return all(hasattr(module, n) for n in names)
+
+
+def _depthwise_conv(conv: Any) -> bool:
+    return isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels and conv.weight.shape[1] == 1
+
+
+def _structure_kind(module: torch.nn.Module) -> str | None:
+    """The mixer kind a module's parameters and attributes describe, or None."""
+    A_log = getattr(module, "A_log", None)
+    if (
+        _has(module, "in_proj", "out_proj", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups", "ssm_state_size", "chunk_size", "conv_dim", "intermediate_size")
+        and _depthwise_conv(getattr(module, "conv1d", None))
+        and isinstance(A_log, torch.Tensor)
+        and A_log.dim() == 1
+        and not _has(module, "x_proj", "dt_proj")
+    ):
+        return "mamba2"
+    return None
+
+
+def _fingerprint(fn: Callable) -> tuple:
+    """The code of a (decorator-unwrapped) function, without names of places (file, lines)."""
+    code = inspect.unwrap(fn).__code__
+
+    def norm(c: types.CodeType) -> tuple:
+        consts = tuple(norm(k) if isinstance(k, types.CodeType) else k for k in c.co_consts)
+        return (c.co_code, c.co_names, c.co_varnames, consts)
+
+    return norm(code)
+
+
+@lru_cache(maxsize=None)
+def _stock_fingerprints(kind: str) -> frozenset:
+    import importlib
+
+    out = set()
+    for mod_name, cls_name in STOCK_LAYERS[kind]:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        out.add(_fingerprint(cls.forward))
+    return frozenset(out)
+
+
+def _stock_forward(module: torch.nn.Module) -> Callable:
+    return type(module).forward
+
+
+def mixer_kind(module: torch.nn.Module) -> str | None:
+    """The recurrent / conv mixer kind of ``module`` by mechanism (structure), or None.
+
+    A module with a kind is a token mixer that is wrong on tree rows unless
+    :func:`is_handled` says its tree forward reproduces it.
+    """
+    return _structure_kind(module)
+
+
+def unhandled_reason(module: torch.nn.Module) -> str | None:
+    """Why a mixer cannot run exactly on tree rows, or None when it can (or is no mixer)."""
+    kind = mixer_kind(module)
+    if kind is None:
+        return None
+    if _fingerprint(_stock_forward(module)) not in _stock_fingerprints(kind):
+        return f"its forward is not the code of a stock {kind} layer ({', '.join(c for _, c in STOCK_LAYERS[kind])})"
+    act = getattr(module, "activation", None)
+    if act not in CONV_ACTIVATIONS:
+        return f"conv activation {act!r} (tree conv supports {CONV_ACTIVATIONS})"
+    return None
+
+
+def is_handled(module: torch.nn.Module) -> bool:
+    """True when ``module`` is a mixer whose tree forward reproduces it exactly."""
+    return mixer_kind(module) is not None and unhandled_reason(module) is None
+
+
+def batch_tree_schedule(batch: Any, conv_width: int, who: str) -> TreeSchedule:
+    """The batch's tree schedule (built on first use, cached in the batch).
+
+    Raises:
+        RequestError: when the layer's conv kernel is wider than the plan's conv_width.
+    """
+    W = batch.plan.gdn.conv_width
+    if conv_width > W:
+        raise RequestError(
+            f"{who} has a conv kernel of {conv_width} but the plan was made with conv_width={W}; "
+            f"plan with conv_width >= {conv_width}",
+            path="$.plan.gdn.conv_width",
+            rule="conv_width",
+        )
+    key = "gdn_schedule"  # same schedule as the GDN layers'
+    if key not in batch._cache:
+        batch._cache[key] = tree_schedule(batch.plan, device=batch.device, rows=batch.rows)
+    return batch._cache[key]
+
+
+def _check_rows(hidden_states: torch.Tensor, schedule: TreeSchedule) -> tuple[int, int]:
+    K, L = hidden_states.shape[:2]
+    if K * L != schedule.num_positions:
+        raise RequestError(
+            f"hidden_states has {K} rows of {L}, the schedule {schedule.num_rows} rows of {schedule.seq_len}",
+            path="$.hidden_states",
+            rule="shape",
+        )
+    return K, L
+
+
+def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """A stock HF Mamba2 mixer's torch forward on tree rows.
+
+    Same projections (Falcon-H1: ``ssm_in_multiplier`` and the muP vector), conv
+    activation, ``A = -exp(A_log)``, softplus ``dt`` with ``dt_bias`` clamped to
+    ``time_step_limit``, D skip, gated RMSNorm (Falcon-H1 without it: ``y * silu(gate)``)
+    and output projection as the stock layer; conv and scan follow the tree.
+
+    Args:
+        layer: a Mamba2 mixer (:func:`mixer_kind` ``mamba2``).
+        hidden_states: [K, L, hidden] packed rows.
+        schedule: the batch's tree schedule.
+
+    Returns:
+        [K, L, hidden].
+    """
+    K, L = _check_rows(hidden_states, schedule)
+    N, dtype = K * L, hidden_states.dtype
+    h = hidden_states * layer.ssm_in_multiplier if hasattr(layer, "ssm_in_multiplier") else hidden_states
+    proj = layer.in_proj(h)
+    mup = getattr(layer, "mup_vector", None)
+    if mup is not None:
+        proj = proj * mup
+    A = -torch.exp(layer.A_log.float())
+    gate, xBC, dt = proj.split([layer.intermediate_size, layer.conv_dim, layer.num_heads], dim=-1)
+    xBC = tree_conv(xBC.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
+    xBC = xBC.to(proj.dtype)
+    G, S = layer.n_groups, layer.ssm_state_size
+    x, B, C = torch.split(xBC, [layer.intermediate_size, G * S, G * S], dim=-1)
+    y = tree_ssd_scan(
+        x.reshape(N, layer.num_heads, layer.head_dim),
+        dt.reshape(N, layer.num_heads),
+        A,
+        B.reshape(N, G, S),
+        C.reshape(N, G, S),
+        schedule,
+        chunk_size=layer.chunk_size,
+        D=layer.D,
+        dt_bias=layer.dt_bias,
+        dt_softplus=True,
+        dt_limit=tuple(layer.time_step_limit),
+    )
+    y = y.float().reshape(K, L, -1)  # the stock scan returns fp32
+    if getattr(layer, "mamba_rms_norm", True):
+        y = layer.norm(y, gate)
+    else:
+        y = y * F.silu(gate)
+    return layer.out_proj(y.to(dtype))
+
+
+_TREE_FORWARDS: dict[str, Callable[[torch.nn.Module, torch.Tensor, TreeSchedule], torch.Tensor]] = {
+    "mamba2": mamba2_tree_forward,
+}
+
+
+def _conv_width(layer: torch.nn.Module) -> int:
+    conv = getattr(layer, "conv1d", None) or getattr(layer, "conv")
+    return int(conv.weight.shape[-1])
+
+
+def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    ctx = packed_context(kwargs)
+    if ctx is None:
+        return getattr(self, STOCK_ATTR)(hidden_states, *args, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("cache_params", args[0] if args else None)))
+    if cache is not None:
+        raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
+    who = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
+    schedule = batch_tree_schedule(ctx.batch, _conv_width(self), who)
+    return mixer_tree_forward(self, hidden_states, schedule)
+
+
+def mixer_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """Run a handled mixer on tree rows (dispatch on :func:`mixer_kind`).
+
+    Raises:
+        RequestError: when the layer is not handled (names the class and the reason).
+    """
+    reason = unhandled_reason(layer)
+    kind = mixer_kind(layer)
+    if kind is None or reason is not None:
+        raise RequestError(f"{type(layer).__name__} cannot run on tree rows: {reason or 'not a known mixer'}", path="$.model", rule="unsupported_mixer")
+    return _TREE_FORWARDS[kind](layer, hidden_states, schedule)
+
+
+def patch_mixer_layers(model: torch.nn.Module) -> list[str]:
+    """Install the tree forward on every handled mixer of ``model`` (idempotent).
+
+    Returns:
+        The qualified names of the patched modules (already patched ones included).
+    """
+    names = []
+    for name, mod in model.named_modules():
+        if mixer_kind(mod) not in _TREE_FORWARDS or not is_handled(mod):
+            continue
+        if STOCK_ATTR not in mod.__dict__:
+            mod.__dict__[STOCK_ATTR] = mod.forward
+            mod.forward = types.MethodType(_patched_forward, mod)
+        names.append(name)
+    return names
