@@ -232,7 +232,7 @@ def tree_conv(
     check_conv_args(x.dim() == 2, weight, x.shape[1], bias, activation)
     if weight.shape[1] > schedule.conv_width:
         raise RequestError(
-            f"weight has a conv width of {weight.shape[1]} but the plan was made with conv_width={schedule.conv_width}; "
+            f"weight has a conv width of {weight.shape[1]}, more than the plan's conv_width={schedule.conv_width}; "
             f"plan with conv_width >= {weight.shape[1]}",
             path="$.plan.gdn.conv_width",
             rule="conv_width",
