@@ -40,7 +40,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
 
-__all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "tree_conv", "tree_scan", "ConvFn", "LevelStep"]
+__all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
 
 ConvFn = Callable[..., torch.Tensor]
 LevelStep = Callable[[list, "torch.Tensor | None", "TreeLevel"], tuple[torch.Tensor, torch.Tensor]]
@@ -286,3 +286,36 @@ def tree_scan(step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSch
     idx.append(schedule.pad_idx)
     out = torch.full((N, *out_tail), float("nan"), dtype=ref.dtype, device=ref.device)
     return out.index_put((torch.cat(idx),), torch.cat(outs))
+
+
+def naive_tree_scan(run: Callable, inputs: Sequence[torch.Tensor], plan: Plan, out_tail: tuple[int, ...]) -> torch.Tensor:
+    """Reference for :func:`tree_scan`: segment by segment, walking parent pointers.
+
+    Segments run in pre-order (parents first); each starts from its parent's final state,
+    read from a dict (no level metadata used).
+
+    Args:
+        run: ``run(segment_inputs, initial_state) -> (o [n, *out_tail], final [1, ...])``
+            on one segment's tokens (``initial_state`` [1, ...] or None for zeros).
+        inputs: per-token tensors [N, ...], N = rows * seq_len of ``plan``.
+        plan: the plan.
+        out_tail: the output's per-token shape.
+
+    Returns:
+        [N, *out_tail]; zeros at padding.
+    """
+    C, seg = plan.seq_len, plan.segments
+    N = plan.num_rows * C
+    for i, x in enumerate(inputs):
+        _check_flat(f"inputs[{i}]", x, N)
+    ref = inputs[0]
+    out = torch.full((N, *out_tail), float("nan"), dtype=ref.dtype, device=ref.device)
+    out[torch.from_numpy(plan.segment_ids().reshape(-1) < 0)] = 0
+    states: dict[int, torch.Tensor] = {}
+    for s in range(seg.num_segments):
+        b = int(seg.row[s]) * C + int(seg.row_start[s])
+        t = torch.arange(b, b + int(seg.length[s]), device=ref.device)
+        p = int(seg.parent[s])
+        o, states[s] = run([x[t] for x in inputs], None if p < 0 else states[p])
+        out[t] = o.to(ref.dtype)
+    return out
