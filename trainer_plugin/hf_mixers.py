@@ -12,6 +12,7 @@ Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree
   (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
   muP vector on the projection, optional gated norm).
+- ``short_conv``: LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``).
 
 Each patched forward runs the stock projections, then
 :func:`~treepack.trainer.kernels.tree_scan.tree_conv` and the family's tree scan over the
@@ -44,6 +45,7 @@ __all__ = [
     "patch_mixer_layers",
     "batch_tree_schedule",
     "mamba2_tree_forward",
+    "short_conv_tree_forward",
 ]
 
 # kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
@@ -53,6 +55,10 @@ STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
         ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
         ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
         ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
+    ),
+    "short_conv": (
+        ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),
+        ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"),
     ),
 }
 MIXER_KINDS = tuple(STOCK_LAYERS)
@@ -78,6 +84,16 @@ def _structure_kind(module: torch.nn.Module) -> str | None:
         and not _has(module, "x_proj", "dt_proj")
     ):
         return "mamba2"
+    conv = getattr(module, "conv", None)
+    in_proj = getattr(module, "in_proj", None)
+    if (
+        _depthwise_conv(conv)
+        and isinstance(in_proj, torch.nn.Linear)
+        and in_proj.out_features == 3 * conv.in_channels
+        and _has(module, "out_proj")
+        and A_log is None
+    ):
+        return "short_conv"
     return None
 
 
@@ -218,8 +234,27 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     return layer.out_proj(y.to(dtype))
 
 
+def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """LFM2's gated short convolution (``out_proj(C * conv(B * x))``) on tree rows.
+
+    Args:
+        layer: an ``Lfm2ShortConv``-like module (:func:`mixer_kind` ``short_conv``).
+        hidden_states: [K, L, hidden] packed rows.
+        schedule: the batch's tree schedule (its conv_width >= the layer's kernel).
+
+    Returns:
+        [K, L, hidden].
+    """
+    K, L = _check_rows(hidden_states, schedule)
+    B, C, x = layer.in_proj(hidden_states).chunk(3, dim=-1)
+    Bx = (B * x).reshape(K * L, -1)
+    conv = tree_conv(Bx, layer.conv.weight.squeeze(1), layer.conv.bias, schedule).to(Bx.dtype)
+    return layer.out_proj(C * conv.reshape(K, L, -1))
+
+
 _TREE_FORWARDS: dict[str, Callable[[torch.nn.Module, torch.Tensor, TreeSchedule], torch.Tensor]] = {
     "mamba2": mamba2_tree_forward,
+    "short_conv": short_conv_tree_forward,
 }
 
 
