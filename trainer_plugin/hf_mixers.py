@@ -12,6 +12,7 @@ Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree
   (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
   muP vector on the projection, optional gated norm).
+- ``mamba``: Jamba's Mamba (S6) mixer (``JambaMambaMixer``: RMS norms on dt, B and C).
 - ``short_conv``: LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``).
 
 Each patched forward runs the stock projections, then
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
+from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_schedule
 
@@ -46,6 +48,7 @@ __all__ = [
     "batch_tree_schedule",
     "mamba2_tree_forward",
     "short_conv_tree_forward",
+    "mamba_tree_forward",
 ]
 
 # kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
@@ -56,6 +59,7 @@ STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
         ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
         ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
     ),
+    "mamba": (("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),),
     "short_conv": (
         ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),
         ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"),
@@ -84,6 +88,13 @@ def _structure_kind(module: torch.nn.Module) -> str | None:
         and not _has(module, "x_proj", "dt_proj")
     ):
         return "mamba2"
+    if (
+        _has(module, "in_proj", "x_proj", "dt_proj", "out_proj", "D", "time_step_rank", "ssm_state_size", "intermediate_size")
+        and _depthwise_conv(getattr(module, "conv1d", None))
+        and isinstance(A_log, torch.Tensor)
+        and A_log.dim() == 2
+    ):
+        return "mamba"
     conv = getattr(module, "conv", None)
     in_proj = getattr(module, "in_proj", None)
     if (
@@ -234,6 +245,34 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     return layer.out_proj(y.to(dtype))
 
 
+def mamba_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """Jamba's Mamba mixer (selective scan with RMS-normed dt, B, C) on tree rows.
+
+    Same projections, conv activation, dt / B / C layer norms, ``dt_proj`` weight with its
+    bias as the scan's ``delta_bias`` (softplus), D skip and z gate as the stock slow path;
+    conv and scan follow the tree.
+
+    Args:
+        layer: a ``JambaMambaMixer`` (:func:`mixer_kind` ``mamba``).
+        hidden_states: [K, L, hidden] packed rows.
+        schedule: the batch's tree schedule.
+
+    Returns:
+        [K, L, hidden].
+    """
+    K, L = _check_rows(hidden_states, schedule)
+    N, dtype = K * L, hidden_states.dtype
+    xBC, gate = layer.in_proj(hidden_states).reshape(N, -1).chunk(2, dim=-1)
+    x = tree_conv(xBC, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation).to(xBC.dtype)
+    ts, B, C = torch.split(layer.x_proj(x), [layer.time_step_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1)
+    ts, B, C = layer.dt_layernorm(ts), layer.b_layernorm(B), layer.c_layernorm(C)
+    dt = ts @ layer.dt_proj.weight.T
+    bias = layer.dt_proj.bias.float() if layer.dt_proj.bias is not None else None
+    A = -torch.exp(layer.A_log.float())
+    y = tree_selective_scan(x, dt, A, B, C, schedule, D=layer.D.float(), z=gate, delta_bias=bias, delta_softplus=True)
+    return layer.out_proj(y.reshape(K, L, -1).to(dtype))
+
+
 def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
     """LFM2's gated short convolution (``out_proj(C * conv(B * x))``) on tree rows.
 
@@ -254,6 +293,7 @@ def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor,
 
 _TREE_FORWARDS: dict[str, Callable[[torch.nn.Module, torch.Tensor, TreeSchedule], torch.Tensor]] = {
     "mamba2": mamba2_tree_forward,
+    "mamba": mamba_tree_forward,
     "short_conv": short_conv_tree_forward,
 }
 
