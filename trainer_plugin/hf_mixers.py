@@ -13,6 +13,7 @@ Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
   muP vector on the projection, optional gated norm).
 - ``mamba``: Jamba's Mamba (S6) mixer (``JambaMambaMixer``: RMS norms on dt, B and C).
+- ``kda``: Kimi-Linear's Kimi Delta Attention (``KimiLinearDeltaAttention``).
 - ``short_conv``: LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``).
 
 Each patched forward runs the stock projections, then
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
+from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_schedule
@@ -49,6 +51,7 @@ __all__ = [
     "mamba2_tree_forward",
     "short_conv_tree_forward",
     "mamba_tree_forward",
+    "kda_tree_forward",
 ]
 
 # kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
@@ -60,6 +63,7 @@ STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
         ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
     ),
     "mamba": (("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),),
+    "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
     "short_conv": (
         ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),
         ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"),
@@ -95,6 +99,13 @@ def _structure_kind(module: torch.nn.Module) -> str | None:
         and A_log.dim() == 2
     ):
         return "mamba"
+    gate = getattr(module, "forget_gate", None)
+    if (
+        _has(module, "q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj", "head_dim", "qkv_dim")
+        and _depthwise_conv(getattr(module, "conv1d", None))
+        and isinstance(getattr(gate, "A_log", None), torch.Tensor)
+    ):
+        return "kda"
     conv = getattr(module, "conv", None)
     in_proj = getattr(module, "in_proj", None)
     if (
@@ -273,6 +284,33 @@ def mamba_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sche
     return layer.out_proj(y.reshape(K, L, -1).to(dtype))
 
 
+def kda_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """Kimi-Linear's KDA layer on tree rows.
+
+    Same q/k/v projections, conv activation, per-channel forget gate (``layer.forget_gate``,
+    pointwise), ``beta = sigmoid(b_proj)``, in-kernel q/k L2 norm, sigmoid-gated RMSNorm and
+    output projection as the stock layer; conv and the delta rule follow the tree.
+
+    Args:
+        layer: a ``KimiLinearDeltaAttention`` (:func:`mixer_kind` ``kda``).
+        hidden_states: [K, L, hidden] packed rows.
+        schedule: the batch's tree schedule.
+
+    Returns:
+        [K, L, hidden].
+    """
+    K, L = _check_rows(hidden_states, schedule)
+    N, hd = K * L, layer.head_dim
+    mixed = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)], dim=-1)
+    conv = tree_conv(mixed.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
+    q, k, v = (x.reshape(N, -1, hd) for x in torch.split(conv.to(mixed.dtype), [layer.qkv_dim] * 3, dim=-1))
+    g = layer.forget_gate(hidden_states).reshape(N, -1, hd)
+    beta = torch.sigmoid(layer.b_proj(hidden_states)).reshape(N, -1)
+    o = tree_kda(q, k, v, g, beta, schedule, use_qk_l2norm_in_kernel=True)
+    gate = layer.g_b_proj(layer.g_a_proj(hidden_states)).reshape(K, L, -1, hd)
+    return layer.o_proj(layer.o_norm(o.reshape(K, L, -1, hd), gate).reshape(K, L, -1))
+
+
 def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
     """LFM2's gated short convolution (``out_proj(C * conv(B * x))``) on tree rows.
 
@@ -294,6 +332,7 @@ def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor,
 _TREE_FORWARDS: dict[str, Callable[[torch.nn.Module, torch.Tensor, TreeSchedule], torch.Tensor]] = {
     "mamba2": mamba2_tree_forward,
     "mamba": mamba_tree_forward,
+    "kda": kda_tree_forward,
     "short_conv": short_conv_tree_forward,
 }
 
