@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 from treepack.trainer.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf_dsa import STOCK_ATTR, dsa_forward, packed_context, position_tiebreak_indexer_forward
-from treepack.trainer.hf_mixers import patch_mixer_layers
+from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers
 
 __all__ = ["patch_hybrid_layers", "unpatch_hybrid_layers", "gdn_layer_tree_forward", "batch_gdn_schedule", "packed_context"]
 
@@ -137,6 +137,8 @@ def patch_hybrid_layers(model: torch.nn.Module) -> list[str]:
     names = []
     for name, mod in model.named_modules():
         fn = patches.get(type(mod).__name__)
+        if fn is None and mixer_kind(mod) == "gdn" and is_handled(mod):
+            fn = _gdn_forward  # a renamed copy or subclass of a stock GDN layer, found by mechanism
         if fn is None:
             continue
         if STOCK_ATTR not in mod.__dict__:

@@ -8,6 +8,11 @@ taken for the stock one (:func:`is_handled` is False, :func:`unhandled_reason` s
 
 Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree rows):
 
+- ``gdn``: Qwen3-Next / Qwen3.5 Gated DeltaNet and any renamed copy or subclass that keeps
+  its forward (patched by :mod:`treepack.trainer.hf_hybrid`, whose GDN forward they share).
+- ``gdn_olmo``: OLMo-hybrid's GDN variant (``OlmoHybridGatedDeltaNet``: separate
+  projections, a ``g_proj`` output gate, optional negative eigenvalues).
+
 - ``mamba2``: Mamba2 mixers with grouped B/C, a gated RMSNorm and the SSD scan: Bamba
   (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
+from treepack.trainer.gdn import tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
 from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.mamba import tree_selective_scan
@@ -52,10 +58,17 @@ __all__ = [
     "short_conv_tree_forward",
     "mamba_tree_forward",
     "kda_tree_forward",
+    "olmo_gdn_tree_forward",
 ]
 
 # kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
 STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gdn": (
+        ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+        ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+        ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+    ),
+    "gdn_olmo": (("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet"),),
     "mamba2": (
         ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
         ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
@@ -84,6 +97,12 @@ def _depthwise_conv(conv: Any) -> bool:
 def _structure_kind(module: torch.nn.Module) -> str | None:
     """The mixer kind a module's parameters and attributes describe, or None."""
     A_log = getattr(module, "A_log", None)
+    gdn_params = isinstance(A_log, torch.Tensor) and A_log.dim() == 1 and _has(module, "dt_bias", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
+    if gdn_params and _depthwise_conv(getattr(module, "conv1d", None)):
+        if _has(module, "in_proj_qkvz", "in_proj_ba", "norm", "out_proj") or _has(module, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"):
+            return "gdn"
+        if _has(module, "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"):
+            return "gdn_olmo"
     if (
         _has(module, "in_proj", "out_proj", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups", "ssm_state_size", "chunk_size", "conv_dim", "intermediate_size")
         and _depthwise_conv(getattr(module, "conv1d", None))
@@ -311,6 +330,40 @@ def kda_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedu
     return layer.o_proj(layer.o_norm(o.reshape(K, L, -1, hd), gate).reshape(K, L, -1))
 
 
+def olmo_gdn_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+    """OLMo-hybrid's Gated DeltaNet variant on tree rows.
+
+    Separate q/k/v/a/b/g projections, ``beta = sigmoid(b)`` (times 2 with
+    ``allow_neg_eigval``), ``g = -exp(A_log) * softplus(a + dt_bias)``, in-kernel q/k L2
+    norm, norm-before-gate RMSNorm with the ``g_proj`` gate, as the stock layer; conv and
+    delta rule follow the tree (:mod:`treepack.trainer.gdn`).
+
+    Args:
+        layer: an ``OlmoHybridGatedDeltaNet`` (:func:`mixer_kind` ``gdn_olmo``).
+        hidden_states: [K, L, hidden] packed rows.
+        schedule: the batch's tree schedule.
+
+    Returns:
+        [K, L, hidden].
+    """
+    K, L = _check_rows(hidden_states, schedule)
+    N = K * L
+    mixed = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)], dim=-1)
+    conv = tree_causal_conv1d(mixed.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
+    q, k, v = torch.split(conv.to(mixed.dtype), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    beta = layer.b_proj(hidden_states).sigmoid()
+    if layer.allow_neg_eigval:
+        beta = beta * 2.0
+    g = -layer.A_log.float().exp() * F.softplus(layer.a_proj(hidden_states).float() + layer.dt_bias)
+    o = tree_gated_delta_rule(
+        q.reshape(N, -1, layer.head_k_dim), k.reshape(N, -1, layer.head_k_dim), v.reshape(N, -1, layer.head_v_dim),
+        g.reshape(N, -1), beta.reshape(N, -1), schedule, use_qk_l2norm_in_kernel=True,
+    )
+    gate = layer.g_proj(hidden_states).reshape(-1, layer.head_v_dim)
+    o = layer.o_norm(o.reshape(-1, layer.head_v_dim), gate).reshape(K, L, -1)
+    return layer.o_proj(o)
+
+
 def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
     """LFM2's gated short convolution (``out_proj(C * conv(B * x))``) on tree rows.
 
@@ -333,6 +386,7 @@ _TREE_FORWARDS: dict[str, Callable[[torch.nn.Module, torch.Tensor, TreeSchedule]
     "mamba2": mamba2_tree_forward,
     "mamba": mamba_tree_forward,
     "kda": kda_tree_forward,
+    "gdn_olmo": olmo_gdn_tree_forward,
     "short_conv": short_conv_tree_forward,
 }
 
