@@ -26,7 +26,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.gdn_ref import l2norm
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["chunk_kda_ref", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]
+__all__ = ["select_kda", "chunk_kda_ref", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]
 
 
 def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> torch.Tensor:
@@ -168,12 +168,12 @@ def tree_kda(
         q, k: [N, H, K] flat row tokens. v: [N, HV, V]. g: [N, HV, K] log decay. beta: [N, HV].
         schedule: from :func:`~treepack.trainer.kernels.tree_scan.tree_schedule`.
         scale, use_qk_l2norm_in_kernel: as fla's ``chunk_kda``.
-        kernel: a function with ``chunk_kda``'s signature; default :func:`chunk_kda_ref`.
+        kernel: a function with ``chunk_kda``'s signature; default :func:`select_kda`.
 
     Returns:
         [N, HV, V] in q's dtype; zeros at padding.
     """
-    kernel = chunk_kda_ref if kernel is None else kernel
+    kernel = select_kda(q) if kernel is None else kernel
 
     def step(sel, h0, lv):
         o, final = kernel(*(x[None] for x in sel), scale=scale, initial_state=h0, output_final_state=True,
@@ -181,3 +181,12 @@ def tree_kda(
         return o[0], final
 
     return tree_scan(step, (q, k, v, g, beta), schedule, tuple(v.shape[1:]))
+
+
+def select_kda(x: torch.Tensor):
+    """The kernel the tree path calls for tensors like ``x``: today always :func:`chunk_kda_ref`.
+
+    The one dispatch point for a GPU kernel (fla's ``chunk_kda``, imported lazily, with the same
+    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`chunk_kda_ref`.
+    """
+    return chunk_kda_ref

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["selective_scan_ref", "naive_selective_scan", "tree_selective_scan", "CHUNK"]
+__all__ = ["select_selective_scan", "selective_scan_ref", "naive_selective_scan", "tree_selective_scan", "CHUNK"]
 
 CHUNK = 8
 
@@ -133,12 +133,12 @@ def tree_selective_scan(
         D: [D] skip. z: [N, D] gate. delta_bias: [D]. delta_softplus: as mamba_ssm.
         schedule: from :func:`~treepack.trainer.kernels.tree_scan.tree_schedule`.
         scan_fn: a function with ``selective_scan_fn``'s signature; default
-            :func:`selective_scan_ref`.
+            :func:`select_selective_scan`.
 
     Returns:
         [N, D] in u's dtype; zeros at padding.
     """
-    scan_fn = selective_scan_ref if scan_fn is None else scan_fn
+    scan_fn = select_selective_scan(u) if scan_fn is None else scan_fn
     ct = torch.promote_types(u.dtype, torch.float32)
     dt = delta.to(ct) + (0 if delta_bias is None else delta_bias.to(ct))
     dt = F.softplus(dt) if delta_softplus else dt
@@ -165,3 +165,12 @@ def tree_selective_scan(
 
     y = tree_scan(step, (u, dt, B, C), schedule, (u.shape[1],))
     return y if z is None else (y.to(ct) * F.silu(z.to(ct))).to(u.dtype)
+
+
+def select_selective_scan(x: torch.Tensor):
+    """The kernel the tree path calls for tensors like ``x``: today always :func:`selective_scan_ref`.
+
+    The one dispatch point for a GPU kernel (mamba_ssm's ``selective_scan_fn``, imported lazily, with the same
+    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`selective_scan_ref`.
+    """
+    return selective_scan_ref

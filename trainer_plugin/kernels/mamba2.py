@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["ssd_chunk_scan_ref", "naive_ssd_scan", "check_ssd_inputs", "tree_ssd_scan"]
+__all__ = ["select_ssd", "ssd_chunk_scan_ref", "naive_ssd_scan", "check_ssd_inputs", "tree_ssd_scan"]
 
 
 def check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens) -> torch.Tensor:
@@ -229,12 +229,12 @@ def tree_ssd_scan(
         schedule: from :func:`~treepack.trainer.kernels.tree_scan.tree_schedule`.
         chunk_size, dt_softplus, dt_limit: as ``mamba_chunk_scan_combined``.
         scan_fn: a function with ``mamba_chunk_scan_combined``'s signature and per-sequence
-            ``initial_states`` (module docstring); default :func:`ssd_chunk_scan_ref`.
+            ``initial_states`` (module docstring); default :func:`select_ssd`.
 
     Returns:
         [N, H, P] in x's dtype; zeros at padding.
     """
-    scan_fn = ssd_chunk_scan_ref if scan_fn is None else scan_fn
+    scan_fn = select_ssd(x) if scan_fn is None else scan_fn
 
     def step(sel, h0, lv):
         xs, dts, Bs, Cs = (t[None] for t in sel)
@@ -246,3 +246,12 @@ def tree_ssd_scan(
         return y[0], states
 
     return tree_scan(step, (x, dt, B, C), schedule, tuple(x.shape[1:]))
+
+
+def select_ssd(x: torch.Tensor):
+    """The kernel the tree path calls for tensors like ``x``: today always :func:`ssd_chunk_scan_ref`.
+
+    The one dispatch point for a GPU kernel (mamba_ssm's ``mamba_chunk_scan_combined`` (per-sequence ``initial_states``, see the module docstring), imported lazily, with the same
+    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`ssd_chunk_scan_ref`.
+    """
+    return ssd_chunk_scan_ref

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 
-__all__ = ["causal_conv1d_ref", "naive_causal_conv1d", "gated_short_conv_ref", "check_conv_args"]
+__all__ = ["select_causal_conv1d", "causal_conv1d_ref", "naive_causal_conv1d", "gated_short_conv_ref", "check_conv_args"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -147,3 +147,12 @@ def gated_short_conv_ref(BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """
     Bg, Cg, x = BCx.chunk(3, dim=-2)
     return Cg * causal_conv1d_ref(Bg * x, weight, bias, seq_idx=seq_idx)
+
+
+def select_causal_conv1d(x: torch.Tensor):
+    """The kernel the tree path calls for tensors like ``x``: today always :func:`causal_conv1d_ref`.
+
+    The one dispatch point for a GPU kernel (causal-conv1d's ``causal_conv1d_fn``, imported lazily, with the same
+    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`causal_conv1d_ref`.
+    """
+    return causal_conv1d_ref

@@ -39,6 +39,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.kernels.short_conv import check_conv_args, select_causal_conv1d
 
 __all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
 
@@ -219,14 +220,12 @@ def tree_conv(
         schedule: from :func:`tree_schedule`.
         activation: None, ``silu`` or ``swish`` (after the bias).
         conv_fn: a function with causal-conv1d's ``causal_conv1d_fn`` signature; default
-            :func:`~treepack.trainer.kernels.short_conv.causal_conv1d_ref`.
+            :func:`~treepack.trainer.kernels.short_conv.select_causal_conv1d`.
 
     Returns:
         [N, D] in the compute dtype of ``x`` and ``weight``; a padding position is convolved
         as a one-token sequence.
     """
-    from treepack.trainer.kernels.short_conv import causal_conv1d_ref, check_conv_args
-
     N = schedule.num_positions
     _check_flat("x", x, N)
     check_conv_args(x.dim() == 2, weight, x.shape[1], bias, activation)
@@ -237,7 +236,7 @@ def tree_conv(
             path="$.plan.gdn.conv_width",
             rule="conv_width",
         )
-    conv_fn = causal_conv1d_ref if conv_fn is None else conv_fn
+    conv_fn = select_causal_conv1d(x) if conv_fn is None else conv_fn
     dt = torch.promote_types(x.dtype, weight.dtype)
     xe = torch.cat([x.to(dt), x.new_zeros(1, x.shape[1], dtype=dt)])
     outs, idx = [], []
