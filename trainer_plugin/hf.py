@@ -14,7 +14,7 @@
 - the batch travels as the keyword argument ``treepack_context`` (HF forwards
   ``**kwargs`` to the attention functions, and activation checkpointing replays it) and
   in a context variable (:mod:`treepack.trainer.context`) for layers without ``**kwargs``.
-  Other layer kinds (Gated DeltaNet, sparse indexers) are patched to read the same
+  Other layer kinds (recurrent and conv mixers, sparse indexers) are patched to read the same
   context; nothing here assumes attention is the only layer that needs it.
 
 The model stays in ``"treepack"`` mode after ``packed_forward`` returns, because
@@ -116,9 +116,11 @@ def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
 
     Args:
         model: the HF model.
-        patch_layers: also install the tree forwards on Gated DeltaNet and DeepSeek-V3.2
-            sparse attention layers (:func:`treepack.trainer.hf_hybrid.patch_hybrid_layers`,
-            idempotent); without them those layers would scan each row as one sequence.
+        patch_layers: also install the tree forwards on recurrent / conv mixers (GDN,
+            Mamba2, Mamba, KDA, short conv: :mod:`treepack.trainer.hf_mixers`) and
+            DeepSeek-V3.2 sparse attention layers
+            (:func:`treepack.trainer.hf_hybrid.patch_hybrid_layers`, idempotent); without
+            them those layers would scan each row as one sequence.
     """
     register_tree_attention()
     if patch_layers:
@@ -166,7 +168,7 @@ def packed_forward(
         output: ``logits``, or ``hidden`` to run the base model only and return its final
             hidden states (then :meth:`PackedBatch.target_logprobs_from_hidden` with
             ``model.lm_head`` never materializes [K, L, vocab]).
-        patch_layers: patch GDN / DSA layers for tree rows (see :func:`enable_tree_attention`);
+        patch_layers: patch mixer / DSA layers for tree rows (see :func:`enable_tree_attention`);
             False only to run their stock forward on purpose (a negative control).
         **kwargs: passed to ``model(...)``.
 
