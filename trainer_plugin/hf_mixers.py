@@ -1,18 +1,14 @@
 """Layer patches for HF's recurrent and convolutional mixers on tree rows (SPEC 7, issue 10).
 
-Mixers are found by mechanism, not by class name (:func:`mixer_kind`): a module's
-parameters and attributes say which recurrence it runs, and its ``forward`` must be the
-code of a stock HF layer of that kind (inherited, or an identical copy under another name,
-as HF's modular converter makes them), so a subclass that changes the computation is not
-taken for the stock one (:func:`is_handled` is False, :func:`unhandled_reason` says why).
-
-Kinds and the stock layers they reproduce (the torch slow path, exactly, on tree rows):
+Which modules are mixers, and which of them the tree path reproduces, is decided by
+mechanism in :mod:`treepack.trainer.hf_mixer_kinds` (:func:`mixer_kind`,
+:func:`is_handled`, :func:`unhandled_reason`, re-exported here). Per kind, the stock
+layers whose torch slow path the tree forward reproduces exactly:
 
 - ``gdn``: Qwen3-Next / Qwen3.5 Gated DeltaNet and any renamed copy or subclass that keeps
   its forward (patched by :mod:`treepack.trainer.hf_hybrid`, whose GDN forward they share).
 - ``gdn_olmo``: OLMo-hybrid's GDN variant (``OlmoHybridGatedDeltaNet``: separate
   projections, a ``g_proj`` output gate, optional negative eigenvalues).
-
 - ``mamba2``: Mamba2 mixers with grouped B/C, a gated RMSNorm and the SSD scan: Bamba
   (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
@@ -29,10 +25,7 @@ batch's :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule`. Outside
 
 from __future__ import annotations
 
-import inspect
-import math
 import types
-from functools import lru_cache
 from typing import Any, Callable
 
 import torch
@@ -41,6 +34,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 from treepack.trainer.gdn import tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
+from treepack.trainer.hf_mixer_kinds import MIXER_KINDS, is_handled, mixer_kind, unhandled_reason
 from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
@@ -60,138 +54,6 @@ __all__ = [
     "kda_tree_forward",
     "olmo_gdn_tree_forward",
 ]
-
-# kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
-STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
-    "gdn": (
-        ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
-        ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
-        ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
-    ),
-    "gdn_olmo": (("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet"),),
-    "mamba2": (
-        ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
-        ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
-        ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
-        ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
-    ),
-    "mamba": (("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),),
-    "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
-    "short_conv": (
-        ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),
-        ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"),
-    ),
-}
-MIXER_KINDS = tuple(STOCK_LAYERS)
-CONV_ACTIVATIONS = (None, "silu", "swish")
-
-
-def _has(module: torch.nn.Module, *names: str) -> bool:
-    return all(hasattr(module, n) for n in names)
-
-
-def _depthwise_conv(conv: Any) -> bool:
-    return isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels and conv.weight.shape[1] == 1
-
-
-def _structure_kind(module: torch.nn.Module) -> str | None:
-    """The mixer kind a module's parameters and attributes describe, or None."""
-    A_log = getattr(module, "A_log", None)
-    gdn_params = isinstance(A_log, torch.Tensor) and A_log.dim() == 1 and _has(module, "dt_bias", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
-    if gdn_params and _depthwise_conv(getattr(module, "conv1d", None)):
-        if _has(module, "in_proj_qkvz", "in_proj_ba", "norm", "out_proj") or _has(module, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"):
-            return "gdn"
-        if _has(module, "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"):
-            return "gdn_olmo"
-    if (
-        _has(module, "in_proj", "out_proj", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups", "ssm_state_size", "chunk_size", "conv_dim", "intermediate_size")
-        and _depthwise_conv(getattr(module, "conv1d", None))
-        and isinstance(A_log, torch.Tensor)
-        and A_log.dim() == 1
-        and not _has(module, "x_proj", "dt_proj")
-    ):
-        return "mamba2"
-    if (
-        _has(module, "in_proj", "x_proj", "dt_proj", "out_proj", "D", "time_step_rank", "ssm_state_size", "intermediate_size")
-        and _depthwise_conv(getattr(module, "conv1d", None))
-        and isinstance(A_log, torch.Tensor)
-        and A_log.dim() == 2
-    ):
-        return "mamba"
-    gate = getattr(module, "forget_gate", None)
-    if (
-        _has(module, "q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj", "head_dim", "qkv_dim")
-        and _depthwise_conv(getattr(module, "conv1d", None))
-        and isinstance(getattr(gate, "A_log", None), torch.Tensor)
-    ):
-        return "kda"
-    conv = getattr(module, "conv", None)
-    in_proj = getattr(module, "in_proj", None)
-    if (
-        _depthwise_conv(conv)
-        and isinstance(in_proj, torch.nn.Linear)
-        and in_proj.out_features == 3 * conv.in_channels
-        and _has(module, "out_proj")
-        and A_log is None
-    ):
-        return "short_conv"
-    return None
-
-
-def _fingerprint(fn: Callable) -> tuple:
-    """The code of a (decorator-unwrapped) function, without names of places (file, lines)."""
-    code = inspect.unwrap(fn).__code__
-
-    def norm(c: types.CodeType) -> tuple:
-        consts = tuple(norm(k) if isinstance(k, types.CodeType) else k for k in c.co_consts)
-        return (c.co_code, c.co_names, c.co_varnames, consts)
-
-    return norm(code)
-
-
-@lru_cache(maxsize=None)
-def _stock_fingerprints(kind: str) -> frozenset:
-    import importlib
-
-    out = set()
-    for mod_name, cls_name in STOCK_LAYERS[kind]:
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
-        except (ImportError, AttributeError):
-            continue
-        out.add(_fingerprint(cls.forward))
-    return frozenset(out)
-
-
-def _stock_forward(module: torch.nn.Module) -> Callable:
-    return type(module).forward
-
-
-def mixer_kind(module: torch.nn.Module) -> str | None:
-    """The recurrent / conv mixer kind of ``module`` by mechanism (structure), or None.
-
-    A module with a kind is a token mixer that is wrong on tree rows unless
-    :func:`is_handled` says its tree forward reproduces it.
-    """
-    return _structure_kind(module)
-
-
-def unhandled_reason(module: torch.nn.Module) -> str | None:
-    """Why a mixer cannot run exactly on tree rows, or None when it can (or is no mixer)."""
-    kind = mixer_kind(module)
-    if kind is None:
-        return None
-    if _fingerprint(_stock_forward(module)) not in _stock_fingerprints(kind):
-        return f"its forward is not the code of a stock {kind} layer ({', '.join(c for _, c in STOCK_LAYERS[kind])})"
-    act = getattr(module, "activation", None)
-    if act not in CONV_ACTIVATIONS:
-        return f"conv activation {act!r} (tree conv supports {CONV_ACTIVATIONS})"
-    return None
-
-
-def is_handled(module: torch.nn.Module) -> bool:
-    """True when ``module`` is a mixer whose tree forward reproduces it exactly."""
-    return mixer_kind(module) is not None and unhandled_reason(module) is None
 
 
 def batch_tree_schedule(batch: Any, conv_width: int, who: str) -> TreeSchedule:

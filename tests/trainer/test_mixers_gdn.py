@@ -13,7 +13,8 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from treepack.trainer.hf_hybrid import patch_hybrid_layers
-from treepack.trainer.hf_mixers import _fingerprint, is_handled, mixer_kind, patch_mixer_layers, unhandled_reason
+from treepack.trainer.hf_mixer_kinds import forward_fingerprint
+from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers, unhandled_reason
 
 GDN_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 
@@ -94,11 +95,11 @@ def test_gdn_subclass_that_changes_forward_is_refused():
     assert patch_hybrid_layers(model) == []
 
 
-def test_stock_copies_share_one_fingerprint():
+def test_stock_copies_share_oneforward_fingerprint():
     """HF's modular copies (Qwen3.5 dense / MoE GDN) are recognised as the same code."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    assert _fingerprint(Qwen3_5GatedDeltaNet.forward) == _fingerprint(Qwen3_5MoeGatedDeltaNet.forward)
-    assert _fingerprint(Qwen3_5GatedDeltaNet.forward) != _fingerprint(Qwen3NextGatedDeltaNet.forward)
+    assert forward_fingerprint(Qwen3_5GatedDeltaNet.forward) == forward_fingerprint(Qwen3_5MoeGatedDeltaNet.forward)
+    assert forward_fingerprint(Qwen3_5GatedDeltaNet.forward) != forward_fingerprint(Qwen3NextGatedDeltaNet.forward)
