@@ -134,6 +134,9 @@ def run_oracle(model, case, embed: torch.nn.Module, *, min_checked: int = 10) ->
         "control_diff": control,
     }
     figures["leak_off_chain"], figures["dead_on_chain"] = leaf_gradient_leaks(model, plan, batch, embed)
+    with torch.no_grad():  # the patched model still runs unpacked exactly as before
+        again = unpacked_logprobs(model, seqs)
+    figures["unpacked_after"] = max(float((a - r.detach()).abs().max()) for a, r in zip(again, ref))
     return figures
 
 
@@ -144,3 +147,4 @@ def assert_oracle(figures: dict) -> None:
     assert figures["control_diff"] > 1e-3, f"negative control: a linear scan of the row matched unpacked ({figures['control_diff']:.3g})"
     assert figures["leak_off_chain"] == 0, "a leaf loss reached a sibling, another tree or padding"
     assert figures["dead_on_chain"] == 0, "every chain token should get gradient from a leaf loss"
+    assert figures["unpacked_after"] == 0, "an unpacked call after packed_forward differs from before"

@@ -122,3 +122,37 @@ def test_subclass_with_another_forward_is_not_handled():
     cfg, idx = model.config, 0
     assert mixer_kind(Scaled(cfg, idx)) == "mamba2" and not is_handled(Scaled(cfg, idx))
     assert is_handled(Renamed(cfg, idx))
+
+
+def test_activation_checkpointing_replays_the_tree_mixers(case):
+    """Recomputation in backward (outside packed_forward) still runs the tree scan: same gradients."""
+    from treepack.trainer.hf import disable_tree_attention, packed_forward
+
+    _, _, _, batch = case
+    model, _ = _build("bamba")
+    patch_mixer_layers(model)
+    params = list(model.parameters())
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in model.modules() if mixer_kind(m) == "mamba2"]
+
+    def grads():
+        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
+        loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    try:
+        plain = grads()
+        n_plain = len(calls)
+        model.train()
+        model.activation_checkpointing_enable()
+        ckpt = grads()
+    finally:
+        model.activation_checkpointing_disable()
+        model.eval()
+        disable_tree_attention(model, "eager")
+        for h in hooks:
+            h.remove()
+    assert len(calls) == 3 * n_plain, "the mixers were not recomputed in backward"
+    for a, b in zip(plain, ckpt):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
