@@ -1,6 +1,6 @@
 """The golden example (SPEC 4) with every length divided by a scale factor, for the trainer benchmarks.
 
-A thin adapter over :func:`treepack.service.planner.workloads.golden_example` (``scale``):
+A thin adapter over :func:`treepack.service.cli.workloads.golden_example` (``scale``):
 it adds the ``min_shared_len`` that keeps rule 4 meaningful at the smaller size.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from treepack.service.planner.workloads import VOCAB, golden_example
+from treepack.service.cli.workloads import VOCAB, golden_example
 
 __all__ = ["scaled_golden"]
 

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from treepack.service.planner import plan_batch
-from treepack.trainer.gdn import gdn_schedule, select_kernel, tree_causal_conv1d, tree_gated_delta_rule
-from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref
+from treepack.trainer.kernels.gdn import gdn_schedule, select_kernel, tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref
 
 SHAPES = {
     "gpu": dict(Hk=16, Hv=32, K=128, V=128, W=4),

@@ -3,7 +3,7 @@
 Usage:
     python benchmarks/planning.py [--full] [--repeats 3] [--json out.json] [--only NAME]
 
-Same as ``treepack bench``. Workloads come from ``treepack.service.planner.workloads``
+Same as ``treepack bench``. Workloads come from ``treepack.service.cli.workloads``
 (documented there); ``--full`` adds the 10x curriculum (7,680 groups, ~67k completions).
 Each (workload, placement) is planned ``repeats`` times and the best time of each phase is
 kept; the naive quadratic best fit is timed in the same run as the baseline.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from treepack.service.bench import run_benchmark
+from treepack.service.cli.bench import run_benchmark
 
 
 def main() -> None:

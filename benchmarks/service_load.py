@@ -48,7 +48,7 @@ import numpy as np
 from treepack.client import Packer
 from treepack.proto.codec import encode_body
 from treepack.service.batch_wire import encode_pack_request
-from treepack.service.planner.workloads import agentic, curriculum, distillation
+from treepack.service.cli.workloads import agentic, curriculum, distillation
 
 
 def _free_port() -> int:

@@ -6,8 +6,8 @@
 
 The batch looks like RL rollouts: one system prompt shared by every task, a prompt per
 task, several completions per prompt (trainable). The plan comes from
-``treepack.client.Packer`` (the sidecar when ``--url`` is given, else in-process; the
-planner core directly when the client is not installed). The step: behaviour logprobs
+``treepack.client.Packer`` through ``obtain_plan`` (the sidecar when ``--url`` is given,
+else in-process). The step: behaviour logprobs
 from the current policy, group-normalized advantages, packed forward, PPO-clip loss,
 backward, AdamW. ``--check`` also runs every sequence alone and compares.
 """
@@ -44,18 +44,6 @@ def make_batch(seed: int = 0, tasks: int = 3, completions: int = 4):
     return seqs, trainable, groups
 
 
-def get_planner(url: str | None):
-    try:
-        from treepack.client import Packer
-    except ImportError:
-        if url:
-            raise SystemExit("--url needs treepack's client (pip install 'treepack[client]')") from None
-        print("planner: treepack.client not installed, using the embedded planner core")
-        return None
-    print(f"planner: {'sidecar at ' + url if url else 'embedded Packer'}")
-    return Packer(url=url) if url else Packer()
-
-
 def grpo_advantages(rewards: np.ndarray, groups: list[str]) -> torch.Tensor:
     """(r - group mean) / (group std + eps), one value per sequence."""
     out = np.zeros_like(rewards)
@@ -76,7 +64,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     seqs, trainable, groups = make_batch()
-    plan = obtain_plan(seqs, planner=get_planner(args.url), seq_len=args.seq_len, min_shared_len=16, trainable=trainable, groups=groups)
+    print(f"planner: {'sidecar at ' + args.url if args.url else 'embedded Packer'}")
+    plan = obtain_plan(seqs, planner=args.url, seq_len=args.seq_len, min_shared_len=16, trainable=trainable, groups=groups)
     st = plan.stats
     print(f"plan: {st.sequences} sequences, {st.unpacked_tokens} tokens unpacked -> {st.rows} rows of {plan.seq_len} "
           f"({st.packed_tokens} packed tokens, {st.saved_fraction:.0%} saved, lower bound {st.lower_bound_rows} rows)")

@@ -67,3 +67,69 @@ def segment_tokens(seg, seq_len: int, segs: np.ndarray) -> np.ndarray:
     """
     lens = seg.length[segs]
     return np.repeat(seg.row[segs] * seq_len + seg.row_start[segs], lens) + ragged_arange(lens)
+
+
+__all__ += ["csr_gather", "local_row_index", "localize_flat", "row_segments"]
+
+
+def csr_gather(ptr: np.ndarray, values: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """Concatenation of the CSR lists ``values[ptr[w] : ptr[w + 1]]`` for each w in ``which``.
+
+    Args:
+        ptr: [n+1] int64 list boundaries in ``values``.
+        values: [ptr[-1], ...] the lists' entries.
+        which: [m] int64 lists to read, in the order wanted.
+
+    Returns:
+        [sum of their lengths, ...] entries, list by list.
+    """
+    which = np.asarray(which, dtype=np.int64)
+    n = ptr[which + 1] - ptr[which]
+    return values[np.repeat(ptr[which], n) + ragged_arange(n)]
+
+
+def local_row_index(rows: np.ndarray, num_rows: int) -> np.ndarray:
+    """[num_rows] int64 position of each global row in ``rows``, -1 where it is absent.
+
+    Args:
+        rows: [K] int64 global rows held locally (a rank's rows), -1 for an empty padding row.
+        num_rows: R, the plan's rows.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    out = np.full(num_rows, -1, dtype=np.int64)
+    real = np.flatnonzero(rows >= 0)
+    out[rows[real]] = real
+    return out
+
+
+def localize_flat(flat: np.ndarray, local_of_row: np.ndarray, seq_len: int) -> np.ndarray:
+    """Plan-wide flat positions (``row * seq_len + index``) -> local ones (``local_row * seq_len + index``).
+
+    Args:
+        flat: int64 positions, any shape; -1 means none.
+        local_of_row: [R] from :func:`local_row_index`.
+        seq_len: row capacity C.
+
+    Returns:
+        Same shape; -1 stays -1 and a position in a row not held locally becomes -1.
+    """
+    flat = np.asarray(flat, dtype=np.int64)
+    at = np.maximum(flat, 0)
+    local = local_of_row[at // seq_len]
+    return np.where((flat >= 0) & (local >= 0), local * seq_len + at % seq_len, -1)
+
+
+def row_segments(row_ptr: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The segments of the locally held rows, in row order (pre-order inside each row).
+
+    Args:
+        row_ptr: [R+1] int64 each row's segment range (``Segments.row_ptr``).
+        rows: [K] int64 global rows held locally, -1 for an empty padding row.
+
+    Returns:
+        (segment ids [G_local], their local rows [G_local]).
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    real = np.flatnonzero(rows >= 0)
+    n = row_ptr[rows[real] + 1] - row_ptr[rows[real]]
+    return np.repeat(row_ptr[rows[real]], n) + ragged_arange(n), np.repeat(real, n)

@@ -1,4 +1,11 @@
-"""treepack's service layer: the planner (:mod:`treepack.service.planner`) and its HTTP sidecar.
+"""treepack's service layer: the pure planner, the HTTP sidecar and the ``treepack`` command.
+
+- :mod:`treepack.service.planner`: the pure core (numpy only).
+- the sidecar: :func:`create_app` (:mod:`.app`, wiring), :mod:`.routes`,
+  :mod:`.dependencies`, :mod:`.planning` (the work behind the routes), :mod:`.history`,
+  :mod:`.metrics`, :mod:`.pool`, :class:`Settings`, :mod:`.serve` (uvicorn).
+- :mod:`treepack.service.cli`: the ``treepack`` command (demo, plan, bench, serve) and the
+  synthetic workloads.
 
 Importing this package loads neither FastAPI nor uvicorn (a planner-only install has
 neither): :func:`create_app` and :class:`Settings` are imported on first use.
@@ -6,9 +13,10 @@ neither): :func:`create_app` and :class:`Settings` are imported on first use.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = version("treepack")  # pyproject.toml's, the one source (the app's OpenAPI version too)
 
 __all__ = ["create_app", "Settings", "__version__"]
 

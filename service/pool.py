@@ -40,7 +40,6 @@ class PlanPool:
         self._lock = threading.Lock()
         self._admitted = 0
         self.rejected = 0
-        self.completed = 0
 
     @property
     def admitted(self) -> int:
@@ -59,7 +58,6 @@ class PlanPool:
     def _release(self, _: Future) -> None:
         with self._lock:
             self._admitted -= 1
-            self.completed += 1
 
     def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
         """Admit and start ``fn(*args)``, or raise :class:`OverloadedError` when full."""

@@ -55,6 +55,6 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def golden():
-    from treepack.service.planner.workloads import golden_example
+    from treepack.service.cli.workloads import golden_example
 
     return golden_example()

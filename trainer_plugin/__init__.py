@@ -1,21 +1,28 @@
 """treepack's trainer plugin: packed tensors, tree attention, losses (torch only).
 
-- :func:`materialize` -> :class:`PackedBatch` (``input_ids``, ``position_ids``,
-  ``subtree_end``, ``targets``, ``loss_mask``, payloads, masks, varlen metadata).
-- :func:`tree_attention` (``sdpa`` | ``flex`` | ``flash``).
-- Losses: :mod:`treepack.trainer.losses`.
-- HF transformers: :mod:`treepack.trainer.hf` (``packed_forward``).
-- Ranks: :mod:`treepack.trainer.distributed`.
-- Layers that need the batch: :mod:`treepack.trainer.context`.
+Layers, each importing only the ones above it in this list:
+
+- :mod:`treepack.trainer.kernels`: tree masks, :func:`tree_attention` (``sdpa`` |
+  ``flex`` | ``flash``), Gated DeltaNet and sparse top-k attention, each with its reference;
+- :mod:`treepack.trainer.data`: :func:`materialize` -> :class:`PackedBatch` (``input_ids``,
+  ``position_ids``, ``subtree_end``, ``targets``, ``loss_mask``, payloads, masks, varlen
+  metadata);
+- :mod:`treepack.trainer.hf`: HF transformers (:func:`packed_forward`, the registered
+  attention implementation, layer patches; layers find the batch through
+  :mod:`treepack.trainer.hf.context`);
+- :mod:`treepack.trainer.losses`: SFT, GRPO/PPO-clip and CISPO losses on packed rows;
+- :mod:`treepack.trainer.distributed`: rank 0 plans (through :mod:`treepack.client`), every
+  rank materializes its rows.
 
 GPU packages (flash-attn, flash-linear-attention, triton) are imported only inside the
-functions that use them; transformers only by :mod:`treepack.trainer.hf`.
+functions that use them; transformers only when a model is switched to tree attention.
 """
 
-from treepack.trainer.attention import BACKENDS, naive_varlen_attention, tree_attention
-from treepack.trainer.batch import PackedBatch
-from treepack.trainer.context import PackedContext, current_packed, resolve_packed, use_packed
-from treepack.trainer.materialize import materialize
+from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
+from treepack.trainer.hf.forward import packed_forward
+from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 
 __all__ = [
     "materialize",
@@ -23,6 +30,7 @@ __all__ = [
     "tree_attention",
     "naive_varlen_attention",
     "BACKENDS",
+    "packed_forward",
     "PackedContext",
     "use_packed",
     "current_packed",

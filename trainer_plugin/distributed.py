@@ -6,12 +6,12 @@ Flow (every rank calls the same functions, collectives inside)::
                             seq_len=C, planner=packer)   # rank 0 asks the planner
     batch = rp.materialize(sequences, payloads=..., device=dev)  # this rank's rows
 
-- The planner is ``treepack.client.Packer`` (anything with ``.pack(sequences, **kw)``:
-  embedded, or the HTTP sidecar with ``Packer(url=...)``), any callable with
-  ``plan_batch``'s signature, or, by default, :func:`~treepack.service.planner.plan_batch`.
+- The planner is a :class:`treepack.client.Packer` (anything with ``.pack(sequences,
+  **kw)``: embedded, or the HTTP sidecar with ``Packer(url=...)``), a sidecar URL, any
+  callable with ``Packer.pack``'s signature, or, by default, an embedded ``Packer()``.
 - The plan travels as one uint8 tensor holding the project's own encoding: a msgpack map
   ``{"version": 1, "plan": PlanMessage, "extra": {name: array object}}`` with the plan
-  exactly as ``POST /v1/pack`` sends it (:mod:`treepack.service.plan_wire`, schema in
+  exactly as ``POST /v1/pack`` sends it (the contract's plan codec, schema in
   ``proto/``) and extra arrays as the same typed array objects. Nothing is pickled. The
   request's trainable flags and group codes travel as extras, since every rank needs them
   for the loss normalizations (which count all sequences' tokens).
@@ -34,20 +34,32 @@ from treepack.proto import WIRE_VERSION
 from treepack.proto.buffers import DTYPES, array_from_wire, array_to_wire
 from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
-from treepack.service.plan_wire import plan_from_wire, plan_to_wire
 from treepack.proto.plan import Plan
-from treepack.trainer.batch import PackedBatch
-from treepack.trainer.materialize import materialize, normalize_trainable
+from treepack.service.plan_wire import plan_from_wire, plan_to_wire
+from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.sequences import group_codes, normalize_trainable
+from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "broadcast_plan", "plan_and_broadcast"]
+__all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"]
 
 
 def obtain_plan(sequences: Sequence[Any], *, planner: Any = None, **plan_kwargs: Any) -> Plan:
-    """Ask ``planner`` for a plan: ``.pack(...)`` if it has one, a callable, or ``plan_batch``."""
-    if planner is None:
-        from treepack.service.planner import plan_batch
+    """Ask ``planner`` for a plan.
 
-        return plan_batch(sequences, **plan_kwargs)
+    Args:
+        sequences: the batch.
+        planner: a ``Packer`` (anything with ``.pack``), a sidecar URL (``str``), a
+            callable with ``Packer.pack``'s signature, or None for an embedded ``Packer()``.
+        **plan_kwargs: ``Packer.pack``'s options (``seq_len``, ``trainable``, ...).
+
+    Raises:
+        InputTypeError: a planner of another kind.
+    """
+    if planner is None or isinstance(planner, str):
+        from treepack.client import Packer
+
+        with Packer(planner) as packer:
+            return packer.pack(sequences, **plan_kwargs)
     if hasattr(planner, "pack"):
         return planner.pack(sequences, **plan_kwargs)
     if callable(planner):
@@ -134,18 +146,6 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     return data if mine else buf.cpu().numpy().tobytes()
 
 
-def broadcast_plan(plan: Plan | None, *, src: int = 0, group: Any = None, extra: dict[str, np.ndarray] | None = None) -> tuple[Plan, dict[str, np.ndarray]]:
-    """Send ``plan`` (given on rank ``src``, None elsewhere) to every rank of ``group``.
-
-    Returns:
-        (plan, extra arrays) on every rank.
-    """
-    import torch.distributed as dist
-
-    data = encode_plan(plan, extra) if dist.get_rank() == src else None
-    return decode_plan(_broadcast_bytes(data, src, group))
-
-
 def _error_bytes(err: BaseException) -> bytes:
     if isinstance(err, TreepackError):
         payload = err.to_payload()
@@ -176,7 +176,7 @@ class RankPlan:
         return self.plan.ranks.rank_rows[self.rank]
 
     def materialize(self, sequences: Sequence[Any], payloads: dict[str, Any] | None = None, device: Any = None, **kwargs: Any) -> PackedBatch:
-        """:func:`~treepack.trainer.materialize` of this rank's rows with the broadcast flags
+        """:func:`~treepack.trainer.data.materialize` of this rank's rows with the broadcast flags
         and groups. ``sequences`` and payloads are read only at the sequences of these rows."""
         groups = None if self.groups is None else self.groups.tolist()
         return materialize(self.plan, sequences, payloads, device, trainable=self.trainable, groups=groups, rows=self.rows, **kwargs)
@@ -196,7 +196,7 @@ def plan_and_broadcast(
 
     Args:
         sequences, trainable, groups: the request, needed on rank ``src`` only.
-        planner: a ``Packer``, a callable, or None for the embedded ``plan_batch``.
+        planner: as :func:`obtain_plan` (None: an embedded ``Packer()``).
         src: the planning rank.
         group: the process group (default: the world).
         **plan_kwargs: the planner's options (``seq_len``, ``min_shared_len``, ...);
@@ -222,7 +222,7 @@ def plan_and_broadcast(
             flags = normalize_trainable(trainable, plan)
             extra = {
                 "trainable": np.concatenate([flags(s) for s in range(plan.num_sequences)]).astype(np.uint8),
-                "groups": _group_codes(groups, plan.num_sequences),
+                "groups": np.zeros(0, np.int64) if groups is None else group_codes(groups, plan.num_sequences),
             }
             data = encode_plan(plan, extra)
         except Exception as e:  # every rank must leave the collective below
@@ -241,13 +241,3 @@ def plan_and_broadcast(
     codes = extra["groups"]
     return RankPlan(plan=plan, rank=rank, trainable=flags_list, groups=None if codes.shape[0] == 0 else codes)
 
-
-def _group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
-    if groups is None:
-        return np.zeros(0, dtype=np.int64)
-    index: dict[Any, int] = {}
-    out = np.empty(S, dtype=np.int64)
-    for s, g in enumerate(groups):
-        key = ("__own__", s) if g is None else (int(g) if isinstance(g, np.integer) else g)
-        out[s] = index.setdefault(key, len(index))
-    return out

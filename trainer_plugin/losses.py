@@ -22,7 +22,7 @@ sequences of the plan, every rank included, so per-rank losses add up to the glo
 - ``sum``: 1; a number c: 1 / c (a constant denominator, Dr. GRPO).
 
 Per-entry inputs (``advantages``, ``weights``) are: a payload name (target-aligned, see
-:func:`~treepack.trainer.materialize`), a [S] tensor (one value per sequence, e.g. GRPO
+:func:`~treepack.trainer.data.materialize`), a [S] tensor (one value per sequence, e.g. GRPO
 advantages), a [K, L] packed tensor, or a number. Per-position inputs (``old_logprobs``,
 ``ref_logprobs``) are a payload name or a [K, L] tensor; at a shared scored position they
 hold one sharer's value, which is every sharer's value for a log-probability (a function
@@ -41,7 +41,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 
 if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+    from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = [
     "NORMALIZATIONS",

@@ -16,7 +16,7 @@ from treepack.client import AsyncPacker, Composition, Packer
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError, TransportError, UnsupportedVersionError
 from treepack.service import Settings, create_app
 from treepack.service.planner import validate_plan
-from treepack.service.planner.workloads import agentic, curriculum, golden_example
+from treepack.service.cli.workloads import agentic, curriculum, golden_example
 
 
 def _batches():

@@ -16,7 +16,7 @@ from helpers.service import assert_same_plan, pack_body, plan_kwargs, running_se
 from treepack.client import Packer
 from treepack.proto.codec import encode_body
 from treepack.service.planner import plan_batch
-from treepack.service.planner.workloads import curriculum
+from treepack.service.cli.workloads import curriculum
 
 
 def _summary(url):

@@ -103,6 +103,17 @@ def test_obtain_plan_with_the_client_packer():
     _same(plan_batch(c["sequences"], **kw), got)
 
 
+def test_obtain_plan_through_a_sidecar_url():
+    """A URL plans through treepack.client's HTTP backend: the same plan as the embedded default."""
+    from helpers.service import running_server
+
+    c = mixed_batch()
+    kw = dict(seq_len=64, min_shared_len=6, trainable=c["trainable"], groups=c["groups"], num_ranks=2)
+    with running_server() as (url, _):
+        got = obtain_plan(c["sequences"], planner=url, **kw)
+    _same(obtain_plan(c["sequences"], **kw), got)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,8 @@
 """Test helpers shared by every test folder (on ``sys.path`` via ``pythonpath`` in pyproject).
 
 - :mod:`helpers.service`: small batches, wire bodies, a real uvicorn process, plan equality.
+- :mod:`helpers.deploy`: the deployment files parsed, their probe commands, the app's paths.
 - :mod:`helpers.trees`: deep random trees, tree plans and the scored-loss gradient oracle.
 - :mod:`helpers.trainer_cases`: trainer batches, tiny HF models, per-sequence references.
+- :mod:`helpers.tolerance`: ``assert_close`` (fla style), the one tolerance helper.
 """

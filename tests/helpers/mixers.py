@@ -16,7 +16,7 @@ import torch
 from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf_hybrid import unpatch_hybrid_layers
+from treepack.trainer.hf.hybrid import unpatch_hybrid_layers
 
 VOCAB = 97
 

@@ -148,16 +148,6 @@ def reference_logprobs(model: torch.nn.Module, sequences: list[np.ndarray], flag
     return out
 
 
-def max_abs_diff(a: list, b: list) -> float:
-    worst = 0.0
-    for x, y in zip(a, b):
-        assert torch.equal(torch.isnan(x), torch.isnan(y)), "NaN patterns differ"
-        m = ~torch.isnan(x)
-        if m.any():
-            worst = max(worst, float((x[m] - y[m]).detach().abs().max()))
-    return worst
-
-
 def shared_trainable_batch() -> dict[str, Any]:
     """Completions that agree on their first trainable tokens (generalized sharing mode).
 

@@ -89,7 +89,7 @@ def test_generalized_mode_shares_the_common_start_of_completions():
 
 
 def test_scaled_golden_keeps_the_shape():
-    from treepack.service.planner.workloads import golden_example
+    from treepack.service.cli.workloads import golden_example
 
     w = golden_example(scale=64)
     plan = plan_batch(**w.plan_kwargs(), placement="bfd", min_shared_len=1)

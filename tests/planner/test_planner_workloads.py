@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from treepack.service.planner import build_tree, naive_place, normalize_batch, place_leaves, plan_batch, validate_plan
-from treepack.service.planner import workloads as W
+from treepack.service.cli import workloads as W
 
 SMALL = {
     "curriculum": lambda: W.curriculum(48, seq_len=32768),

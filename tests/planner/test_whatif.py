@@ -16,7 +16,7 @@ from treepack.service.batch_wire import encode_pack_request, shape_to_wire
 from treepack.service.planner import build_tree, normalize_batch, plan_batch, validate_plan
 from treepack.service.planner.shapes import shape_of
 from treepack.service.planner.whatif import Composition, build_pool, sample_groups, synthesize, whatif
-from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
+from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 TREE_FIELDS = ("parent", "start", "length", "sharers", "source", "depth", "leaf_of", "path_ptr", "path_nodes")
 

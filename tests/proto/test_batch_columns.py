@@ -13,7 +13,7 @@ from treepack.proto.messages import PackRequest
 from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
 from treepack.service.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
 from treepack.service.planner import normalize_batch
-from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
+from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 
 def _same_refs(a, b):

@@ -20,7 +20,7 @@ from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
 from treepack.service.batch_wire import Limits, decode_pack_request, encode_pack_request
 from treepack.service.plan_wire import plan_differences, plan_from_wire, plan_to_wire
 from treepack.service.planner import normalize_batch, plan_batch, validate_plan
-from treepack.service.planner.workloads import agentic, curriculum, distillation, golden_example
+from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 FORMATS = ("msgpack", "json")
 

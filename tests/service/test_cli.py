@@ -1,12 +1,10 @@
-"""The treepack command line: plan, demo, bench."""
+"""The treepack command line in-process: plan, demo, the serve hook (``bench`` as a process: tests/e2e/test_cli_process.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from treepack.service.cli import main
@@ -51,14 +49,14 @@ def test_plan_table_and_trainable_masks(tmp_path, capsys):
 @pytest.mark.parametrize(
     "content,needle",
     [
-        ('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at line 2"),
-        ('{"tokens": [1, -2, 3]}\n', "token id must be >= 0"),
-        ('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable"),
-        ('{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field"),
-        ('[1, 2, 3]\n', "expected a JSON object"),
-        ('{"tokens": "abc"}\n', "line 1.tokens"),
-        ("\n", "the batch is empty"),
-        ('{"tokens": [1, 2, 3]}\n' * 2 + '{"tokens": ' + json.dumps(list(range(600))) + "}\n", "at line 3"),
+        pytest.param('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at line 2", id="truncated JSON"),
+        pytest.param('{"tokens": [1, -2, 3]}\n', "token id must be >= 0", id="negative token id"),
+        pytest.param('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable", id="trainable length mismatch"),
+        pytest.param('{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field", id="unknown field"),
+        pytest.param('[1, 2, 3]\n', "expected a JSON object", id="not an object"),
+        pytest.param('{"tokens": "abc"}\n', "line 1.tokens", id="tokens not a list"),
+        pytest.param("\n", "the batch is empty", id="empty batch"),
+        pytest.param('{"tokens": [1, 2, 3]}\n' * 2 + '{"tokens": ' + json.dumps(list(range(600))) + "}\n", "at line 3", id="sequence over capacity"),
     ],
 )
 def test_plan_bad_input_exits_2_naming_the_line(tmp_path, capsys, content, needle):
@@ -77,20 +75,6 @@ def test_demo_prints_table_and_draws(tmp_path, capsys):
     assert "120,113, 125,105, 23,096" in out  # in_order's
     assert "fewer rows" in out
     assert png.stat().st_size > 10_000 and (tmp_path / "rows-curriculum.png").stat().st_size > 10_000
-
-
-def test_bench_runs_with_progress(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "treepack.service.cli", "bench", "--only", "golden", "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "[golden] generated 32 sequences" in proc.stdout
-    recs = json.loads(out.read_text())
-    assert {r["placement"] for r in recs} == {"auto", "bfd", "in_order", "no_share"}
-    assert all(r["naive_bfd_ms"] is not None for r in recs)
-    assert np.isfinite([r["total_ms"] for r in recs]).all()
 
 
 def test_cli_works_without_the_service_extra(monkeypatch, capsys):

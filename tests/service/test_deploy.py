@@ -1,27 +1,25 @@
 """Deployment files: parsed and checked against the code (routes, settings, ports, packages).
 
 Docker and Kubernetes cannot run here; the probe and healthcheck commands are run for real
-against a live server instead.
+against a live server instead (tests/e2e/test_deploy_probes.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import shlex
-import subprocess
-import sys
 import tomllib
 from pathlib import PurePosixPath
 
 import pytest
 import yaml
-from helpers.service import REPO, running_server
+from helpers.deploy import compose, container_env, dockerfile, pod, probe_url, served_paths
+from helpers.service import REPO
 
-from treepack.service import Settings, create_app
 from treepack.service.serve import add_serve_arguments
+from treepack.service.settings import Settings
 
-ROUTES = {r.path for r in create_app(Settings(history_enabled=False)).routes}
+ROUTES = served_paths()
 SETTINGS = set(Settings.model_fields)
 
 
@@ -31,22 +29,8 @@ def _env_names_are_settings(names):
             assert n[len("TREEPACK_") :].lower() in SETTINGS, f"{n} is not a setting"
 
 
-def _probe_url(cmd: list[str]) -> str:
-    text = " ".join(cmd)
-    m = re.search(r"http://127\.0\.0\.1:(?:'\s*\+[^+]*\+\s*')?(\d*)(/\w+)", text)
-    assert m, f"no URL in {text}"
-    return m.group(2)
-
-
-def _dockerfile():
-    text = (REPO / "deploy" / "Dockerfile").read_text()
-    # Join continuation lines, drop comments.
-    lines = [ln for ln in re.sub(r"\\\n", " ", text).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln.strip() else "") for ln in lines]
-
-
 def test_dockerfile():
-    instr = _dockerfile()
+    instr = dockerfile()
     kinds = [k for k, _ in instr]
     assert kinds.count("FROM") == 2 and all("python:3.11" in v for k, v in instr if k == "FROM")
     user = [v for k, v in instr if k == "USER"][-1]
@@ -67,15 +51,11 @@ def test_dockerfile():
     vol = [v for k, v in instr if k == "VOLUME"][-1]
     assert str(PurePosixPath(hist).parent) in vol
     hc = [v for k, v in instr if k == "HEALTHCHECK"][-1]
-    assert _probe_url([hc]) in ROUTES
-
-
-def _compose():
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert probe_url([hc]) in ROUTES
 
 
 def test_compose():
-    doc = _compose()
+    doc = compose()
     svc = doc["services"]["treepack"]
     assert (REPO / svc["build"]["dockerfile"]).exists() and svc["build"]["context"] == "."
     for p in svc["ports"]:
@@ -87,7 +67,7 @@ def test_compose():
     vol_name, mount = svc["volumes"][0].split(":")[:2]
     assert vol_name in doc["volumes"]
     assert str(PurePosixPath(env["TREEPACK_HISTORY_PATH"]).parent) == mount
-    assert _probe_url(svc["healthcheck"]["test"]) in ROUTES
+    assert probe_url(svc["healthcheck"]["test"]) in ROUTES
     prom = doc["services"]["prometheus"]
     assert all(p.startswith("127.0.0.1:") for p in prom["ports"])
     cfg_path = prom["volumes"][0].split(":")[0]
@@ -98,62 +78,29 @@ def test_compose():
     assert prom["depends_on"]["treepack"]["condition"] == "service_healthy"
 
 
-def _pod():
-    docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "trainer-with-treepack.yaml").read_text()))
-    job = next(d for d in docs if d and d["kind"] == "Job")
-    return job["spec"]["template"]["spec"]
-
-
-def _env(container):
-    return {e["name"]: e.get("value") for e in container.get("env", [])}
-
-
 def test_k8s_sidecar():
-    pod = _pod()
-    (side,) = [c for c in pod["initContainers"] if c["name"] == "treepack"]
-    (trainer,) = pod["containers"]
+    spec = pod()
+    (side,) = [c for c in spec["initContainers"] if c["name"] == "treepack"]
+    (trainer,) = spec["containers"]
     assert side["restartPolicy"] == "Always"  # a native sidecar: up before the trainer, down after it
-    env = _env(side)
+    env = container_env(side)
     _env_names_are_settings(env)
     assert env["TREEPACK_HOST"] == "127.0.0.1"
     port = env["TREEPACK_PORT"]
-    assert _env(trainer)["TREEPACK_URL"] == f"http://127.0.0.1:{port}"
+    assert container_env(trainer)["TREEPACK_URL"] == f"http://127.0.0.1:{port}"
     for probe, route in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         cmd = side[probe]["exec"]["command"]
-        assert f"127.0.0.1:{port}" in " ".join(cmd) and _probe_url(cmd) == route and route in ROUTES
+        assert f"127.0.0.1:{port}" in " ".join(cmd) and probe_url(cmd) == route and route in ROUTES
     for c in (side, trainer):
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     mounts = {m["name"]: m["mountPath"] for m in side["volumeMounts"]}
     assert str(PurePosixPath(env["TREEPACK_HISTORY_PATH"]).parent) == mounts["treepack-history"]
-    assert {v["name"] for v in pod["volumes"]} >= set(mounts)
+    assert {v["name"] for v in spec["volumes"]} >= set(mounts)
     assert side["securityContext"]["runAsNonRoot"] is True
     # The args are serve flags the image's entrypoint understands.
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     p.parse_args(side["args"])
-
-
-def _probe_commands():
-    cmds = [("compose", _compose()["services"]["treepack"]["healthcheck"]["test"][1:])]
-    side = next(c for c in _pod()["initContainers"] if c["name"] == "treepack")
-    cmds += [(p, side[p]["exec"]["command"]) for p in ("startupProbe", "readinessProbe", "livenessProbe")]
-    hc = [v for k, v in _dockerfile() if k == "HEALTHCHECK"][-1]
-    cmds.append(("dockerfile", yaml.safe_load(hc[hc.index("CMD") + 3 :])))
-    return cmds
-
-
-def test_probe_commands_work_against_a_live_server():
-    with running_server() as (url, proc):
-        port = url.rsplit(":", 1)[1]
-        for name, cmd in _probe_commands():
-            assert cmd[0] == "python"
-            run = [sys.executable, *[c.replace("8000", port) for c in cmd[1:]]]
-            r = subprocess.run(run, capture_output=True, timeout=30, env={"TREEPACK_PORT": port})
-            assert r.returncode == 0, (name, shlex.join(run), r.stderr)
-    # Negative control: the same probes fail when nothing listens.
-    name, cmd = _probe_commands()[0]
-    r = subprocess.run([sys.executable, *[c.replace("8000", port) for c in cmd[1:]]], capture_output=True, timeout=30)
-    assert r.returncode != 0
 
 
 def test_packer_from_env(monkeypatch):

@@ -1,11 +1,9 @@
-"""``treepack serve`` / ``python -m treepack.service``: flags, environment, lazy imports."""
+"""``treepack serve``: flags and environment (in-process; the entry points as processes: tests/e2e/test_serve_process.py)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -53,32 +51,12 @@ def test_export_passes_the_effective_settings_to_workers(monkeypatch):
     assert again == s and os.environ["TREEPACK_HISTORY_ENABLED"] == "false" and again.history_max_age_s is None
 
 
-def test_importing_the_package_loads_no_fastapi():
-    code = "import sys, treepack.service, treepack.service.planner, treepack.service.serve; print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "False"]
-
-
-def test_module_entry_point_and_cli_hook():
-    r = subprocess.run([sys.executable, "-m", "treepack.service", "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--max-body-bytes" in r.stdout and "--token-file" in r.stdout
+def test_cli_hook():
     from treepack.service.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--port", "9123", "--max-concurrent-plans", "3"])
     assert args.func is run_serve and args.port == 9123 and args.max_concurrent_plans == 3
 
 
-def test_worker_factory_keeps_freed_memory_on_glibc():
-    # In a child process: mallopt is process-wide.
-    code = (
-        "import platform, sys\n"
-        "from treepack.service.malloc import keep_freed_memory\n"
-        "assert keep_freed_memory(0) is False\n"
-        "assert keep_freed_memory(64 << 20) is (platform.libc_ver()[0] == 'glibc')\n"
-        "from treepack.service.app import create_app_from_env\n"
-        "app = create_app_from_env(); app.state.service.close()\n"
-    )
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}, "TREEPACK_MALLOC_KEEP_MB": "32"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+def test_malloc_keep_flag():
     assert settings_from_args(_parse("--malloc-keep-mb", "0")).malloc_keep_mb == 0

@@ -31,13 +31,13 @@ def _client(app):
 @pytest.mark.parametrize(
     "ctype,accept,want",
     [
-        ("application/msgpack", None, "application/msgpack"),
-        (None, None, "application/msgpack"),
-        ("application/json", None, "application/json"),
-        ("application/msgpack", "application/json", "application/json"),
-        ("application/json", "application/x-msgpack", "application/msgpack"),
-        ("application/vnd.msgpack", "*/*", "application/msgpack"),
-        ("application/json; charset=utf-8", "text/html, application/msgpack;q=0.4", "application/msgpack"),
+        pytest.param("application/msgpack", None, "application/msgpack", id="msgpack, no Accept"),
+        pytest.param(None, None, "application/msgpack", id="no headers: msgpack"),
+        pytest.param("application/json", None, "application/json", id="json, no Accept"),
+        pytest.param("application/msgpack", "application/json", "application/json", id="msgpack in, json out"),
+        pytest.param("application/json", "application/x-msgpack", "application/msgpack", id="json in, x-msgpack out"),
+        pytest.param("application/vnd.msgpack", "*/*", "application/msgpack", id="vnd.msgpack, any Accept"),
+        pytest.param("application/json; charset=utf-8", "text/html, application/msgpack;q=0.4", "application/msgpack", id="charset, Accept list"),
     ],
 )
 async def test_content_negotiation(app, ctype, accept, want):

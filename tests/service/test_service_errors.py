@@ -6,7 +6,10 @@ each bad request a good one must still succeed.
 
 from __future__ import annotations
 
+import ast
 import base64
+import inspect
+from typing import NamedTuple
 
 import httpx
 import msgpack
@@ -14,8 +17,11 @@ import numpy as np
 import pytest
 from helpers.service import pack_body, pack_message, small_batch
 
+from treepack.proto import codec, errors
 from treepack.proto.codec import encode_body
-from treepack.service import Settings, create_app
+from treepack.proto.errors import HTTP_STATUS
+from treepack.service import Settings, batch_wire, create_app, dependencies, planning, pool
+from treepack.service import app as app_module
 
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -61,8 +67,26 @@ assert "prefix_src" in _DEDUP
 def _dd(**changes):
     return encode_body({**_DEDUP, **changes}, "msgpack")
 
-# (name, method, path, body, headers, status, kind, where, rule, text in message)
-CASES = [
+
+
+class Case(NamedTuple):
+    """One malformed request and the error it must get."""
+
+    name: str
+    method: str
+    path: str
+    body: bytes | None
+    headers: dict[str, str]
+    status: int
+    kind: str
+    where: str
+    rule: str
+    text: str  # in the message
+
+
+_WHATIF = encode_body({"version": 1, "seq_len": 512, "compositions": [{"groups": 1}], "shapes": []}, "msgpack")
+
+CASES = [Case(*c) for c in [
     ("truncated msgpack", "POST", "/v1/pack", _GOOD[:-37], MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
     ("garbage bytes", "POST", "/v1/pack", b"\xc1\xc1\xc1", MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
     ("trailing bytes", "POST", "/v1/pack", _GOOD + b"\x00", MP, 400, "malformed_body", "$", "msgpack", "trailing bytes"),
@@ -116,18 +140,66 @@ CASES = [
     ("whatif: groups and by_tag", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "compositions": [{"groups": 1, "by_tag": {"a": 1}}]}, "msgpack"), MP, 422, "invalid_request", "$.compositions[0]", "one_of", "exactly one of"),
     ("whatif: too many trials", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "trials": 30, "compositions": [{"groups": 1}, {"groups": 2}]}, "msgpack"), MP, 413, "too_large", "$.trials", "max_trials", "60 planner runs, over the limit of 50"),
     ("whatif: pool too small", "POST", "/v1/whatif", encode_body({"version": 1, "seq_len": 512, "compositions": [{"by_tag": {"math": 2, "code": 9}}], "shapes": []}, "msgpack"), MP, 422, "invalid_request", "$.shapes", "no_history", "no recorded batches"),
+    ("whatif: malformed msgpack", "POST", "/v1/whatif", _WHATIF[:-3], MP, 400, "malformed_body", "$", "msgpack", "malformed msgpack"),
+    ("whatif: wrong content type", "POST", "/v1/whatif", _WHATIF, {"content-type": "text/csv", **AUTH}, 415, "unsupported_media_type", "Content-Type", "media_type", "'text/csv' is not spoken here"),
+    ("whatif: no token", "POST", "/v1/whatif", _WHATIF, {"content-type": "application/msgpack"}, 401, "unauthorized", "Authorization", "bearer", "Bearer <token>"),
+    ("Content-Length not an integer", "POST", "/v1/pack", _GOOD, {**MP, "content-length": "12x"}, 400, "malformed_body", "Content-Length", "header", "'12x' is not an integer"),
+    ("history: unacceptable Accept", "GET", "/v1/history", None, {**AUTH, "accept": "text/html"}, 415, "unsupported_media_type", "Accept", "media_type", "names no format spoken here"),
+    ("metrics: wrong token", "GET", "/metrics", None, {"authorization": "Bearer nope"}, 401, "unauthorized", "Authorization", "token", "wrong bearer token"),
     ("wrong method", "GET", "/v1/pack", None, AUTH, 405, "method_not_allowed", "$", "method_not_allowed", "Method Not Allowed"),
     ("unknown route", "GET", "/v2/pack", None, AUTH, 404, "not_found", "$", "not_found", "Not Found"),
-]
+]]
+
+# Rules the table need not hold, and where they are tested instead.
+_TESTED_ELSEWHERE = {
+    "queue_full": "503, test_service_app.py (overload)",
+    "bug": "500, no request can provoke it",
+}
+# The modules that refuse a request before or while the service decodes it.
+_REFUSING_MODULES = (dependencies, planning, pool, app_module, batch_wire, codec)
 
 
-def test_the_table_is_big_enough():
-    assert len(CASES) >= 20
-    assert {c[5] for c in CASES} >= {400, 401, 404, 405, 413, 415, 422}
+def _rules_raised_in(module) -> set[str]:
+    """Every ``rule="..."`` literal passed in ``module``'s source."""
+    tree = ast.parse(inspect.getsource(module))
+    return {
+        kw.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for kw in node.keywords
+        if kw.arg == "rule" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)
+    }
 
 
-@pytest.mark.parametrize("name,method,path,body,headers,status,kind,where,rule,text", CASES, ids=[c[0] for c in CASES])
-async def test_bad_request(app, name, method, path, body, headers, status, kind, where, rule, text):
+def test_the_table_covers_every_documented_client_error(app):
+    documented = {
+        (method.upper(), path, int(status))
+        for path, ops in app.openapi()["paths"].items()
+        for method, op in ops.items()
+        for status in op["responses"]
+        if 400 <= int(status) < 500
+    }
+    tested = {(c.method, c.path, c.status) for c in CASES}
+    assert len(documented) >= 10  # the document lists them (guard against an empty walk)
+    assert documented - tested == set(), "documented statuses without a case"
+
+
+def test_the_table_covers_every_client_error_kind():
+    kinds = {cls.kind for cls, status in HTTP_STATUS.items() if 400 <= status < 500} | {"not_found", "method_not_allowed"}
+    assert len(kinds) >= 9
+    assert kinds - {c.kind for c in CASES} == set(), "error kinds without a case"
+
+
+def test_the_table_covers_every_rule_the_service_refuses_with():
+    rules = set().union(*(_rules_raised_in(m) for m in _REFUSING_MODULES))
+    assert {"bearer", "max_body_bytes", "max_trials", "msgpack", "buffer_end"} <= rules  # the walk finds them
+    assert set(_TESTED_ELSEWHERE) <= rules  # and the exemptions are still real rules
+    assert rules - set(_TESTED_ELSEWHERE) - {c.rule for c in CASES} == set(), "rules without a case"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+async def test_bad_request(app, case):
+    name, method, path, body, headers, status, kind, where, rule, text = case
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         r = await c.request(method, path, content=body, headers=headers)
         assert r.status_code == status, r.text
@@ -150,3 +222,45 @@ async def test_errors_are_counted_by_kind(app):
         text = (await c.get("/metrics", headers=AUTH)).text
     assert 'treepack_errors_total{kind="malformed_body"}' in text
     assert 'treepack_requests_total{method="POST",route="/v1/pack",status="400"}' in text
+
+
+def _error_classes() -> list[type[errors.TreepackError]]:
+    """Every subclass of TreepackError that treepack.proto.errors defines (the base excluded)."""
+    found, todo = [], [errors.TreepackError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__ == errors.__name__ and sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+# Raised by the client only: it never crosses the wire, so the service has no status for it.
+_CLIENT_SIDE = {errors.TransportError}
+
+
+def test_the_status_table_covers_every_error_class():
+    classes = set(_error_classes())
+    assert len(classes) >= 11 and errors.CapacityError in classes  # the walk reaches the grandchildren
+    assert classes - _CLIENT_SIDE == set(HTTP_STATUS), "error classes without an HTTP status (or stale entries)"
+
+
+@pytest.mark.parametrize("cls", [pytest.param(c, id=c.__name__) for c in _error_classes() if c not in _CLIENT_SIDE])
+async def test_the_app_answers_each_error_class_with_its_status(cls):
+    app = create_app(Settings(history_enabled=False))
+
+    async def fail() -> None:
+        raise cls("raised on purpose", path="$.here", rule="on_purpose")
+
+    app.add_api_route("/fail", fail, methods=["GET"])
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.get("/fail")
+            metrics = (await c.get("/metrics")).text
+    finally:
+        app.state.service.close()
+    assert r.status_code == HTTP_STATUS[cls]
+    assert r.json()["error"] == cls.kind and (r.json()["path"], r.json()["rule"]) == ("$.here", "on_purpose")
+    assert f'treepack_errors_total{{kind="{cls.kind}"}} 1.0' in metrics
+    back = errors.error_from_payload(r.json(), r.status_code)  # the client maps it back to the same class
+    assert type(back) is cls and back.message == "raised on purpose"

@@ -12,9 +12,9 @@ import math
 import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf_hybrid import patch_hybrid_layers
-from treepack.trainer.hf_mixer_kinds import forward_fingerprint
-from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers, unhandled_reason
+from treepack.trainer.hf.hybrid import patch_hybrid_layers
+from treepack.trainer.hf.mixer_kinds import forward_fingerprint
+from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers, unhandled_reason
 
 GDN_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 

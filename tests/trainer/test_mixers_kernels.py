@@ -13,7 +13,7 @@ import torch
 
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
-from treepack.trainer.gdn import naive_tree_causal_conv1d
+from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d
 from treepack.trainer.kernels.mamba2 import naive_ssd_scan, ssd_chunk_scan_ref, tree_ssd_scan
 from treepack.trainer.kernels.short_conv import causal_conv1d_ref, naive_causal_conv1d
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_conv, tree_schedule

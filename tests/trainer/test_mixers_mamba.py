@@ -15,7 +15,7 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
 from treepack.trainer.kernels.mamba import naive_selective_scan, selective_scan_ref, tree_selective_scan
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
 from treepack.trainer.kernels.short_conv import gated_short_conv_ref
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08)

@@ -1,4 +1,4 @@
-"""Sparse top-k indexer attention on tree rows (treepack.trainer.sparse).
+"""Sparse top-k indexer attention on tree rows (treepack.trainer.kernels.sparse).
 
 fast == naive for the tree top-k and the gathered attention; the op-level oracle (each
 sequence's picks and outputs from the packed row equal those of the sequence alone, with
@@ -14,7 +14,7 @@ import torch
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.service.planner import naive_tree_mask
-from treepack.trainer.sparse import (
+from treepack.trainer.kernels.sparse import (
     indexer_scores,
     naive_sparse_attention,
     naive_tree_topk,

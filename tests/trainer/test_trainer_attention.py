@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import mixed_batch, plan_of, random_batch
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
-from treepack.trainer.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
+from treepack.trainer.kernels.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
 
 
 def _batch(case, **kw):
@@ -44,8 +45,8 @@ def _block_sets(bm):
 def test_block_mask_equals_create_block_mask(seed, block, window):
     """Block classification from subtree_end min/max == FlexAttention evaluating every pair."""
     batch = _batch(random_batch(seed))
-    fast = block_mask(batch, block_size=block, sliding_window=window)
-    ref = naive_block_mask(batch, block_size=block, sliding_window=window)
+    fast = block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
+    ref = naive_block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
     fp, ff = _block_sets(fast)
     rp, rf = _block_sets(ref)
     if window is None:
@@ -71,7 +72,7 @@ def _token_mask(bm, K, L, block):
 @given(st.integers(0, 2**31 - 1))
 def test_varlen_meta_equals_naive(seed):
     batch = _batch(random_batch(seed))
-    a, b = varlen_meta(batch), naive_varlen_meta(batch)
+    a, b = varlen_meta(batch.plan, batch.rows), naive_varlen_meta(batch.plan, batch.rows)
     for f in ("q_index", "k_index", "cu_seqlens_q", "cu_seqlens_k", "pad_index"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert (a.max_seqlen_q, a.max_seqlen_k) == (b.max_seqlen_q, b.max_seqlen_k)
@@ -93,19 +94,19 @@ def test_backends_agree_forward(seed, window, softcap):
     assert not torch.isnan(ref).any()
     flash = tree_attention(q, k, v, batch, backend="flash", varlen_fn=naive_varlen_attention, **kw)
     flex = tree_attention(q, k, v, batch, backend="flex", compile=False, **kw)
-    assert (flash - ref).abs().max() <= 1e-5
-    assert (flex - ref).abs().max() <= 1e-5
+    assert_close("flash", ref, flash, atol=1e-5)
+    assert_close("flex", ref, flex, atol=1e-5)
 
 
 def test_dense_reference_matches_naive_mask_and_fails_without_tree():
     batch = _batch(mixed_batch())
-    assert torch.equal(batch.dense_mask(), naive_dense_mask(batch))
-    assert torch.equal(batch.dense_mask(3), naive_dense_mask(batch, 3))
+    assert torch.equal(batch.dense_mask(), naive_dense_mask(batch.plan, batch.rows))
+    assert torch.equal(batch.dense_mask(3), naive_dense_mask(batch.plan, batch.rows, batch.position_ids, 3))
     q, k, v = _qkv(batch)
     tree = tree_attention(q, k, v, batch)
     # Negative control: a plain causal mask over the packed rows is not the same computation.
     causal = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
-    assert (causal - tree).abs().max() > 1e-2
+    assert_not_close("plain causal mask", tree, causal, atol=1e-2)
 
 
 def test_flash_gather_gradients_equal_sdpa():
@@ -117,8 +118,7 @@ def test_flash_gather_gradients_equal_sdpa():
         out = tree_attention(q, k, v, batch, backend=backend, varlen_fn=naive_varlen_attention, sliding_window=5)
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         grads.append([t.grad.clone() for t in (q, k, v)])
-    for a, b in zip(*grads):
-        assert (a - b).abs().max() <= 1e-5
+    assert_close("grad q, k, v", grads[0], grads[1], atol=1e-5)
 
 
 def test_flex_compiled_forward_on_cpu():
@@ -127,7 +127,7 @@ def test_flex_compiled_forward_on_cpu():
     q, k, v = _qkv(batch)
     ref = tree_attention(q, k, v, batch)
     out = tree_attention(q, k, v, batch, backend="flex", compile=True)
-    assert (out - ref).abs().max() <= 1e-5
+    assert_close("compiled flex", ref, out, atol=1e-5)
 
 
 def test_naive_varlen_bottom_right_alignment():
@@ -140,7 +140,7 @@ def test_naive_varlen_bottom_right_alignment():
     s = (q[:, 0] @ k[:, 0].T) * 0.5
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[:, 0]
-    assert torch.allclose(out[:, 0], want, atol=1e-6)
+    assert_close("bottom-right varlen", want, out[:, 0], atol=1e-6, ratio=1e-5)
 
 
 def test_bad_shapes_and_backend():

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
 from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.index import local_row_index, localize_flat
 from treepack.trainer import materialize
-from treepack.trainer.masks import naive_dense_mask
+from treepack.trainer.kernels.masks import naive_dense_mask
 
 
 def _check_batch(case, plan, batch) -> int:
@@ -19,7 +20,7 @@ def _check_batch(case, plan, batch) -> int:
     seqs = case["sequences"]
     flags = trainable_flags(case)
     mask = batch.dense_mask()
-    assert torch.equal(mask, naive_dense_mask(batch))
+    assert torch.equal(mask, naive_dense_mask(batch.plan, batch.rows))
     seen = torch.zeros(batch.num_rows, batch.seq_len, dtype=torch.int64)
     scored = 0
     for s, seq in enumerate(seqs):
@@ -137,11 +138,12 @@ def test_rank_rows_with_empty_padding_rows():
         batch = materialize(plan, case["sequences"], trainable=case["trainable"], rows=rows[p])
         assert batch.num_rows == 2
         # Plan-wide flat positions (GDN conv context) map onto this rank's rows.
-        loc = batch.localize_flat(every)
+        local_of_row = local_row_index(batch.rows, plan.num_rows)
+        loc = localize_flat(every, local_of_row, plan.seq_len)
         here = loc >= 0
         assert set(np.unique(every[here] // plan.seq_len)) == set(rows[p][rows[p] >= 0].tolist())
         assert torch.equal(batch.input_ids.reshape(-1)[loc[here]], full.input_ids.reshape(-1)[every[here]])
-        assert batch.localize_flat(np.array([-1]))[0] == -1
+        assert localize_flat(np.array([-1]), local_of_row, plan.seq_len)[0] == -1
         for k in np.flatnonzero(batch.empty_rows):
             assert bool((batch.input_ids[k] == 0).all()) and not bool(batch.loss_mask[k].any())
             assert torch.equal(batch.subtree_end[k], torch.arange(1, 65))

@@ -1,1 +1,18 @@
-"""Token-mixing kernels of the trainer, each fast path with its loop-based reference beside it."""
+"""Kernels on tree rows, each fast path with its slow, loop-based reference beside it.
+
+- :mod:`~treepack.trainer.kernels.masks`: the tree mask (dense, FlexAttention BlockMask,
+  varlen ancestor metadata), built from arrays (``subtree_end``, positions, segment tables);
+- :mod:`~treepack.trainer.kernels.attention`: :func:`tree_attention` (sdpa | flex | flash);
+- :mod:`~treepack.trainer.kernels.gdn` and :mod:`~treepack.trainer.kernels.gdn_ref`:
+  Gated DeltaNet per tree depth level, and its pure-torch kernels;
+- :mod:`~treepack.trainer.kernels.sparse`: top-k indexer attention on the ancestor chain;
+- :mod:`~treepack.trainer.kernels.index`: torch-side index helpers;
+- :mod:`~treepack.trainer.kernels.tree_scan`: the one tree-scan mechanism of every recurrent
+  or conv mixer (per depth level one varlen conv and one varlen scan, forked states), with
+  the mixer families' references beside it: :mod:`~treepack.trainer.kernels.short_conv`
+  (causal conv, LFM2's gated short conv), :mod:`~treepack.trainer.kernels.mamba2` (SSD),
+  :mod:`~treepack.trainer.kernels.mamba` (selective scan), :mod:`~treepack.trainer.kernels.kda`.
+
+GPU packages (flash-attn, flash-linear-attention, mamba_ssm, causal-conv1d, triton) are imported only inside the
+functions that use them.
+"""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.trainer.gdn_ref import l2norm
+from treepack.trainer.kernels.gdn_ref import l2norm
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
 __all__ = ["select_kda", "chunk_kda_ref", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import ragged_arange, segment_tokens
+from treepack.proto.index import local_row_index, localize_flat, ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import index_tensor, scatter_filled
 from treepack.trainer.kernels.short_conv import check_conv_args, select_causal_conv1d
 
 __all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
@@ -112,14 +113,12 @@ class TreeSchedule:
 
 
 def _row_map(plan: Plan, rows: np.ndarray | None) -> tuple[np.ndarray, int]:
-    """(new_row [plan rows] -> stacked row or -1, number of stacked rows R)."""
+    """(local row of each plan row or -1, number of stacked rows R)."""
     keep = np.arange(plan.num_rows) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
     real_rows = keep[keep >= 0]
     if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
         raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
-    new_row = np.full(plan.num_rows, -1, dtype=np.int64)
-    new_row[real_rows] = np.flatnonzero(keep >= 0)
-    return new_row, int(keep.shape[0])
+    return local_row_index(keep, plan.num_rows), int(keep.shape[0])
 
 
 def _level(depth: int, tok: np.ndarray, lens: np.ndarray, parent_slot: np.ndarray, ctx: np.ndarray, N: int, device) -> TreeLevel:
@@ -136,16 +135,15 @@ def _level(depth: int, tok: np.ndarray, lens: np.ndarray, parent_slot: np.ndarra
     conv_idx[ctx_cols] = np.where(ctx.reshape(-1) >= 0, ctx.reshape(-1), N)
     keep = np.repeat(ext_start + Wm1, lens) + ragged_arange(lens)
     conv_idx[keep] = tok
-    t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device)  # noqa: E731
     return TreeLevel(
         depth=depth,
-        token_idx=t(tok, np.int64),
-        cu_seqlens=t(cu, np.int32),
-        seq_idx=t(seq, np.int32),
-        parent_slot=t(parent_slot, np.int64),
-        conv_idx=t(conv_idx, np.int64),
-        conv_seq_idx=t(np.repeat(np.arange(n), ext_lens), np.int32),
-        conv_keep=t(keep, np.int64),
+        token_idx=index_tensor(tok, device),
+        cu_seqlens=index_tensor(cu, device, torch.int32),
+        seq_idx=index_tensor(seq, device, torch.int32),
+        parent_slot=index_tensor(parent_slot, device),
+        conv_idx=index_tensor(conv_idx, device),
+        conv_seq_idx=index_tensor(np.repeat(np.arange(n), ext_lens), device, torch.int32),
+        conv_keep=index_tensor(keep, device),
     )
 
 
@@ -167,9 +165,8 @@ def tree_schedule(plan: Plan, device: torch.device | str | None = None, rows: np
     new_row, R = _row_map(plan, rows)
     N = R * C
 
-    def remap(flat: np.ndarray) -> np.ndarray:  # plan flat positions -> stacked flat positions
-        f = np.maximum(flat, 0)
-        return np.where(flat >= 0, new_row[f // C] * C + f % C, -1)
+    def remap(flat: np.ndarray) -> np.ndarray:  # plan-wide flat positions -> stacked flat positions
+        return localize_flat(flat, new_row, C)
 
     levels, real = [], np.zeros(N, dtype=bool)
     slot_new = np.full(seg.num_segments, -1, dtype=np.int64)
@@ -190,7 +187,7 @@ def tree_schedule(plan: Plan, device: torch.device | str | None = None, rows: np
         seq_len=C,
         conv_width=W,
         levels=tuple(levels),
-        pad_idx=torch.from_numpy(np.flatnonzero(~real)).to(device),
+        pad_idx=index_tensor(np.flatnonzero(~real), device),
     )
 
 
@@ -249,8 +246,9 @@ def tree_conv(
         pad = xe.index_select(0, schedule.pad_idx)[:, :, None]  # [P, D, 1]: one-token sequences
         outs.append(conv_fn(pad, weight, bias, activation=activation)[:, :, 0])
         idx.append(schedule.pad_idx)
-    out = torch.full((N, x.shape[1]), float("nan"), dtype=outs[0].dtype if outs else dt, device=x.device)
-    return out.index_put((torch.cat(idx),), torch.cat(outs)) if outs else out
+    if not outs:
+        return x.new_full((N, x.shape[1]), float("nan"), dtype=dt)
+    return scatter_filled(torch.cat(outs), torch.cat(idx), N)
 
 
 def tree_scan(step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSchedule, out_tail: tuple[int, ...]) -> torch.Tensor:
@@ -283,8 +281,7 @@ def tree_scan(step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSch
         idx.append(lv.token_idx)
     outs.append(ref.new_zeros(schedule.pad_idx.shape[0], *out_tail))
     idx.append(schedule.pad_idx)
-    out = torch.full((N, *out_tail), float("nan"), dtype=ref.dtype, device=ref.device)
-    return out.index_put((torch.cat(idx),), torch.cat(outs))
+    return scatter_filled(torch.cat(outs), torch.cat(idx), N)
 
 
 def naive_tree_scan(run: Callable, inputs: Sequence[torch.Tensor], plan: Plan, out_tail: tuple[int, ...]) -> torch.Tensor:

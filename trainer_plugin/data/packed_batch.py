@@ -1,6 +1,6 @@
 """The packed batch: a plan's rows as tensors, plus the index maps back to the sequences.
 
-Built by :func:`treepack.trainer.materialize`. Shapes: K rows (the materialized rows, a
+Built by :func:`treepack.trainer.data.materialize`. Shapes: K rows (the materialized rows, a
 rank's share or all), L = ``plan.seq_len``, S sequences of the plan, T scored entries
 (one per sequence and per position whose next token is trainable; in the default sharing
 mode every scored position belongs to exactly one sequence, so T = ``loss_mask.sum()``).
@@ -11,17 +11,16 @@ Flat row positions are ``local_row * L + index``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
-
-if TYPE_CHECKING:
-    from treepack.trainer.masks import VarlenMeta
+from treepack.trainer.kernels.index import scatter_filled
+from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 
 __all__ = ["PackedBatch"]
 
@@ -129,56 +128,33 @@ class PackedBatch:
     def local_of_row(self) -> np.ndarray:
         """[R] int64 local row of each global row of the plan, -1 if not in this batch."""
         if "local_of_row" not in self._cache:
-            out = np.full(self.plan.num_rows, -1, dtype=np.int64)
-            real = np.flatnonzero(self.rows >= 0)
-            out[self.rows[real]] = real
-            self._cache["local_of_row"] = out
+            self._cache["local_of_row"] = local_row_index(self.rows, self.plan.num_rows)
         return self._cache["local_of_row"]
-
-    def localize_flat(self, flat: np.ndarray) -> np.ndarray:
-        """Plan-wide flat positions (``row * L + index``, as in ``plan.gdn`` conv context)
-        -> this batch's flat positions (``local_row * L + index``); -1 stays -1, and a
-        position in a row not held here becomes -1."""
-        flat = np.asarray(flat, dtype=np.int64)
-        L = self.seq_len
-        local = self.local_of_row[np.maximum(flat, 0) // L]
-        return np.where((flat >= 0) & (local >= 0), local * L + np.maximum(flat, 0) % L, -1)
 
     def local_segments(self) -> tuple[np.ndarray, np.ndarray]:
         """(global segment ids [G_local], their local rows [G_local]) in row order."""
-        key = "local_segments"
-        if key not in self._cache:
-            seg = self.plan.segments
-            real = np.flatnonzero(self.rows >= 0)
-            r = self.rows[real]
-            n = seg.row_ptr[r + 1] - seg.row_ptr[r]
-            self._cache[key] = (np.repeat(seg.row_ptr[r], n) + ragged_arange(n), np.repeat(real, n))
-        return self._cache[key]
+        if "local_segments" not in self._cache:
+            self._cache["local_segments"] = row_segments(self.plan.segments.row_ptr, self.rows)
+        return self._cache["local_segments"]
 
     def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.masks.dense_mask`."""
-        from treepack.trainer.masks import dense_mask
-
+        """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
         key = ("dense", sliding_window)
         if key not in self._cache:
-            self._cache[key] = dense_mask(self, sliding_window)
+            self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window)
         return self._cache[key]
 
     def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any:
-        """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.masks.block_mask`."""
-        from treepack.trainer.masks import block_mask
-
+        """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
         key = ("block", block_size, sliding_window)
         if key not in self._cache:
-            self._cache[key] = block_mask(self, block_size=block_size, sliding_window=sliding_window)
+            self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window)
         return self._cache[key]
 
-    def varlen_meta(self) -> "VarlenMeta":
-        """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.masks.varlen_meta`."""
-        from treepack.trainer.masks import varlen_meta
-
+    def varlen_meta(self) -> VarlenMeta:
+        """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.kernels.masks.varlen_meta`."""
         if "varlen" not in self._cache:
-            self._cache["varlen"] = varlen_meta(self)
+            self._cache["varlen"] = varlen_meta(self.plan, self.rows, self.device)
         return self._cache["varlen"]
 
     def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
@@ -269,8 +245,7 @@ class PackedBatch:
         total = int(self.seq_ptr[-1])
         slot = torch.from_numpy(np.searchsorted(self.local_seqs, self.score_seq.cpu().numpy())).to(lp.device)
         ptr = torch.from_numpy(self.seq_ptr).to(lp.device)
-        cat = torch.full((total,), float("nan"), dtype=lp.dtype, device=lp.device)
-        cat = cat.index_put((ptr[slot] + self.score_pos,), lp)
+        cat = scatter_filled(lp, ptr[slot] + self.score_pos, total)
         parts = torch.split(cat, np.diff(self.seq_ptr).tolist())
         out: list[torch.Tensor | None] = [None] * self.plan.num_sequences
         for s, p in zip(self.local_seqs.tolist(), parts):

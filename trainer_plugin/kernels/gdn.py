@@ -14,7 +14,7 @@ the state its sequence would have there. GDN runs on the one tree-scan mechanism
   the previous level (roots start from zeros); the backward index-adds every child's state
   gradient into its parent. flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA
   (bf16/fp16), the pure-torch
-  :func:`~treepack.trainer.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
+  :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
 NaN and only real tokens are written; padding gets zeros (a pad token is a sequence of its
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
-from treepack.trainer.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
 from treepack.trainer.kernels.tree_scan import TreeLevel, TreeSchedule, tree_conv, tree_scan, tree_schedule
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Documented synthetic batches for the demo, the benchmarks and the tests.
+"""Documented synthetic batches for the demo, the benchmarks and the tests (not part of the planner).
 
 Every generator is deterministic in its ``seed`` and returns a :class:`Workload` that
 ``plan_batch(**workload.plan_kwargs())`` accepts. Token ids are random in
@@ -18,12 +18,12 @@ Every generator is deterministic in its ``seed`` and returns a :class:`Workload`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Workload", "golden_example", "curriculum", "agentic", "distillation", "WORKLOADS", "VOCAB"]
+__all__ = ["Workload", "golden_example", "curriculum", "agentic", "distillation", "VOCAB"]
 
 VOCAB = 151_936  # Qwen-sized vocabulary; ids are uniform in [0, VOCAB)
 
@@ -47,7 +47,6 @@ class Workload:
     groups: list[Any]
     seq_len: int
     tags: list[str] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -125,15 +124,7 @@ def curriculum(num_groups: int = 768, *, seed: int = 0, seq_len: int = 131072, n
             trainable.append(prompt.shape[0])
             groups.append(g)
             tags.append(f"task{t}")
-    return Workload(
-        name=f"curriculum-{num_groups}",
-        sequences=seqs,
-        trainable=trainable,
-        groups=groups,
-        seq_len=seq_len,
-        tags=tags,
-        info={"groups": num_groups, "tasks": num_tasks},
-    )
+    return Workload(name=f"curriculum-{num_groups}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags)
 
 
 def agentic(num_tasks: int = 256, *, seed: int = 0, seq_len: int = 131072, rollouts: int = 8) -> Workload:
@@ -189,10 +180,3 @@ def distillation(num_sources: int = 512, *, seed: int = 0, seq_len: int = 131072
             tags.append("distill")
     return Workload(name=f"distill-{num_sources}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags)
 
-
-WORKLOADS = {
-    "golden": golden_example,
-    "curriculum": curriculum,
-    "agentic": agentic,
-    "distillation": distillation,
-}

@@ -1,19 +1,19 @@
-"""HF transformers on tree-packed rows: a registered attention implementation.
+"""HF transformers on tree-packed rows: :func:`packed_forward`.
 
 :func:`packed_forward` runs a stock HF decoder model (Qwen3, Llama, Mistral, ...) on a
-:class:`~treepack.trainer.batch.PackedBatch`:
+:class:`~treepack.trainer.data.packed_batch.PackedBatch`:
 
 - ``input_ids`` and the per-sequence ``position_ids`` go in as they are, so RoPE sees
   each token's position in its own sequence;
 - the model's attention implementation is switched to ``"treepack"``
-  (:data:`ATTN_IMPLEMENTATION`), registered in HF's ``AttentionInterface``. HF builds no
+  (:data:`~treepack.trainer.hf.attention.ATTN_IMPLEMENTATION`), registered in HF's ``AttentionInterface``. HF builds no
   mask of its own for an implementation without a mask function, so it never infers the
   (linear, wrong) packing from ``position_ids``; ``packed_forward`` passes the tree mask
   itself (dense for ``sdpa``, BlockMask for ``flex``), which HF hands to every layer
-  untouched, and :func:`treepack_attention` takes everything else from the batch;
+  untouched, and :func:`~treepack.trainer.hf.attention.treepack_attention` takes everything else from the batch;
 - the batch travels as the keyword argument ``treepack_context`` (HF forwards
   ``**kwargs`` to the attention functions, and activation checkpointing replays it) and
-  in a context variable (:mod:`treepack.trainer.context`) for layers without ``**kwargs``.
+  in a context variable (:mod:`treepack.trainer.hf.context`) for layers without ``**kwargs``.
   Other layer kinds (recurrent and conv mixers, sparse indexers) are patched to read the same
   context; nothing here assumes attention is the only layer that needs it.
 
@@ -29,86 +29,12 @@ from typing import Any, Callable
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.attention import BACKENDS, tree_attention
-from treepack.trainer.batch import PackedBatch
-from treepack.trainer.context import BATCH_KWARG, PackedContext, resolve_packed, use_packed
+from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
+from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "register_tree_attention",
-    "treepack_attention",
-    "enable_tree_attention",
-    "disable_tree_attention",
-    "packed_forward",
-]
-
-ATTN_IMPLEMENTATION = "treepack"
-
-
-def treepack_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """HF attention function (``AttentionInterface`` signature) over the tree mask.
-
-    Args:
-        module: the calling attention layer.
-        query: [K, H, L, D]; key, value: [K, Hkv, L, D].
-        attention_mask: whatever the model passed down (ignored: the mask comes from the
-            packed batch, so no position-inferred packing can sneak in).
-        scaling: softmax scale.
-        dropout: must be 0 (attention dropout is not supported on tree rows).
-        sliding_window: the layer's window (None for full attention).
-        softcap: logit soft-capping (Gemma 2 style), if any.
-        **kwargs: may hold ``treepack_context``; ``s_aux`` (attention sinks) is refused.
-
-    Returns:
-        ([K, L, H, D] output, None).
-    """
-    ctx = resolve_packed(kwargs, who=f"attention implementation {ATTN_IMPLEMENTATION!r}")
-    if dropout:
-        raise RequestError(f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0", path="$.model.config.attention_dropout", rule="unsupported")
-    if kwargs.get("s_aux") is not None:
-        raise RequestError("attention sinks (s_aux) are not supported by tree attention", path="$.model", rule="unsupported")
-    if kwargs.get("indices") is not None:
-        # A sparse (DSA) layer that reached the dense path: its top-k selection would be
-        # silently ignored. Patched DSA layers never get here.
-        raise RequestError(
-            f"{type(module).__name__} passes sparse top-k indices; its layer must be patched for tree rows "
-            "(packed_forward(..., patch_layers=True) or treepack.trainer.hf_hybrid.patch_hybrid_layers)",
-            path="$.model",
-            rule="unpatched_sparse_layer",
-        )
-    opts = dict(ctx.options)
-    out = tree_attention(
-        query,
-        key,
-        value,
-        ctx.batch,
-        backend=ctx.backend,
-        scale=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        varlen_fn=opts.get("varlen_fn"),
-        compile=opts.get("compile"),
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_tree_attention() -> str:
-    """Register :func:`treepack_attention` under :data:`ATTN_IMPLEMENTATION` (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, treepack_attention)
-    return ATTN_IMPLEMENTATION
+__all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward"]
 
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
@@ -117,14 +43,14 @@ def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
     Args:
         model: the HF model.
         patch_layers: also install the tree forwards on recurrent / conv mixers (GDN,
-            Mamba2, Mamba, KDA, short conv: :mod:`treepack.trainer.hf_mixers`) and
+            Mamba2, Mamba, KDA, short conv: :mod:`treepack.trainer.hf.mixers`) and
             DeepSeek-V3.2 sparse attention layers
-            (:func:`treepack.trainer.hf_hybrid.patch_hybrid_layers`, idempotent); without
+            (:func:`treepack.trainer.hf.hybrid.patch_hybrid_layers`, idempotent); without
             them those layers would scan each row as one sequence.
     """
     register_tree_attention()
     if patch_layers:
-        from treepack.trainer.hf_hybrid import patch_hybrid_layers
+        from treepack.trainer.hf.hybrid import patch_hybrid_layers
 
         patch_hybrid_layers(model)
     prev = model.config._attn_implementation

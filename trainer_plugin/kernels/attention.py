@@ -1,7 +1,7 @@
 """Tree attention on packed rows: SDPA (dense reference), FlexAttention, FlashAttention varlen.
 
 All three compute, for every row position, attention over exactly the keys the tree mask
-allows (:mod:`treepack.trainer.masks`), so they agree within float tolerance:
+allows (:mod:`treepack.trainer.kernels.masks`), so they agree within float tolerance:
 
 - ``sdpa``: ``scaled_dot_product_attention`` with the dense [K, 1, L, L] bool mask. Runs
   everywhere, forward and backward; memory O(L^2) per row: the reference and the CPU path.
@@ -18,17 +18,35 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
+from treepack.trainer.kernels.index import scatter_filled
+from treepack.trainer.kernels.masks import VarlenMeta
 
-if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS", "TreeMasks"]
 
-__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS"]
+
+class TreeMasks(Protocol):
+    """What :func:`tree_attention` reads from the rows it runs on (a
+    :class:`~treepack.trainer.data.PackedBatch` is one): their shape and the tree mask in
+    each kernel's form (:mod:`treepack.trainer.kernels.masks`)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor: ...
+
+    def block_mask(self, block_size: int = 128, sliding_window: int | None = None) -> Any: ...
+
+    def varlen_meta(self) -> VarlenMeta: ...
+
 
 BACKENDS = ("sdpa", "flex", "flash")
 _COMPILED_FLEX: dict[str, Callable] = {}
@@ -38,7 +56,7 @@ def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     return x if n_rep == 1 else torch.repeat_interleave(x, n_rep, dim=dim)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "PackedBatch") -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TreeMasks) -> None:
     K, L = batch.num_rows, batch.seq_len
     if q.ndim != 4 or q.shape[0] != K or q.shape[2] != L:
         raise RequestError(f"query must have shape [{K}, heads, {L}, head_dim], got {tuple(q.shape)}", path="$.query", rule="shape")
@@ -52,7 +70,7 @@ def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    batch: "PackedBatch",
+    batch: TreeMasks,
     *,
     backend: str = "sdpa",
     scale: float | None = None,
@@ -67,7 +85,7 @@ def tree_attention(
         q: [K, H, L, D] queries (K rows, H heads).
         k: [K, Hkv, L, D] keys, H a multiple of Hkv (grouped-query attention).
         v: [K, Hkv, L, Dv] values.
-        batch: the packed batch the rows come from.
+        batch: the rows' masks (a :class:`~treepack.trainer.data.PackedBatch`).
         backend: ``sdpa`` | ``flex`` | ``flash``.
         scale: softmax scale (default ``D ** -0.5``).
         sliding_window: optional window w (keys at most w-1 positions back).
@@ -168,8 +186,7 @@ def _flash(q, k, v, batch, scale, sliding_window, softcap, varlen_fn):
         softcap=0.0 if softcap is None else float(softcap),
     )
     # NaN first so that a position the kernel did not write shows up.
-    res = torch.full((K * L, H, Dv), float("nan"), dtype=out.dtype, device=out.device)
-    res = res.index_put((meta.q_index,), out)
+    res = scatter_filled(out, meta.q_index, K * L)
     # A padding token attends only itself: its output is its own value.
     pad_v = _repeat_kv(vf[meta.pad_index], H // Hkv, 1).to(out.dtype)
     res = res.index_put((meta.pad_index,), pad_v)

@@ -1,4 +1,4 @@
-"""Human-readable plan summaries: tables for the CLI and a PNG drawing of the rows.
+"""Human-readable plan summaries for the CLI: the JSON summary, text tables, a PNG of the rows.
 
 No FastAPI here: this module only formats what the planner returns.
 """
@@ -11,7 +11,7 @@ import numpy as np
 
 from treepack.proto.plan import Plan
 
-__all__ = ["plan_summary", "format_table", "draw_rows"]
+__all__ = ["plan_summary", "format_table", "plans_table", "rows_table", "draw_rows"]
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -48,6 +48,30 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(list(headers)), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
     return "\n".join(out)
+
+
+def plans_table(items: Sequence[tuple[str, Plan]]) -> str:
+    """One line per (batch name, plan): placement, rows, bound, tokens, saved %, phase times."""
+    rows = []
+    for name, p in items:
+        st = p.stats
+        rows.append((
+            name, p.placement if p.placement != "auto" else f"auto:{p.strategy}", st.rows, st.lower_bound_rows,
+            st.packed_tokens, st.unpacked_tokens, st.tree_tokens, 100.0 * st.saved_fraction,
+            st.timings_ms["tree"], st.timings_ms["placement"], st.timings_ms["total"],
+        ))  # fmt: skip
+    return format_table(
+        ["batch", "placement", "rows", "bound", "packed", "unpacked", "tree", "saved %", "tree ms", "place ms", "total ms"], rows
+    )
+
+
+def rows_table(plan: Plan) -> str:
+    """One line per row of ``plan``: its tokens, fill and segment count."""
+    seg = plan.segments
+    return format_table(["row", "tokens", "fill %", "segments"], [
+        (r, int(plan.row_len[r]), 100.0 * plan.row_len[r] / plan.seq_len, int(seg.row_ptr[r + 1] - seg.row_ptr[r]))
+        for r in range(plan.num_rows)
+    ])  # fmt: skip
 
 
 def _is_num(x: Any) -> bool:

@@ -1,9 +1,10 @@
-"""What the routes do, without FastAPI: decode a body, call the planner, encode the answer.
+"""The sidecar's planning work, without FastAPI: decode a body, call the planner, encode the answer.
 
-:class:`Service` holds one instance's parts (settings, planner pool, history, metrics).
-:meth:`Service.pack` and :meth:`Service.whatif` take the raw body and return the raw
-answer; they run on a planner worker thread (decoding a large body is CPU work too).
-Errors are raised as the project's exceptions; the app maps them to HTTP in one place.
+:class:`PlanningService` holds one instance's parts (settings, planner pool, history,
+metrics). :meth:`PlanningService.pack` and :meth:`PlanningService.whatif` take the raw body
+and return the raw answer; the routes run them on a planner worker thread (decoding a
+large body is CPU work too). Errors are raised as the project's exceptions; the app maps
+them to HTTP in one place.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from treepack.service.history import HistoryRecorder, HistoryStore, empty_summar
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.plan_wire import plan_to_wire
 from treepack.service.planner.api import plan_normalized
+from treepack.service.planner.shapes import BatchShape
 from treepack.service.planner.whatif import Composition, WhatIfResult, build_pool, whatif
 from treepack.service.pool import PlanPool
 from treepack.service.settings import Settings
 
-__all__ = ["Service", "whatif_result_to_wire", "composition_from_wire"]
+__all__ = ["PlanningService", "whatif_result_to_wire", "composition_from_wire"]
 
 log = logging.getLogger("treepack.service")
 
@@ -54,8 +56,20 @@ def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
     }
 
 
-class Service:
-    """One service instance's state and request logic.
+def _pool_summary(shapes: list[BatchShape]) -> dict[str, Any]:
+    """What a what-if sampled from: batches, groups, sequences, tokens, groups per tag."""
+    pool = build_pool(shapes)
+    return {
+        "batches": len(shapes),
+        "groups": pool.num_groups,
+        "sequences": pool.num_sequences,
+        "tokens": int(pool.lens.sum()),
+        "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
+    }
+
+
+class PlanningService:
+    """One sidecar instance's state and request logic.
 
     Args:
         settings: the configuration.
@@ -109,13 +123,7 @@ class Service:
                 path="$.trials",
                 rule="max_trials",
             )
-        if inline is not None:
-            source, shapes = "shapes", inline
-        else:
-            source, shapes = "history", []
-            if self.recorder is not None and self.store is not None:
-                self.recorder.flush()
-                shapes = self.store.shapes(msg.history_batches)
+        source, shapes = ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
         results = whatif(
             shapes,
             [composition_from_wire(c) for c in msg.compositions],
@@ -132,20 +140,20 @@ class Service:
             max_tokens=self.settings.max_tokens,
         )
         self.metrics.whatif_trials.inc(runs)
-        pool = build_pool(shapes)
         out = {
             "version": WIRE_VERSION,
             "source": source,
-            "pool": {
-                "batches": len(shapes),
-                "groups": pool.num_groups,
-                "sequences": pool.num_sequences,
-                "tokens": int(pool.lens.sum()),
-                "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
-            },
+            "pool": _pool_summary(shapes),
             "results": [whatif_result_to_wire(r) for r in results],
         }
         return encode_body(out, fmt_out)
+
+    def _recorded_shapes(self, last: int | None) -> list[BatchShape]:
+        """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history."""
+        if self.recorder is None or self.store is None:
+            return []
+        self.recorder.flush()
+        return self.store.shapes(last)
 
     def history_summary(self) -> dict[str, Any]:
         """``GET /v1/history`` (blocking: waits for pending writes, then queries)."""

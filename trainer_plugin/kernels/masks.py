@@ -10,22 +10,23 @@ attends only itself. With a sliding window w (HF semantics) additionally
 - :func:`varlen_meta`: per segment, its queries and the gathered keys of its ancestor chain,
   for FlashAttention's varlen kernel with bottom-right causal alignment.
 
-Each has a slow reference beside it (``naive_*``) that tests compare against.
+Each has a slow reference beside it (``naive_*``) that tests compare against. All are built
+from arrays (``subtree_end``, ``position_ids``, the plan's segment table and ancestor
+chains), never from the packed batch; :class:`~treepack.trainer.data.PackedBatch` calls
+them and caches the results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from treepack.proto.index import ragged_arange
-from treepack.service.planner.validate import naive_tree_mask
-
-if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, row_segments, segment_tokens
+from treepack.proto.plan import Plan
+from treepack.trainer.kernels.index import index_tensor
 
 __all__ = [
     "dense_mask",
@@ -39,46 +40,68 @@ __all__ = [
 ]
 
 
-def dense_mask(batch: "PackedBatch", sliding_window: int | None = None) -> torch.Tensor:
+def dense_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """[K, 1, L, L] bool tree mask from the interval contract (vectorized).
 
     Args:
-        batch: the packed batch.
+        subtree_end: [K, L] int64 the rows' subtree ends.
+        position_ids: [K, L] int64, needed with a sliding window.
         sliding_window: optional window w: keys at most w-1 positions back.
     """
-    L = batch.seq_len
-    idx = torch.arange(L, device=batch.device)
-    se = batch.subtree_end
-    m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < se[:, None, :])
+    L = subtree_end.shape[1]
+    idx = torch.arange(L, device=subtree_end.device)
+    m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
     if sliding_window is not None:
-        pos = batch.position_ids
-        m &= (pos[:, :, None] - pos[:, None, :]) < sliding_window
+        m &= (position_ids[:, :, None] - position_ids[:, None, :]) < sliding_window
     return m[:, None]
 
 
-def naive_dense_mask(batch: "PackedBatch", sliding_window: int | None = None) -> torch.Tensor:
-    """Reference for :func:`dense_mask`: the planner's ancestor-walking mask, row by row.
+def _naive_row_mask(plan: Plan, r: int, L: int) -> np.ndarray:
+    """[L, L] bool mask of global row r from the ancestor relation, padding seeing itself."""
+    seg = plan.segments
+    m = np.zeros((L, L), dtype=bool)
+    n = 0 if r < 0 else int(seg.row_len[r])
+    for g in range(0 if r < 0 else int(seg.row_ptr[r]), 0 if r < 0 else int(seg.row_ptr[r + 1])):
+        a, k = int(seg.row_start[g]), int(seg.length[g])
+        for i in range(k):
+            m[a + i, a : a + i + 1] = True
+        p = int(seg.parent[g])
+        while p >= 0:
+            m[a : a + k, int(seg.row_start[p]) : int(seg.row_start[p] + seg.length[p])] = True
+            p = int(seg.parent[p])
+    for i in range(n, L):
+        m[i, i] = True
+    return m
+
+
+def naive_dense_mask(
+    plan: Plan,
+    rows: np.ndarray,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    device: Any = None,
+) -> torch.Tensor:
+    """Reference for :func:`dense_mask`: the ancestor relation of the segment table, row by row.
 
     Uses no interval arithmetic: each token sees its segment's earlier tokens and every
-    token of its ancestor segments (:func:`~treepack.service.planner.naive_tree_mask`);
-    padding and empty rows see only themselves.
+    token of its ancestor segments (walking parent pointers); padding and empty rows
+    (``rows == -1``) see only themselves.
+
+    Args:
+        plan: the plan. rows: [K] its global rows, -1 for an empty row.
+        position_ids, sliding_window: as :func:`dense_mask`.
+        device: where the mask goes.
     """
-    K, L = batch.num_rows, batch.seq_len
-    out = np.zeros((K, L, L), dtype=bool)
-    for k, r in enumerate(batch.rows.tolist()):
-        n = 0 if r < 0 else int(batch.plan.segments.row_len[r])
-        if n:
-            out[k, :n, :n] = naive_tree_mask(batch.plan, r)
-        for i in range(n, L):
-            out[k, i, i] = True
+    L = plan.seq_len
+    out = np.stack([_naive_row_mask(plan, int(r), L) for r in rows]) if len(rows) else np.zeros((0, L, L), bool)
     if sliding_window is not None:
-        pos = batch.position_ids.cpu().numpy()
-        for k in range(K):
+        pos = position_ids.cpu().numpy()
+        for k in range(out.shape[0]):
             for i in range(L):
                 for j in range(L):
                     if pos[k, i] - pos[k, j] >= sliding_window:
                         out[k, i, j] = False
-    return torch.from_numpy(out)[:, None].to(batch.device)
+    return torch.from_numpy(out)[:, None].to(device)
 
 
 def tree_mask_mod(subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None) -> Any:
@@ -117,7 +140,13 @@ def _block_lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[:, None], idx[:, None]
 
 
-def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: int | None = None) -> Any:
+def block_mask(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    block_size: int = 128,
+    sliding_window: int | None = None,
+) -> Any:
     """FlexAttention ``BlockMask`` of the tree mask, O(L + (L / block)^2) work per row.
 
     A key block [k0, k1) lets query i through iff some key j of it has
@@ -129,7 +158,8 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     no block is marked full (``mask_mod`` then checks the window in every touched block).
 
     Args:
-        batch: the packed batch.
+        subtree_end: [K, L] int64 the rows' subtree ends.
+        position_ids: [K, L] int64, needed with a sliding window.
         block_size: FlexAttention's sparse block size (both axes).
         sliding_window: optional window w.
 
@@ -138,13 +168,13 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    K, L = batch.num_rows, batch.seq_len
+    K, L = subtree_end.shape
     nb = -(-L // block_size)
     Lp = nb * block_size
-    dev = batch.device
-    se = _padded(batch.subtree_end, Lp, 0)
+    dev = subtree_end.device
+    se = _padded(subtree_end, Lp, 0)
     blocks_max = se.view(K, nb, block_size).amax(-1)
-    blocks_min = _padded(batch.subtree_end, Lp, Lp + 1).view(K, nb, block_size).amin(-1)
+    blocks_min = _padded(subtree_end, Lp, Lp + 1).view(K, nb, block_size).amin(-1)
     start = torch.arange(nb, device=dev) * block_size
     end = torch.clamp(start + block_size, max=L)
     q0, q1 = start[None, :, None], end[None, :, None]
@@ -160,7 +190,7 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     partial = touched & ~full
     kv_num, kv_idx = _block_lists(partial)
     full_num, full_idx = _block_lists(full)
-    pos = _padded(batch.position_ids, Lp, 0) if sliding_window is not None else None
+    pos = _padded(position_ids, Lp, 0) if sliding_window is not None else None
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
@@ -172,17 +202,23 @@ def block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: i
     )
 
 
-def naive_block_mask(batch: "PackedBatch", *, block_size: int = 128, sliding_window: int | None = None) -> Any:
-    """Reference for :func:`block_mask`: FlexAttention's own ``create_block_mask``, which
-    evaluates ``mask_mod`` on every (query, key) pair."""
+def naive_block_mask(
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    block_size: int = 128,
+    sliding_window: int | None = None,
+) -> Any:
+    """Reference for :func:`block_mask` (same arguments): FlexAttention's own
+    ``create_block_mask``, which evaluates ``mask_mod`` on every (query, key) pair."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    K, L = batch.num_rows, batch.seq_len
+    K, L = subtree_end.shape
     nb = -(-L // block_size)
-    se = _padded(batch.subtree_end, nb * block_size, 0)
-    pos = _padded(batch.position_ids, nb * block_size, 0)
+    se = _padded(subtree_end, nb * block_size, 0)
+    pos = _padded(position_ids, nb * block_size, 0) if position_ids is not None else None
     mod = tree_mask_mod(se, pos, sliding_window)
-    return create_block_mask(mod, K, None, L, L, device=batch.device, BLOCK_SIZE=block_size)
+    return create_block_mask(mod, K, None, L, L, device=subtree_end.device, BLOCK_SIZE=block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,54 +251,52 @@ class VarlenMeta:
     pad_index: torch.Tensor
 
 
-def _meta(batch: "PackedBatch", segs: np.ndarray, q: np.ndarray, k: np.ndarray, qlen: np.ndarray, klen: np.ndarray) -> VarlenMeta:
-    dev = batch.device
-    size = batch.num_rows * batch.seq_len
+def _meta(size: int, device: Any, segs: np.ndarray, q: np.ndarray, k: np.ndarray, qlen: np.ndarray, klen: np.ndarray) -> VarlenMeta:
     used = np.zeros(size, dtype=bool)
     used[q] = True
     cu_q = np.zeros(segs.shape[0] + 1, dtype=np.int32)
     cu_k = np.zeros(segs.shape[0] + 1, dtype=np.int32)
     np.cumsum(qlen, out=cu_q[1:])
     np.cumsum(klen, out=cu_k[1:])
-    t = lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dt)  # noqa: E731
     return VarlenMeta(
         segments=segs,
-        q_index=t(q),
-        k_index=t(k),
-        cu_seqlens_q=t(cu_q, torch.int32),
-        cu_seqlens_k=t(cu_k, torch.int32),
+        q_index=index_tensor(q, device),
+        k_index=index_tensor(k, device),
+        cu_seqlens_q=index_tensor(cu_q, device, torch.int32),
+        cu_seqlens_k=index_tensor(cu_k, device, torch.int32),
         max_seqlen_q=int(qlen.max(initial=0)),
         max_seqlen_k=int(klen.max(initial=0)),
-        pad_index=t(np.flatnonzero(~used)),
+        pad_index=index_tensor(np.flatnonzero(~used), device),
     )
 
 
-def varlen_meta(batch: "PackedBatch") -> VarlenMeta:
-    """:class:`VarlenMeta` from the plan's ancestor chains (vectorized, no per-token loop)."""
-    plan = batch.plan
+def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
+    """:class:`VarlenMeta` from the plan's ancestor chains (vectorized, no per-token loop).
+
+    Args:
+        plan: the plan (segment table and ``attention`` ancestor chains).
+        rows: [K] int64 the global rows stacked locally, -1 for an empty row.
+        device: where the index tensors go.
+    """
     seg, att = plan.segments, plan.attention
-    L = batch.seq_len
-    segs, lrow = batch.local_segments()
-    local_of_row = np.full(plan.num_rows, -1, dtype=np.int64)
-    real = np.flatnonzero(batch.rows >= 0)
-    local_of_row[batch.rows[real]] = real
+    L = plan.seq_len
+    segs, _ = row_segments(seg.row_ptr, rows)
+    local_of_row = local_row_index(rows, plan.num_rows)
     qlen = seg.length[segs]
-    q = np.repeat(lrow * L + seg.row_start[segs], qlen) + ragged_arange(qlen)
-    nch = att.anc_ptr[segs + 1] - att.anc_ptr[segs]
-    chain = att.anc_segs[np.repeat(att.anc_ptr[segs], nch) + ragged_arange(nch)]
-    clen = seg.length[chain]
-    k = np.repeat(local_of_row[seg.row[chain]] * L + seg.row_start[chain], clen) + ragged_arange(clen)
+    q = localize_flat(segment_tokens(seg, L, segs), local_of_row, L)
+    chain = csr_gather(att.anc_ptr, att.anc_segs, segs)
+    k = localize_flat(segment_tokens(seg, L, chain), local_of_row, L)
     klen = att.key_lens[segs]
     assert int(klen.sum()) == k.shape[0], "ancestor chains do not add up to key_lens"
-    return _meta(batch, segs, q, k, qlen, klen)
+    return _meta(len(rows) * L, device, segs, q, k, qlen, klen)
 
 
-def naive_varlen_meta(batch: "PackedBatch") -> VarlenMeta:
-    """Reference for :func:`varlen_meta`: walks parent pointers segment by segment."""
-    seg = batch.plan.segments
-    L = batch.seq_len
+def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None) -> VarlenMeta:
+    """Reference for :func:`varlen_meta` (same arguments): walks parent pointers segment by segment."""
+    seg = plan.segments
+    L = plan.seq_len
     segs, qs, ks, qlen, klen = [], [], [], [], []
-    for k_local, r in enumerate(batch.rows.tolist()):
+    for k_local, r in enumerate(np.asarray(rows).tolist()):
         if r < 0:
             continue
         for g in range(int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])):
@@ -279,4 +313,4 @@ def naive_varlen_meta(batch: "PackedBatch") -> VarlenMeta:
             qlen.append(len(own))
             klen.append(len(keys))
     arr = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return _meta(batch, arr(segs), arr(qs), arr(ks), arr(qlen), arr(klen))
+    return _meta(len(rows) * L, device, arr(segs), arr(qs), arr(ks), arr(qlen), arr(klen))

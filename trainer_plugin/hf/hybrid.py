@@ -6,17 +6,17 @@ implementation; layers that are not attention need their own patch:
 - Gated DeltaNet layers (Qwen3-Next ``Qwen3NextGatedDeltaNet``, Qwen3.5
   ``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet``): the stock forward scans each row
   as one sequence; the patch runs the same projections, then
-  :func:`~treepack.trainer.gdn.tree_causal_conv1d` and
-  :func:`~treepack.trainer.gdn.tree_gated_delta_rule` over the batch's GDN schedule.
+  :func:`~treepack.trainer.kernels.gdn.tree_causal_conv1d` and
+  :func:`~treepack.trainer.kernels.gdn.tree_gated_delta_rule` over the batch's GDN schedule.
 - DeepSeek-V3.2 sparse attention (``DeepseekV32Attention``, and its indexer for unpacked
-  calls): see :mod:`treepack.trainer.hf_dsa`.
+  calls): see :mod:`treepack.trainer.hf.dsa`.
 
 :func:`patch_hybrid_layers` installs the patches on a model's modules (idempotent). A
 patched layer finds the packed batch the same way the tree attention function does
-(:func:`treepack.trainer.context.resolve_packed`: the ``treepack_context`` keyword argument
+(:func:`treepack.trainer.hf.context.resolve_packed`: the ``treepack_context`` keyword argument
 first, else the context variable); with neither it runs its stock forward, so an unpacked
 call of a patched model is unchanged (except that DSA indexers then break exact score ties
-towards lower positions, as the packed path does; see :mod:`treepack.trainer.hf_dsa`). The GDN schedule is built once per batch and cached
+towards lower positions, as the packed path does; see :mod:`treepack.trainer.hf.dsa`). The GDN schedule is built once per batch and cached
 in the batch.
 """
 
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
-from treepack.trainer.hf_dsa import STOCK_ATTR, dsa_forward, packed_context, position_tiebreak_indexer_forward
-from treepack.trainer.hf_mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.kernels.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.hf.dsa import STOCK_ATTR, dsa_forward, packed_context, position_tiebreak_indexer_forward
+from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
 
 __all__ = ["patch_hybrid_layers", "unpatch_hybrid_layers", "gdn_layer_tree_forward", "batch_gdn_schedule", "packed_context"]
 
@@ -81,7 +81,7 @@ def gdn_layer_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, 
     Args:
         layer: a Qwen3-Next / Qwen3.5 GatedDeltaNet module.
         hidden_states: [K, L, hidden] packed rows.
-        schedule: the batch's :class:`~treepack.trainer.gdn.GdnSchedule`.
+        schedule: the batch's :class:`~treepack.trainer.kernels.gdn.GdnSchedule`.
 
     Returns:
         [K, L, hidden] the layer's output.

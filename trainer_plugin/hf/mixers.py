@@ -1,12 +1,12 @@
 """Layer patches for HF's recurrent and convolutional mixers on tree rows (SPEC 7, issue 10).
 
 Which modules are mixers, and which of them the tree path reproduces, is decided by
-mechanism in :mod:`treepack.trainer.hf_mixer_kinds` (:func:`mixer_kind`,
+mechanism in :mod:`treepack.trainer.hf.mixer_kinds` (:func:`mixer_kind`,
 :func:`is_handled`, :func:`unhandled_reason`, re-exported here). Per kind, the stock
 layers whose torch slow path the tree forward reproduces exactly:
 
 - ``gdn``: Qwen3-Next / Qwen3.5 Gated DeltaNet and any renamed copy or subclass that keeps
-  its forward (patched by :mod:`treepack.trainer.hf_hybrid`, whose GDN forward they share).
+  its forward (patched by :mod:`treepack.trainer.hf.hybrid`, whose GDN forward they share).
 - ``gdn_olmo``: OLMo-hybrid's GDN variant (``OlmoHybridGatedDeltaNet``: separate
   projections, a ``g_proj`` output gate, optional negative eigenvalues).
 - ``mamba2``: Mamba2 mixers with grouped B/C, a gated RMSNorm and the SSD scan: Bamba
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.gdn import tree_causal_conv1d, tree_gated_delta_rule
-from treepack.trainer.hf_dsa import STOCK_ATTR, packed_context
-from treepack.trainer.hf_mixer_kinds import MIXER_KINDS, is_handled, mixer_kind, unhandled_reason
+from treepack.trainer.kernels.gdn import tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.hf.dsa import STOCK_ATTR, packed_context
+from treepack.trainer.hf.mixer_kinds import MIXER_KINDS, is_handled, mixer_kind, unhandled_reason
 from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
@@ -198,7 +198,7 @@ def olmo_gdn_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, s
     Separate q/k/v/a/b/g projections, ``beta = sigmoid(b)`` (times 2 with
     ``allow_neg_eigval``), ``g = -exp(A_log) * softplus(a + dt_bias)``, in-kernel q/k L2
     norm, norm-before-gate RMSNorm with the ``g_proj`` gate, as the stock layer; conv and
-    delta rule follow the tree (:mod:`treepack.trainer.gdn`).
+    delta rule follow the tree (:mod:`treepack.trainer.kernels.gdn`).
 
     Args:
         layer: an ``OlmoHybridGatedDeltaNet`` (:func:`mixer_kind` ``gdn_olmo``).

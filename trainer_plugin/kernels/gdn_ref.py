@@ -15,7 +15,7 @@ scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens``)
 - :func:`chunk_gated_delta_rule_ref`: the chunked (WY / UT-transform) form used by fla and
   HF's ``torch_chunk_gated_delta_rule``, vectorized over every chunk of every sequence; the
   only loop runs over chunk index within a sequence. This is the CPU path of
-  :mod:`treepack.trainer.gdn`.
+  :mod:`treepack.trainer.kernels.gdn`.
 
 Both accept fewer query/key heads than value heads (grouped value attention: each q/k head
 serves ``Hv // Hk`` consecutive value heads, as in HF's Qwen3-Next), compute in at least

@@ -2,7 +2,7 @@
 
 :func:`treepack.trainer.hf.packed_forward` runs a stock model on tree-packed rows. Layers
 that need more than their own inputs (the attention mask, GDN levels, the ancestor chains
-of a sparse indexer) find the current :class:`~treepack.trainer.batch.PackedBatch` in two
+of a sparse indexer) find the current :class:`~treepack.trainer.data.packed_batch.PackedBatch` in two
 places, both set by ``packed_forward``:
 
 1. the keyword argument ``treepack_context`` (a :class:`PackedContext`) that HF models
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:
-    from treepack.trainer.batch import PackedBatch
+    from treepack.trainer.data.packed_batch import PackedBatch
 
 __all__ = ["PackedContext", "use_packed", "current_packed", "resolve_packed", "BATCH_KWARG"]
 
@@ -84,6 +84,6 @@ def resolve_packed(kwargs: Mapping[str, Any] | None = None, *, who: str = "a tre
     if ctx is None:
         raise RuntimeError(
             f"{who} ran without a packed batch: call it through treepack.trainer.hf.packed_forward "
-            "(or inside treepack.trainer.context.use_packed)"
+            "(or inside treepack.trainer.hf.context.use_packed)"
         )
     return ctx

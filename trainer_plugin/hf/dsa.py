@@ -3,13 +3,13 @@
 HF's ``DeepseekV32Attention`` is MLA (low-rank q and kv, a shared RoPE key) plus a
 lightning indexer that picks ``index_topk`` keys per query; the eager path folds the picks
 into a dense [L, L] mask. On tree rows the patched forward (:func:`dsa_forward`, installed
-by :func:`~treepack.trainer.hf_hybrid.patch_hybrid_layers`) keeps every projection of the
+by :func:`~treepack.trainer.hf.hybrid.patch_hybrid_layers`) keeps every projection of the
 stock layer and replaces the selection and the attention:
 
 - indexer scores exactly as the stock indexer (no gradient, as in HF), then
-  :func:`~treepack.trainer.sparse.tree_topk`: visible keys only, ties to the lower
+  :func:`~treepack.trainer.kernels.sparse.tree_topk`: visible keys only, ties to the lower
   in-sequence position, invisible picks dropped;
-- :func:`~treepack.trainer.sparse.sparse_attention` over the picked keys (a gather of
+- :func:`~treepack.trainer.kernels.sparse.sparse_attention` over the picked keys (a gather of
   ``index_topk`` keys per query, no [L, L] mask).
 
 Ties: the stock indexer ends in ``torch.topk``, whose order among equal scores is
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.context import BATCH_KWARG, current_packed
-from treepack.trainer.sparse import indexer_scores, sparse_attention, tree_topk
+from treepack.trainer.hf.context import BATCH_KWARG, current_packed
+from treepack.trainer.kernels.sparse import indexer_scores, sparse_attention, tree_topk
 
 __all__ = [
     "dsa_indexer_scores",
@@ -41,9 +41,9 @@ __all__ = [
     "STOCK_ATTR",
 ]
 
-# Indexer class -> the RoPE function of its modeling module (DeepSeek-V3.2 half-split,
-# GLM-MoE-DSA interleaved).
-_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+# Indexer class -> the RoPE function of its modeling module. Only the indexers of the DSA
+# layers that hybrid.patch_hybrid_layers patches are listed: no other class reaches here.
+_INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb"}
 # Where a patched module keeps its bound stock forward (in its __dict__, outside nn.Module's registries).
 STOCK_ATTR = "_treepack_stock_forward"
 
@@ -69,7 +69,7 @@ def dsa_indexer_scores(
     """The stock indexer's scores before masking and top-k.
 
     Args:
-        indexer: a ``DeepseekV32Indexer`` (or ``GlmMoeDsaIndexer``).
+        indexer: a ``DeepseekV32Indexer``.
         hidden_states: [B, S, hidden]. q_resid: [B, S, q_lora_rank] (``q_a_layernorm(q_a_proj(x))``).
         position_embeddings: (cos, sin) [B, S, rope_dim] from the model's rotary embedding.
         cache: an HF cache holding the indexer keys of earlier tokens (unpacked decoding),
@@ -130,7 +130,7 @@ def dsa_tree_attention(attn: torch.nn.Module, hidden_states: torch.Tensor, posit
         attn: the attention module.
         hidden_states: [K, L, hidden] packed rows.
         position_embeddings: (cos, sin) from the per-sequence ``position_ids``.
-        batch: the :class:`~treepack.trainer.batch.PackedBatch` (``subtree_end``, ``position_ids``).
+        batch: the :class:`~treepack.trainer.data.packed_batch.PackedBatch` (``subtree_end``, ``position_ids``).
 
     Returns:
         [K, L, hidden].

@@ -1,0 +1,48 @@
+"""The ``treepack`` command: its parser and :func:`main`.
+
+Each command registers itself (``add_*_parser``) from its own module: :mod:`.demo`,
+:mod:`.plan`, :mod:`.bench`, and ``serve`` from :mod:`treepack.service.serve` when the
+``service`` extra is installed (otherwise ``serve`` says what to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from treepack.service.cli.bench import add_bench_parser
+from treepack.service.cli.demo import add_demo_parser
+from treepack.service.cli.plan import add_plan_parser
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each sub-parser's ``func`` runs it and returns the exit status."""
+    ap = argparse.ArgumentParser(prog="treepack", description="Prefix-tree packing of LLM training batches.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_demo_parser(sub)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    try:
+        import treepack.service.settings  # noqa: F401  (pydantic-settings: the service extra)
+        from treepack.service.serve import add_serve_parser
+    except ImportError as exc:  # planner-only install: say what to install, do not break demo/plan
+        missing = exc.name or str(exc)
+        srv = sub.add_parser("serve", help="the HTTP sidecar (needs: pip install 'treepack[service]')")
+        srv.set_defaults(func=lambda _args: _missing_service(missing))
+    else:
+        add_serve_parser(sub)
+    return ap
+
+
+def _missing_service(missing: str) -> int:
+    print(f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install 'treepack[service]'", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``treepack`` with ``argv`` (default: the process's arguments); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,88 @@
+"""The sidecar's routes, on one :data:`router` (no state: each route finds its service on the app).
+
+``POST /v1/pack`` and ``POST /v1/whatif`` take one path (:func:`_plan_in_pool`): the
+dependencies authorize, negotiate the formats and read the bounded body; the service's
+method decodes, plans and encodes on a planner worker; the route answers the bytes.
+Function names and docstrings are the OpenAPI operation ids, summaries and descriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+
+from treepack.proto import WIRE_VERSION
+from treepack.proto import messages as m
+from treepack.proto.codec import Format, content_type, encode_body
+from treepack.service.dependencies import Formats, accept_format, authorize, negotiate, read_body, service
+from treepack.service.openapi import body_spec
+from treepack.service.planning import PlanningService
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+AUTH = [Depends(authorize)]
+STATUSES = (400, 401, 413, 415, 422, 503)
+
+
+def _ready_spec() -> dict[str, Any]:
+    spec = body_spec(None, m.ReadyResponse, (), both=False, description="ready")
+    spec["responses"]["503"] = {"description": "not ready", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReadyResponse"}}}}
+    return spec
+
+
+def _metrics_spec() -> dict[str, Any]:
+    spec = body_spec(None, m.HealthResponse, (401,), both=False)
+    spec["responses"]["200"] = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    return spec
+
+
+async def _plan_in_pool(svc: PlanningService, work: Callable[[bytes, Format, Format], bytes], formats: Formats, body: bytes) -> Response:
+    """Run ``work(body, request format, response format)`` on the planner pool; answer its bytes."""
+    answer = await svc.pool.run(work, body, formats.request, formats.response)
+    return Response(answer, media_type=content_type(formats.response))
+
+
+@router.post("/v1/pack", dependencies=AUTH, openapi_extra=body_spec(m.PackRequest, m.PackResponse, STATUSES, description="the plan"))
+async def pack(svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytes = Depends(read_body)) -> Response:
+    """Pack a batch into rows: the plan with every array the trainer needs."""
+    return await _plan_in_pool(svc, svc.pack, formats, body)
+
+
+@router.post("/v1/whatif", dependencies=AUTH, openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"))
+async def whatif(svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytes = Depends(read_body)) -> Response:
+    """Rows needed by candidate batch compositions, sampled from recorded (or given) shapes."""
+    return await _plan_in_pool(svc, svc.whatif, formats, body)
+
+
+@router.get("/v1/history", dependencies=AUTH, openapi_extra=body_spec(None, m.HistorySummary, (401, 415), description="the summary"))
+async def history(svc: PlanningService = Depends(service), fmt: Format = Depends(accept_format)) -> Response:
+    """What the shape history holds (counts, time span, tags, means)."""
+    summary = await asyncio.to_thread(svc.history_summary)
+    return Response(encode_body(summary, fmt), media_type=content_type(fmt))
+
+
+@router.get("/healthz", openapi_extra=body_spec(None, m.HealthResponse, (), both=False, description="alive"))
+async def healthz() -> JSONResponse:
+    """Liveness: the process serves requests."""
+    return JSONResponse({"version": WIRE_VERSION, "status": "ok"})
+
+
+@router.get("/readyz", openapi_extra=_ready_spec())
+async def readyz(svc: PlanningService = Depends(service)) -> JSONResponse:
+    """Readiness: the planner and the history database answer."""
+    checks = await asyncio.to_thread(svc.ready_checks)
+    ok = all(v == "ok" for v in checks.values())
+    body: dict[str, Any] = {"version": WIRE_VERSION, "status": "ready" if ok else "not_ready", "checks": checks}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/metrics", dependencies=AUTH, openapi_extra=_metrics_spec())
+async def metrics(svc: PlanningService = Depends(service)) -> Response:
+    """Prometheus metrics (text exposition format)."""
+    data, ctype = svc.metrics.render()
+    return Response(data, media_type=ctype)

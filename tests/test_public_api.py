@@ -1,0 +1,43 @@
+"""Each package's public surface (``__all__``) is pinned: a name added or dropped is a decision, seen here."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = [
+    pytest.param("treepack.proto", {"WIRE_VERSION"}, id="proto"),
+    pytest.param("treepack.service", {"create_app", "Settings", "__version__"}, id="service"),
+    pytest.param(
+        "treepack.service.planner",
+        {
+            "plan_batch", "plan_normalized", "validate_plan", "PlanInvariantError", "naive_tree_mask", "lower_bound_rows",
+            "Batch", "normalize_batch", "OverflowEvent", "Segments", "layout_rows", "AttentionMeta", "GdnLevel", "GdnMeta",
+            "PLACEMENTS", "place_leaves", "naive_place", "Plan", "PlanStats", "Ranks", "Tree", "build_tree", "naive_build_tree",
+        },
+        id="planner",
+    ),  # fmt: skip
+    pytest.param("treepack.service.cli", {"main", "build_parser"}, id="cli"),
+    pytest.param("treepack.client", {"Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"}, id="client"),
+    pytest.param(
+        "treepack.trainer",
+        {
+            "BACKENDS", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
+            "resolve_packed", "tree_attention", "use_packed",
+        },
+        id="trainer",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("module,expected", PUBLIC)
+def test_public_names(module, expected):
+    if module == "treepack.trainer":
+        pytest.importorskip("torch")
+    mod = importlib.import_module(module)
+    names = list(mod.__all__)
+    assert len(names) == len(set(names)), f"{module}.__all__ repeats a name"
+    assert set(names) == expected, f"added: {sorted(set(names) - expected)}, dropped: {sorted(expected - set(names))}"
+    missing = [n for n in names if not hasattr(mod, n)]
+    assert missing == [], f"{module}.__all__ names what it does not have"

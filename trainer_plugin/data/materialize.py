@@ -1,0 +1,299 @@
+"""Materialization: a plan plus the trainer's per-sequence data -> packed tensors (SPEC 7).
+
+Index arithmetic runs in numpy over the plan's segment table (integers only, no token
+touched); each array the trainer holds (token ids, each payload) is then concatenated
+once over the sequences this batch needs and read with **one** vectorized gather. Lazy
+per-sequence payloads (a list-like whose ``__getitem__`` loads, or a callable ``s ->
+array``) are only touched for those sequences.
+
+Two payload alignments:
+
+- ``payloads`` (target-aligned, the loss side: old/ref logprobs, advantages, weights): a
+  per-token array ``x[s][p]`` describes token p *as a prediction target*, like the output
+  of :meth:`PackedBatch.unpack_logprobs`. It lands on the row position that predicts
+  token p (``idx(s, p-1)``) for every trainable p >= 1, and also stays available per
+  scored entry (``entry_payloads``) so that shared positions can sum their sharers'
+  values.
+- ``input_payloads`` (token-aligned: MoE routing replay ``[tokens, layers, top_k]``,
+  extra embeddings): ``x[s][p]`` lands on ``idx(s, p)``, read from each segment's
+  source sequence (tokens a segment shares are identical in every sharer; use the
+  planner's ``keys`` to make that true for payloads such as routing decisions).
+
+Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
+from treepack.proto.plan import Plan
+from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
+from treepack.trainer.kernels.index import index_tensor, scatter_filled
+
+__all__ = ["materialize"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _RowIndex:
+    """Where every token of the local rows comes from, and where each local sequence lies.
+
+    Attributes:
+        tok_flat: [N_tok] flat row position (``local_row * C + index``) of each row token.
+        tok_src: [N_tok] the segment's source sequence. tok_pos: [N_tok] position in it.
+        tok_se: [N_tok] subtree_end of the token's segment.
+        local_seqs: [S_local] sequences held by these rows, ascending.
+        ptr: [S_local + 1] CSR of their tokens in the concatenated gather source.
+        slot: [S] index of each sequence in ``local_seqs``, -1 if not local.
+        seq_flat: [ptr[-1]] flat row position of every local sequence's tokens, in order.
+    """
+
+    tok_flat: np.ndarray
+    tok_src: np.ndarray
+    tok_pos: np.ndarray
+    tok_se: np.ndarray
+    local_seqs: np.ndarray
+    ptr: np.ndarray
+    slot: np.ndarray
+    seq_flat: np.ndarray
+
+    @property
+    def gather_src(self) -> np.ndarray:
+        """[N_tok] index of each row token in the concatenated local sequences."""
+        return self.ptr[self.slot[self.tok_src]] + self.tok_pos
+
+
+def _row_index(plan: Plan, rows: np.ndarray) -> _RowIndex:
+    """The integer side of materialization: segment table -> token maps (numpy, no token read)."""
+    seg, C, S = plan.segments, plan.seq_len, plan.num_sequences
+    local_of_row = local_row_index(rows, plan.num_rows)
+    sel, _ = row_segments(seg.row_ptr, rows)
+    tok_n = seg.length[sel]
+    tok_flat = localize_flat(segment_tokens(seg, C, sel), local_of_row, C)
+    held = rows[rows >= 0]
+    local_seqs = np.flatnonzero((plan.row_of >= 0) & np.isin(plan.row_of, held))
+    ptr = np.zeros(local_seqs.shape[0] + 1, dtype=np.int64)
+    np.cumsum(plan.seq_lens[local_seqs], out=ptr[1:])
+    slot = np.full(S, -1, dtype=np.int64)
+    slot[local_seqs] = np.arange(local_seqs.shape[0])
+    # Row positions of every local sequence's tokens (the vectorized locate).
+    ss = csr_gather(seg.seq_ptr, seg.seq_segs, local_seqs)
+    seq_flat = localize_flat(segment_tokens(seg, C, ss), local_of_row, C)
+    return _RowIndex(
+        tok_flat=tok_flat,
+        tok_src=np.repeat(seg.seq[sel], tok_n),
+        tok_pos=np.repeat(seg.seq_start[sel], tok_n) + ragged_arange(tok_n),
+        tok_se=np.repeat(seg.subtree_end[sel], tok_n),
+        local_seqs=local_seqs,
+        ptr=ptr,
+        slot=slot,
+        seq_flat=seq_flat,
+    )
+
+
+def _scored(flags: Any, ix: _RowIndex) -> tuple[np.ndarray, np.ndarray]:
+    """(c_sel, seq_of_c): scored entries as indices into the concatenated local sequences
+    (position p of sequence s whose next token p+1 is trainable), and each token's slot."""
+    lens = np.diff(ix.ptr)
+    tr_cat = np.concatenate([flags(int(s)) for s in ix.local_seqs]) if ix.local_seqs.shape[0] else np.zeros(0, bool)
+    nxt = np.zeros(tr_cat.shape[0], dtype=bool)
+    nxt[:-1] = tr_cat[1:]
+    if ix.ptr.shape[0] > 1:
+        nxt[ix.ptr[1:] - 1] = False  # a sequence's last token predicts nothing
+    return np.flatnonzero(nxt), np.repeat(np.arange(ix.local_seqs.shape[0]), lens)
+
+
+def _token_ids(sequences: Sequence[Any], plan: Plan, ix: _RowIndex, dev: torch.device) -> torch.Tensor:
+    """[ptr[-1]] int64 token ids of the local sequences, concatenated."""
+    tokens = concat_arrays(sequences, ix.local_seqs, plan, dev, what="sequences")
+    if tokens.ndim != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise InputTypeError(f"expected 1-D integer token ids, got {tokens.dtype} with per-token shape {tuple(tokens.shape[1:])}", path="$.sequences", rule="dtype")
+    return tokens.to(torch.int64)
+
+
+def _row_tensors(
+    tokens: torch.Tensor, ix: _RowIndex, tok_flat: torch.Tensor, gather_src: torch.Tensor, shape: tuple[int, int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat [K * C] ``input_ids``, ``position_ids``, ``subtree_end``: one gather of the token
+    ids, padding as the contract says (``pad_id``, position 0, sees only itself)."""
+    K, C = shape
+    dev = tokens.device
+    input_ids = torch.full((K * C,), int(pad_id), dtype=torch.int64, device=dev)
+    input_ids[tok_flat] = tokens[gather_src]
+    position_ids = torch.zeros(K * C, dtype=torch.int64, device=dev)
+    position_ids[tok_flat] = index_tensor(ix.tok_pos, dev)
+    subtree_end = torch.arange(1, C + 1, dtype=torch.int64, device=dev).repeat(K)
+    subtree_end[tok_flat] = index_tensor(ix.tok_se, dev)
+    return input_ids, position_ids, subtree_end
+
+
+def _check_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, ix: _RowIndex, seq_of_c: np.ndarray, seq_flat: torch.Tensor) -> None:
+    """Reading each local sequence back from the rows must give its tokens (one gather)."""
+    back = input_ids[seq_flat]
+    bad = torch.nonzero(back != tokens).flatten()
+    if bad.numel():
+        c = int(bad[0])
+        s = int(ix.local_seqs[seq_of_c[c]])
+        raise RequestError(
+            f"sequence {s} differs from the planned one at position {c - int(ix.ptr[ix.slot[s]])} "
+            f"(token {int(tokens[c])}, the plan's segment holds {int(back[c])}): the sequences do not match the plan",
+            path=f"$.sequences[{s}]",
+            rule="plan_mismatch",
+        )
+
+
+def _payloads(
+    plan: Plan,
+    ix: _RowIndex,
+    payloads: Mapping[str, Any] | None,
+    input_payloads: Mapping[str, Any] | None,
+    entry_src: torch.Tensor,
+    score_flat: torch.Tensor,
+    tok_flat: torch.Tensor,
+    gather_src: torch.Tensor,
+    shape: tuple[int, int],
+    dev: torch.device,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(packed [K, C, ...] by name, per scored entry [T, ...] by name), one gather each."""
+    size = shape[0] * shape[1]
+    packed: dict[str, torch.Tensor] = {}
+    entries: dict[str, torch.Tensor] = {}
+    for name, value in (payloads or {}).items():
+        cat = concat_arrays(value, ix.local_seqs, plan, dev, what=f"payloads.{name}")
+        entries[name] = cat[entry_src]
+        packed[name] = scatter_filled(entries[name], score_flat, size).view(*shape, *cat.shape[1:])
+    for name, value in (input_payloads or {}).items():
+        if name in packed:
+            raise RequestError(f"payload name {name!r} is both target- and token-aligned", path=f"$.input_payloads.{name}", rule="unique")
+        cat = concat_arrays(value, ix.local_seqs, plan, dev, what=f"input_payloads.{name}")
+        packed[name] = scatter_filled(cat[gather_src], tok_flat, size).view(*shape, *cat.shape[1:])
+    return packed, entries
+
+
+def materialize(
+    plan: Plan,
+    sequences: Sequence[Any],
+    payloads: Mapping[str, Any] | None = None,
+    device: Any = None,
+    *,
+    trainable: Sequence[Any] | None = None,
+    groups: Sequence[Any] | None = None,
+    input_payloads: Mapping[str, Any] | None = None,
+    rows: Any = None,
+    pad_id: int = 0,
+    check_tokens: bool = True,
+) -> PackedBatch:
+    """Build the packed tensors of ``plan`` (all rows, or the given ``rows``).
+
+    Args:
+        plan: the plan.
+        sequences: the S planned sequences' token ids (list-like; only the sequences of
+            the materialized rows are read), each of its submitted or placed length.
+        payloads: target-aligned per-token arrays by name (module docstring).
+        device: where the tensors live (default CPU).
+        trainable: as given to the planner (per sequence a bool array or a prompt
+            length; None: nothing trainable). Needed for ``targets``/``loss_mask`` and
+            for every sequence (the loss normalizations count all sequences' tokens).
+        groups: per sequence a group id (int/str/None), for per-group normalization;
+            default: each sequence its own group.
+        input_payloads: token-aligned per-token arrays by name (module docstring).
+        rows: [K] global rows to materialize, -1 for an empty padding row (a rank's
+            ``plan.ranks.rank_rows[rank]``); default all rows.
+        pad_id: token id at padding positions.
+        check_tokens: verify that reading each materialized sequence back from the rows
+            reproduces its tokens (one gather; catches sequences that differ from the
+            planned ones in content).
+
+    Returns:
+        The :class:`PackedBatch`.
+
+    Raises:
+        RequestError: (or a subclass) for inputs that do not match the plan, naming them.
+    """
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    S, C = plan.num_sequences, plan.seq_len
+    check_count(sequences, S)
+    rows_arr = check_rows(rows, plan)
+    K = rows_arr.shape[0]
+    size = K * C
+    flags = normalize_trainable(trainable, plan)
+    counts = scored_counts(flags, plan, trainable)
+    codes = group_codes(groups, S)
+    ix = _row_index(plan, rows_arr)
+    c_sel, seq_of_c = _scored(flags, ix)
+    score_seq = ix.local_seqs[seq_of_c[c_sel]]
+    score_flat = ix.seq_flat[c_sel]
+
+    tokens = _token_ids(sequences, plan, ix, dev)
+    t = lambda a: index_tensor(a, dev)  # noqa: E731
+    tok_flat, seq_flat, entry_src, score_flat_t = t(ix.tok_flat), t(ix.seq_flat), t(c_sel + 1), t(score_flat)
+    gather_src = t(ix.gather_src)
+    input_ids, position_ids, subtree_end = _row_tensors(tokens, ix, tok_flat, gather_src, (K, C), pad_id)
+    if check_tokens and tokens.shape[0]:
+        _check_tokens(input_ids, tokens, ix, seq_of_c, seq_flat)
+
+    score_target = tokens[entry_src]
+    _check_shared_targets(score_flat, score_target, score_seq)
+    loss_mask = torch.zeros(size, dtype=torch.bool, device=dev)
+    loss_mask[score_flat_t] = True
+    packed, entries = _payloads(plan, ix, payloads, input_payloads, entry_src, score_flat_t, tok_flat, gather_src, (K, C), dev)
+    return PackedBatch(
+        plan=plan,
+        rows=rows_arr,
+        input_ids=input_ids.view(K, C),
+        position_ids=position_ids.view(K, C),
+        subtree_end=subtree_end.view(K, C),
+        targets=scatter_filled(score_target, score_flat_t, size).view(K, C),
+        loss_mask=loss_mask.view(K, C),
+        owner=scatter_filled(t(score_seq), score_flat_t, size).view(K, C),
+        payloads=packed,
+        entry_payloads=entries,
+        local_seqs=ix.local_seqs,
+        seq_ptr=ix.ptr,
+        seq_flat=seq_flat,
+        score_seq=t(score_seq),
+        score_pos=t(c_sel - ix.ptr[seq_of_c[c_sel]] + 1),
+        score_flat=score_flat_t,
+        score_target=score_target,
+        score_counts=t(counts),
+        groups=t(codes),
+        device=dev,
+    )
+
+
+def _check_shared_targets(score_flat: np.ndarray, score_target: torch.Tensor, score_seq: np.ndarray) -> None:
+    """A position scored for several sequences must predict the same token for all of them.
+
+    In the default sharing mode no scored position is shared; with shared trainable
+    positions (SPEC 2, generalized mode) the sharers must agree on the next token.
+    """
+    if score_flat.shape[0] == 0:
+        return
+    # Only positions scored more than once need a look (none in the default mode).
+    dup = np.bincount(score_flat) > 1
+    if not dup.any():
+        return
+    keep = np.flatnonzero(dup[score_flat])
+    score_flat, score_seq = score_flat[keep], score_seq[keep]
+    score_target = score_target[torch.from_numpy(keep).to(score_target.device)]
+    order = np.argsort(score_flat, kind="stable")
+    f = score_flat[order]
+    tgt = score_target.cpu().numpy()[order]
+    same = f[1:] == f[:-1]
+    bad = np.flatnonzero(same & (tgt[1:] != tgt[:-1]))
+    if bad.shape[0]:
+        i = int(bad[0])
+        a, b = int(score_seq[order[i]]), int(score_seq[order[i + 1]])
+        raise RequestError(
+            f"sequences {a} and {b} share the scored row position {int(f[i])} but predict different next tokens "
+            f"({int(tgt[i])} vs {int(tgt[i + 1])}): the trainable flags do not match the plan",
+            path="$.trainable",
+            rule="plan_mismatch",
+        )

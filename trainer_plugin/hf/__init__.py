@@ -1,0 +1,27 @@
+"""HF transformers on tree-packed rows (:func:`packed_forward`).
+
+- :mod:`~treepack.trainer.hf.forward`: :func:`packed_forward`, switching a model to tree
+  attention and back;
+- :mod:`~treepack.trainer.hf.attention`: the registered ``"treepack"`` attention
+  implementation;
+- :mod:`~treepack.trainer.hf.context`: how a layer finds the packed batch it runs on;
+- :mod:`~treepack.trainer.hf.hybrid` and :mod:`~treepack.trainer.hf.dsa`: layer patches
+  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention;
+- :mod:`~treepack.trainer.hf.mixers` and :mod:`~treepack.trainer.hf.mixer_kinds`: the
+  recurrent / conv mixers (Mamba2, Mamba, KDA, short conv, GDN variants) found by
+  mechanism, and their tree forwards.
+
+transformers itself is imported only when a model is switched (``register_tree_attention``).
+"""
+
+from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
+from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed_forward
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "register_tree_attention",
+    "treepack_attention",
+    "enable_tree_attention",
+    "disable_tree_attention",
+    "packed_forward",
+]
