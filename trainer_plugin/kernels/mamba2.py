@@ -18,11 +18,14 @@ return_final_states, return_varlen_states``):
   :func:`~treepack.trainer.kernels.tree_scan.tree_scan` for Mamba2 layers).
 
 Varlen: ``cu_seqlens`` ([n+1], batch 1) or ``seq_idx`` ([1, L]) cut the row into n
-sequences. ``initial_states`` then holds one state per sequence, ``[n, H, P, N]`` (the tree
-fork needs that; mamba_ssm's own varlen kernel takes one per batch row, so its wrapper adds
-the initial-state term ``C_t exp(cumsum(dt A)) S0`` outside the kernel, which is exact by
-linearity). ``return_varlen_states`` returns every sequence's final state ``[n, H, P, N]``.
-Computation is in at least fp32; y is returned in x's dtype.
+sequences. ``initial_states`` then holds one state per sequence, ``[n, H, P, N]``: the tree
+fork needs that. mamba_ssm 2.2's own kernel takes one initial state per batch row, not one
+per sequence, so a GPU wrapper either uses a kernel with
+per-sequence initial states (vLLM's varlen SSD) or runs the level from zero states and adds
+the parent's term ``y_t += exp(cumsum_s<=t(dt_s A)) C_t . S0`` and ``S_end += exp(sum(dt
+A)) S0`` outside the kernel (exact by linearity; cumulate per segment, not over the whole
+level, to keep fp32 precision). ``return_varlen_states`` returns every sequence's final
+state ``[n, H, P, N]``. Computation is in at least fp32; y is returned in x's dtype.
 """
 
 from __future__ import annotations
