@@ -107,3 +107,17 @@ def test_jamba_oracle():
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\njamba: {figures}")
     assert_oracle(figures)
+
+
+def test_tree_selective_scan_runs_in_bf16():
+    """Half-precision inputs (the GPU dtypes) go through the parent-state term in fp32."""
+    _, _, plan = tree_plan(3, min_shared_len=2, conv_width=4, trees=3, depth=3, max_len=120, seq_len=160)
+    sched = tree_schedule(plan)
+    n, Dd, N = plan.num_rows * plan.seq_len, 5, 4
+    (u, dt, A, B, C), kw = _inputs(1, Dd, n, N, dtype=torch.float32)
+    args = (u[0].T, dt[0].T, A, B[0].T, C[0].T)
+    ref = tree_selective_scan(*args, sched, D=kw["D"], delta_bias=kw["delta_bias"], delta_softplus=True)
+    half = tree_selective_scan(*(x.to(torch.bfloat16) for x in args[:2]), A, *(x.to(torch.bfloat16) for x in args[3:]), sched,
+                               D=kw["D"], delta_bias=kw["delta_bias"], delta_softplus=True)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref, rtol=5e-2, atol=5e-2)

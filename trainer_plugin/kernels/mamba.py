@@ -159,8 +159,9 @@ def tree_selective_scan(
         y = y.to(ct)
         if h0 is not None:  # the parent's state, by linearity (module docstring)
             decay = torch.cumsum(dtb[..., None] * Af[:, None, :], dim=2).exp()  # [n, D, Lmax, N]
-            y = y + torch.einsum("bdln,bnl->bdl", decay * h0[:, :, None, :], Cb)
-            last = last + decay[:, :, -1] * h0
+            h0 = h0.to(ct)
+            y = y + torch.einsum("bdln,bnl->bdl", decay * h0[:, :, None, :], Cb.to(ct))
+            last = last.to(ct) + decay[:, :, -1] * h0
         return y.transpose(1, 2)[at], last
 
     y = tree_scan(step, (u, dt, B, C), schedule, (u.shape[1],))
