@@ -47,7 +47,7 @@ import numpy as np
 
 from treepack.client import Packer
 from treepack.proto.codec import encode_body
-from treepack.service.batch_wire import encode_pack_request
+from treepack.proto.batch_wire import encode_pack_request
 from treepack.service.cli.workloads import agentic, curriculum, distillation
 
 

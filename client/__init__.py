@@ -6,6 +6,6 @@ to a ``treepack serve`` sidecar. No torch here. The HTTP backend needs ``httpx``
 """
 
 from treepack.client.packer import AsyncPacker, Packer, as_composition
-from treepack.service.planner.whatif import Composition, Distribution, WhatIfResult
+from treepack.proto.whatif import Composition, Distribution, WhatIfResult
 
 __all__ = ["Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"]

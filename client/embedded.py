@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from treepack.proto import WIRE_VERSION
-from treepack.service.planner.api import plan_batch, plan_normalized
-from treepack.service.planner.inputs import normalize_batch
+from treepack.proto.batch_wire import PackInput
+from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape, shape_of
-from treepack.service.planner.whatif import Composition, WhatIfResult, whatif
+from treepack.proto.shape import BatchShape
+from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.service.planner.api import plan_request
+from treepack.service.planner.fingerprint import shape_job
+from treepack.service.planner.whatif import whatif
 
 __all__ = ["EmbeddedBackend"]
 
@@ -36,23 +39,32 @@ class EmbeddedBackend:
 
             self._store = HistoryStore(history_path, max_batches=history_max_batches)
 
-    def pack(self, sequences: Sequence[Any], *, tags: Sequence[str | None] | None = None, record: bool = True, **kwargs: Any) -> Plan:
-        """``plan_batch(sequences, **kwargs)``; records the shape when a history is set."""
-        if self._store is None or not record:
-            return plan_batch(sequences, **kwargs)
-        opts = {k: kwargs.pop(k) for k in ("min_shared_len", "placement", "num_ranks", "conv_width", "share_trainable") if k in kwargs}
-        seq_len = kwargs.pop("seq_len")
-        batch = normalize_batch(sequences, seq_len=seq_len, **kwargs)
-        plan = plan_normalized(batch, seq_len=int(seq_len), **opts)
-        if batch.kept.any():
-            assert plan.tree is not None
-            shape = shape_of(batch, plan.tree, seq_len=plan.seq_len, tags=tags)
-            self._store.record(shape, rows=plan.num_rows, packed_tokens=plan.stats.packed_tokens, saved_fraction=plan.stats.saved_fraction)
-        return plan
+    def pack(
+        self,
+        sequences: Sequence[Any],
+        options: PlanOptions | None = None,
+        *,
+        trainable: Sequence[Any] | None = None,
+        groups: Sequence[Any] | None = None,
+        keys: Sequence[Any] | None = None,
+        tags: Sequence[str | None] | None = None,
+        record: bool = True,
+        **option_kwargs: Any,
+    ) -> Plan:
+        """``plan_batch``; records the batch's shape when a history is set."""
+        request = PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=as_options(options, option_kwargs))
+        result = plan_request(request)
+        if self._store is not None and record:
+            job = shape_job(result, tags)
+            if job is not None:
+                st = result.plan.stats
+                self._store.record(job(), rows=st.rows, packed_tokens=st.packed_tokens, saved_fraction=st.saved_fraction)
+        return result.plan
 
     def whatif(
         self,
         compositions: Sequence[Composition],
+        options: PlanOptions,
         *,
         shapes: Sequence[BatchShape] | None = None,
         history_batches: int | None = None,
@@ -61,7 +73,7 @@ class EmbeddedBackend:
         """What-if over ``shapes``, or over the local history when none are given."""
         if shapes is None:
             shapes = [] if self._store is None else self._store.shapes(history_batches)
-        return whatif(list(shapes), list(compositions), **kwargs)
+        return whatif(list(shapes), list(compositions), options, **kwargs)
 
     def history(self) -> dict[str, Any]:
         from treepack.service.history import empty_summary

@@ -27,12 +27,14 @@ import numpy as np
 from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
 from treepack.proto.errors import OverloadedError, ServerError, TransportError, TreepackError, error_from_payload
 from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
-from treepack.service.batch_columns import BodyChunks
-from treepack.service.batch_wire import encode_pack_body, encode_pack_chunks, shape_to_wire
-from treepack.service.plan_wire import plan_from_wire
+from treepack.proto.batch_columns import BodyChunks
+from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
+from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape
-from treepack.service.planner.whatif import Composition, Distribution, WhatIfResult
+from treepack.proto.plan_wire import plan_from_wire
+from treepack.proto.shape import BatchShape
+from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
 __all__ = ["RetryPolicy", "HttpBackend", "AsyncHttpBackend", "raise_for_response", "transport_error"]
 
@@ -126,37 +128,13 @@ def decode_pack(resp: httpx.Response) -> Plan:
 
 
 def whatif_body(
-    compositions: Sequence[Composition], fmt: Format, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
+    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
 ) -> bytes:
-    comps = [{"name": c.name, "groups": c.groups, "by_tag": None if c.by_tag is None else dict(c.by_tag)} for c in compositions]
-    msg: dict[str, Any] = {"version": 1, "compositions": comps, **{k: v for k, v in kwargs.items() if v is not None}}
-    if shapes is not None:
-        msg["shapes"] = [shape_to_wire(s, fmt) for s in shapes]
-    return encode_body(msg, fmt)
+    return encode_body(whatif_request(compositions, fmt, options, shapes=shapes, **kwargs), fmt)
 
 
 def decode_whatif(resp: httpx.Response) -> list[WhatIfResult]:
-    msg = _decode(resp, WhatIfResponse)
-
-    def dist(d: Any) -> Distribution:
-        return Distribution(mean=d.mean, p50=d.p50, p90=d.p90, min=d.min, max=d.max)
-
-    return [
-        WhatIfResult(
-            name=r.name,
-            groups=r.groups,
-            by_tag=None if r.by_tag is None else dict(r.by_tag),
-            trials=r.trials,
-            rows=dist(r.rows),
-            packed_tokens=dist(r.packed_tokens),
-            unpacked_tokens=dist(r.unpacked_tokens),
-            saved_fraction=dist(r.saved_fraction),
-            max_rows=r.max_rows,
-            p_rows_over=r.p_rows_over,
-            row_counts=np.asarray(r.row_counts, dtype=np.int64),
-        )
-        for r in msg.results
-    ]
+    return [whatif_result_from_wire(r) for r in _decode(resp, WhatIfResponse).results]
 
 
 def _headers(token: str | None, fmt: Format) -> dict[str, str]:
@@ -201,11 +179,12 @@ class HttpBackend:
                 time.sleep(self.policy.delay(attempt, _retry_after(resp)))
             attempt += 1
 
-    def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        return decode_pack(self.request("POST", "/v1/pack", pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, **kwargs)))
+    def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
+        body = pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, options=options, **kwargs)
+        return decode_pack(self.request("POST", "/v1/pack", body))
 
-    def whatif(self, compositions: Sequence[Composition], **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, **kwargs)))
+    def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
+        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
 
     def history(self) -> dict[str, Any]:
         return _decode(self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()
@@ -250,13 +229,13 @@ class AsyncHttpBackend:
                 await asyncio.sleep(self.policy.delay(attempt, _retry_after(resp)))
             attempt += 1
 
-    async def pack(self, sequences: Sequence[Any], **kwargs: Any) -> Plan:
-        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, **kwargs))
+    async def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
+        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, options=options, **kwargs))
         resp = await self.request("POST", "/v1/pack", body)
         return await asyncio.to_thread(decode_pack, resp)
 
-    async def whatif(self, compositions: Sequence[Composition], **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, **kwargs)))
+    async def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
+        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs)))
 
     async def history(self) -> dict[str, Any]:
         return _decode(await self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()

@@ -2,8 +2,8 @@
 
 ``Packer()`` plans in this process (no server needed); ``Packer(url=...)`` talks to a
 ``treepack serve`` sidecar over HTTP (msgpack by default). Both return the same types:
-:class:`~treepack.service.planner.Plan` from :meth:`Packer.pack` (``tree`` is None over
-HTTP), :class:`~treepack.service.planner.whatif.WhatIfResult` from :meth:`Packer.whatif`,
+:class:`~treepack.proto.plan.Plan` from :meth:`Packer.pack` (equal over both backends),
+:class:`~treepack.proto.whatif.WhatIfResult` from :meth:`Packer.whatif`,
 and raise the same exceptions (:mod:`treepack.proto.errors`), server messages and field
 paths included.
 """
@@ -16,9 +16,10 @@ from typing import Any, Mapping, Sequence, Union
 
 from treepack.proto.codec import Format
 from treepack.proto.errors import InputTypeError
+from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape
-from treepack.service.planner.whatif import Composition, WhatIfResult
+from treepack.proto.shape import BatchShape
+from treepack.proto.whatif import Composition, WhatIfResult
 
 __all__ = ["Packer", "AsyncPacker", "CompositionLike", "as_composition"]
 
@@ -108,23 +109,20 @@ class Packer:
     def pack(
         self,
         sequences: Sequence[Any],
+        options: PlanOptions | None = None,
         *,
-        seq_len: int,
-        min_shared_len: int = 64,
-        placement: str = "auto",
         trainable: Sequence[Any] | None = None,
         groups: Sequence[Any] | None = None,
         keys: Sequence[Any] | None = None,
-        num_ranks: int = 1,
-        on_overflow: str = "error",
-        conv_width: int = 4,
-        share_trainable: bool = False,
         tags: Sequence[str | None] | None = None,
         record: bool = True,
+        **option_kwargs: Any,
     ) -> Plan:
         """Pack a batch; the arguments of :func:`~treepack.service.planner.plan_batch`, plus:
 
         Args:
+            options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as
+                keywords (``seq_len=...``, ``placement=...``).
             tags: per sequence a task tag, recorded with the shape (what-if by tag).
             record: record the batch's shape in the history (opt out with False).
 
@@ -136,52 +134,40 @@ class Packer:
             OverloadedError: the sidecar stayed busy through every retry.
             TransportError: the sidecar could not be reached.
         """
-        return self._b.pack(
-            sequences, seq_len=seq_len, min_shared_len=min_shared_len, placement=placement, trainable=trainable, groups=groups,
-            keys=keys, num_ranks=num_ranks, on_overflow=on_overflow, conv_width=conv_width,
-            share_trainable=share_trainable, tags=tags, record=record,
-        )  # fmt: skip
+        opts = as_options(options, option_kwargs)
+        return self._b.pack(sequences, opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
 
     def whatif(
         self,
         compositions: Sequence[CompositionLike],
+        options: PlanOptions | None = None,
         *,
-        seq_len: int,
         trials: int = 32,
         seed: int = 0,
-        min_shared_len: int = 64,
-        placement: str = "auto",
-        num_ranks: int = 1,
-        conv_width: int = 4,
-        on_overflow: str = "error",
-        share_trainable: bool = False,
         max_rows: int | None = None,
         history_batches: int | None = None,
         shapes: Sequence[BatchShape] | None = None,
+        **option_kwargs: Any,
     ) -> list[WhatIfResult]:
         """Row distributions of candidate compositions, from the history or ``shapes``.
 
         Args:
             compositions: each a :class:`Composition`, a group count, or a dict such as
                 ``{"by_tag": {"math": 20, "code": 12}}``.
-            seq_len: the row capacity to plan for.
+            options: the plan options of every trial (``seq_len`` is the row capacity to
+                plan for), or their fields as keywords; as for ``pack`` (shapes record no
+                trainable tokens: the generalized mode shares none in a trial).
             trials: trials per composition; ``seed`` makes them reproducible.
             max_rows: also report the probability of needing more rows than this.
             history_batches: sample only the most recent N recorded batches.
             shapes: sample these batches instead of the history.
-            min_shared_len, placement, num_ranks, conv_width, on_overflow, share_trainable:
-                as for ``pack`` (shapes record no trainable tokens: the generalized mode
-                shares none in a trial).
 
         Returns:
             One :class:`WhatIfResult` per composition.
         """
         comps = [as_composition(c, i) for i, c in enumerate(compositions)]
-        return self._b.whatif(
-            comps, seq_len=seq_len, trials=trials, seed=seed, min_shared_len=min_shared_len, placement=placement,
-            num_ranks=num_ranks, conv_width=conv_width, on_overflow=on_overflow, share_trainable=share_trainable,
-            max_rows=max_rows, history_batches=history_batches, shapes=shapes,
-        )  # fmt: skip
+        opts = as_options(options, option_kwargs)
+        return self._b.whatif(comps, opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
 
     def history(self) -> dict[str, Any]:
         """Summary of the recorded shapes (``GET /v1/history``)."""
@@ -236,16 +222,38 @@ class AsyncPacker:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return await fn(*args, **kwargs)
 
-    async def pack(self, sequences: Sequence[Any], *, seq_len: int, **kwargs: Any) -> Plan:
-        """See :meth:`Packer.pack` (same keyword arguments and defaults)."""
-        _check_kwargs(kwargs, _PACK_KW)
-        return await self._call("pack", sequences, seq_len=seq_len, **{**_PACK_KW, **kwargs})
+    async def pack(
+        self,
+        sequences: Sequence[Any],
+        options: PlanOptions | None = None,
+        *,
+        trainable: Sequence[Any] | None = None,
+        groups: Sequence[Any] | None = None,
+        keys: Sequence[Any] | None = None,
+        tags: Sequence[str | None] | None = None,
+        record: bool = True,
+        **option_kwargs: Any,
+    ) -> Plan:
+        """See :meth:`Packer.pack` (same arguments and defaults)."""
+        opts = as_options(options, option_kwargs)
+        return await self._call("pack", sequences, opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
 
-    async def whatif(self, compositions: Sequence[CompositionLike], *, seq_len: int, **kwargs: Any) -> list[WhatIfResult]:
-        """See :meth:`Packer.whatif` (same keyword arguments and defaults)."""
-        _check_kwargs(kwargs, _WHATIF_KW)
+    async def whatif(
+        self,
+        compositions: Sequence[CompositionLike],
+        options: PlanOptions | None = None,
+        *,
+        trials: int = 32,
+        seed: int = 0,
+        max_rows: int | None = None,
+        history_batches: int | None = None,
+        shapes: Sequence[BatchShape] | None = None,
+        **option_kwargs: Any,
+    ) -> list[WhatIfResult]:
+        """See :meth:`Packer.whatif` (same arguments and defaults)."""
         comps = [as_composition(c, i) for i, c in enumerate(compositions)]
-        return await self._call("whatif", comps, seq_len=seq_len, **{**_WHATIF_KW, **kwargs})
+        opts = as_options(options, option_kwargs)
+        return await self._call("whatif", comps, opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
 
     async def history(self) -> dict[str, Any]:
         return await self._call("history")
@@ -264,19 +272,3 @@ class AsyncPacker:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-
-
-_PACK_KW: dict[str, Any] = dict(
-    min_shared_len=64, placement="auto", trainable=None, groups=None, keys=None, num_ranks=1, on_overflow="error", conv_width=4,
-    share_trainable=False, tags=None, record=True,
-)
-_WHATIF_KW: dict[str, Any] = dict(
-    trials=32, seed=0, min_shared_len=64, placement="auto", num_ranks=1, conv_width=4, on_overflow="error", share_trainable=False,
-    max_rows=None, history_batches=None, shapes=None,
-)
-
-
-def _check_kwargs(given: Mapping[str, Any], allowed: Mapping[str, Any]) -> None:
-    unknown = set(given) - set(allowed)
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; expected some of {sorted(allowed)}")

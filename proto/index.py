@@ -7,7 +7,94 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ragged_arange", "forest_depth", "accumulate_up", "segment_tokens"]
+__all__ = [
+    "csr_index",
+    "csr_gather",
+    "ancestor_chains",
+    "segment_rows",
+    "segment_tokens",
+    "ragged_arange",
+    "forest_depth",
+    "accumulate_up",
+]
+
+
+def csr_index(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Positions of the entries of ``rows`` in a CSR array, row after row.
+
+    Args:
+        ptr: [R+1] int64 offsets (row r is ``ptr[r]:ptr[r+1]``).
+        rows: [n] int64 rows to take, in order (repeats allowed).
+
+    Returns:
+        [sum of their counts] int64, ``concat(arange(ptr[r], ptr[r+1]) for r in rows)``.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    counts = ptr[rows + 1] - ptr[rows]
+    return np.repeat(ptr[rows], counts) + ragged_arange(counts)
+
+
+def csr_gather(ptr: np.ndarray, values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``values`` of the CSR rows ``rows``, concatenated: ``values[csr_index(ptr, rows)]``."""
+    return values[csr_index(ptr, rows)]
+
+
+def ancestor_chains(parent: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's chain in a parent-pointer forest, root first, the node itself last (CSR).
+
+    One vectorized pass per level, all chains at once.
+
+    Args:
+        parent: [N] int64 parent of each node, -1 for roots.
+        depth: [N] int64 depth (roots 0), as from :func:`forest_depth`.
+        nodes: [n] int64 nodes whose chains to list; -1 gives an empty chain.
+
+    Returns:
+        (ptr [n+1] int64, chain [sum(depth[nodes] + 1)] int64).
+    """
+    nodes = np.asarray(nodes, dtype=np.int64)
+    live = nodes >= 0
+    count = np.zeros(nodes.shape[0], dtype=np.int64)
+    count[live] = depth[nodes[live]] + 1
+    ptr = np.zeros(nodes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(count, out=ptr[1:])
+    chain = np.empty(int(ptr[-1]), dtype=np.int64)
+    pos = ptr[1:] - 1
+    cur = nodes.copy()
+    while live.any():
+        chain[pos[live]] = cur[live]
+        cur = np.where(live, parent[np.maximum(cur, 0)], -1)
+        pos = pos - 1
+        live = cur >= 0
+    return ptr, chain
+
+
+def segment_rows(seg, segs: np.ndarray) -> np.ndarray:
+    """Row-local indices (``0 .. C-1``) of the tokens of segments ``segs``, in order.
+
+    Args:
+        seg: a :class:`~treepack.proto.plan.Segments` table.
+        segs: [n] int64 segment indices.
+
+    Returns:
+        [sum of their lengths] int64.
+    """
+    lens = seg.length[segs]
+    return np.repeat(seg.row_start[segs], lens) + ragged_arange(lens)
+
+
+def segment_tokens(seg, seq_len: int, segs: np.ndarray) -> np.ndarray:
+    """Flat row positions (``row * seq_len + index``) of the tokens of ``segs``, in order.
+
+    Args:
+        seg: a :class:`~treepack.proto.plan.Segments` table.
+        seq_len: row capacity C.
+        segs: [n] int64 segment indices.
+
+    Returns:
+        [sum of their lengths] int64.
+    """
+    return np.repeat(seg.row[segs] * seq_len, seg.length[segs]) + segment_rows(seg, segs)
 
 
 def ragged_arange(counts: np.ndarray) -> np.ndarray:
@@ -54,38 +141,7 @@ def accumulate_up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray, ufu
     return out
 
 
-def segment_tokens(seg, seq_len: int, segs: np.ndarray) -> np.ndarray:
-    """Flat row positions (``row * seq_len + index``) of the tokens of ``segs``, in order.
-
-    Args:
-        seg: a :class:`~treepack.proto.plan.Segments` table.
-        seq_len: row capacity C.
-        segs: [n] int64 segment indices.
-
-    Returns:
-        [sum of their lengths] int64.
-    """
-    lens = seg.length[segs]
-    return np.repeat(seg.row[segs] * seq_len + seg.row_start[segs], lens) + ragged_arange(lens)
-
-
-__all__ += ["csr_gather", "local_row_index", "localize_flat", "row_segments"]
-
-
-def csr_gather(ptr: np.ndarray, values: np.ndarray, which: np.ndarray) -> np.ndarray:
-    """Concatenation of the CSR lists ``values[ptr[w] : ptr[w + 1]]`` for each w in ``which``.
-
-    Args:
-        ptr: [n+1] int64 list boundaries in ``values``.
-        values: [ptr[-1], ...] the lists' entries.
-        which: [m] int64 lists to read, in the order wanted.
-
-    Returns:
-        [sum of their lengths, ...] entries, list by list.
-    """
-    which = np.asarray(which, dtype=np.int64)
-    n = ptr[which + 1] - ptr[which]
-    return values[np.repeat(ptr[which], n) + ragged_arange(n)]
+__all__ += ["local_row_index", "localize_flat", "row_segments"]
 
 
 def local_row_index(rows: np.ndarray, num_rows: int) -> np.ndarray:

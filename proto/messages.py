@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from treepack.proto import WIRE_VERSION
+from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS
 
 __all__ = [
     "Buffer",
@@ -56,9 +57,6 @@ __all__ = [
     "MAX_SEQ_LEN",
 ]
 
-PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
-ON_OVERFLOW = ("error", "truncate", "drop")
-MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens are int32
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -86,11 +84,36 @@ Buffer = Annotated[
 Version = Annotated[Literal[1], Field(description=f"wire version; this build speaks {WIRE_VERSION}")]
 SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="row capacity C in tokens")]
 MinShared = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="no shared segment shorter than this (SPEC rule 4)")]
-NumRanks = Annotated[int, Field(ge=1, le=65536, description="ranks to deal rows to")]
-ConvWidth = Annotated[int, Field(ge=1, le=64, description="GDN short-conv width W")]
+NumRanks = Annotated[int, Field(ge=1, le=MAX_RANKS, description="ranks to deal rows to")]
+ConvWidth = Annotated[int, Field(ge=1, le=MAX_CONV_WIDTH, description="GDN short-conv width W")]
 Count = Annotated[int, Field(ge=0, le=_INT64[1])]
+
+
+def _option(schema: dict[str, Any]) -> Any:
+    # A planner option as the caller sent it: the planner's one check
+    # (treepack.service.planner.options.check_options) judges it, so the embedded planner
+    # and the sidecar give the same error; the schema only documents the rule.
+    return Annotated[Any, WithJsonSchema(schema)]
+
+
+SeqLenOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "description": "row capacity C in tokens"})
+MinSharedOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "default": 64, "description": "no shared segment shorter than this (SPEC rule 4)"})
+PlacementOption = _option({"enum": list(PLACEMENTS), "default": "auto"})
+NumRanksOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"})
+ConvWidthOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"})
+OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
+ShareOption = _option({"type": "boolean", "default": False, "description": "generalized sharing mode: trainable tokens shared up to a scored divergence"})
 Index = Annotated[int, Field(ge=-1, le=_INT64[1])]
 GroupId = Union[Annotated[int, Field(ge=_INT64[0], le=_INT64[1])], Annotated[str, Field(max_length=256)], None]
+# A request's group ids are judged by the planner's normalisation (treepack.proto.batch.group_codes),
+# which gives the embedded planner's errors; the schema documents the same limits.
+GroupIdInput = Annotated[Any, WithJsonSchema({
+    "anyOf": [
+        {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]},
+        {"type": "string", "maxLength": 256},
+        {"type": "null"},
+    ]
+})]
 Tag = Optional[Annotated[str, Field(max_length=256)]]
 
 
@@ -102,7 +125,7 @@ class PackRequest(_Model):
     """``POST /v1/pack``: a batch and how to pack it (the arguments of ``plan_batch``)."""
 
     version: Version
-    seq_len: SeqLen
+    seq_len: SeqLenOption
     tokens: Buffer = Field(description="<u4 [T]: all token ids, sequence after sequence")
     offsets: Buffer = Field(description="<i8 [S+1]: sequence i is tokens[offsets[i]:offsets[i+1]]; 0 first, T last, non-decreasing")
     trainable: Optional[Buffer] = Field(None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens")
@@ -114,14 +137,14 @@ class PackRequest(_Model):
         "then its own tokens; with prefix_len (dedup of shared prompts; trainable and keys still cover every token)",
     )
     prefix_len: Optional[Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
-    groups: Optional[list[GroupId]] = Field(None, description="[S] group id (int, string or null) per sequence")
+    groups: Optional[list[GroupIdInput]] = Field(None, description="[S] group id (int, string or null) per sequence")
     tags: Optional[list[Tag]] = Field(None, description="[S] task tag per sequence (recorded in history for what-if by tag)")
-    min_shared_len: MinShared = 64
-    placement: Literal["auto", "bfd", "in_order", "no_share"] = "auto"
-    num_ranks: NumRanks = 1
-    on_overflow: Literal["error", "truncate", "drop"] = "error"
-    conv_width: ConvWidth = 4
-    share_trainable: bool = Field(False, description="generalized sharing mode: trainable tokens shared up to a scored divergence")
+    min_shared_len: MinSharedOption = 64
+    placement: PlacementOption = "auto"
+    num_ranks: NumRanksOption = 1
+    on_overflow: OverflowOption = "error"
+    conv_width: ConvWidthOption = 4
+    share_trainable: ShareOption = False
     record: bool = Field(True, description="record this batch's shape in the history (false: opt out)")
 
 
@@ -204,7 +227,7 @@ class OverflowMessage(_Model):
 
 
 class PlanMessage(_Model):
-    """A plan (``treepack.service.planner.Plan`` without its planner-side tree)."""
+    """A plan (:class:`treepack.proto.plan.Plan`), with what it was planned with."""
 
     version: Version
     seq_len: SeqLen
@@ -213,9 +236,15 @@ class PlanMessage(_Model):
     strategy: Annotated[str, Field(max_length=64)]
     min_shared_len: MinShared
     share_trainable: bool = False
+    on_overflow: Literal["error", "truncate", "drop"] = "error"
     seq_lens: ArrayMessage
     orig_lens: ArrayMessage
     row_of: ArrayMessage
+    first_trainable: ArrayMessage = Field(description="<i8 [S]: index of each sequence's first trainable placed token (its length if none)")
+    trainable: Optional[ArrayMessage] = Field(
+        None, description="|u1 [sum seq_lens]: trainable flags of the placed tokens when given as flags (null: from first_trainable on)"
+    )
+    group_codes: ArrayMessage = Field(description="<i8 [S]: dense group code per sequence, in order of first appearance")
     segments: SegmentsMessage
     attention: AttentionMessage
     gdn: GdnMessage
@@ -268,16 +297,16 @@ class WhatIfRequest(_Model):
     """``POST /v1/whatif``: row distributions for candidate compositions."""
 
     version: Version
-    seq_len: SeqLen
+    seq_len: SeqLenOption
     compositions: Annotated[list[Composition], Field(min_length=1, max_length=64)]
     trials: Annotated[int, Field(ge=1, le=100_000)] = 32
     seed: Annotated[int, Field(ge=0, le=_INT64[1])] = 0
-    min_shared_len: MinShared = 64
-    placement: Literal["auto", "bfd", "in_order", "no_share"] = "auto"
-    num_ranks: NumRanks = 1
-    conv_width: ConvWidth = 4
-    on_overflow: Literal["error", "truncate", "drop"] = "error"
-    share_trainable: bool = Field(False, description="plan trials in the generalized mode (trainable tokens are not recorded, so never shared)")
+    min_shared_len: MinSharedOption = 64
+    placement: PlacementOption = "auto"
+    num_ranks: NumRanksOption = 1
+    conv_width: ConvWidthOption = 4
+    on_overflow: OverflowOption = "error"
+    share_trainable: ShareOption = False
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (default: all retained)"

@@ -11,11 +11,10 @@ the wire codecs carry them, the client and the trainer read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
-from treepack.proto.index import ragged_arange
+from treepack.proto.index import ragged_arange, segment_rows, segment_tokens
+from treepack.proto.options import PlanOptions
 
 __all__ = ["Plan", "PlanStats", "OverflowEvent", "Segments", "AttentionMeta", "GdnLevel", "GdnMeta", "Ranks"]
 
@@ -170,43 +169,82 @@ class PlanStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """A packed batch.
+    """A packed batch, with what it was planned with.
 
-    Attributes:
-        seq_len: row capacity C.
+    Attributes (S sequences):
+        options: the checked options it was planned with (``seq_len``, ``placement``,
+            ``min_shared_len``, ``share_trainable`` ... also read as properties).
         num_rows: R.
-        placement: the placement asked for.
         strategy: the candidate ``auto`` picked (else the placement).
-        min_shared_len: rule-4 threshold used.
-        share_trainable: planned in the generalized mode (scored positions may be shared).
         seq_lens: [S] int64 placed length of each sequence (after truncation; 0 if dropped).
         orig_lens: [S] int64 submitted lengths.
         row_of: [S] int64 row of each sequence, -1 if dropped.
+        first_trainable: [S] int64 index of each sequence's first trainable token
+            (``seq_lens[s]`` when none), of the placed tokens.
+        trainable: [sum seq_lens] bool trainable flags of the placed tokens, sequence after
+            sequence, when they were given as flags; None when every sequence was given
+            by a prompt length (or nothing was trainable): then token p of s is trainable
+            iff ``p >= first_trainable[s]``. :meth:`trainable_of` reads either form.
+        group_codes: [S] int64 dense group ids in order of first appearance (a sequence
+            without a group has a code of its own).
         segments: the segment table of every row.
         attention: ancestor chains (varlen attention).
         gdn: GDN levels and conv context.
         ranks: rows per rank.
         stats: summary figures.
         overflow: sequences truncated or dropped.
-        tree: the global tree (planner side only; not sent over the wire).
     """
 
-    seq_len: int
+    options: PlanOptions
     num_rows: int
-    placement: str
     strategy: str
-    min_shared_len: int
     seq_lens: np.ndarray
     orig_lens: np.ndarray
     row_of: np.ndarray
+    first_trainable: np.ndarray
+    trainable: np.ndarray | None
+    group_codes: np.ndarray
     segments: Segments
     attention: AttentionMeta
     gdn: GdnMeta
     ranks: Ranks
     stats: PlanStats
     overflow: tuple[OverflowEvent, ...] = ()
-    tree: Any = None
-    share_trainable: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Row capacity C."""
+        return self.options.seq_len
+
+    @property
+    def placement(self) -> str:
+        """The placement asked for."""
+        return self.options.placement
+
+    @property
+    def min_shared_len(self) -> int:
+        """Rule-4 threshold used."""
+        return self.options.min_shared_len
+
+    @property
+    def share_trainable(self) -> bool:
+        """Planned in the generalized mode (scored positions may be shared)."""
+        return self.options.share_trainable
+
+    @property
+    def seq_ptr(self) -> np.ndarray:
+        """[S+1] int64 offsets of each sequence's placed tokens in :attr:`trainable`."""
+        out = np.zeros(self.seq_lens.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.seq_lens, out=out[1:])
+        return out
+
+    def trainable_of(self, s: int) -> np.ndarray:
+        """[seq_lens[s]] bool trainable flags of sequence s's placed tokens."""
+        n = int(self.seq_lens[s])
+        if self.trainable is not None:
+            a = int(self.seq_ptr[s])
+            return self.trainable[a : a + n]
+        return np.arange(n) >= self.first_trainable[s]
 
     @property
     def num_sequences(self) -> int:
@@ -223,8 +261,9 @@ class Plan:
         C = self.seq_len
         flat = np.full(self.num_rows * C, -1, dtype=np.int64)
         off = np.zeros(self.num_rows * C, dtype=np.int64)
-        pos = np.repeat(seg.row * C + seg.row_start, seg.length) + ragged_arange(seg.length)
-        flat[pos] = np.repeat(np.arange(seg.num_segments, dtype=np.int64), seg.length)
+        every = np.arange(seg.num_segments, dtype=np.int64)
+        pos = segment_tokens(seg, C, every)
+        flat[pos] = np.repeat(every, seg.length)
         off[pos] = ragged_arange(seg.length)
         return flat, off
 
@@ -272,9 +311,7 @@ class Plan:
         if r < 0:
             raise ValueError(f"sequence {s} was dropped (on_overflow='drop'); it has no row")
         seg = self.segments
-        segs = seg.segments_of(s)
-        lens = seg.length[segs]
-        return r, np.repeat(seg.row_start[segs], lens) + ragged_arange(lens)
+        return r, segment_rows(seg, seg.segments_of(s))
 
     def segment_sharers(self) -> tuple[np.ndarray, np.ndarray]:
         """(ptr [G+1] int64, seqs [sum sharers] int64): the sequences through each segment.
@@ -296,8 +333,5 @@ class Plan:
         Sequence s's tokens are at flat positions ``row * C + index``
         ``out[seq_ptr[s]:seq_ptr[s+1]]``, in order (the vectorized :meth:`locate`).
         """
-        seg = self.segments
-        segs = seg.seq_segs
-        lens = seg.length[segs]
-        flat = np.repeat(seg.row[segs] * self.seq_len + seg.row_start[segs], lens) + ragged_arange(lens)
+        flat = segment_tokens(self.segments, self.seq_len, self.segments.seq_segs)
         return np.concatenate([[0], np.cumsum(self.seq_lens)]).astype(np.int64), flat

@@ -26,16 +26,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import msgpack
 
 from treepack.proto.codec import parse_message
 from treepack.proto.messages import BatchShapeMessage
-from treepack.service.batch_wire import shape_from_wire, shape_to_wire
-from treepack.service.planner.inputs import Batch
-from treepack.proto.plan import Plan
-from treepack.service.planner.shapes import BatchShape, shape_of
+from treepack.proto.plan import PlanStats
+from treepack.proto.shape import BatchShape
+from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
 
 __all__ = ["HistoryStore", "HistoryRecorder", "SCHEMA_VERSION", "empty_summary"]
 
@@ -235,13 +234,10 @@ class HistoryRecorder:
     def pending(self) -> int:
         return self._pending
 
-    def _write(self, batch: Batch, plan: Plan, tags: Sequence[str | None] | None) -> None:
+    def _write(self, make_shape: Callable[[], BatchShape], stats: PlanStats) -> None:
         try:
-            if plan.tree is None:
-                raise ValueError("the plan carries no tree (decoded from the wire?)")
-            shape = shape_of(batch, plan.tree, seq_len=plan.seq_len, tags=tags)
-            st = plan.stats
-            self.store.record(shape, rows=st.rows, packed_tokens=st.packed_tokens, saved_fraction=st.saved_fraction)
+            shape = make_shape()
+            self.store.record(shape, rows=stats.rows, packed_tokens=stats.packed_tokens, saved_fraction=stats.saved_fraction)
             self.recorded += 1
         except Exception:
             self.failed += 1
@@ -250,21 +246,25 @@ class HistoryRecorder:
             with self._lock:
                 self._pending -= 1
 
-    def submit(self, batch: Batch, plan: Plan, tags: Sequence[str | None] | None = None) -> bool:
-        """Queue a planned batch for recording.
+    def submit(self, make_shape: Callable[[], BatchShape] | None, stats: PlanStats) -> bool:
+        """Queue a planned batch's shape for recording.
+
+        Args:
+            make_shape: computes the shape on the writer thread (the planner's
+                ``fingerprint.shape_job``); None when there is nothing to record.
+            stats: the plan's figures, recorded beside the shape.
 
         Returns:
-            True if queued; False if the backlog is full or every sequence was dropped
-            (nothing to record).
+            True if queued; False if the backlog is full or there was nothing to record.
         """
-        if not batch.kept.any():
+        if make_shape is None:
             return False
         with self._lock:
             if self._pending >= self.max_pending:
                 self.skipped += 1
                 return False
             self._pending += 1
-        self._executor.submit(self._write, batch, plan, tags)
+        self._executor.submit(self._write, make_shape, stats)
         return True
 
     def flush(self, timeout: float | None = None) -> None:

@@ -16,44 +16,25 @@ from typing import Any
 from treepack.proto import WIRE_VERSION
 from treepack.proto.codec import Format, decode_body, encode_body, parse_message
 from treepack.proto.errors import PayloadTooLargeError
-from treepack.proto.messages import Composition as CompositionMessage
+from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
-from treepack.service.batch_wire import Limits, decode_pack_request, shape_from_wire
+from treepack.proto.options import OPTION_NAMES, PlanOptions
+from treepack.proto.plan_wire import plan_to_wire
+from treepack.proto.shape import BatchShape
+from treepack.proto.shape_wire import shape_from_wire
+from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
 from treepack.service.history import HistoryRecorder, HistoryStore, empty_summary
 from treepack.service.metrics import ServiceMetrics
-from treepack.service.plan_wire import plan_to_wire
-from treepack.service.planner.api import plan_normalized
-from treepack.service.planner.shapes import BatchShape
-from treepack.service.planner.whatif import Composition, WhatIfResult, build_pool, whatif
+from treepack.service.planner.api import plan_request
+from treepack.service.planner.fingerprint import shape_job
+from treepack.service.planner.options import check_options
+from treepack.service.planner.whatif import build_pool, whatif
 from treepack.service.pool import PlanPool
 from treepack.service.settings import Settings
 
-__all__ = ["PlanningService", "whatif_result_to_wire", "composition_from_wire"]
+__all__ = ["PlanningService"]
 
 log = logging.getLogger("treepack.service")
-
-
-def composition_from_wire(c: CompositionMessage) -> Composition:
-    return Composition(name=c.name, groups=c.groups, by_tag=None if c.by_tag is None else dict(c.by_tag))
-
-
-def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
-    def dist(d: Any) -> dict[str, float]:
-        return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
-
-    return {
-        "name": r.name,
-        "groups": r.groups,
-        "by_tag": r.by_tag,
-        "trials": r.trials,
-        "rows": dist(r.rows),
-        "packed_tokens": dist(r.packed_tokens),
-        "unpacked_tokens": dist(r.unpacked_tokens),
-        "saved_fraction": dist(r.saved_fraction),
-        "max_rows": r.max_rows,
-        "p_rows_over": r.p_rows_over,
-        "row_counts": r.row_counts.tolist(),
-    }
 
 
 def _pool_summary(shapes: list[BatchShape]) -> dict[str, Any]:
@@ -92,18 +73,13 @@ class PlanningService:
         """``POST /v1/pack``: body -> plan (worker thread)."""
         t0 = time.perf_counter()
         msg = parse_message(PackRequest, decode_body(body, fmt_in))
-        batch, opts = decode_pack_request(msg, self.limits)
+        # Options (422) before size limits (413); plan_request's check is then a no-op.
+        check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
+        request = decode_pack_request(msg, self.limits)
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
-        plan = plan_normalized(
-            batch,
-            seq_len=opts.seq_len,
-            min_shared_len=opts.min_shared_len,
-            placement=opts.placement,
-            num_ranks=opts.num_ranks,
-            conv_width=opts.conv_width,
-            share_trainable=opts.share_trainable,
-        )
-        recorded = bool(opts.record and self.recorder is not None and self.recorder.submit(batch, plan, opts.tags))
+        result = plan_request(request)
+        plan = result.plan
+        recorded = bool(request.record and self.recorder is not None and self.recorder.submit(shape_job(result, request.tags), plan.stats))
         self.metrics.observe_plan(plan)
         t0 = time.perf_counter()
         out = encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
@@ -113,7 +89,9 @@ class PlanningService:
     def whatif(self, body: bytes, fmt_in: Format, fmt_out: Format) -> bytes:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread)."""
         msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
-        # Whole-request validation (422) before resource limits (413).
+        # Whole-request validation (422) before resource limits (413): the options are
+        # checked here first (whatif checks them again, a no-op on checked options).
+        options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         inline = None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
         runs = msg.trials * len(msg.compositions)
         if runs > self.settings.whatif_max_trials:
@@ -127,15 +105,9 @@ class PlanningService:
         results = whatif(
             shapes,
             [composition_from_wire(c) for c in msg.compositions],
-            seq_len=msg.seq_len,
+            options,
             trials=msg.trials,
             seed=msg.seed,
-            min_shared_len=msg.min_shared_len,
-            placement=msg.placement,
-            num_ranks=msg.num_ranks,
-            conv_width=msg.conv_width,
-            on_overflow=msg.on_overflow,
-            share_trainable=msg.share_trainable,
             max_rows=msg.max_rows,
             max_tokens=self.settings.max_tokens,
         )

@@ -1,7 +1,7 @@
 """Shared fixtures, and the plan checker every test runs under.
 
 :func:`_validate_every_plan` (autouse) wraps the planner's one entry point,
-``plan_normalized``, wherever a treepack module imported it, so that every plan any test
+``plan_with_tree``, wherever a treepack module imported it, so that every plan any test
 makes in this process — directly, through the embedded client, the in-process ASGI app,
 what-if trials or the trainer — passes ``validate_plan`` against the batch it was planned
 from (tokens, trainable flags and keys included). Set ``TREEPACK_TEST_VALIDATE=0`` to
@@ -34,17 +34,17 @@ def _validate_every_plan(monkeypatch):
     import treepack.service.planner.api as api
     from treepack.service.planner.validate import validate_plan
 
-    original = api.plan_normalized
+    original = api.plan_with_tree
 
-    def checked(batch, **kwargs):
-        plan = original(batch, **kwargs)
-        validate_plan(plan, batch, dense_check_max=512)
+    def checked(batch, options, **kwargs):
+        result = original(batch, options, **kwargs)
+        validate_plan(result.plan, batch, dense_check_max=512)
         VALIDATED["plans"] += 1
-        return plan
+        return result
 
     for name, mod in list(sys.modules.items()):
-        if name.startswith("treepack.") and getattr(mod, "plan_normalized", None) is original:
-            monkeypatch.setattr(mod, "plan_normalized", checked)
+        if name.startswith("treepack.") and getattr(mod, "plan_with_tree", None) is original:
+            monkeypatch.setattr(mod, "plan_with_tree", checked)
     yield
 
 

@@ -12,9 +12,9 @@ PUBLIC = [
     pytest.param(
         "treepack.service.planner",
         {
-            "plan_batch", "plan_normalized", "validate_plan", "PlanInvariantError", "naive_tree_mask", "lower_bound_rows",
-            "Batch", "normalize_batch", "OverflowEvent", "Segments", "layout_rows", "AttentionMeta", "GdnLevel", "GdnMeta",
-            "PLACEMENTS", "place_leaves", "naive_place", "Plan", "PlanStats", "Ranks", "Tree", "build_tree", "naive_build_tree",
+            "plan_batch", "plan_normalized", "plan_with_tree", "PlanResult", "check_options", "validate_plan",
+            "PlanInvariantError", "naive_tree_mask", "lower_bound_rows", "layout_rows", "PLACEMENTS", "place_leaves",
+            "naive_place", "Tree", "build_tree", "naive_build_tree",
         },
         id="planner",
     ),  # fmt: skip
@@ -24,7 +24,7 @@ PUBLIC = [
         "treepack.trainer",
         {
             "BACKENDS", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
-            "resolve_packed", "tree_attention", "use_packed",
+            "resolve_packed", "tree_attention", "use_packed", "packed_forward",
         },
         id="trainer",
     ),  # fmt: skip

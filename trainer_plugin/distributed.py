@@ -11,7 +11,7 @@ Flow (every rank calls the same functions, collectives inside)::
   callable with ``Packer.pack``'s signature, or, by default, an embedded ``Packer()``.
 - The plan travels as one uint8 tensor holding the project's own encoding: a msgpack map
   ``{"version": 1, "plan": PlanMessage, "extra": {name: array object}}`` with the plan
-  exactly as ``POST /v1/pack`` sends it (the contract's plan codec, schema in
+  exactly as ``POST /v1/pack`` sends it (:mod:`treepack.proto.plan_wire`, schema in
   ``proto/``) and extra arrays as the same typed array objects. Nothing is pickled. The
   request's trainable flags and group codes travel as extras, since every rank needs them
   for the loss normalizations (which count all sequences' tokens).
@@ -34,8 +34,8 @@ from treepack.proto import WIRE_VERSION
 from treepack.proto.buffers import DTYPES, array_from_wire, array_to_wire
 from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
+from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
 from treepack.proto.plan import Plan
-from treepack.service.plan_wire import plan_from_wire, plan_to_wire
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.data.packed_batch import PackedBatch

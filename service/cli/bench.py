@@ -18,9 +18,11 @@ import time
 from typing import Any, Callable, TextIO
 
 from treepack.service.cli.workloads import Workload, agentic, curriculum, distillation, golden_example
-from treepack.service.planner.api import plan_normalized
-from treepack.service.planner.inputs import Batch, normalize_batch
-from treepack.service.planner.placement import PLACEMENTS, naive_place
+from treepack.proto.batch import SequenceBatch, normalize_batch
+from treepack.proto.options import PLACEMENTS, PlanOptions
+from treepack.service.planner.api import plan_with_tree
+from treepack.service.planner.options import check_options
+from treepack.service.planner.placement import naive_place
 from treepack.service.planner.tree import build_tree
 
 __all__ = ["run_benchmark", "add_bench_parser"]
@@ -35,13 +37,13 @@ def _suite(full: bool) -> list[tuple[str, Callable[[], Workload]]]:
     return items
 
 
-def _bench_placement(name: str, w: Workload, batch: Batch, placement: str, repeats: int) -> dict[str, Any]:
+def _bench_placement(name: str, w: Workload, batch: SequenceBatch, placement: str, repeats: int) -> dict[str, Any]:
     """Plan ``batch`` ``repeats`` times with ``placement``; the record keeps each phase's best time."""
     phases: dict[str, float] = {}
     plan = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan = plan_normalized(batch, seq_len=w.seq_len, placement=placement, t0=t0)
+        plan = plan_with_tree(batch, check_options(PlanOptions(seq_len=w.seq_len, placement=placement)), t0=t0).plan
         for k, v in plan.stats.timings_ms.items():
             phases[k] = min(phases.get(k, float("inf")), v)
     assert plan is not None

@@ -3,37 +3,30 @@
 Entry point: :func:`plan_batch`. Invariants: :func:`validate_plan`.
 """
 
-from treepack.service.planner import auto as _auto  # noqa: F401  (loaded up front, not on the first plan)
-from treepack.service.planner.api import plan_batch, plan_normalized
+from treepack.service.planner.api import PlanResult, plan_batch, plan_normalized, plan_with_tree
 from treepack.service.planner.bounds import lower_bound_rows
-from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
-from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.layout import layout_rows
-from treepack.service.planner.placement import PLACEMENTS, naive_place, place_leaves
+from treepack.proto.options import PLACEMENTS
+from treepack.service.planner.options import check_options
+from treepack.service.planner.place import place_leaves
+from treepack.service.planner.placement import naive_place
 from treepack.service.planner.tree import Tree, build_tree, naive_build_tree
 from treepack.service.planner.validate import PlanInvariantError, naive_tree_mask, validate_plan
 
 __all__ = [
     "plan_batch",
     "plan_normalized",
+    "plan_with_tree",
+    "PlanResult",
+    "check_options",
     "validate_plan",
     "PlanInvariantError",
     "naive_tree_mask",
     "lower_bound_rows",
-    "Batch",
-    "OverflowEvent",
-    "normalize_batch",
-    "Segments",
     "layout_rows",
-    "AttentionMeta",
-    "GdnLevel",
-    "GdnMeta",
     "PLACEMENTS",
     "place_leaves",
     "naive_place",
-    "Plan",
-    "PlanStats",
-    "Ranks",
     "Tree",
     "build_tree",
     "naive_build_tree",

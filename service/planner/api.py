@@ -1,64 +1,62 @@
-"""The planner's entry point: :func:`plan_batch`."""
+"""The planner's entry points: :func:`plan_batch` (sequences in, a :class:`Plan` out) and
+:func:`plan_with_tree` (a normalized batch in, the plan and its tree out).
+
+Every path checks the options once, with :func:`~.options.check_options`; the tree is
+returned beside the plan (:class:`PlanResult`) to whoever needs it (the history recorder,
+the embedded client's what-if), never as part of the plan.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-
-from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.batch import SequenceBatch
+from treepack.proto.batch_wire import PackInput
+from treepack.proto.options import PlanOptions, as_options
+from treepack.proto.plan import Plan, PlanStats
 from treepack.service.planner.bounds import lower_bound_rows
-from treepack.service.planner.inputs import Batch, normalize_batch
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
-from treepack.service.planner.placement import check_placement, place_leaves
-from treepack.proto.plan import Plan, PlanStats
-from treepack.service.planner.ranks import assign_ranks, check_num_ranks
-from treepack.service.planner.tree import build_tree, check_min_shared_len, flat_tree
+from treepack.service.planner.options import check_options
+from treepack.service.planner.place import place_leaves
+from treepack.service.planner.ranks import assign_ranks
+from treepack.service.planner.tree import Tree, build_tree, flat_tree
 
-__all__ = ["plan_batch", "plan_normalized"]
+__all__ = ["PlanResult", "plan_batch", "plan_request", "plan_normalized", "plan_with_tree"]
 
 
-def _check_conv_width(conv_width: object) -> int:
-    if isinstance(conv_width, bool) or not isinstance(conv_width, int):
-        raise InputTypeError(f"conv_width must be an int, got {type(conv_width).__name__}", path="$.conv_width", rule="type")
-    if not 1 <= conv_width <= 64:
-        raise RequestError(f"conv_width must be in [1, 64], got {conv_width}", path="$.conv_width", rule="range")
-    return conv_width
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    """A plan, and the batch and global tree it was planned from (planner side only)."""
+
+    plan: Plan
+    batch: SequenceBatch
+    tree: Tree
 
 
 def plan_batch(
     sequences: Sequence[Any],
+    options: PlanOptions | None = None,
     *,
-    seq_len: int,
-    min_shared_len: int = 64,
-    placement: str = "auto",
     trainable: Sequence[Any] | None = None,
     groups: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
-    num_ranks: int = 1,
-    on_overflow: str = "error",
-    conv_width: int = 4,
-    share_trainable: bool = False,
+    **option_kwargs: Any,
 ) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
     Args:
         sequences: S sequences of token ids in [0, 2**32).
-        seq_len: row capacity C.
-        min_shared_len: no shared segment shorter than this (rule 4), >= 1.
-        placement: ``auto`` (default), ``bfd``, ``in_order`` or ``no_share``.
+        options: a :class:`~treepack.proto.options.PlanOptions`; or give its fields as
+            keywords instead (``seq_len=``, ``min_shared_len=64``, ``placement="auto"``
+            (``bfd``, ``in_order``, ``no_share``), ``num_ranks=1``, ``conv_width=4``,
+            ``share_trainable=False``, ``on_overflow="error"`` (``truncate``, ``drop``)).
         trainable: None (nothing trainable: every sequence fully shareable) or per
             sequence a bool array or a prompt length.
         groups: per sequence an int/str group id (orders ``bfd``; never limits sharing).
         keys: per sequence None or one uint64 per token that must also match to share.
-        num_ranks: ranks to deal rows to (equal row counts).
-        on_overflow: ``error``, ``truncate`` or ``drop`` for sequences longer than C.
-        conv_width: GDN short-conv width W (conv context of W-1 tokens).
-        share_trainable: the generalized mode (SPEC section 2): trainable tokens and scored
-            positions are shared where every sharer predicts the same next token; the
-            trainer then weights a shared loss position by the sum of its sharers' weights.
 
     Returns:
         The :class:`Plan`.
@@ -66,60 +64,47 @@ def plan_batch(
     Raises:
         RequestError: (or a subclass) for any invalid argument, naming it.
     """
+    request = PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=as_options(options, option_kwargs))
+    return plan_request(request).plan
+
+
+def plan_request(request: PackInput) -> PlanResult:
+    """Check the options, normalize the batch with them, plan it (the sidecar's path too)."""
     t0 = time.perf_counter()
-    msl = check_min_shared_len(min_shared_len)
-    name = check_placement(placement)
-    ranks = check_num_ranks(num_ranks)
-    width = _check_conv_width(conv_width)
-    batch = normalize_batch(sequences, seq_len=seq_len, trainable=trainable, groups=groups, keys=keys, on_overflow=on_overflow)
-    return plan_normalized(
-        batch,
-        seq_len=int(seq_len),
-        min_shared_len=msl,
-        placement=name,
-        num_ranks=ranks,
-        conv_width=width,
-        share_trainable=_check_flag(share_trainable, "share_trainable"),
-        t0=t0,
-    )
+    opts = check_options(request.options)
+    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0)
 
 
-def _check_flag(value: object, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}", path=f"$.{name}", rule="type")
-    return bool(value)
+def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, **option_kwargs: Any) -> Plan:
+    """:func:`plan_batch` on an already normalized :class:`SequenceBatch`."""
+    return plan_with_tree(batch, check_options(as_options(options, option_kwargs))).plan
 
 
-def plan_normalized(
-    batch: Batch,
-    *,
-    seq_len: int,
-    min_shared_len: int = 64,
-    placement: str = "auto",
-    num_ranks: int = 1,
-    conv_width: int = 4,
-    share_trainable: bool = False,
-    t0: float | None = None,
-) -> Plan:
-    """:func:`plan_batch` on an already validated :class:`Batch` (the service's path)."""
+def plan_with_tree(batch: SequenceBatch, options: PlanOptions, *, t0: float | None = None) -> PlanResult:
+    """Plan a normalized batch with options as returned by :func:`~.options.check_options`.
+
+    Args:
+        batch: the batch (normalized with ``options.seq_len`` and ``options.on_overflow``).
+        options: the checked options.
+        t0: when the request started (``perf_counter``), for the ``normalize`` timing.
+
+    Returns:
+        The plan and its tree.
+    """
     t0 = time.perf_counter() if t0 is None else t0
-    msl = check_min_shared_len(min_shared_len)
-    name = check_placement(placement)
-    num_ranks = check_num_ranks(num_ranks)
-    conv_width = _check_conv_width(conv_width)
+    seq_len = options.seq_len
     t1 = time.perf_counter()
-    share_trainable = _check_flag(share_trainable, "share_trainable")
-    tree = build_tree(batch, msl, share_trainable=share_trainable)
+    tree = build_tree(batch, options.min_shared_len, share_trainable=options.share_trainable)
     t2 = time.perf_counter()
-    placed = place_leaves(tree, batch, seq_len, name)
+    placed = place_leaves(tree, batch, seq_len, options.placement)
+    row_of, strategy, num_rows = placed.row_of, placed.strategy, placed.num_rows
     bound = lower_bound_rows(tree, seq_len)
     t3 = time.perf_counter()
-    layout_tree = flat_tree(batch) if name == "no_share" else tree
-    seg = layout_rows(layout_tree, placed.row_of, placed.num_rows)
+    seg = layout_rows(flat_tree(batch) if options.placement == "no_share" else tree, row_of, num_rows)
     t4 = time.perf_counter()
     att = attention_meta(seg)
-    gdn = gdn_meta(seg, seq_len, conv_width)
-    rk = assign_ranks(seg, placed.num_rows, num_ranks)
+    gdn = gdn_meta(seg, seq_len, options.conv_width)
+    rk = assign_ranks(seg, num_rows, options.num_ranks)
     t5 = time.perf_counter()
     unpacked = int(batch.lens.sum())
     packed = int(seg.row_len.sum())
@@ -129,9 +114,9 @@ def plan_normalized(
         unpacked_tokens=unpacked,
         tree_tokens=tree.num_tokens,
         packed_tokens=packed,
-        rows=placed.num_rows,
+        rows=num_rows,
         lower_bound_rows=bound,
-        padding_tokens=placed.num_rows * seq_len - packed,
+        padding_tokens=num_rows * seq_len - packed,
         saved_fraction=(1.0 - packed / unpacked) if unpacked else 0.0,
         timings_ms={
             "normalize": (t1 - t0) * 1e3,
@@ -142,21 +127,21 @@ def plan_normalized(
             "total": (t5 - t0) * 1e3,
         },
     )
-    return Plan(
-        seq_len=seq_len,
-        num_rows=placed.num_rows,
-        placement=name,
-        strategy=placed.strategy,
-        min_shared_len=msl,
-        share_trainable=share_trainable,
+    plan = Plan(
+        options=options,
+        num_rows=num_rows,
+        strategy=strategy,
         seq_lens=batch.lens,
         orig_lens=batch.orig_lens,
-        row_of=placed.row_of,
+        row_of=row_of,
+        first_trainable=batch.first_trainable,
+        trainable=batch.flat_trainable(),
+        group_codes=batch.group_codes,
         segments=seg,
         attention=att,
         gdn=gdn,
         ranks=rk,
         stats=stats,
         overflow=batch.overflow,
-        tree=tree,
     )
+    return PlanResult(plan=plan, batch=batch, tree=tree)

@@ -14,9 +14,8 @@ lower bound (:func:`~.bounds.lower_bound_rows`) wins at once since nothing can b
    units (which then fill the gaps of open rows) before a new row is opened.
 3. ``bfd`` — the reference leaf-level best fit (SPEC section 4).
 
-(:func:`unit_place` also has a ``grouped=False`` order, units largest first across all
-trees; on the benchmark workloads it never beat the grouped order, so ``auto`` does not
-spend time on it.)
+(A global order, units largest first across all trees, never beat the grouped order on
+the benchmark workloads, so it is not a candidate.)
 
 The winner has the fewest rows, then the fewest packed tokens, then the earliest
 candidate; since ``bfd`` is a candidate whenever no cheaper one reaches the bound, ``auto``
@@ -31,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
-from treepack.service.planner.inputs import Batch
+from treepack.proto.batch import SequenceBatch
 from treepack.service.planner.placement import _bfd, row_costs
 from treepack.service.planner.rows import OpenRows
 from treepack.service.planner.tree import Tree
@@ -39,14 +38,13 @@ from treepack.service.planner.tree import Tree
 __all__ = ["auto_place", "unit_place"]
 
 
-def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: bool) -> np.ndarray:
+def unit_place(tree: Tree, batch: SequenceBatch, seq_len: int, *, split: bool) -> np.ndarray:
     """Best-fit decreasing over units (see module docstring).
 
     Args:
         tree: the batch's tree.
         batch: the batch.
         seq_len: row capacity C.
-        grouped: visit units tree by tree (largest tree first) instead of globally.
         split: split a unit that fits no open row into its child units first.
 
     Returns:
@@ -81,11 +79,8 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
     placed: list[int] = []
     placed_row: list[int] = []
-    if grouped:
-        root = tree.path_nodes[tree.path_ptr[tree.source]]  # [N] root of each node's tree
-        order = units[np.lexsort((-cost[units], root[units], -size[root[units]]))].tolist()
-    else:
-        order = units[np.argsort(-cost[units], kind="stable")].tolist()
+    root = tree.path_nodes[tree.path_ptr[tree.source]]  # [N] root of each node's tree
+    order = units[np.lexsort((-cost[units], root[units], -size[root[units]]))].tolist()
     stack = order[::-1]
     while stack:
         v = stack.pop()
@@ -110,15 +105,15 @@ def unit_place(tree: Tree, batch: Batch, seq_len: int, *, grouped: bool, split: 
     return row_of
 
 
-def auto_place(tree: Tree, batch: Batch, seq_len: int) -> tuple[np.ndarray, str]:
+def auto_place(tree: Tree, batch: SequenceBatch, seq_len: int) -> tuple[np.ndarray, str]:
     """Run the candidates of the module docstring; return (row_of, winning candidate)."""
     bound = lower_bound_rows(tree, seq_len)
     best: tuple[int, int] | None = None
     best_rows = None
     best_name = ""
     candidates = (
-        ("grouped", lambda: unit_place(tree, batch, seq_len, grouped=True, split=False)),
-        ("grouped+split", lambda: unit_place(tree, batch, seq_len, grouped=True, split=True)),
+        ("grouped", lambda: unit_place(tree, batch, seq_len, split=False)),
+        ("grouped+split", lambda: unit_place(tree, batch, seq_len, split=True)),
         ("bfd", lambda: _bfd(tree, batch, seq_len)),
     )
     for name, run in candidates:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.proto.index import accumulate_up, forest_depth, ragged_arange
+from treepack.proto.index import accumulate_up, csr_gather, forest_depth
 from treepack.proto.plan import Segments
 from treepack.service.planner.tree import Tree
 
@@ -33,8 +33,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
     n_nodes = tree.num_nodes
     seqs = np.flatnonzero(row_of >= 0)
     plen = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
-    pidx = np.repeat(tree.path_ptr[seqs], plen) + ragged_arange(plen)
-    p_node = tree.path_nodes[pidx]
+    p_node = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
     p_seq = np.repeat(seqs, plen)
     p_row = row_of[p_seq]
     key = p_row * n_nodes + p_node

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.proto.index import ragged_arange, segment_tokens
+from treepack.proto.index import ancestor_chains, ragged_arange, segment_tokens
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, Segments
 
 __all__ = ["attention_meta", "gdn_meta", "naive_conv_context"]
@@ -24,19 +24,7 @@ __all__ = ["attention_meta", "gdn_meta", "naive_conv_context"]
 
 def attention_meta(seg: Segments) -> AttentionMeta:
     """Ancestor chains of every segment, vectorized (one pass per depth level)."""
-    g = seg.num_segments
-    count = seg.depth + 1
-    ptr = np.zeros(g + 1, dtype=np.int64)
-    np.cumsum(count, out=ptr[1:])
-    out = np.empty(int(ptr[-1]), dtype=np.int64)
-    pos = ptr[1:] - 1
-    cur = np.arange(g, dtype=np.int64)
-    live = np.ones(g, dtype=bool)
-    while live.any():
-        out[pos[live]] = cur[live]
-        cur = np.where(live, seg.parent[np.maximum(cur, 0)], -1)
-        pos = pos - 1
-        live = cur >= 0
+    ptr, out = ancestor_chains(seg.parent, seg.depth, np.arange(seg.num_segments, dtype=np.int64))
     return AttentionMeta(anc_ptr=ptr, anc_segs=out, key_lens=seg.seq_start + seg.length)
 
 

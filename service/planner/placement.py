@@ -23,41 +23,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from treepack.proto.errors import RequestError
-from treepack.proto.index import ragged_arange
-from treepack.service.planner.inputs import Batch
+from treepack.proto.options import PLACEMENTS, PlanOptions
+from treepack.proto.index import csr_gather
+from treepack.proto.batch import SequenceBatch
+from treepack.service.planner.options import check_options
 from treepack.service.planner.rows import OpenRows, naive_best_fit
 from treepack.service.planner.tree import Tree
 
-__all__ = ["PLACEMENTS", "Placement", "place_leaves", "naive_place", "bfd_order", "leaf_items", "row_costs"]
-
-PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
+__all__ = ["PLACEMENTS", "naive_place", "bfd_order", "leaf_items", "row_costs"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
-    """Rows chosen for the leaves.
 
-    Attributes:
-        name: the placement that produced it (``auto`` reports the strategy it picked in
-            ``strategy``).
-        row_of: [S] int64 row of each sequence, -1 for dropped ones.
-        num_rows: number of rows.
-        strategy: for ``auto``, the candidate that won; else the name.
-    """
-
-    name: str
-    row_of: np.ndarray
-    num_rows: int
-    strategy: str
-
-
-def check_placement(placement: object) -> str:
-    if placement not in PLACEMENTS:
-        raise RequestError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}", path="$.placement", rule="enum")
-    return str(placement)
-
-
-def bfd_order(batch: Batch) -> list[int]:
+def bfd_order(batch: SequenceBatch) -> list[int]:
     """Visit order of ``bfd``: groups by largest leaf (desc, stable), input order inside."""
     kept = np.flatnonzero(batch.kept)
     codes = batch.group_codes[kept]
@@ -99,7 +76,7 @@ def leaf_items(tree: Tree) -> tuple[list[list[int]], list[list[int]]]:
     return anc, anc_end
 
 
-def _bfd(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
+def _bfd(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     anc, ends = leaf_items(tree)
     lens = batch.lens.tolist()
@@ -113,7 +90,7 @@ def _bfd(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
     return row_of
 
 
-def _in_order(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
+def _in_order(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     anc, ends = leaf_items(tree)
     lens = batch.lens.tolist()
@@ -140,13 +117,12 @@ def _in_order(tree: Tree, batch: Batch, seq_len: int) -> np.ndarray:
 class _MaxTree:
     """Segment tree over row slots holding the max room; finds the first row with room >= x."""
 
-    def __init__(self, capacity: int, n: int) -> None:
+    def __init__(self, n: int) -> None:
         size = 1
         while size < max(n, 1):
             size *= 2
         self.size = size
         self.t = [0] * (2 * size)
-        self.capacity = capacity
 
     def first_fit(self, x: int) -> int:
         t = self.t
@@ -167,11 +143,11 @@ class _MaxTree:
             i //= 2
 
 
-def _no_share(batch: Batch, seq_len: int) -> np.ndarray:
+def _no_share(batch: SequenceBatch, seq_len: int) -> np.ndarray:
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     kept = np.flatnonzero(batch.kept)
     order = kept[np.argsort(-batch.lens[kept], kind="stable")]
-    mt = _MaxTree(seq_len, kept.shape[0])
+    mt = _MaxTree(kept.shape[0])
     room: list[int] = []
     lens = batch.lens.tolist()
     for s in order.tolist():
@@ -193,47 +169,19 @@ def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = Tr
         return np.bincount(row_of[kept], weights=lens[kept], minlength=num_rows).astype(np.int64)
     seqs = np.flatnonzero(kept)
     counts = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
-    idx = np.repeat(tree.path_ptr[seqs], counts) + ragged_arange(counts)
-    nodes = tree.path_nodes[idx]
+    nodes = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
     rows = np.repeat(row_of[seqs], counts)
     pair = np.unique(rows * tree.num_nodes + nodes)
     return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)
 
 
-def place_leaves(tree: Tree, batch: Batch, seq_len: int, placement: str = "auto") -> Placement:
-    """Assign every kept sequence's leaf to a row.
-
-    Args:
-        tree: the batch's tree (its leaves are the items).
-        batch: the batch (lengths, groups, kept flags).
-        seq_len: row capacity C.
-        placement: one of :data:`PLACEMENTS`.
-
-    Returns:
-        The :class:`Placement`.
-    """
-    name = check_placement(placement)
-    if name == "auto":
-        from treepack.service.planner.auto import auto_place
-
-        row_of, strategy = auto_place(tree, batch, seq_len)
-    elif name == "bfd":
-        row_of, strategy = _bfd(tree, batch, seq_len), name
-    elif name == "in_order":
-        row_of, strategy = _in_order(tree, batch, seq_len), name
-    else:
-        row_of, strategy = _no_share(batch, seq_len), name
-    num_rows = int(row_of.max()) + 1 if (row_of >= 0).any() else 0
-    return Placement(name=name, row_of=row_of, num_rows=num_rows, strategy=strategy)
-
-
-def naive_place(tree: Tree, batch: Batch, seq_len: int, placement: str) -> np.ndarray:
+def naive_place(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str) -> np.ndarray:
     """Loop-based reference of ``bfd``, ``in_order`` and ``no_share``: every row checked for every leaf.
 
     Returns:
         [S] int64 row of each sequence (-1 for dropped ones), equal to :func:`place_leaves`'s.
     """
-    check_placement(placement)
+    check_options(PlanOptions(seq_len=seq_len, placement=placement))
     if placement == "auto":
         raise RequestError("naive_place has no reference for 'auto'", path="$.placement", rule="enum")
     anc, ends = leaf_items(tree)

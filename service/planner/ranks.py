@@ -16,18 +16,9 @@ import heapq
 
 import numpy as np
 
-from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Ranks, Segments
 
-__all__ = ["assign_ranks", "row_cost", "check_num_ranks"]
-
-
-def check_num_ranks(num_ranks: object) -> int:
-    if isinstance(num_ranks, (bool, np.bool_)) or not isinstance(num_ranks, (int, np.integer)):
-        raise InputTypeError(f"num_ranks must be an int, got {type(num_ranks).__name__}", path="$.num_ranks", rule="type")
-    if num_ranks < 1:
-        raise RequestError(f"num_ranks must be >= 1, got {num_ranks}", path="$.num_ranks", rule="minimum")
-    return int(num_ranks)
+__all__ = ["assign_ranks", "row_cost"]
 
 
 def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> np.ndarray:

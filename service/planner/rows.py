@@ -49,22 +49,6 @@ class OpenRows:
         self.row_big: list[list[int]] = []  # per row: big nodes it holds
         self.all_sorted: list[int] = []  # every row's key
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.room)
-
-    def deepest(self, r: int, anc: list[int]) -> int:
-        """Index into ``anc`` of the deepest ancestor row r holds, -1 if none."""
-        held = self.held[r]
-        for i in range(len(anc) - 1, -1, -1):
-            if anc[i] in held:
-                return i
-        return -1
-
-    def marginal(self, r: int, anc: list[int], ends: list[int], cost: int) -> int:
-        d = self.deepest(r, anc)
-        return cost - (ends[d] if d >= 0 else 0)
-
     def best_fit(self, anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:
         """(row, marginal cost) of the best-fitting open row, or (-1, cost) if none fits."""
         best_ra = self.capacity + 1  # room left after placing, of the best row so far

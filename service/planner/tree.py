@@ -26,11 +26,10 @@ from typing import Callable
 
 import numpy as np
 
-from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import forest_depth
-from treepack.service.planner.inputs import Batch
+from treepack.proto.index import ancestor_chains, forest_depth
+from treepack.proto.batch import SequenceBatch
 
-__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree", "check_min_shared_len"]
+__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,14 +81,11 @@ class Tree:
         return self.path_nodes[self.path_ptr[s] : self.path_ptr[s + 1]]
 
 
-def check_min_shared_len(min_shared_len: object) -> int:
-    if isinstance(min_shared_len, (bool, np.bool_)) or not isinstance(min_shared_len, (int, np.integer)):
-        raise InputTypeError(
-            f"min_shared_len must be an int, got {type(min_shared_len).__name__}", path="$.min_shared_len", rule="type"
-        )
-    if min_shared_len < 1:
-        raise RequestError(f"min_shared_len must be >= 1, got {min_shared_len}", path="$.min_shared_len", rule="minimum")
-    return int(min_shared_len)
+def _min_shared_len(value: int) -> int:
+    # Checked by check_options on every planning path; the tree builders are also called
+    # directly (tests, what-if), where a bad value is the caller's bug.
+    assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1, value
+    return int(value)
 
 
 class _Emitter:
@@ -120,21 +116,7 @@ class _Emitter:
         parent = np.asarray(self.parent, dtype=np.int64)
         depth = forest_depth(parent)
         leaf_of = self.leaf_of
-        kept = leaf_of >= 0
-        plen = np.zeros(leaf_of.shape[0], dtype=np.int64)
-        plen[kept] = depth[leaf_of[kept]] + 1
-        path_ptr = np.zeros(leaf_of.shape[0] + 1, dtype=np.int64)
-        np.cumsum(plen, out=path_ptr[1:])
-        path_nodes = np.empty(int(path_ptr[-1]), dtype=np.int64)
-        # Fill each path from its leaf upwards, all sequences at once.
-        pos = path_ptr[1:] - 1
-        cur = leaf_of.copy()
-        live = kept.copy()
-        while live.any():
-            path_nodes[pos[live]] = cur[live]
-            cur = np.where(live, parent[np.maximum(cur, 0)], -1)
-            pos = pos - 1
-            live = cur >= 0
+        path_ptr, path_nodes = ancestor_chains(parent, depth, leaf_of)  # dropped: leaf -1, no path
         return Tree(
             parent=parent,
             start=np.asarray(self.start, dtype=np.int64),
@@ -165,7 +147,7 @@ class _TrieNode:
         self.minseq = minseq
 
 
-def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
+def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
     """(byte view of the shareable prefix, record -> child key, bytes per record).
 
     Without keys a record is the uint32 token; with keys it is (token, key), 12 bytes, and
@@ -187,7 +169,7 @@ def _record_views(batch: Batch, s: int, sh: int) -> tuple[memoryview, Callable[[
     return memoryview(rec).cast("B"), child_key, 12
 
 
-def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Build the global radix tree of ``batch`` (fast path).
 
     Args:
@@ -200,7 +182,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool 
     Returns:
         The :class:`Tree`, identical to :func:`naive_build_tree`'s.
     """
-    msl = check_min_shared_len(min_shared_len)
+    msl = _min_shared_len(min_shared_len)
     n = batch.num_sequences
     sh_all = batch.lens.copy() if share_trainable else batch.shareable_lens()
     kept = batch.kept
@@ -258,7 +240,7 @@ def build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool 
     return em.finish(msl, share_trainable)
 
 
-def _cut_scored_branches(root: _TrieNode, batch: Batch) -> None:
+def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
     """Generalized mode: give back the last position of each branch node it may not share.
 
     Where sequences diverge at position q (or some end at q while others go on), position
@@ -284,7 +266,7 @@ def _cut_scored_branches(root: _TrieNode, batch: Batch) -> None:
         below[id(v)] = going_on
 
 
-def _trainable_at(batch: Batch, s: int, q: int) -> bool:
+def _trainable_at(batch: SequenceBatch, s: int, q: int) -> bool:
     if batch.trainable is None:
         return q >= int(batch.prompt_lens[s])
     return bool(batch.trainable[s][q])
@@ -365,7 +347,7 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
     """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
 
     ``node(S, start)``: find the common run of S from ``start`` (within everyone's
@@ -375,7 +357,7 @@ def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable:
     ``start``. In the generalized mode the run is everyone's common prefix, less its last
     position when that position is scored for a sequence going on past the divergence.
     """
-    msl = check_min_shared_len(min_shared_len)
+    msl = _min_shared_len(min_shared_len)
     n = batch.num_sequences
     sh = (batch.lens if share_trainable else batch.shareable_lens()).tolist()
     trains = [batch.trainable_of(s).tolist() for s in range(n)]
@@ -438,7 +420,7 @@ def naive_build_tree(batch: Batch, min_shared_len: int = 64, *, share_trainable:
     return em.finish(msl, share_trainable)
 
 
-def flat_tree(batch: Batch) -> Tree:
+def flat_tree(batch: SequenceBatch) -> Tree:
     """The tree without sharing: every kept sequence a root leaf (for ``no_share``)."""
     em = _Emitter(batch.num_sequences)
     for s in np.flatnonzero(batch.kept).tolist():

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treepack.service.planner.inputs import Batch, normalize_batch
+from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.service.planner.metadata import naive_conv_context
 from treepack.proto.plan import Plan
 
@@ -72,15 +72,32 @@ def interval_mask(subtree_end: np.ndarray) -> np.ndarray:
     return (j <= i) & (i < subtree_end[None, :])
 
 
-def _as_batch(plan: Plan, sequences: Any, trainable: Any, keys: Any) -> Batch:
-    if isinstance(sequences, Batch):
+def _as_batch(plan: Plan, sequences: Any, trainable: Any, keys: Any) -> SequenceBatch:
+    if isinstance(sequences, SequenceBatch):
         return sequences
+    if trainable is None:
+        trainable = _planned_trainable(plan, sequences)
     return normalize_batch(sequences, seq_len=plan.seq_len, trainable=trainable, keys=keys, on_overflow="truncate")
+
+
+def _planned_trainable(plan: Plan, sequences: Any) -> list[Any]:
+    """The flags the plan says it was planned with, at the submitted lengths (a truncated
+    or dropped tail is not trainable)."""
+    out: list[Any] = []
+    for s in range(min(len(sequences), plan.num_sequences)):
+        n = len(sequences[s])
+        if plan.trainable is None:
+            out.append(min(int(plan.first_trainable[s]), n) if plan.seq_lens[s] else n)
+        else:
+            flags = np.zeros(n, dtype=bool)
+            flags[: int(plan.seq_lens[s])] = plan.trainable_of(s)
+            out.append(flags)
+    return out
 
 
 def validate_plan(
     plan: Plan,
-    sequences: Sequence[Any] | Batch | None = None,
+    sequences: Sequence[Any] | SequenceBatch | None = None,
     *,
     trainable: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
@@ -91,16 +108,34 @@ def validate_plan(
 
     Args:
         plan: the plan.
-        sequences: optionally the planned sequences (or their :class:`Batch`) for the
-            token-level checks; ``trainable`` and ``keys`` as given to the planner.
+        sequences: optionally the planned sequences (or their :class:`SequenceBatch`) for the
+            token-level checks; ``trainable`` and ``keys`` as given to the planner
+            (``trainable`` defaults to the flags the plan carries).
         dense_check_max: rows up to this many tokens also get the token-level mask check.
         gather_check_max: with sequences, plans of up to this many row slots (R * C) are
             also materialized through ``token_source``/``token_index`` and read back (the
             segment-level checks above already cover every token; this checks the
             per-token views the trainer uses, within a bounded memory).
     """
+    _check_rows(plan)
+    _check_row_trees(plan, dense_check_max)
+    _check_sequences(plan)
+    _check_attention(plan)
+    _check_gdn(plan)
+    _check_ranks_and_stats(plan)
+    _check_planned_with(plan)
+    if sequences is None:
+        return
+    batch = _as_batch(plan, sequences, trainable, keys)
+    _check_tokens(plan, batch)
+    if plan.num_rows * plan.seq_len <= gather_check_max:
+        _check_gather(plan, batch)
+
+
+def _check_rows(plan: Plan) -> None:
+    """Rows: CSR bounds, capacity, contiguous tiling."""
     seg = plan.segments
-    C, R, G, S = plan.seq_len, plan.num_rows, seg.num_segments, plan.num_sequences
+    C, R, G = plan.seq_len, plan.num_rows, seg.num_segments
     _check(seg.row_ptr.shape == (R + 1,) and seg.row_ptr[0] == 0 and seg.row_ptr[-1] == G, "row_ptr shape/ends")
     _check(bool(np.all(np.diff(seg.row_ptr) >= 0)), "row_ptr not monotone")
     _check(bool(np.all(seg.row == np.repeat(np.arange(R), np.diff(seg.row_ptr)))), "segments not grouped by row")
@@ -112,6 +147,11 @@ def validate_plan(
         expect_start = expect_start - expect_start[seg.row_ptr[seg.row]]
     _check(bool(np.array_equal(seg.row_start, expect_start)), "segments do not tile their row contiguously")
 
+
+def _check_row_trees(plan: Plan, dense_check_max: int) -> None:
+    """The tree inside each row: parents, depths, positions, subtree ends, the mask."""
+    seg = plan.segments
+    C, R, G = plan.seq_len, plan.num_rows, seg.num_segments
     # Tree shape inside rows.
     par = seg.parent
     has = par >= 0
@@ -161,6 +201,12 @@ def validate_plan(
             want = np.concatenate([np.repeat(seg.subtree_end[lo:hi], seg.length[lo:hi]), np.arange(L, C) + 1])
             _check(bool(np.array_equal(full[r], want)), f"Plan.subtree_end() wrong in row {r}")
 
+
+def _check_sequences(plan: Plan) -> None:
+    """Every placed sequence is one root-to-leaf chain of its row; sharer counts."""
+    seg = plan.segments
+    G, S = seg.num_segments, plan.num_sequences
+    par = seg.parent
     # Sequences: chains covering 0..len-1, sharers.
     _check(seg.seq_ptr.shape == (S + 1,), "seq_ptr shape")
     sharers = np.zeros(G, dtype=np.int64)
@@ -180,6 +226,12 @@ def validate_plan(
     src_row = plan.row_of[seg.seq]
     _check(bool(np.all(src_row == seg.row)), "a segment's source sequence is in another row")
 
+
+def _check_attention(plan: Plan) -> None:
+    """Attention chains: root first, the segment last, key lengths."""
+    seg = plan.segments
+    G = seg.num_segments
+    par = seg.parent
     # Attention chains.
     att = plan.attention
     _check(bool(np.array_equal(np.diff(att.anc_ptr), seg.depth + 1)), "attention chain lengths")
@@ -188,6 +240,12 @@ def validate_plan(
         _check(ch[-1] == g and (ch.shape[0] == 1 or bool(np.all(par[ch[1:]] == ch[:-1]))), f"attention chain of segment {g}")
     _check(bool(np.array_equal(att.key_lens, seg.seq_start + seg.length)), "key_lens")
 
+
+def _check_gdn(plan: Plan) -> None:
+    """GDN levels: depth, cu_seqlens, parents, conv context; every segment once."""
+    seg = plan.segments
+    C, G = plan.seq_len, seg.num_segments
+    par = seg.parent
     # GDN levels.
     seen = np.zeros(G, dtype=np.int64)
     ctx_ref = naive_conv_context(seg, C, plan.gdn.conv_width)
@@ -205,6 +263,11 @@ def validate_plan(
         _check(bool(np.array_equal(lv.conv_context, ctx_ref[lv.segs])), f"conv context of level {d}")
     _check(bool(np.all(seen == 1)), "GDN levels do not cover every segment once")
 
+
+def _check_ranks_and_stats(plan: Plan) -> None:
+    """Every row on one rank; the stats agree with the rows."""
+    seg = plan.segments
+    C, R = plan.seq_len, plan.num_rows
     # Ranks.
     rr = plan.ranks.rank_rows
     _check(rr.shape[0] == plan.ranks.num_ranks, "rank_rows shape")
@@ -219,11 +282,31 @@ def validate_plan(
     _check(0 <= st.lower_bound_rows <= R, f"lower bound {st.lower_bound_rows} > rows {R}")
     _check(st.tree_tokens <= st.packed_tokens or plan.placement == "no_share", "packed below tree size")
 
-    if sequences is None:
-        return
-    batch = _as_batch(plan, sequences, trainable, keys)
+
+def _check_planned_with(plan: Plan) -> None:
+    """What the plan carries about its batch: per-sequence arrays of the right shapes."""
+    S = plan.num_sequences
+    ft = plan.first_trainable
+    _check(ft.shape == (S,) and bool(np.all((ft >= 0) & (ft <= plan.seq_lens))), "first_trainable shape or range")
+    _check(plan.group_codes.shape == (S,), "group_codes shape")
+    if plan.trainable is not None:
+        _check(plan.trainable.dtype == np.bool_ and plan.trainable.shape == (int(plan.seq_lens.sum()),), "trainable flags shape")
+        for s in np.flatnonzero(plan.seq_lens > 0).tolist():
+            flags = plan.trainable_of(s)
+            first = int(np.argmax(flags)) if flags.any() else int(plan.seq_lens[s])
+            _check(first == int(ft[s]), f"first_trainable of sequence {s} disagrees with its flags")
+
+
+def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
+    """Token-level rules against the batch: equal runs, sharing rules, what it was planned with."""
+    seg = plan.segments
+    S = plan.num_sequences
     _check(batch.num_sequences == S, "sequence count differs from the plan")
     _check(bool(np.array_equal(batch.lens[plan.row_of >= 0], plan.seq_lens[plan.row_of >= 0])), "sequence lengths differ")
+    kept = plan.row_of >= 0
+    _check(bool(np.array_equal(batch.first_trainable[kept], plan.first_trainable[kept])), "first_trainable differs from the batch's")
+    for s in np.flatnonzero(kept).tolist():
+        _check(bool(np.array_equal(batch.trainable_of(s), plan.trainable_of(s))), f"trainable flags of sequence {s} differ")
     sh = batch.shareable_lens()
     msl = plan.min_shared_len
     for s in range(S):
@@ -254,9 +337,11 @@ def validate_plan(
             if scored:
                 nxt = {int(batch.tokens[m][q]) if q < batch.lens[m] else -1 for m in members}
                 _check(len(nxt) == 1 and -1 not in nxt, f"shared segment {g} ends on a scored position its sharers predict differently")
-    if R * C > gather_check_max:
-        return
-    # The gather itself: materialize row tokens and read every sequence back.
+
+
+def _check_gather(plan: Plan, batch: SequenceBatch) -> None:
+    """The gather itself: materialize row tokens and read every sequence back."""
+    S = plan.num_sequences
     src_seq, src_pos = plan.token_source()
     offs = np.concatenate([[0], np.cumsum(batch.lens)])
     flat_tokens = np.concatenate(batch.tokens) if S else np.zeros(0, np.uint32)

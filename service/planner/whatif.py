@@ -3,11 +3,11 @@
 An autotuner asks "if the next batch held 48 groups (or 20 of task A and 28 of task B),
 how many rows would it need at seq_len C?". :func:`whatif` answers by sampling: each trial
 draws groups without replacement from a pool of recorded batch shapes, turns them back
-into a batch and plans it with :func:`~.api.plan_batch`, the very code ``/v1/pack`` runs.
+into a batch and plans it with :func:`~.api.plan_with_tree`, the very code ``/v1/pack`` runs.
 
 Why synthesize tokens instead of building a :class:`~.tree.Tree` from the hashes directly:
-the planner's input is a :class:`~.inputs.Batch` of token arrays; feeding it token runs
-made from the hashes (:func:`~.shapes.run_tokens`) exercises the whole real path
+the planner's input is a :class:`~treepack.proto.batch.SequenceBatch` of token arrays; feeding it token runs
+made from the hashes (:func:`~treepack.proto.shape.run_tokens`) exercises the whole real path
 (validation, tree builder with rule 4 and the shareable-length rule, placement, layout,
 metadata) with no second tree builder to keep in step. The made-up runs rebuild exactly
 the recorded tree (same nodes and sharers), so a trial that samples a whole recorded batch
@@ -32,71 +32,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
-from treepack.service.planner.api import plan_batch
-from treepack.proto.index import ragged_arange
-from treepack.service.planner.shapes import BatchShape, run_tokens
+from treepack.proto.batch_wire import PackInput
+from treepack.proto.options import PlanOptions, as_options
+from treepack.service.planner.api import plan_with_tree
+from treepack.service.planner.options import check_options
+from treepack.proto.index import csr_gather, csr_index
+from treepack.proto.shape import BatchShape, run_tokens
+from treepack.proto.whatif import Composition, Distribution, WhatIfResult
 
 _TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)
 
-__all__ = ["Composition", "Distribution", "WhatIfResult", "GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Composition:
-    """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag."""
-
-    name: str = ""
-    groups: int | None = None
-    by_tag: Mapping[str, int] | None = None
-
-    @property
-    def total_groups(self) -> int:
-        return int(self.groups) if self.groups is not None else int(sum((self.by_tag or {}).values()))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Distribution:
-    """Summary of one figure over the trials (percentiles interpolate linearly)."""
-
-    mean: float
-    p50: float
-    p90: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values: np.ndarray) -> "Distribution":
-        v = np.asarray(values, dtype=np.float64)
-        p50, p90 = np.percentile(v, [50, 90])
-        return cls(mean=float(v.mean()), p50=float(p50), p90=float(p90), min=float(v.min()), max=float(v.max()))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WhatIfResult:
-    """What-if figures of one composition.
-
-    Attributes:
-        name: the composition's name.
-        groups: groups per trial.
-        by_tag: groups per tag, if the composition was given by tag.
-        trials: number of trials.
-        rows, packed_tokens, unpacked_tokens, saved_fraction: distributions over trials.
-        max_rows: the threshold asked about, or None.
-        p_rows_over: fraction of trials needing more than ``max_rows`` rows (None without one).
-        row_counts: [trials] int64 rows of each trial.
-    """
-
-    name: str
-    groups: int
-    by_tag: dict[str, int] | None
-    trials: int
-    rows: Distribution
-    packed_tokens: Distribution
-    unpacked_tokens: Distribution
-    saved_fraction: Distribution
-    max_rows: int | None
-    p_rows_over: float | None
-    row_counts: np.ndarray
+__all__ = ["GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,8 +144,7 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
     for b in np.unique(batch_of).tolist():
         sh = pool.shapes[b]
         local = seqs[batch_of == b] - pool.seq_base[b]
-        n = sh.seq_ptr[local + 1] - sh.seq_ptr[local]
-        runs = np.repeat(sh.seq_ptr[local], n) + ragged_arange(n)
+        runs = csr_index(sh.seq_ptr, local)
         hashes.append(sh.run_hash[runs])
         lengths.append(sh.run_len[runs])
         first.append(sh.first_trainable[local])
@@ -219,26 +164,21 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
 def whatif(
     shapes: Sequence[BatchShape],
     compositions: Sequence[Composition],
+    options: PlanOptions | None = None,
     *,
-    seq_len: int,
     trials: int = 32,
     seed: int = 0,
-    min_shared_len: int = 64,
-    placement: str = "auto",
-    num_ranks: int = 1,
-    conv_width: int = 4,
-    on_overflow: str = "error",
-    share_trainable: bool = False,
     max_rows: int | None = None,
     max_tokens: int | None = None,
+    **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
 
     Args:
         shapes: the pool of recorded batches to sample groups from.
         compositions: the candidates.
-        seq_len, min_shared_len, placement, num_ranks, conv_width, on_overflow,
-            share_trainable: as for :func:`~.api.plan_batch`, applied to every trial. Shapes
+        options: as for :func:`~.api.plan_batch` (or its fields as keywords), applied to
+            every trial, checked once. Shapes
             do not record trainable tokens (their runs are unique per sequence), so the
             generalized mode shares no trainable token in a trial: its rows are an upper
             bound.
@@ -254,13 +194,15 @@ def whatif(
         RequestError: an empty pool, a composition the pool cannot fill, sequences longer
             than ``seq_len`` with ``on_overflow="error"``, or any planner argument error.
     """
+    opts = check_options(as_options(options, option_kwargs))
+    seq_len = opts.seq_len
     if not shapes:
         raise RequestError("there are no recorded batches to sample from: pack with record=true first, or send shapes", path="$.shapes", rule="no_history")
     if trials < 1:
         raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
     pool = build_pool(shapes)
     longest = int(pool.lens.max(initial=0))
-    if on_overflow == "error" and longest > seq_len:
+    if opts.on_overflow == "error" and longest > seq_len:
         raise CapacityError(
             f"the pool holds sequences of up to {longest} tokens, longer than seq_len {seq_len} "
             "(set on_overflow='truncate' or 'drop' to allow)",
@@ -270,50 +212,40 @@ def whatif(
     for i, comp in enumerate(compositions):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
-    out = []
-    for i, comp in enumerate(compositions):
-        rows = np.zeros(trials, dtype=np.int64)
-        packed = np.zeros(trials, dtype=np.int64)
-        unpacked = np.zeros(trials, dtype=np.int64)
-        saved = np.zeros(trials, dtype=np.float64)
-        for t in range(trials):
-            units = sample_groups(pool, comp, rng)
-            if max_tokens is not None:
-                total = int(pool.lens[_unit_seqs(pool, units)].sum())
-                if total > max_tokens:
-                    raise PayloadTooLargeError(
-                        f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=f"$.compositions[{i}]", rule="max_tokens"
-                    )
-            plan = plan_batch(
-                **synthesize(pool, units),
-                seq_len=seq_len,
-                min_shared_len=min_shared_len,
-                placement=placement,
-                num_ranks=num_ranks,
-                conv_width=conv_width,
-                on_overflow=on_overflow,
-                share_trainable=share_trainable,
-            )
-            st = plan.stats
-            rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
-        out.append(
-            WhatIfResult(
-                name=comp.name,
-                groups=comp.total_groups,
-                by_tag=None if comp.by_tag is None else dict(comp.by_tag),
-                trials=trials,
-                rows=Distribution.of(rows),
-                packed_tokens=Distribution.of(packed),
-                unpacked_tokens=Distribution.of(unpacked),
-                saved_fraction=Distribution.of(saved),
-                max_rows=max_rows,
-                p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
-                row_counts=rows,
-            )
-        )
-    return out
+    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens) for i, comp in enumerate(compositions)]
+
+
+def _trials(
+    pool: GroupPool, comp: Composition, opts: PlanOptions, path: str, rng: np.random.Generator, trials: int, max_rows: int | None, max_tokens: int | None
+) -> WhatIfResult:
+    """Plan ``trials`` sampled batches of one composition and summarize them."""
+    rows = np.zeros(trials, dtype=np.int64)
+    packed = np.zeros(trials, dtype=np.int64)
+    unpacked = np.zeros(trials, dtype=np.int64)
+    saved = np.zeros(trials, dtype=np.float64)
+    for t in range(trials):
+        units = sample_groups(pool, comp, rng)
+        if max_tokens is not None:
+            total = int(pool.lens[_unit_seqs(pool, units)].sum())
+            if total > max_tokens:
+                raise PayloadTooLargeError(f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens")
+        trial = PackInput(**synthesize(pool, units), options=opts)
+        st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts).plan.stats
+        rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
+    return WhatIfResult(
+        name=comp.name,
+        groups=comp.total_groups,
+        by_tag=None if comp.by_tag is None else dict(comp.by_tag),
+        trials=trials,
+        rows=Distribution.of(rows),
+        packed_tokens=Distribution.of(packed),
+        unpacked_tokens=Distribution.of(unpacked),
+        saved_fraction=Distribution.of(saved),
+        max_rows=max_rows,
+        p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
+        row_counts=rows,
+    )
 
 
 def _unit_seqs(pool: GroupPool, units: np.ndarray) -> np.ndarray:
-    counts = pool.unit_ptr[units + 1] - pool.unit_ptr[units]
-    return pool.unit_seqs[np.repeat(pool.unit_ptr[units], counts) + ragged_arange(counts)]
+    return csr_gather(pool.unit_ptr, pool.unit_seqs, units)

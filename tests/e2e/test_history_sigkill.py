@@ -18,7 +18,7 @@ WRITER = textwrap.dedent(
     import sys
     import numpy as np
     from treepack.service.history import HistoryStore
-    from treepack.service.planner.shapes import BatchShape
+    from treepack.proto.shape import BatchShape
 
     rng = np.random.default_rng(0)
     n = 60_000  # ~1.5 MB per record: every write takes a while

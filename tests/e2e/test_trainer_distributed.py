@@ -17,7 +17,7 @@ from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.messages import PlanMessage
-from treepack.service.plan_wire import plan_to_wire
+from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
 

@@ -19,9 +19,10 @@ import httpx
 import numpy as np
 
 from treepack.proto.codec import encode_body
-from treepack.service.batch_wire import encode_pack_request
-from treepack.service.plan_wire import plan_differences
-from treepack.service.planner import Plan, validate_plan
+from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.plan_wire import plan_differences
+from treepack.proto.plan import Plan
+from treepack.service.planner import validate_plan
 
 REPO = Path(__file__).resolve().parents[2]
 

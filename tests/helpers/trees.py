@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from treepack.proto.batch_wire import PackInput
+from treepack.proto.options import PlanOptions
 from treepack.service.planner import plan_batch, validate_plan
+from treepack.service.planner.api import PlanResult, plan_request
+
+
+
+def plan_result(sequences, *, trainable=None, groups=None, keys=None, **options) -> PlanResult:
+    """``plan_batch`` with the batch and tree beside the plan (what the history records from)."""
+    return plan_request(PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=PlanOptions(**options)))
+
 
 RUN_LENGTHS = np.array([1, 2, 3, 5, 8, 13, 21, 40, 70, 90])
 RUN_WEIGHTS = np.array([3, 3, 3, 3, 2, 2, 2, 2, 1, 1], dtype=float)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers.trees import plan_result
 from treepack.service.planner import PLACEMENTS, lower_bound_rows, plan_batch, validate_plan
 
 
@@ -18,10 +19,10 @@ def _groups_in_rows(plan, groups):
 
 
 def test_tree_size(golden):
-    plan = plan_batch(**golden.plan_kwargs(), placement="bfd")
+    result = plan_result(**golden.plan_kwargs(), placement="bfd")
+    plan, tree = result.plan, result.tree
     assert plan.stats.tree_tokens == 236_124
     assert plan.stats.unpacked_tokens == 699_072
-    tree = plan.tree
     # One 4,096-token root shared by all 32, four 11,999-token group prefixes shared by 8.
     assert tree.length[0] == 4096 and tree.sharers[0] == 32 and tree.parent[0] == -1
     group_nodes = np.flatnonzero(tree.parent == 0)
@@ -47,9 +48,10 @@ def test_in_order_three_rows(golden):
 
 
 def test_lower_bound_and_auto(golden):
-    plan = plan_batch(**golden.plan_kwargs())
+    result = plan_result(**golden.plan_kwargs())
+    plan = result.plan
     validate_plan(plan, golden.sequences, trainable=golden.trainable)
-    assert plan.stats.lower_bound_rows == lower_bound_rows(plan.tree, golden.seq_len) == 2
+    assert plan.stats.lower_bound_rows == lower_bound_rows(result.tree, golden.seq_len) == 2
     assert plan.num_rows == 2
     assert plan.placement == "auto"
 
@@ -74,16 +76,17 @@ def test_generalized_mode_shares_the_common_start_of_completions():
     prompt = list(range(1000, 1100))  # 100 non-trainable tokens
     a = np.array(prompt + [7, 8, 9, 11, 12])
     b = np.array(prompt + [7, 8, 10, 13])
-    default = plan_batch([a, b], seq_len=512, trainable=[100, 100])
-    general = plan_batch([a, b], seq_len=512, trainable=[100, 100], share_trainable=True)
+    default_r = plan_result([a, b], seq_len=512, trainable=[100, 100])
+    general_r = plan_result([a, b], seq_len=512, trainable=[100, 100], share_trainable=True)
+    default, general = default_r.plan, general_r.plan
     for plan in (default, general):
         validate_plan(plan, [a, b], trainable=[100, 100])
     # Default: the join token (position 99) and everything after it is per sequence.
-    assert default.tree.length[0] == 99 and default.tree.sharers[0] == 2
+    assert default_r.tree.length[0] == 99 and default_r.tree.sharers[0] == 2
     # Generalized: [7] (trainable, predicted from the shared position 99) is shared too;
     # position 101 (token 8) predicts 9 vs 10, so it opens each leaf.
-    assert general.tree.length[0] == 101 and general.tree.sharers[0] == 2
-    assert general.tree.length[general.tree.leaf_of].tolist() == [4, 3]
+    assert general_r.tree.length[0] == 101 and general_r.tree.sharers[0] == 2
+    assert general_r.tree.length[general_r.tree.leaf_of].tolist() == [4, 3]
     ptr, who = general.segment_sharers()
     assert who[ptr[0] : ptr[1]].tolist() == [0, 1]
 

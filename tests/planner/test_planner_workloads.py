@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from treepack.service.planner import build_tree, naive_place, normalize_batch, place_leaves, plan_batch, validate_plan
+from helpers.trees import plan_result
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import build_tree, naive_place, place_leaves, plan_batch, validate_plan
 from treepack.service.cli import workloads as W
 
 SMALL = {
@@ -53,8 +55,8 @@ def test_generators_are_deterministic_and_sized():
 def test_distillation_header_is_not_shared():
     """The 24-token header is shorter than min_shared_len: rule 4 keeps it unshared."""
     w = W.distillation(6, seq_len=32768)
-    plan = plan_batch(**w.plan_kwargs())
-    tree = plan.tree
+    result = plan_result(**w.plan_kwargs())
+    plan, tree = result.plan, result.tree
     roots = np.flatnonzero(tree.parent < 0)
     assert len(roots) == 6  # one tree per source, none for the header
     assert bool(np.all(tree.length[roots] >= 64))

@@ -9,13 +9,17 @@ import msgpack
 import numpy as np
 import pytest
 
+from helpers.trees import plan_result
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import CapacityError, RequestError
 from treepack.service import Settings, create_app
-from treepack.service.batch_wire import encode_pack_request, shape_to_wire
-from treepack.service.planner import build_tree, normalize_batch, plan_batch, validate_plan
-from treepack.service.planner.shapes import shape_of
-from treepack.service.planner.whatif import Composition, build_pool, sample_groups, synthesize, whatif
+from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.shape_wire import shape_to_wire
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import build_tree, plan_batch, validate_plan
+from treepack.service.planner.fingerprint import shape_of
+from treepack.proto.whatif import Composition
+from treepack.service.planner.whatif import build_pool, sample_groups, synthesize, whatif
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 TREE_FIELDS = ("parent", "start", "length", "sharers", "source", "depth", "leaf_of", "path_ptr", "path_nodes")
@@ -38,8 +42,8 @@ def _cases():
 
 def _shape(kw, tags, msl):
     batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw.get("groups"), keys=kw.get("keys"))
-    plan = plan_batch(**kw, min_shared_len=msl)
-    return shape_of(batch, plan.tree, seq_len=kw["seq_len"], tags=tags), plan, batch
+    result = plan_result(**kw, min_shared_len=msl)
+    return shape_of(batch, result.tree, seq_len=kw["seq_len"], tags=tags), result.plan, batch
 
 
 @pytest.mark.parametrize("name,kw,tags,msl", list(_cases()), ids=[c[0] for c in _cases()])
@@ -222,12 +226,12 @@ def test_generalized_mode_plans_record_default_mode_shapes_with_unique_tails():
     rng = np.random.default_rng(2)
     seq = rng.integers(0, 1000, 300)
     kw = dict(sequences=[seq] * 4, trainable=[200] * 4, groups=[0, 0, 1, 1], seq_len=2048, min_shared_len=16)
-    default = plan_batch(**kw)
-    general = plan_batch(**kw, share_trainable=True)
+    default_r, general_r = plan_result(**kw), plan_result(**kw, share_trainable=True)
+    default, general = default_r.plan, general_r.plan
     assert general.stats.packed_tokens < default.stats.packed_tokens
     batch = normalize_batch(kw["sequences"], seq_len=2048, trainable=kw["trainable"], groups=kw["groups"])
-    s_gen = shape_of(batch, general.tree, seq_len=2048)
-    s_def = shape_of(batch, default.tree, seq_len=2048)
+    s_gen = shape_of(batch, general_r.tree, seq_len=2048)
+    s_def = shape_of(batch, default_r.tree, seq_len=2048)
     for f in ("seq_ptr", "run_hash", "run_len", "first_trainable"):
         assert np.array_equal(getattr(s_gen, f), getattr(s_def, f)), f
     assert (s_def.run_hash == 0).sum() == 4  # one unshareable tail per sequence

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.messages import PackRequest
-from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
-from treepack.service.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
-from treepack.service.planner import normalize_batch
+from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
+from treepack.proto.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
+from treepack.proto.batch import normalize_batch
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 
@@ -101,7 +101,8 @@ def test_msgpack_body_is_packb_of_the_message(name, kwargs):
         assert body == encode_body(encode_pack_request(**kwargs, dedup=dedup), "msgpack"), name
     msg = parse_message(PackRequest, decode_body(body, "msgpack"))
     if name != "empty-sequence":
-        got, _ = decode_pack_request(msg)
+        req = decode_pack_request(msg)
+        got = req.normalize(req.options.seq_len, req.options.on_overflow)
         ref = normalize_batch(**kwargs)
         assert all(np.array_equal(a, b) for a, b in zip(got.tokens, ref.tokens))
         assert np.array_equal(got.first_trainable, ref.first_trainable) and got.group_labels == ref.group_labels

@@ -17,9 +17,10 @@ from treepack.proto.codec import decode_body, encode_body, parse_message, respon
 from treepack.proto.errors import DecodeError, InputTypeError, RequestError, UnsupportedMediaTypeError
 from treepack.proto.messages import PackRequest
 from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
-from treepack.service.batch_wire import Limits, decode_pack_request, encode_pack_request
-from treepack.service.plan_wire import plan_differences, plan_from_wire, plan_to_wire
-from treepack.service.planner import normalize_batch, plan_batch, validate_plan
+from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_request
+from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 FORMATS = ("msgpack", "json")
@@ -52,7 +53,7 @@ def test_plan_round_trip_is_exact_and_valid(fmt):
     names = []
     for name, plan, w in _plans():
         back = _roundtrip(plan, fmt)
-        assert back.tree is None
+        assert back.options == plan.options and (back.trainable is None) == (plan.trainable is None)
         assert plan_differences(plan, back, timings=True) == [], name
         validate_plan(back, w.sequences if w is not None else None, trainable=w.trainable if w is not None else None)
         names.append(name)
@@ -138,7 +139,7 @@ def test_pack_request_round_trip(fmt):
     w = agentic(3)  # bool trainable arrays, interleaved
     batch = dict(sequences=w.sequences, trainable=w.trainable, groups=w.groups, seq_len=w.seq_len, tags=w.tags)
     msg = parse_message(PackRequest, decode_body(encode_body(pack_message(batch, fmt), fmt), fmt))
-    got, opts = decode_pack_request(msg)
+    got, opts = _decoded(msg)
     _same_batch(got, normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups))
     assert opts.tags == tuple(w.tags) and opts.record
     # msgpack tokens are views of the one body buffer: no per-sequence copy.
@@ -152,12 +153,18 @@ def test_dedup_sends_each_group_prompt_once_and_rebuilds_the_same_batch():
     plain = encode_body(encode_pack_request(**kw, dedup=False), "msgpack")
     small = encode_body(encode_pack_request(**kw), "msgpack")
     assert len(small) < 0.6 * len(plain)
-    got, _ = decode_pack_request(parse_message(PackRequest, decode_body(small, "msgpack")))
+    got, _ = _decoded(parse_message(PackRequest, decode_body(small, "msgpack")))
     _same_batch(got, normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups))
     # max_tokens counts the rebuilt sequences, not the bytes sent.
     with pytest.raises(RequestError, match="over the limit") as e:
         decode_pack_request(parse_message(PackRequest, decode_body(small, "msgpack")), Limits(max_tokens=len(small) // 4))
     assert e.value.rule == "max_tokens"
+
+
+def _decoded(msg, limits=Limits()):
+    """(the normalized batch, the decoded request) of a pack message."""
+    req = decode_pack_request(msg, limits)
+    return req.normalize(req.options.seq_len, req.options.on_overflow), req
 
 
 def test_pack_request_limits():
@@ -193,13 +200,13 @@ def test_random_batches_survive_the_wire(lens, fmt, mode, with_keys, grouped, de
     msg = encode_pack_request(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2, fmt=fmt, dedup=dedup, min_prefix=1)
     body = encode_body(msg, fmt)
     msg = parse_message(PackRequest, decode_body(body, fmt))
-    got, opts = decode_pack_request(msg)
+    got, opts = _decoded(msg)
     ref = normalize_batch(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups)
     _same_batch(got, ref)
     plan = plan_batch(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2)
     from treepack.service.planner.api import plan_normalized
 
-    again = plan_normalized(got, seq_len=64, min_shared_len=opts.min_shared_len)
+    again = plan_normalized(got, opts.options)
     assert plan_differences(plan, again) == []
     validate_plan(again, seqs, trainable=trainable, keys=keys)
 

@@ -8,18 +8,20 @@ import time
 import numpy as np
 import pytest
 
+from helpers.trees import plan_result
 from treepack.service.history import HistoryRecorder, HistoryStore
-from treepack.service.planner import normalize_batch, plan_batch
-from treepack.service.planner.shapes import BatchShape, shape_of
+from treepack.proto.batch import normalize_batch
+from treepack.service.planner import plan_batch
+from treepack.proto.shape import BatchShape
+from treepack.service.planner.fingerprint import shape_job, shape_of
 from treepack.service.cli.workloads import curriculum
 
 
 def _shape(n_groups: int = 4, seed: int = 0) -> tuple[BatchShape, object]:
     w = curriculum(n_groups, seed=seed, seq_len=32768)
     kw = w.plan_kwargs()
-    plan = plan_batch(**kw)
-    b = normalize_batch(kw["sequences"], seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
-    return shape_of(b, plan.tree, seq_len=w.seq_len, tags=w.tags), plan
+    result = plan_result(**kw)
+    return shape_of(result.batch, result.tree, seq_len=w.seq_len, tags=w.tags), result.plan
 
 
 def _same_shape(a: BatchShape, b: BatchShape) -> None:
@@ -84,11 +86,11 @@ def test_recorder_skips_rather_than_waits_when_the_backlog_is_full():
     rec = HistoryRecorder(shape_store, max_pending=1)
     w = curriculum(2)
     kw = w.plan_kwargs()
-    batch = normalize_batch(kw["sequences"], seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
-    plan = plan_batch(**kw)
+    result = plan_result(**kw)
+    job = shape_job(result, w.tags)
     with shape_store._lock:  # the writer blocks inside its first write
-        assert rec.submit(batch, plan, w.tags) is True
-        assert rec.submit(batch, plan, w.tags) is False
+        assert rec.submit(job, result.plan.stats) is True
+        assert rec.submit(job, result.plan.stats) is False
     rec.flush(timeout=10)
     assert (rec.recorded, rec.skipped, rec.failed, rec.pending) == (1, 1, 0, 0)
     assert shape_store.summary()["groups"] == 2 and shape_store.count() == 1

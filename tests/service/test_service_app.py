@@ -13,7 +13,7 @@ from helpers.service import assert_same_plan, pack_body, plan_kwargs, small_batc
 from treepack.client import AsyncPacker
 from treepack.proto.errors import OverloadedError
 from treepack.service import Settings, create_app
-from treepack.service.plan_wire import plan_from_wire
+from treepack.proto.plan_wire import plan_from_wire
 from treepack.service.planner import plan_batch
 
 

@@ -20,7 +20,8 @@ from helpers.service import pack_body, pack_message, small_batch
 from treepack.proto import codec, errors
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import HTTP_STATUS
-from treepack.service import Settings, batch_wire, create_app, dependencies, planning, pool
+from treepack.proto import batch_wire
+from treepack.service import Settings, create_app, dependencies, planning, pool
 from treepack.service import app as app_module
 
 TOKEN = "s3cret-token"
@@ -99,8 +100,8 @@ CASES = [Case(*c) for c in [
     ("version of wrong type", "POST", "/v1/pack", _mp(version="1"), MP, 422, "invalid_type", "$.version", "type", "version must be an integer"),
     ("unknown field", "POST", "/v1/pack", _mp(colour="red"), MP, 422, "invalid_request", "$.colour", "unknown_field", "unknown field `colour`"),
     ("missing tokens", "POST", "/v1/pack", _mp(tokens=_DROP), MP, 422, "invalid_request", "$.tokens", "required", "missing required field `tokens`"),
-    ("seq_len of wrong type", "POST", "/v1/pack", _mp(seq_len="512"), MP, 422, "invalid_type", "$.seq_len", "type", "expected int, got string"),
-    ("seq_len zero", "POST", "/v1/pack", _mp(seq_len=0), MP, 422, "invalid_request", "$.seq_len", "range", "greater than or equal to 1"),
+    ("seq_len of wrong type", "POST", "/v1/pack", _mp(seq_len="512"), MP, 422, "invalid_type", "$.seq_len", "type", "seq_len must be an int, got str"),
+    ("seq_len zero", "POST", "/v1/pack", _mp(seq_len=0), MP, 422, "invalid_request", "$.seq_len", "positive", "seq_len must be > 0, got 0"),
     ("tokens of wrong type", "POST", "/v1/pack", _mp(tokens=12), MP, 422, "invalid_type", "$.tokens", "type", "expected buffer, got int"),
     ("token buffer not whole items", "POST", "/v1/pack", _mp(tokens=_u4(range(_T))[:-1]), MP, 422, "invalid_request", "$.tokens", "buffer_size", "not a whole number of <u4 items"),
     ("negative token id (JSON)", "POST", "/v1/pack", _js(tokens=[5, 6, -3] + [1] * (_T - 3)), JS, 422, "invalid_request", "$.tokens[2]", "range", "value -3 is outside"),
@@ -122,8 +123,8 @@ CASES = [Case(*c) for c in [
     ("groups length mismatch", "POST", "/v1/pack", _mp(groups=["a"]), MP, 422, "invalid_request", "$.groups", "length_mismatch", "1 entries for 6 sequences"),
     ("group of wrong type", "POST", "/v1/pack", _mp(groups=["a", 1.5, "a", "b", "b", "b"]), MP, 422, "invalid_type", "$.groups[1]", "type", "got float"),
     ("tags length mismatch", "POST", "/v1/pack", _mp(tags=["x"]), MP, 422, "invalid_request", "$.tags", "length_mismatch", "1 entries for 6 sequences"),
-    ("unknown placement", "POST", "/v1/pack", _mp(placement="best"), MP, 422, "invalid_request", "$.placement", "enum", "'auto', 'bfd', 'in_order' or 'no_share'"),
-    ("min_shared_len zero", "POST", "/v1/pack", _mp(min_shared_len=0), MP, 422, "invalid_request", "$.min_shared_len", "range", "greater than or equal to 1"),
+    ("unknown placement", "POST", "/v1/pack", _mp(placement="best"), MP, 422, "invalid_request", "$.placement", "enum", "unknown placement 'best'; expected one of ('auto', 'bfd', 'in_order', 'no_share')"),
+    ("min_shared_len zero", "POST", "/v1/pack", _mp(min_shared_len=0), MP, 422, "invalid_request", "$.min_shared_len", "minimum", "min_shared_len must be >= 1, got 0"),
     ("keys length mismatch", "POST", "/v1/pack", _mp(keys=np.zeros(3, "<u8").tobytes()), MP, 422, "invalid_request", "$.keys", "length_mismatch", f"3 entries for {_T} tokens"),
     ("prefix_src without prefix_len", "POST", "/v1/pack", _dd(prefix_len=None), MP, 422, "invalid_request", "$.prefix_len", "together", "go together"),
     ("prefix from a later sequence", "POST", "/v1/pack", _dd(prefix_src=_i8([-1, 0, 0, -1, 5, 3])), MP, 422, "invalid_request", "$.prefix_src[4]", "earlier", "must be -1 or an earlier sequence, got 5"),

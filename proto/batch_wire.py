@@ -1,11 +1,11 @@
-"""Batches on the wire: ``PackRequest`` <-> the planner's :class:`~.planner.Batch`, and shapes.
+"""Batches on the wire: ``PackRequest`` <-> :class:`~treepack.proto.batch.SequenceBatch`.
 
 Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
 
 Encoding builds the columns with :mod:`~.batch_columns` (which writes the msgpack body
 straight from the caller's arrays). Decoding slices the columnar token buffer into
-per-sequence views and hands them to :func:`~.planner.normalize_batch`, which validates
+per-sequence views and hands them to :func:`~treepack.proto.batch.normalize_batch`, which validates
 them without copying (uint32 input), so a msgpack request's tokens are copied once, out
 of the body; only a sequence sent with a prefix reference is copied again, rebuilt into
 an array of its own.
@@ -24,12 +24,12 @@ import numpy as np
 from treepack.proto.buffers import Format, decode_buffer, encode_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
-from treepack.proto.messages import BatchShapeMessage, PackRequest
-from treepack.service.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
-from treepack.service.planner.inputs import Batch, normalize_batch
-from treepack.service.planner.shapes import BatchShape
+from treepack.proto.messages import PackRequest
+from treepack.proto.options import OPTION_NAMES, PlanOptions, as_options
+from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
+from treepack.proto.batch import SequenceBatch, normalize_batch
 
-__all__ = ["Limits", "PackOptions", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks", "shape_to_wire", "shape_from_wire"]
+__all__ = ["Limits", "PackInput", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,17 +41,30 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PackOptions:
-    """The planner options of a pack request (what ``plan_normalized`` takes besides the batch)."""
+class PackInput:
+    """A pack request as :func:`~treepack.proto.batch.normalize_batch` takes it, with its options.
 
-    seq_len: int
-    min_shared_len: int
-    placement: str
-    num_ranks: int
-    conv_width: int
-    share_trainable: bool
-    record: bool
-    tags: tuple[str | None, ...] | None
+    Attributes:
+        sequences: per sequence its uint32 tokens (views of the sent buffer where possible).
+        trainable: per sequence flags or a prompt length, or None.
+        groups: per sequence a group id, or None.
+        keys: per sequence uint64 keys, or None.
+        options: the options as sent (the planner checks them, then normalizes).
+        record: record the batch's shape in the history.
+        tags: per sequence a task tag, or None.
+    """
+
+    sequences: Sequence[Any]
+    trainable: Sequence[Any] | None = None
+    groups: Sequence[Any] | None = None
+    keys: Sequence[Any] | None = None
+    options: PlanOptions
+    record: bool = True
+    tags: tuple[str | None, ...] | None = None
+
+    def normalize(self, seq_len: int, on_overflow: str) -> SequenceBatch:
+        """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``."""
+        return normalize_batch(self.sequences, seq_len=seq_len, trainable=self.trainable, groups=self.groups, keys=self.keys, on_overflow=on_overflow)
 
 
 def _offsets(msg: PackRequest, num_tokens: int) -> np.ndarray:
@@ -147,18 +160,20 @@ def _rebuild(tokens: np.ndarray, own_off: np.ndarray, src: np.ndarray, plen: np.
     return out
 
 
-def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Batch, PackOptions]:
-    """Validate a pack request and build its :class:`Batch`.
+def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> PackInput:
+    """Check a pack request's columns and slice them into per-sequence inputs.
 
     Args:
         msg: the parsed message.
         limits: size limits (413 beyond them; ``max_tokens`` counts every sequence in full).
 
     Returns:
-        (the batch, the planner options).
+        The :class:`PackInput`; the planner checks its options and normalizes it
+        (``treepack.service.planner.api.plan_request``), so the per-sequence rules and
+        the options get the embedded planner's errors.
 
     Raises:
-        RequestError: (or a subclass) naming the column or sequence and the rule.
+        RequestError: (or a subclass) naming the column and the rule.
     """
     # Columns first (422), then size limits (413), then the per-sequence rules.
     tokens = decode_buffer(msg.tokens, "<u4", "$.tokens")
@@ -188,66 +203,34 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> tuple[Ba
     elif trainable_col is not None:
         trainable = trainable_col.tolist()
     keys = None if key_col is None else [key_col[a:b] for a, b in bounds]
-    batch = normalize_batch(sequences, seq_len=msg.seq_len, trainable=trainable, groups=msg.groups, keys=keys, on_overflow=msg.on_overflow)
-    opts = PackOptions(
-        seq_len=msg.seq_len,
-        min_shared_len=msg.min_shared_len,
-        placement=msg.placement,
-        num_ranks=msg.num_ranks,
-        conv_width=msg.conv_width,
-        share_trainable=msg.share_trainable,
-        record=msg.record,
-        tags=None if msg.tags is None else tuple(msg.tags),
-    )
-    return batch, opts
-
-
-def _py_scalar(v: Any) -> Any:
-    if isinstance(v, np.bool_):
-        return bool(v)
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
+    options = PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES})
+    tags = None if msg.tags is None else tuple(msg.tags)
+    return PackInput(sequences=sequences, trainable=trainable, groups=msg.groups, keys=keys, options=options, record=msg.record, tags=tags)
 
 
 def _request_fields(
     sequences: Sequence[Any],
+    options: PlanOptions | None = None,
     *,
-    seq_len: int,
-    min_shared_len: int = 64,
-    placement: str = "auto",
     trainable: Sequence[Any] | None = None,
     groups: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
-    num_ranks: int = 1,
-    on_overflow: str = "error",
-    conv_width: int = 4,
-    share_trainable: bool = False,
     tags: Sequence[str | None] | None = None,
     record: bool = True,
     dedup: bool = True,
     min_prefix: int = 64,
+    **option_kwargs: Any,
 ) -> dict[str, Any]:
     """The ``PackRequest`` fields in order, buffers as :class:`Column` s or little-endian arrays."""
+    opts = as_options(options, option_kwargs).to_wire()
     cols = batch_columns(sequences, trainable=trainable, groups=groups, keys=keys, dedup=dedup, min_prefix=min_prefix)
-    # numpy scalars (a seq_len read from a config array, say) are what plan_batch takes too;
-    # msgpack cannot write them, so they travel as Python numbers. Other types go as they
-    # are and get the server's 422 naming the field.
-    seq_len, min_shared_len, num_ranks, conv_width, share_trainable, record = (
-        _py_scalar(v) for v in (seq_len, min_shared_len, num_ranks, conv_width, share_trainable, record)
-    )
     fields: dict[str, Any] = {
         "version": 1,
-        "seq_len": seq_len,
+        "seq_len": opts["seq_len"],
         "tokens": cols.tokens,
         "offsets": _le(cols.offsets),
-        "min_shared_len": min_shared_len,
-        "placement": placement,
-        "num_ranks": num_ranks,
-        "on_overflow": on_overflow,
-        "conv_width": conv_width,
-        "share_trainable": share_trainable,
-        "record": record,
+        **{k: opts[k] for k in ("min_shared_len", "placement", "num_ranks", "on_overflow", "conv_width", "share_trainable")},
+        "record": bool(record) if isinstance(record, np.bool_) else record,
     }
     if cols.trainable is not None:
         fields["trainable"] = cols.trainable
@@ -271,31 +254,27 @@ def _le(arr: np.ndarray) -> np.ndarray:
 
 def encode_pack_request(
     sequences: Sequence[Any],
+    options: PlanOptions | None = None,
     *,
-    seq_len: int,
-    min_shared_len: int = 64,
-    placement: str = "auto",
     trainable: Sequence[Any] | None = None,
     groups: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
-    num_ranks: int = 1,
-    on_overflow: str = "error",
-    conv_width: int = 4,
-    share_trainable: bool = False,
     tags: Sequence[str | None] | None = None,
     record: bool = True,
     fmt: Format = "msgpack",
     dedup: bool = True,
     min_prefix: int = 64,
+    **option_kwargs: Any,
 ) -> dict[str, Any]:
     """Build a ``PackRequest`` message from ``plan_batch``-style arguments (client side).
 
     Only what cannot be written as its column is checked here (with the embedded
-    planner's errors, :mod:`~.batch_columns`); the server validates the rest, capacity
-    included (it applies ``seq_len`` and ``on_overflow``, so overflow events come back in
-    the plan).
+    planner's errors, :mod:`~.batch_columns`); the server validates the rest, the options
+    and capacity included (it applies ``seq_len`` and ``on_overflow``, so overflow events
+    come back in the plan).
 
     Args:
+        options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as keywords.
         dedup: send a sequence's common prefix with its group's first sequence (the
             previous sequence without groups) as a reference (``prefix_src``/``prefix_len``)
             when it is at least ``min_prefix`` tokens: a GRPO group's prompt travels once.
@@ -306,9 +285,8 @@ def encode_pack_request(
         :func:`encode_pack_body` writes the msgpack body without building it.
     """
     fields = _request_fields(
-        sequences, seq_len=seq_len, trainable=trainable, groups=groups, keys=keys, tags=tags, dedup=dedup, min_prefix=min_prefix,
-        min_shared_len=min_shared_len, placement=placement, num_ranks=num_ranks, on_overflow=on_overflow, conv_width=conv_width,
-        share_trainable=share_trainable, record=record,
+        sequences, options, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record, dedup=dedup, min_prefix=min_prefix,
+        **option_kwargs,
     )  # fmt: skip
     for k, v in fields.items():
         if isinstance(v, Column):
@@ -321,7 +299,7 @@ def encode_pack_request(
 def encode_pack_body(sequences: Sequence[Any], *, fmt: Format = "msgpack", **kwargs: Any) -> bytes:
     """The body of ``POST /v1/pack`` (arguments as for :func:`encode_pack_request`).
 
-    msgpack bodies are written straight from the token arrays (:func:`~.batch_columns.msgpack_body`),
+    msgpack bodies are written straight from the token arrays (:func:`~treepack.proto.batch_columns.msgpack_body`),
     bytes-for-bytes equal to ``encode_body(encode_pack_request(...), "msgpack")``.
     """
     if fmt != "msgpack":
@@ -330,36 +308,6 @@ def encode_pack_body(sequences: Sequence[Any], *, fmt: Format = "msgpack", **kwa
 
 
 def encode_pack_chunks(sequences: Sequence[Any], **kwargs: Any) -> BodyChunks:
-    """The msgpack body of :func:`encode_pack_body` as :class:`~.batch_columns.BodyChunks`:
+    """The msgpack body of :func:`encode_pack_body` as :class:`~treepack.proto.batch_columns.BodyChunks`:
     written chunk by chunk while it is sent, never whole."""
     return BodyChunks(msgpack_parts(_request_fields(sequences, **kwargs)))
-
-
-def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
-    """A :class:`BatchShape` as a ``BatchShapeMessage`` dict."""
-    return {
-        "seq_len": shape.seq_len,
-        "min_shared_len": shape.min_shared_len,
-        "seq_ptr": encode_buffer(shape.seq_ptr, "<i8", fmt),
-        "run_hash": encode_buffer(shape.run_hash, "<u8", fmt),
-        "run_len": encode_buffer(shape.run_len, "<i8", fmt),
-        "first_trainable": encode_buffer(shape.first_trainable, "<i8", fmt),
-        "groups": list(shape.groups),
-        "tags": None if shape.tags is None else list(shape.tags),
-    }
-
-
-def shape_from_wire(msg: BatchShapeMessage, path: str = "$") -> BatchShape:
-    """Decode and check a shape (``path`` locates it in the request, for errors)."""
-    shape = BatchShape(
-        seq_len=msg.seq_len,
-        min_shared_len=msg.min_shared_len,
-        seq_ptr=decode_buffer(msg.seq_ptr, "<i8", f"{path}.seq_ptr"),
-        run_hash=decode_buffer(msg.run_hash, "<u8", f"{path}.run_hash"),
-        run_len=decode_buffer(msg.run_len, "<i8", f"{path}.run_len"),
-        first_trainable=decode_buffer(msg.first_trainable, "<i8", f"{path}.first_trainable"),
-        groups=tuple(msg.groups),
-        tags=None if msg.tags is None else tuple(msg.tags),
-    )
-    shape.check(path)
-    return shape

@@ -1,4 +1,4 @@
-"""Request normalization: user sequences -> one validated :class:`Batch`.
+"""Request normalization: user sequences -> one validated :class:`SequenceBatch`.
 
 The planner works in metadata space: after this module, nothing reads token payloads
 except the tree builder (to find shared prefixes) and ``validate_plan`` (to check them).
@@ -9,23 +9,22 @@ input already has the right dtype (the wire's columnar buffer is sliced, not cop
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
 from treepack.proto.plan import OverflowEvent
 
-__all__ = ["Batch", "OverflowEvent", "normalize_batch", "ON_OVERFLOW"]
+__all__ = ["SequenceBatch", "normalize_batch", "as_trainable", "normalize_trainable", "group_codes"]
 
-ON_OVERFLOW = ("error", "truncate", "drop")
 MAX_GROUP_LABEL = 256  # characters, as on the wire
 _UINT32_MAX = np.iinfo(np.uint32).max
 _SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Batch:
+class SequenceBatch:
     """A validated batch of sequences, in the planner's terms.
 
     Attributes:
@@ -69,6 +68,13 @@ class Batch:
         out[int(self.prompt_lens[s]):] = True
         return out
 
+    def flat_trainable(self) -> np.ndarray | None:
+        """[sum lens] bool the flags of every kept token, sequence after sequence, or None
+        when every sequence was given by a prompt length (see ``first_trainable``)."""
+        if self.trainable is None:
+            return None
+        return np.concatenate(self.trainable) if self.trainable else np.zeros(0, dtype=bool)
+
     def shareable_lens(self) -> np.ndarray:
         """[S] int64 default-mode shareable length: the index of the first scored position.
 
@@ -101,26 +107,70 @@ def _as_tokens(x: Any, i: int) -> np.ndarray:
     return arr.astype(np.uint32)
 
 
-def _as_trainable(x: Any, n: int, i: int) -> tuple[np.ndarray | None, int]:
-    """Returns (bool array or None, prompt length or -1)."""
-    path = f"$.sequences[{i}].trainable"
+def as_trainable(x: Any, n: int, path: str, *, placed: int | None = None) -> tuple[np.ndarray | None, int]:
+    """One sequence's trainable flags, in either form: (bool array or None, prompt length or -1).
+
+    Args:
+        x: a bool (or 0/1 integer) array of ``n`` flags, or a prompt length p in [0, n]
+            (tokens p.. are trainable).
+        n: the sequence's length.
+        path: where ``x`` is in the request, for errors.
+        placed: another accepted array length (the placed length of a truncated
+            sequence); flags of the full length are then cut to it.
+
+    Raises:
+        InputTypeError: neither form (rules ``type``, ``ndim``, ``dtype``).
+        RequestError: a prompt length out of range, or flags of another length.
+    """
     if isinstance(x, (bool, np.bool_)):
         raise InputTypeError(f"expected a bool array or a prompt length, got {x!r}", path=path, rule="type")
     if isinstance(x, (int, np.integer)):
         p = int(x)
         if not 0 <= p <= n:
             raise RequestError(f"prompt length must be in [0, {n}], got {p}", path=path, rule="prompt_len_range")
-        return None, p
+        return None, p if placed is None else min(p, placed)
     arr = np.asarray(x)
     if arr.ndim != 1:
         raise InputTypeError(f"expected a 1-D bool array, got shape {arr.shape}", path=path, rule="ndim")
-    if arr.shape[0] != n:
+    if arr.shape[0] != n and arr.shape[0] != placed:
         raise RequestError(f"trainable has {arr.shape[0]} flags for {n} tokens", path=path, rule="length_mismatch")
     if arr.dtype != np.bool_:
         if arr.dtype.kind not in "iub" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
             raise InputTypeError(f"expected bools or 0/1, got dtype {arr.dtype}", path=path, rule="dtype")
         arr = arr.astype(bool)
+    if placed is not None:
+        arr = arr[:placed]
     return np.ascontiguousarray(arr), -1
+
+
+def normalize_trainable(
+    trainable: Sequence[Any] | None, seq_lens: np.ndarray, orig_lens: np.ndarray | None = None, *, path: str = "$.trainable"
+) -> Callable[[int], np.ndarray]:
+    """Per-sequence trainable flags cut to the placed lengths (the trainer's view of a plan).
+
+    Args:
+        trainable: None (nothing trainable), or per sequence what :func:`as_trainable`
+            takes (flags of the submitted or the placed length, or a prompt length).
+        seq_lens: [S] placed lengths (``plan.seq_lens``).
+        orig_lens: [S] submitted lengths (``plan.orig_lens``); default ``seq_lens``.
+        path: the argument's path, for errors (``{path}[s]`` names one sequence).
+
+    Returns:
+        ``flags(s)`` -> [seq_lens[s]] bool.
+    """
+    orig = seq_lens if orig_lens is None else orig_lens
+    S = int(seq_lens.shape[0])
+    if trainable is None:
+        return lambda s: np.zeros(int(seq_lens[s]), dtype=bool)
+    if len(trainable) != S:
+        raise RequestError(f"trainable has {len(trainable)} entries for the plan's {S} sequences", path=path, rule="length_mismatch")
+
+    def flags(s: int) -> np.ndarray:
+        n = int(seq_lens[s])
+        arr, p = as_trainable(trainable[s], int(orig[s]), f"{path}[{s}]", placed=n)
+        return _prompt_mask(n, p) if arr is None else arr
+
+    return flags
 
 
 def _as_keys(x: Any, n: int, i: int) -> np.ndarray | None:
@@ -137,7 +187,12 @@ def _as_keys(x: Any, n: int, i: int) -> np.ndarray | None:
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
-def _group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple[Any, ...]]:
+def group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple[Any, ...]]:
+    """([n] int64 dense group codes in order of first appearance, the label of each code).
+
+    A sequence without a group (None, or ``groups`` None) gets a code of its own. Labels
+    are ints or strings within the wire's limits (256 characters, int64).
+    """
     if groups is None:
         return np.arange(n, dtype=np.int64), (None,) * n
     if len(groups) != n:
@@ -174,34 +229,55 @@ def normalize_batch(
     groups: Sequence[Any] | None = None,
     keys: Sequence[Any] | None = None,
     on_overflow: str = "error",
-) -> Batch:
-    """Validate a request and bring it into the planner's :class:`Batch` form.
+) -> SequenceBatch:
+    """Validate a request's sequences and bring them into :class:`SequenceBatch` form.
 
     Args:
         sequences: S sequences of token ids (lists, numpy arrays, anything ``np.asarray``
             takes); ids must be integers in [0, 2**32).
-        seq_len: row capacity C (> 0).
+        seq_len: row capacity C, already checked (``check_options``; a positive int).
         trainable: None (no token is a loss target: every sequence is fully shareable),
             or per sequence a bool array of its length or a prompt length p (tokens p.. are
             trainable).
         groups: None, or per sequence an int/str group id (or None: a group of its own).
         keys: None, or per sequence None or one uint64 per token that must also match for
             two sequences to share a token.
-        on_overflow: what to do with a sequence longer than seq_len: ``error`` (raise
-            :class:`CapacityError`), ``truncate`` (keep its first seq_len tokens) or ``drop``.
+        on_overflow: already checked; what to do with a sequence longer than seq_len:
+            ``error`` (raise :class:`CapacityError`), ``truncate`` (keep its first seq_len
+            tokens) or ``drop``.
 
     Returns:
-        The validated :class:`Batch`.
+        The validated :class:`SequenceBatch`.
 
     Raises:
         RequestError: (or a subclass) naming the rule and the request path.
     """
-    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
-        raise InputTypeError(f"seq_len must be an int, got {type(seq_len).__name__}", path="$.seq_len", rule="type")
-    if seq_len <= 0:
-        raise RequestError(f"seq_len must be > 0, got {seq_len}", path="$.seq_len", rule="positive")
-    if on_overflow not in ON_OVERFLOW:
-        raise RequestError(f"on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}", path="$.on_overflow", rule="enum")
+    n = _check_counts(sequences, trainable, keys)
+    per = [_normalize_one(sequences, trainable, keys, s, seq_len, on_overflow) for s in range(n)]
+    lens = np.array([len(p.tokens) for p in per], dtype=np.int64)
+    prompt = np.array([p.prompt for p in per], dtype=np.int64)
+    train_tuple: tuple[np.ndarray, ...] | None = None
+    prompt_lens: np.ndarray | None = prompt
+    if trainable is not None and any(p.flags is not None for p in per):
+        train_tuple = tuple(p.flags if p.flags is not None else _prompt_mask(int(lens[s]), p.prompt) for s, p in enumerate(per))
+        prompt_lens = None
+    codes, labels = group_codes(groups, n)
+    return SequenceBatch(
+        tokens=tuple(p.tokens for p in per),
+        lens=lens,
+        orig_lens=np.array([p.orig for p in per], dtype=np.int64),
+        kept=np.array([p.event is None or p.event.action != "drop" for p in per], dtype=bool),
+        first_trainable=np.array([p.first for p in per], dtype=np.int64),
+        trainable=train_tuple,
+        prompt_lens=prompt_lens,
+        group_codes=codes,
+        group_labels=labels,
+        keys=None if keys is None else tuple(p.keys for p in per),
+        overflow=tuple(p.event for p in per if p.event is not None),
+    )
+
+
+def _check_counts(sequences: Any, trainable: Any, keys: Any) -> int:
     if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
         raise InputTypeError("sequences must be a list of token arrays", path="$.sequences", rule="type")
     n = len(sequences)
@@ -211,84 +287,47 @@ def normalize_batch(
         raise RequestError(f"trainable has {len(trainable)} entries for {n} sequences", path="$.trainable", rule="length_mismatch")
     if keys is not None and len(keys) != n:
         raise RequestError(f"keys has {len(keys)} entries for {n} sequences", path="$.keys", rule="length_mismatch")
+    return n
 
-    toks: list[np.ndarray] = []
-    trains: list[np.ndarray] | None = [] if trainable is not None else None
-    prompt = np.zeros(n, dtype=np.int64)
-    first = np.empty(n, dtype=np.int64)
-    all_prompt = True
-    key_list: list[np.ndarray | None] | None = [] if keys is not None else None
-    lens = np.empty(n, dtype=np.int64)
-    orig = np.empty(n, dtype=np.int64)
-    kept = np.ones(n, dtype=bool)
-    overflow: list[OverflowEvent] = []
-    for s in range(n):
-        arr = _as_tokens(sequences[s], s)
-        m = arr.shape[0]
-        orig[s] = m
-        if m == 0:
-            raise RequestError("sequence has no tokens", path=f"$.sequences[{s}]", rule="non_empty")
-        tr, p = (None, m) if trainable is None else _as_trainable(trainable[s], m, s)
-        ky = None if keys is None else _as_keys(keys[s], m, s)
-        if m > seq_len:
-            if on_overflow == "error":
-                raise CapacityError(
-                    f"sequence {s} has {m} tokens, longer than seq_len {seq_len} "
-                    "(set on_overflow='truncate' or 'drop' to allow)",
-                    path=f"$.sequences[{s}]",
-                    rule="max_len",
-                )
-            overflow.append(OverflowEvent(index=s, length=m, action=on_overflow))
-            if on_overflow == "truncate":
-                m = seq_len
-                arr = arr[:m]
-                tr = None if tr is None else tr[:m]
-                p = min(p, m)
-                ky = None if ky is None else ky[:m]
-            else:
-                kept[s] = False
-                m = 0
-                arr = arr[:0]
-                tr = None if tr is None else tr[:0]
-                p = 0
-                ky = None if ky is None else ky[:0]
-        lens[s] = m
-        toks.append(arr)
-        if tr is None:
-            prompt[s] = p
-            first[s] = p if p < m else m
-            if trains is not None:
-                trains.append(None)  # type: ignore[arg-type]
-        else:
-            all_prompt = False
-            if trains is not None:
-                trains.append(tr)
-            j = int(np.argmax(tr)) if m else 0
-            first[s] = j if m and tr[j] else m
-        if key_list is not None:
-            key_list.append(ky)
 
-    train_tuple: tuple[np.ndarray, ...] | None = None
-    prompt_lens: np.ndarray | None = prompt
-    if trains is not None and not all_prompt:
-        train_tuple = tuple(
-            t if t is not None else _prompt_mask(int(lens[s]), int(prompt[s])) for s, t in enumerate(trains)
-        )
-        prompt_lens = None
-    codes, labels = _group_codes(groups, n)
-    return Batch(
-        tokens=tuple(toks),
-        lens=lens,
-        orig_lens=orig,
-        kept=kept,
-        first_trainable=first,
-        trainable=train_tuple,
-        prompt_lens=prompt_lens,
-        group_codes=codes,
-        group_labels=labels,
-        keys=None if key_list is None else tuple(key_list),
-        overflow=tuple(overflow),
-    )
+@dataclass(frozen=True, slots=True)
+class _One:
+    """One normalized sequence: kept tokens, flags or prompt length, keys, overflow."""
+
+    tokens: np.ndarray
+    orig: int
+    flags: np.ndarray | None
+    prompt: int
+    first: int
+    keys: np.ndarray | None
+    event: OverflowEvent | None
+
+
+def _normalize_one(sequences: Any, trainable: Any, keys: Any, s: int, seq_len: int, on_overflow: str) -> _One:
+    arr = _as_tokens(sequences[s], s)
+    m = arr.shape[0]
+    if m == 0:
+        raise RequestError("sequence has no tokens", path=f"$.sequences[{s}]", rule="non_empty")
+    tr, p = (None, m) if trainable is None else as_trainable(trainable[s], m, f"$.sequences[{s}].trainable")
+    ky = None if keys is None else _as_keys(keys[s], m, s)
+    event = None
+    if m > seq_len:
+        if on_overflow == "error":
+            raise CapacityError(
+                f"sequence {s} has {m} tokens, longer than seq_len {seq_len} (set on_overflow='truncate' or 'drop' to allow)",
+                path=f"$.sequences[{s}]",
+                rule="max_len",
+            )
+        event = OverflowEvent(index=s, length=m, action=on_overflow)
+        keep = seq_len if on_overflow == "truncate" else 0
+        arr, tr, ky, p = arr[:keep], None if tr is None else tr[:keep], None if ky is None else ky[:keep], min(p, keep)
+    n = arr.shape[0]
+    if tr is None:
+        first = min(p, n)
+    else:
+        j = int(np.argmax(tr)) if n else 0
+        first = j if n and tr[j] else n
+    return _One(tokens=arr, orig=m, flags=tr, prompt=p, first=first, keys=ky, event=event)
 
 
 def _prompt_mask(m: int, p: int) -> np.ndarray:

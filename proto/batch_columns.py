@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 
 from treepack.proto.messages import MAX_SEQ_LEN
-from treepack.service.planner.inputs import normalize_batch
+from treepack.proto.batch import normalize_batch
 
 __all__ = ["Column", "BatchColumns", "BodyChunks", "batch_columns", "prefix_refs", "naive_prefix_refs", "msgpack_parts", "msgpack_body"]
 

@@ -1,9 +1,10 @@
-"""Batch shapes: what the history keeps of a batch (no tokens), and token runs made back from them.
+"""Batch shapes (fingerprints): what the history keeps of a batch (no tokens), and token runs made back from them.
 
 A batch's **shape** lists, per kept sequence, its **runs** root first: one run per internal
 tree node on its path (the token run the node's sharers have in common), then its leaf
 split in two: the leaf's shareable rest (positions up to the first scored one) and its
-unshareable tail. A run is ``(hash, length)``; the hash is a 64-bit BLAKE2b of the run's
+unshareable tail. A run is ``(hash, length)``; :func:`treepack.service.planner.fingerprint.shape_of` takes
+the shape of a planned batch; the hash is a 64-bit BLAKE2b of the run's
 tokens (and keys, when any is non-zero); the tail from the first scored position on gets
 hash 0: the default mode never shares it, and its content does not matter to the tree. The same system prompt in
 two batches is the same node run, hence the same hash, so what-if sampling across
@@ -13,9 +14,9 @@ match across batches; the recorded node boundaries are all a shape knows.)
 
 :func:`run_tokens` turns runs back into token ids: equal hashes give equal runs, and runs
 of different hashes differ at their first token (a 2**-32 collision chance per pair);
-tails get run ids unique to their sequence (:func:`~.whatif.synthesize`), so made-up
+tails get run ids unique to their sequence (:func:`treepack.service.planner.whatif.synthesize`), so made-up
 tails never match, not even in the generalized mode. Hence
-:func:`~.tree.build_tree` on the made-up tokens rebuilds the recorded tree exactly (same
+:func:`treepack.service.planner.tree.build_tree` on the made-up tokens rebuilds the recorded tree exactly (same
 nodes, lengths, sharers; tested), with the same ``min_shared_len``. A larger
 ``min_shared_len`` is exact too; a smaller one misses short runs the shape never saw.
 """
@@ -24,16 +25,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from treepack.proto.errors import RequestError
 from treepack.proto.index import ragged_arange
-from treepack.service.planner.inputs import Batch
-from treepack.service.planner.tree import Tree, build_tree
 
-__all__ = ["BatchShape", "shape_of", "run_hash", "run_tokens"]
+__all__ = ["BatchShape", "run_hash", "run_tokens"]
 
 _PERSON = b"treepack-run-v1"  # versions the hash: a new scheme must not match old records
 
@@ -127,70 +126,6 @@ def run_hash(tokens: np.ndarray, keys: np.ndarray | None = None) -> int:
         h.update(b"keys")
         h.update(memoryview(np.ascontiguousarray(keys, dtype=np.uint64)).cast("B"))
     return int.from_bytes(h.digest(), "little") or 1
-
-
-def shape_of(batch: Batch, tree: Tree, *, seq_len: int, tags: Sequence[str | None] | None = None) -> BatchShape:
-    """The shape of a planned batch (dropped sequences are left out).
-
-    Args:
-        batch: the batch as planned.
-        tree: its tree (``plan.tree``; a ``no_share`` plan's tree is the real one too).
-            A shape always describes the default-mode tree: a tree built with
-            ``share_trainable`` is rebuilt without it (trainable tokens are not recorded).
-        seq_len: the capacity it was planned for.
-        tags: per sequence of the request, a task tag or None.
-
-    Returns:
-        The :class:`BatchShape`.
-    """
-    if tree.share_trainable:
-        tree = build_tree(batch, tree.min_shared_len)
-    kept = np.flatnonzero(batch.kept)
-    sh = batch.shareable_lens()
-    n_nodes = tree.num_nodes
-    is_leaf = np.zeros(n_nodes, dtype=bool)
-    is_leaf[tree.leaf_of[kept]] = True
-    # One hash per internal node (read from its source) and per leaf's shareable part.
-    node_hash = np.zeros(n_nodes, dtype=np.uint64)
-    starts, ends, srcs = tree.start.tolist(), tree.end.tolist(), tree.source.tolist()
-    for v in range(n_nodes):
-        s, a = srcs[v], starts[v]
-        b = min(ends[v], int(sh[s])) if is_leaf[v] else ends[v]
-        if b > a:
-            key = None if batch.keys is None or batch.keys[s] is None else batch.keys[s][a:b]
-            node_hash[v] = run_hash(batch.tokens[s][a:b], key)
-    plen = tree.path_ptr[kept + 1] - tree.path_ptr[kept]
-    entry = tree.path_nodes[np.repeat(tree.path_ptr[kept], plen) + ragged_arange(plen)]
-    entry_seq = np.repeat(kept, plen)
-    leaf = is_leaf[entry] & (tree.leaf_of[entry_seq] == entry)
-    length = tree.length[entry]
-    share = np.where(leaf, np.clip(sh[entry_seq] - tree.start[entry], 0, length), length)
-    tail = length - share
-    # Each path entry yields its shareable run (if any) then, for a leaf, its tail (if any).
-    n_runs = (share > 0).astype(np.int64) + (tail > 0)
-    first = np.cumsum(n_runs) - n_runs
-    total = int(n_runs.sum())
-    r_hash = np.zeros(total, dtype=np.uint64)
-    r_len = np.zeros(total, dtype=np.int64)
-    has_share = share > 0
-    r_hash[first[has_share]] = node_hash[entry[has_share]]
-    r_len[first[has_share]] = share[has_share]
-    has_tail = tail > 0
-    r_len[first[has_tail] + has_share[has_tail]] = tail[has_tail]
-    seq_runs = np.bincount(np.searchsorted(kept, entry_seq), weights=n_runs, minlength=kept.shape[0]).astype(np.int64)
-    seq_ptr = np.zeros(kept.shape[0] + 1, dtype=np.int64)
-    np.cumsum(seq_runs, out=seq_ptr[1:])
-    labels = [batch.group_labels[c] for c in batch.group_codes[kept].tolist()]
-    return BatchShape(
-        seq_len=int(seq_len),
-        min_shared_len=tree.min_shared_len,
-        seq_ptr=seq_ptr,
-        run_hash=r_hash,
-        run_len=r_len,
-        first_trainable=batch.first_trainable[kept].astype(np.int64),
-        groups=tuple(labels),
-        tags=None if tags is None else tuple(tags[i] for i in kept.tolist()),
-    )
 
 
 def run_tokens(hashes: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -1,10 +1,10 @@
-"""Plans on the wire: :class:`~.planner.Plan` <-> ``PlanMessage`` (response side).
+"""Plans on the wire: :class:`~treepack.proto.plan.Plan` <-> ``PlanMessage`` (response side).
 
 Shared by the service (encode) and the HTTP client (decode); no FastAPI here. Every plan
 array travels as a typed array object (:mod:`treepack.proto.buffers`) whose dtype and
 rank are fixed by :data:`ARRAYS`; the decoder checks them, so a decoded plan has exactly
-the embedded plan's dtypes and shapes. The planner-side ``tree`` is not sent: a decoded
-plan has ``tree=None``.
+the embedded plan's dtypes and shapes. The plan travels whole: its options, per-sequence
+first trainable index, trainable flags (when given as flags) and group codes included.
 
 :func:`plan_differences` compares two plans field by field and array by array (dtype
 included); the backends are tested to agree with it.
@@ -19,6 +19,7 @@ import numpy as np
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import PlanMessage
+from treepack.proto.options import PlanOptions
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "plan_differences"]
@@ -27,7 +28,7 @@ _I8, _I4, _F8 = "<i8", "<i4", "<f8"
 
 # (message section, field) -> (dtype, ndim). Section "" is the plan itself.
 ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
-    **{("", f): (_I8, 1) for f in ("seq_lens", "orig_lens", "row_of")},
+    **{("", f): (_I8, 1) for f in ("seq_lens", "orig_lens", "row_of", "first_trainable", "group_codes")},
     **{("segments", f): (_I8, 1) for f in Segments.__dataclass_fields__},
     **{("attention", f): (_I8, 1) for f in AttentionMeta.__dataclass_fields__},
     ("gdn.levels", "segs"): (_I8, 1),
@@ -62,7 +63,9 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
         "strategy": plan.strategy,
         "min_shared_len": plan.min_shared_len,
         "share_trainable": plan.share_trainable,
+        "on_overflow": plan.options.on_overflow,
         **_section(plan, "", fmt),
+        "trainable": None if plan.trainable is None else array_to_wire(plan.trainable.view(np.uint8), "|u1", fmt),
         "segments": _section(plan.segments, "segments", fmt),
         "attention": _section(plan.attention, "attention", fmt),
         "gdn": {
@@ -87,7 +90,7 @@ def _arrays(msg: Any, section: str, path: str) -> dict[str, np.ndarray]:
 
 
 def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
-    """Rebuild a :class:`Plan` (``tree=None``) from its message.
+    """Rebuild a :class:`Plan` from its message.
 
     Raises:
         RequestError: an array of the wrong dtype, rank or size (the path names it).
@@ -107,22 +110,40 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
     ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
     st = msg.stats
     stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms))
-    return Plan(
+    options = PlanOptions(
         seq_len=msg.seq_len,
-        num_rows=msg.num_rows,
-        placement=msg.placement,
-        strategy=msg.strategy,
         min_shared_len=msg.min_shared_len,
+        placement=msg.placement,
+        num_ranks=msg.ranks.num_ranks,
+        conv_width=msg.gdn.conv_width,
         share_trainable=msg.share_trainable,
-        **_arrays(msg, "", ""),
+        on_overflow=msg.on_overflow,
+    )
+    top = _arrays(msg, "", "")
+    return Plan(
+        options=options,
+        num_rows=msg.num_rows,
+        strategy=msg.strategy,
+        **top,
+        trainable=_flags(msg.trainable, int(top["seq_lens"].sum())),
         segments=seg,
         attention=att,
         gdn=GdnMeta(conv_width=msg.gdn.conv_width, levels=tuple(levels)),
         ranks=ranks,
         stats=stats,
         overflow=tuple(OverflowEvent(index=e.index, length=e.length, action=e.action) for e in msg.overflow),
-        tree=None,
     )
+
+
+def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:
+    if obj is None:
+        return None
+    flags = array_from_wire(obj, dtype="|u1", ndim=1, path="$.trainable")
+    if flags.shape[0] != num_tokens:
+        raise RequestError(f"trainable has {flags.shape[0]} flags for {num_tokens} placed tokens", path="$.trainable", rule="length_mismatch")
+    if flags.size and flags.max() > 1:
+        raise RequestError("trainable flags must be 0 or 1", path="$.trainable", rule="flag")
+    return flags.view(np.bool_)
 
 
 def _diff_array(name: str, a: np.ndarray, b: np.ndarray, out: list[str]) -> None:
@@ -140,13 +161,19 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
 
     Compares scalars, every array (dtype, shape, values; the dtype of an empty array is
     not compared: numpy gives some empty results a default dtype), GDN levels, ranks,
-    stats and overflow events. ``tree`` is ignored (it is planner-side only) and so are the stats'
-    phase timings unless ``timings`` is True.
+    stats, overflow events, options and trainable flags. The stats' phase timings are
+    ignored unless ``timings`` is True.
     """
     out: list[str] = []
-    for f in ("seq_len", "num_rows", "placement", "strategy", "min_shared_len", "share_trainable"):
+    if a.options != b.options:
+        out.append(f"options: {a.options!r} != {b.options!r}")
+    for f in ("num_rows", "strategy"):
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
+    if (a.trainable is None) != (b.trainable is None):
+        out.append(f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}")
+    elif a.trainable is not None and b.trainable is not None:
+        _diff_array("trainable", a.trainable, b.trainable, out)
     sources = {"": (a, b), "segments": (a.segments, b.segments), "attention": (a.attention, b.attention), "ranks": (a.ranks, b.ranks)}
     for (sec, f), _ in ARRAYS.items():
         if sec in sources:

@@ -1,0 +1,85 @@
+"""How to pack a batch: :class:`PlanOptions`, and the limits every option is held to.
+
+One frozen dataclass carries the options from the caller (``plan_batch``, either client,
+the wire) to the planner, and the plan keeps the checked copy (``Plan.options``). It is loosely typed on purpose: whatever a caller gave travels
+as given, and one function of the planner
+(:func:`treepack.service.planner.options.check_options`) judges it, so the embedded
+planner and the sidecar answer a bad option with the same error, rule, path and message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from treepack.proto.errors import InputTypeError
+
+__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "OPTION_NAMES", "as_options"]
+
+PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
+ON_OVERFLOW = ("error", "truncate", "drop")
+MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens are int32
+MAX_RANKS = 65536
+MAX_CONV_WIDTH = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """The options of one plan (SPEC sections 2-5); defaults are the planner's.
+
+    Attributes:
+        seq_len: row capacity C, in [1, MAX_SEQ_LEN] (required).
+        min_shared_len: no shared segment shorter than this (rule 4), in [1, MAX_SEQ_LEN].
+        placement: one of :data:`PLACEMENTS`.
+        num_ranks: ranks to deal rows to, in [1, MAX_RANKS].
+        conv_width: GDN short-conv width W, in [1, MAX_CONV_WIDTH].
+        share_trainable: the generalized sharing mode.
+        on_overflow: one of :data:`ON_OVERFLOW`, for sequences longer than ``seq_len``.
+    """
+
+    seq_len: Any
+    min_shared_len: Any = 64
+    placement: Any = "auto"
+    num_ranks: Any = 1
+    conv_width: Any = 4
+    share_trainable: Any = False
+    on_overflow: Any = "error"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The options as message fields (numpy scalars as Python numbers: msgpack cannot
+        write them; anything else as given, for the receiver's check to name)."""
+        return {f: _py_scalar(getattr(self, f)) for f in OPTION_NAMES}
+
+
+OPTION_NAMES = tuple(f.name for f in fields(PlanOptions))
+
+
+def _py_scalar(v: Any) -> Any:
+    # numpy ints and bools are what the planner accepts too (a seq_len read from a config
+    # array); they travel as Python numbers. Anything else goes as it is, so the
+    # receiver names the same type the embedded planner would.
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+def as_options(options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptions:
+    """``options``, or a :class:`PlanOptions` made of the option keywords (not both).
+
+    Raises:
+        InputTypeError: both given, or a keyword that is no option.
+    """
+    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    if unknown:
+        raise InputTypeError(f"unknown option {unknown[0]!r}; options are {OPTION_NAMES}", path=f"$.{unknown[0]}", rule="unknown")
+    if options is None:
+        if "seq_len" not in kwargs:
+            raise InputTypeError("seq_len is required", path="$.seq_len", rule="required")
+        return PlanOptions(**kwargs)
+    if kwargs:
+        raise InputTypeError(f"give options or option keywords, not both (got {sorted(kwargs)})", path="$", rule="exclusive")
+    return options

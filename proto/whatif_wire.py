@@ -1,0 +1,81 @@
+"""What-if messages: :class:`~treepack.proto.whatif.Composition` and
+:class:`~treepack.proto.whatif.WhatIfResult` <-> the ``WhatIfRequest`` / ``WhatIfResponse``
+fields. The client encodes compositions and decodes results; the service the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from treepack.proto import WIRE_VERSION
+from treepack.proto.buffers import Format
+from treepack.proto.messages import Composition as CompositionMessage
+from treepack.proto.messages import WhatIfResultMessage
+from treepack.proto.options import PlanOptions
+from treepack.proto.shape import BatchShape
+from treepack.proto.shape_wire import shape_to_wire
+from treepack.proto.whatif import Composition, Distribution, WhatIfResult
+
+__all__ = ["composition_to_wire", "composition_from_wire", "whatif_request", "whatif_result_to_wire", "whatif_result_from_wire"]
+
+
+def composition_to_wire(c: Composition) -> dict[str, Any]:
+    return {"name": c.name, "groups": c.groups, "by_tag": None if c.by_tag is None else dict(c.by_tag)}
+
+
+def composition_from_wire(c: CompositionMessage) -> Composition:
+    return Composition(name=c.name, groups=c.groups, by_tag=None if c.by_tag is None else dict(c.by_tag))
+
+
+def whatif_request(
+    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **fields: Any
+) -> dict[str, Any]:
+    """A ``WhatIfRequest`` dict: the compositions, the plan options as given (the server
+    checks them), inline shapes if any, the other fields given (None = the server's default)."""
+    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in compositions], **options.to_wire()}
+    msg.update({k: v for k, v in fields.items() if v is not None})
+    if shapes is not None:
+        msg["shapes"] = [shape_to_wire(s, fmt) for s in shapes]
+    return msg
+
+
+def _dist_to_wire(d: Distribution) -> dict[str, float]:
+    return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
+
+
+def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "groups": r.groups,
+        "by_tag": r.by_tag,
+        "trials": r.trials,
+        "rows": _dist_to_wire(r.rows),
+        "packed_tokens": _dist_to_wire(r.packed_tokens),
+        "unpacked_tokens": _dist_to_wire(r.unpacked_tokens),
+        "saved_fraction": _dist_to_wire(r.saved_fraction),
+        "max_rows": r.max_rows,
+        "p_rows_over": r.p_rows_over,
+        "row_counts": r.row_counts.tolist(),
+    }
+
+
+def _dist_from_wire(d: Any) -> Distribution:
+    return Distribution(mean=d.mean, p50=d.p50, p90=d.p90, min=d.min, max=d.max)
+
+
+def whatif_result_from_wire(r: WhatIfResultMessage) -> WhatIfResult:
+    return WhatIfResult(
+        name=r.name,
+        groups=r.groups,
+        by_tag=None if r.by_tag is None else dict(r.by_tag),
+        trials=r.trials,
+        rows=_dist_from_wire(r.rows),
+        packed_tokens=_dist_from_wire(r.packed_tokens),
+        unpacked_tokens=_dist_from_wire(r.unpacked_tokens),
+        saved_fraction=_dist_from_wire(r.saved_fraction),
+        max_rows=r.max_rows,
+        p_rows_over=r.p_rows_over,
+        row_counts=np.asarray(r.row_counts, dtype=np.int64),
+    )

@@ -1,0 +1,59 @@
+"""Which placement runs: the dispatch over the named placements (SPEC section 4).
+
+It sits above :mod:`~.placement` (the baselines ``bfd``, ``in_order``, ``no_share``) and
+:mod:`~.auto` (which builds on them), so neither imports the other's caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.proto.batch import SequenceBatch
+from treepack.service.planner.auto import auto_place
+from treepack.service.planner.placement import _bfd, _in_order, _no_share
+from treepack.service.planner.tree import Tree
+
+__all__ = ["Placement", "place_leaves"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Rows chosen for the leaves.
+
+    Attributes:
+        row_of: [S] int64 row of each sequence, -1 for dropped ones.
+        num_rows: number of rows.
+        strategy: for ``auto``, the candidate that won; else the name.
+    """
+
+    row_of: np.ndarray
+    num_rows: int
+    strategy: str
+
+
+def place_leaves(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str = "auto") -> Placement:
+    """Assign every kept sequence's leaf to a row.
+
+    Args:
+        tree: the batch's tree (its leaves are the items).
+        batch: the batch (lengths, groups, kept flags).
+        seq_len: row capacity C.
+        placement: one of :data:`~treepack.proto.options.PLACEMENTS` (checked by
+            ``check_options``).
+
+    Returns:
+        The :class:`Placement`.
+    """
+    if placement == "auto":
+        row_of, strategy = auto_place(tree, batch, seq_len)
+    elif placement == "bfd":
+        row_of, strategy = _bfd(tree, batch, seq_len), placement
+    elif placement == "in_order":
+        row_of, strategy = _in_order(tree, batch, seq_len), placement
+    else:
+        assert placement == "no_share", placement
+        row_of, strategy = _no_share(batch, seq_len), placement
+    num_rows = int(row_of.max()) + 1 if (row_of >= 0).any() else 0
+    return Placement(row_of=row_of, num_rows=num_rows, strategy=strategy)
