@@ -28,7 +28,7 @@ def mixer_case(conv_width: int, seed: int = 0, chunk: int | None = None):
         chunk: the model's scan chunk size; the plan must have a branch point that is not on
             a multiple of it and a segment crossing a multiple of it.
     """
-    seqs, trainable, plan = tree_plan(seed, min_shared_len=2, conv_width=conv_width, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
+    seqs, trainable, plan = tree_plan(seed, min_shared_len=2, conv_width=conv_width, tail=3, trees=2, depth=3, max_len=160, seq_len=192)
     assert tree_features(plan, conv_width)["ok"]
     seg = plan.segments
     assert (seg.row_start + seg.length < plan.seq_len).any(), "no row has padding"
