@@ -103,3 +103,26 @@ def test_stock_copies_share_oneforward_fingerprint():
 
     assert forward_fingerprint(Qwen3_5GatedDeltaNet.forward) == forward_fingerprint(Qwen3_5MoeGatedDeltaNet.forward)
     assert forward_fingerprint(Qwen3_5GatedDeltaNet.forward) != forward_fingerprint(Qwen3NextGatedDeltaNet.forward)
+
+
+def test_fingerprint_follows_the_module_level_helpers():
+    """Same forward code calling a helper of the same name but other code: not the same layer."""
+    src = "def helper(x):\n    return x * {}\n\ndef forward(self, x):\n    return helper(x) + 1\n"
+    a, b, c = {}, {}, {}
+    exec(src.format(2), a)  # noqa: S102 - two modules' worth of code, built in the test
+    exec(src.format(3), b)  # noqa: S102
+    exec(src.format(2), c)  # noqa: S102
+    assert forward_fingerprint(a["forward"]) != forward_fingerprint(b["forward"])
+    assert forward_fingerprint(a["forward"]) == forward_fingerprint(c["forward"])
+
+
+def test_pure_mamba_mixers_are_mixers_but_not_handled():
+    """MambaMixer / FalconMambaMixer have Jamba's structure but not its code (no dt/B/C norms): refused."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
+
+    for model_cls, cfg in ((MambaForCausalLM, MambaConfig), (FalconMambaForCausalLM, FalconMambaConfig)):
+        with torch.device("meta"):
+            model = model_cls(cfg(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1))
+        (layer,) = [m for m in model.modules() if mixer_kind(m)]
+        assert mixer_kind(layer) == "mamba" and not is_handled(layer)
+        assert "JambaMambaMixer" in unhandled_reason(layer)

@@ -1,4 +1,4 @@
-"""The oracle for the Mamba2 hybrids: Bamba, Nemotron-H, Granite-4 (GraniteMoeHybrid), Falcon-H1.
+"""The oracle for the Mamba2 hybrids: Bamba, Nemotron-H, Granite-4 (GraniteMoeHybrid), Falcon-H1 (+ Mamba2, Zamba2).
 
 Tiny random fp32 models on CPU, packed (mixers patched by mechanism) against every
 sequence run alone through the stock model: logprobs <= 1e-5, gradients <= 1e-4 relative,
@@ -74,12 +74,33 @@ def falcon_h1(rms_norm: bool = True):
     return FalconH1ForCausalLM(cfg)
 
 
+def mamba2_pure():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    return Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2,
+                                          state_size=8, conv_kernel=4, chunk_size=CHUNK, expand=2))
+
+
+def zamba2():
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    cfg = Zamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, mamba_headdim=8, n_mamba_heads=8, chunk_size=CHUNK, num_attention_heads=2,
+        num_key_value_heads=2, attention_head_dim=16, intermediate_size=48, max_position_embeddings=512, use_shared_attention_adapter=False,
+    )
+    return Zamba2ForCausalLM(cfg)
+
+
 FAMILIES = {
     "bamba": (bamba, 2),
     "nemotron_h": (nemotron_h, 2),
     "granite_moe_hybrid": (granite_hybrid, 2),
     "falcon_h1": (falcon_h1, 2),
     "falcon_h1_no_norm": (lambda: falcon_h1(rms_norm=False), 2),
+    # Not named anywhere in the patches: their mixers run the same code as a stock one.
+    "mamba2": (mamba2_pure, 2),
+    "zamba2": (zamba2, 3),
 }
 
 

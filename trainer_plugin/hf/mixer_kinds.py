@@ -5,15 +5,16 @@ state-space ``A_log``, delta-rule projections, ...) to say which recurrence it r
 class-name list; :func:`is_handled` then requires its ``forward`` to be the code of a stock
 HF layer of that kind (:data:`STOCK_LAYERS`): inherited unchanged, or an identical copy
 under another name (HF's modular converter makes those), compared as bytecode, constants
-and names, without file or line information. A subclass that changes the computation is
+and names, without file or line information, together with every module-level function
+it calls (:func:`forward_fingerprint`). A subclass that changes the computation is
 therefore a mixer that is not handled, and :func:`unhandled_reason` says why; the support
 check refuses it by name.
 
 Kinds: ``gdn`` (Qwen3-Next / Qwen3.5 Gated DeltaNet), ``gdn_olmo`` (OLMo-hybrid's
-variant), ``mamba2`` (Bamba, Nemotron-H, Granite-4, Falcon-H1), ``mamba`` (Jamba), ``kda``
-(Kimi-Linear), ``short_conv`` (LFM2, LFM2-MoE). A structure match outside the stock list
-(e.g. the pure ``Mamba2Mixer`` / ``MambaMixer`` models, whose forwards differ) has a kind
-and is not handled.
+variant), ``mamba2`` (Bamba, Nemotron-H, Granite-4, Falcon-H1; the pure Mamba2 model and
+Zamba2 run the same code and match), ``mamba`` (Jamba), ``kda`` (Kimi-Linear),
+``short_conv`` (LFM2, LFM2-MoE). A structure match whose code differs (e.g. the pure
+``MambaMixer`` and ``FalconMambaMixer``: no dt/B/C norms) has a kind and is not handled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["STOCK_LAYERS", "MIXER_KINDS", "mixer_kind", "is_handled", "unhandled_reason", "forward_fingerprint"]
+__all__ = ["STOCK_LAYERS", "MIXER_KINDS", "mixer_kind", "is_handled", "unhandled_reason", "stock_layer", "forward_fingerprint"]
 
 # kind -> stock HF layers (module, class) whose forward the tree forward reproduces.
 STOCK_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -105,31 +106,64 @@ def _structure_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _code_key(c: types.CodeType) -> tuple:
+    consts = tuple(_code_key(k) if isinstance(k, types.CodeType) else k for k in c.co_consts)
+    return (c.co_code, c.co_names, c.co_varnames, consts)
+
+
+def _names(c: types.CodeType) -> set[str]:
+    out = set(c.co_names)
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            out |= _names(k)
+    return out
+
+
 def forward_fingerprint(fn: Callable) -> tuple:
-    """The code of a (decorator-unwrapped) function, without names of places (file, lines)."""
-    code = inspect.unwrap(fn).__code__
+    """The code of a (decorator-unwrapped) function and of every module-level function it calls.
 
-    def norm(c: types.CodeType) -> tuple:
-        consts = tuple(norm(k) if isinstance(k, types.CodeType) else k for k in c.co_consts)
-        return (c.co_code, c.co_names, c.co_varnames, consts)
+    Bytecode, names and constants, without names of places (file, lines); callees are the
+    plain functions its global names resolve to, followed transitively, so a copy whose
+    ``forward`` is identical but whose helper (e.g. ``mamba2_chunk_scan``) differs does not
+    match.
+    """
+    seen: dict[str, tuple] = {}
 
-    return norm(code)
+    def visit(f: Callable) -> tuple:
+        f = inspect.unwrap(f)
+        code, glb = f.__code__, getattr(f, "__globals__", {})
+        for name in sorted(_names(code)):
+            obj = glb.get(name)
+            if name not in seen and isinstance(obj, types.FunctionType):
+                seen[name] = ()  # placeholder: recursion and cycles
+                seen[name] = visit(obj)
+        return _code_key(code)
+
+    top = visit(fn)
+    return (top, tuple(sorted(seen.items())))
 
 
 @lru_cache(maxsize=None)
-def _stock_fingerprints(kind: str) -> frozenset:
-    out = set()
+def _stock_fingerprints(kind: str) -> dict:
+    """fingerprint -> stock class name, for the stock layers of ``kind`` that are installed."""
+    out = {}
     for mod_name, cls_name in STOCK_LAYERS[kind]:
         try:
             cls = getattr(importlib.import_module(mod_name), cls_name)
         except (ImportError, AttributeError):
             continue
-        out.add(forward_fingerprint(cls.forward))
-    return frozenset(out)
+        out.setdefault(forward_fingerprint(cls.forward), cls_name)
+    return out
 
 
 def _stock_forward(module: torch.nn.Module) -> Callable:
     return type(module).forward
+
+
+def stock_layer(module: torch.nn.Module) -> str | None:
+    """The stock HF class whose forward ``module`` runs (same code), or None."""
+    kind = mixer_kind(module)
+    return None if kind is None else _stock_fingerprints(kind).get(forward_fingerprint(_stock_forward(module)))
 
 
 def mixer_kind(module: torch.nn.Module) -> str | None:
@@ -146,7 +180,7 @@ def unhandled_reason(module: torch.nn.Module) -> str | None:
     kind = mixer_kind(module)
     if kind is None:
         return None
-    if forward_fingerprint(_stock_forward(module)) not in _stock_fingerprints(kind):
+    if stock_layer(module) is None:
         return f"its forward is not the code of a stock {kind} layer ({', '.join(c for _, c in STOCK_LAYERS[kind])})"
     act = getattr(module, "activation", None)
     if act not in CONV_ACTIVATIONS:

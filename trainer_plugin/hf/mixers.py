@@ -12,7 +12,9 @@ layers whose torch slow path the tree forward reproduces exactly:
 - ``mamba2``: Mamba2 mixers with grouped B/C, a gated RMSNorm and the SSD scan: Bamba
   (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
   (``GraniteMoeHybridMambaLayer``), Falcon-H1 (``FalconH1Mixer``: ``ssm_in_multiplier``, the
-  muP vector on the projection, optional gated norm).
+  muP vector on the projection, optional gated norm); also the pure Mamba2 model's
+  ``Mamba2Mixer`` and Zamba2's ``Zamba2MambaMixer``, whose forward and helpers are the
+  same code as a stock one (recognised by :func:`stock_layer`, not listed by name).
 - ``mamba``: Jamba's Mamba (S6) mixer (``JambaMambaMixer``: RMS norms on dt, B and C).
 - ``kda``: Kimi-Linear's Kimi Delta Attention (``KimiLinearDeltaAttention``).
 - ``short_conv``: LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``).
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.gdn import tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf.dsa import STOCK_ATTR, packed_context
-from treepack.trainer.hf.mixer_kinds import MIXER_KINDS, is_handled, mixer_kind, unhandled_reason
+from treepack.trainer.hf.mixer_kinds import MIXER_KINDS, is_handled, mixer_kind, stock_layer, unhandled_reason
 from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
@@ -45,6 +47,7 @@ __all__ = [
     "mixer_kind",
     "is_handled",
     "unhandled_reason",
+    "stock_layer",
     "mixer_tree_forward",
     "patch_mixer_layers",
     "batch_tree_schedule",
@@ -105,11 +108,11 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     """
     K, L = _check_rows(hidden_states, schedule)
     N, dtype = K * L, hidden_states.dtype
-    h = hidden_states * layer.ssm_in_multiplier if hasattr(layer, "ssm_in_multiplier") else hidden_states
+    falcon = stock_layer(layer) == "FalconH1Mixer"  # the one stock forward with multipliers
+    h = hidden_states * layer.ssm_in_multiplier if falcon else hidden_states
     proj = layer.in_proj(h)
-    mup = getattr(layer, "mup_vector", None)
-    if mup is not None:
-        proj = proj * mup
+    if falcon:
+        proj = proj * layer.mup_vector
     A = -torch.exp(layer.A_log.float())
     gate, xBC, dt = proj.split([layer.intermediate_size, layer.conv_dim, layer.num_heads], dim=-1)
     xBC = tree_conv(xBC.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
@@ -130,7 +133,7 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
         dt_limit=tuple(layer.time_step_limit),
     )
     y = y.float().reshape(K, L, -1)  # the stock scan returns fp32
-    if getattr(layer, "mamba_rms_norm", True):
+    if not falcon or layer.mamba_rms_norm:
         y = layer.norm(y, gate)
     else:
         y = y * F.silu(gate)
