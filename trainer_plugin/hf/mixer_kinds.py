@@ -160,10 +160,15 @@ def _stock_forward(module: torch.nn.Module) -> Callable:
     return type(module).forward
 
 
+@lru_cache(maxsize=None)
+def _class_fingerprint(fn: Callable) -> tuple:
+    return forward_fingerprint(fn)  # per class forward, computed once (patched layers ask every call)
+
+
 def stock_layer(module: torch.nn.Module) -> str | None:
     """The stock HF class whose forward ``module`` runs (same code), or None."""
     kind = mixer_kind(module)
-    return None if kind is None else _stock_fingerprints(kind).get(forward_fingerprint(_stock_forward(module)))
+    return None if kind is None else _stock_fingerprints(kind).get(_class_fingerprint(_stock_forward(module)))
 
 
 def mixer_kind(module: torch.nn.Module) -> str | None:

@@ -27,6 +27,7 @@ batch's :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule`. Outside
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable
 
@@ -90,7 +91,7 @@ def _check_rows(hidden_states: torch.Tensor, schedule: TreeSchedule) -> tuple[in
     return K, L
 
 
-def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, *, falcon: bool | None = None) -> torch.Tensor:
     """A stock HF Mamba2 mixer's torch forward on tree rows.
 
     Same projections (Falcon-H1: ``ssm_in_multiplier`` and the muP vector), conv
@@ -102,13 +103,15 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
         layer: a Mamba2 mixer (:func:`mixer_kind` ``mamba2``).
         hidden_states: [K, L, hidden] packed rows.
         schedule: the batch's tree schedule.
+        falcon: whether the layer runs Falcon-H1's forward (the one stock Mamba2 forward
+            with multipliers); None: look it up (:func:`stock_layer`).
 
     Returns:
         [K, L, hidden].
     """
     K, L = _check_rows(hidden_states, schedule)
     N, dtype = K * L, hidden_states.dtype
-    falcon = stock_layer(layer) == "FalconH1Mixer"  # the one stock forward with multipliers
+    falcon = stock_layer(layer) == "FalconH1Mixer" if falcon is None else falcon
     h = hidden_states * layer.ssm_in_multiplier if falcon else hidden_states
     proj = layer.in_proj(h)
     if falcon:
@@ -261,7 +264,7 @@ def _conv_width(layer: torch.nn.Module) -> int:
     return int(conv.weight.shape[-1])
 
 
-def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, tree_forward: Callable, **kwargs: Any) -> torch.Tensor:
     ctx = packed_context(kwargs)
     if ctx is None:
         return getattr(self, STOCK_ATTR)(hidden_states, *args, **kwargs)
@@ -269,8 +272,14 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: 
     if cache is not None:
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
     who = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
-    schedule = batch_tree_schedule(ctx.batch, _conv_width(self), who)
-    return mixer_tree_forward(self, hidden_states, schedule)
+    return tree_forward(self, hidden_states, batch_tree_schedule(ctx.batch, _conv_width(self), who))
+
+
+def _tree_forward_for(layer: torch.nn.Module) -> Callable:
+    """The tree forward of a handled layer, with its per-class choices made once."""
+    kind = mixer_kind(layer)
+    fn = _TREE_FORWARDS[kind]
+    return functools.partial(fn, falcon=stock_layer(layer) == "FalconH1Mixer") if kind == "mamba2" else fn
 
 
 def mixer_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
@@ -298,6 +307,6 @@ def patch_mixer_layers(model: torch.nn.Module) -> list[str]:
             continue
         if STOCK_ATTR not in mod.__dict__:
             mod.__dict__[STOCK_ATTR] = mod.forward
-            mod.forward = types.MethodType(_patched_forward, mod)
+            mod.forward = types.MethodType(functools.partial(_patched_forward, tree_forward=_tree_forward_for(mod)), mod)
         names.append(name)
     return names
