@@ -12,11 +12,16 @@
   recurrent / conv mixers (Mamba2, Mamba, KDA, short conv, GDN variants) found by
   mechanism, and their tree forwards.
 
-transformers itself is imported only when a model is switched (``register_tree_attention``).
+- :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
+  transforms, for the chunked head.
+
+transformers itself is imported only when a model is first prepared (``register_tree_attention``).
 """
 
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
 from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed, packed_forward
+from treepack.trainer.hf.head import OutputHead, output_head
+from treepack.trainer.hf.wrapped import unwrap_model
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -26,4 +31,7 @@ __all__ = [
     "disable_tree_attention",
     "packed_forward",
     "packed",
+    "output_head",
+    "OutputHead",
+    "unwrap_model",
 ]

@@ -11,8 +11,12 @@
   or conv mixer (per depth level one varlen conv and one varlen scan, forked states), with
   the mixer families' references beside it: :mod:`~treepack.trainer.kernels.short_conv`
   (causal conv, LFM2's gated short conv), :mod:`~treepack.trainer.kernels.mamba2` (SSD),
-  :mod:`~treepack.trainer.kernels.mamba` (selective scan), :mod:`~treepack.trainer.kernels.kda`.
+  :mod:`~treepack.trainer.kernels.mamba` (selective scan), :mod:`~treepack.trainer.kernels.kda`;
+- :mod:`~treepack.trainer.kernels.gpu`: the GPU mixer kernels (fla, mamba_ssm,
+  causal-conv1d) wrapped for one tree level each, and which of them import here;
+  :mod:`~treepack.trainer.kernels.gpu_varlen`: the same kernels behind the stock
+  signatures (per-sequence states) for the mixers' ``select_*`` dispatch points.
 
-GPU packages (flash-attn, flash-linear-attention, mamba_ssm, causal-conv1d, triton) are imported only inside the
-functions that use them.
+GPU packages (flash-attn, flash-linear-attention, mamba_ssm, causal-conv1d, triton) are
+imported only inside the functions that use them.
 """
