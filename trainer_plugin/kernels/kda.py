@@ -24,6 +24,8 @@ import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.kernels.gdn_ref import l2norm
+from treepack.trainer.kernels.gpu import kda_level
+from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
 __all__ = ["select_kda", "chunk_kda_ref", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]
@@ -184,9 +186,12 @@ def tree_kda(
 
 
 def select_kda(x: torch.Tensor):
-    """The kernel the tree path calls for tensors like ``x``: today always :func:`chunk_kda_ref`.
+    """The KDA kernel for tensors like ``x``, with ``chunk_kda``'s signature.
 
-    The one dispatch point for a GPU kernel (fla's ``chunk_kda``, imported lazily, with the same
-    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`chunk_kda_ref`.
+    CUDA bf16/fp16 with fla importable: :func:`~treepack.trainer.kernels.gpu.kda_level`
+    (fla's kernels reject fp32, so fp32 stays on the reference, as for GDN); else
+    :func:`chunk_kda_ref`.
     """
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gpu_kernel_available("fla.chunk_kda"):
+        return kda_level
     return chunk_kda_ref

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
+from treepack.trainer.kernels.gpu_varlen import selective_scan_with_state
+from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
 __all__ = ["select_selective_scan", "selective_scan_ref", "naive_selective_scan", "tree_selective_scan", "CHUNK"]
@@ -169,9 +171,13 @@ def tree_selective_scan(
 
 
 def select_selective_scan(x: torch.Tensor):
-    """The kernel the tree path calls for tensors like ``x``: today always :func:`selective_scan_ref`.
+    """The selective-scan kernel for tensors like ``x``, with ``selective_scan_fn``'s signature.
 
-    The one dispatch point for a GPU kernel (mamba_ssm's ``selective_scan_fn``, imported lazily, with the same
-    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`selective_scan_ref`.
+    CUDA with mamba_ssm importable:
+    :func:`~treepack.trainer.kernels.gpu_varlen.selective_scan_with_state` (the CUDA
+    kernel's own last state carries no gradient, and :func:`tree_selective_scan` forks the
+    children from it); else :func:`selective_scan_ref`.
     """
+    if x.is_cuda and gpu_kernel_available("mamba_ssm.selective_scan_fn"):
+        return selective_scan_with_state
     return selective_scan_ref

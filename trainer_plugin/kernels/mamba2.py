@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
+from treepack.trainer.kernels.gpu_varlen import mamba_chunk_scan_varlen
+from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
 __all__ = ["select_ssd", "ssd_chunk_scan_ref", "naive_ssd_scan", "check_ssd_inputs", "tree_ssd_scan"]
@@ -252,9 +254,12 @@ def tree_ssd_scan(
 
 
 def select_ssd(x: torch.Tensor):
-    """The kernel the tree path calls for tensors like ``x``: today always :func:`ssd_chunk_scan_ref`.
+    """The SSD kernel for tensors like ``x``, with ``mamba_chunk_scan_combined``'s signature.
 
-    The one dispatch point for a GPU kernel (mamba_ssm's ``mamba_chunk_scan_combined`` (per-sequence ``initial_states``, see the module docstring), imported lazily, with the same
-    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`ssd_chunk_scan_ref`.
+    CUDA with mamba_ssm importable:
+    :func:`~treepack.trainer.kernels.gpu_varlen.mamba_chunk_scan_varlen` (per-sequence
+    initial states, differentiable varlen states); else :func:`ssd_chunk_scan_ref`.
     """
+    if x.is_cuda and gpu_kernel_available("mamba_ssm.mamba_chunk_scan_combined"):
+        return mamba_chunk_scan_varlen
     return ssd_chunk_scan_ref

@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
+from treepack.trainer.kernels.gpu import load_kernel
+from treepack.trainer.kernels.gpu_varlen import causal_conv1d_varlen
 
-__all__ = ["select_causal_conv1d", "causal_conv1d_ref", "naive_causal_conv1d", "gated_short_conv_ref", "check_conv_args"]
+__all__ = ["select_causal_conv1d", "gpu_kernel_available", "causal_conv1d_ref", "naive_causal_conv1d", "gated_short_conv_ref", "check_conv_args"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -149,10 +151,24 @@ def gated_short_conv_ref(BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return Cg * causal_conv1d_ref(Bg * x, weight, bias, seq_idx=seq_idx)
 
 
-def select_causal_conv1d(x: torch.Tensor):
-    """The kernel the tree path calls for tensors like ``x``: today always :func:`causal_conv1d_ref`.
+def gpu_kernel_available(*names: str) -> bool:
+    """True when one of the GPU kernels ``names`` (:data:`~treepack.trainer.kernels.gpu.KERNELS`) imports here."""
+    for n in names:
+        try:
+            load_kernel(n)
+            return True
+        except ImportError:
+            continue
+    return False
 
-    The one dispatch point for a GPU kernel (causal-conv1d's ``causal_conv1d_fn``, imported lazily, with the same
-    signature) on CUDA tensors; every CPU and fp32-reference run uses :func:`causal_conv1d_ref`.
+
+def select_causal_conv1d(x: torch.Tensor):
+    """The conv kernel for tensors like ``x``, with ``causal_conv1d_fn``'s signature.
+
+    CUDA with causal-conv1d (or fla's Triton conv) importable:
+    :func:`~treepack.trainer.kernels.gpu_varlen.causal_conv1d_varlen`; else
+    :func:`causal_conv1d_ref`.
     """
+    if x.is_cuda and gpu_kernel_available("causal_conv1d.causal_conv1d_fn", "fla.causal_conv1d"):
+        return causal_conv1d_varlen
     return causal_conv1d_ref
