@@ -142,3 +142,14 @@ def test_tree_ssd_equals_segment_walk_with_gradients(planned):
     leaves = [xs["x"], xs["dt"], xs["B"], xs["C"], A, D, bias]
     for a, c in zip(torch.autograd.grad((fast * w).sum(), leaves), torch.autograd.grad((slow * w).sum(), leaves)):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
+
+
+def test_conv_window_is_each_tokens_chain_window(planned):
+    """The schedule's [N, W] windows (for whole-batch gather convs) give the chain walk's conv."""
+    plan, sched = planned
+    N, D, W = plan.num_rows * plan.seq_len, 3, sched.conv_width
+    x, w = torch.randn(N, D, dtype=F64), torch.randn(D, W, dtype=F64)
+    xe = torch.cat([x, x.new_zeros(1, D)])
+    win = sched.conv_window
+    gathered = sum(xe[win[:, j]] * w[:, j] for j in range(W))
+    torch.testing.assert_close(gathered, naive_tree_causal_conv1d(x, w, None, plan), rtol=1e-12, atol=1e-12)

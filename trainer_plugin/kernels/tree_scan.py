@@ -89,6 +89,7 @@ class TreeSchedule:
         conv_width: W the plan's conv context was built for (layers may use any width <= W).
         levels: per depth, :class:`TreeLevel`.
         pad_idx: [P] int64 flat positions of padding.
+        conv_window: (property) [N, W] each position's conv window, from the levels.
     """
 
     num_rows: int
@@ -100,6 +101,22 @@ class TreeSchedule:
     @property
     def num_positions(self) -> int:
         return self.num_rows * self.seq_len
+
+    @property
+    def conv_window(self) -> torch.Tensor:
+        """[N, W] int64 flat input positions of each position's conv window, oldest first.
+
+        The position itself is last; N = a zero input (before a root); padding sees only
+        itself. Read from the levels' conv streams (for whole-batch gather convs).
+        """
+        W, N = self.conv_width, self.num_positions
+        dev = self.pad_idx.device
+        win = torch.full((N, W), N, dtype=torch.int64, device=dev)
+        win[:, W - 1] = torch.arange(N, device=dev)
+        back = torch.arange(-(W - 1), 1, device=dev)
+        for lv in self.levels:
+            win[lv.token_idx] = lv.conv_idx[lv.conv_keep[:, None] + back[None, :]]
+        return win
 
     def to(self, device: torch.device | str) -> "TreeSchedule":
         """The same schedule with every tensor on ``device``."""
