@@ -11,8 +11,10 @@
 - :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
   every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
 - :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
-  that take one.
-
+  that take one;
+- :mod:`~treepack.trainer.hf.mixers` and :mod:`~treepack.trainer.hf.mixer_kinds`: the
+  recurrent / conv mixers (Mamba2, Mamba, KDA, short conv, GDN variants) found by
+  mechanism, and their tree forwards;
 - :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
   transforms, for the chunked head.
 

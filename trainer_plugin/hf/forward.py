@@ -15,7 +15,7 @@ wrapped (DDP, FSDP2, PEFT/LoRA, accelerate; :mod:`treepack.trainer.hf.wrapped`),
   keyword only (:mod:`treepack.trainer.hf.dispatch`). HF builds no mask for an implementation
   without a mask function, so it never infers the (linear, wrong) packing from
   ``position_ids``; ``packed_forward`` passes the tree mask itself (dense for ``sdpa``,
-  BlockMask for ``flex``). Other layer kinds (Gated DeltaNet, sparse indexers) are patched
+  BlockMask for ``flex``). Other layer kinds (recurrent and conv mixers, sparse indexers) are patched
   to read the same context and run their stock forward without it.
 
 Nothing about the model is left switched: after ``packed_forward`` returns, unpacked calls
@@ -53,13 +53,14 @@ def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
     """Prepare ``model`` for packed calls (idempotent); returns its attention implementation.
 
     Installs the per-call dispatch hooks (:func:`~treepack.trainer.hf.dispatch.install_dispatch`)
-    and, with ``patch_layers``, the tree forwards of Gated DeltaNet and DeepSeek-V3.2 sparse
+    and, with ``patch_layers``, the tree forwards of recurrent / conv mixers (GDN, Mamba2,
+    Mamba, KDA, short conv: :mod:`treepack.trainer.hf.mixers`) and DeepSeek-V3.2 sparse
     attention layers (:func:`treepack.trainer.hf.hybrid.patch_hybrid_layers`). Neither changes
     an unpacked call; the model's ``attn_implementation`` stays what it was.
 
     Args:
         model: the HF model, possibly wrapped.
-        patch_layers: also patch GDN / DSA layers (without the patches those layers would
+        patch_layers: also patch mixer / DSA layers (without the patches those layers would
             scan each row as one sequence).
 
     Returns:

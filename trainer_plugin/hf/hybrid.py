@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.gdn import GdnSchedule, gdn_schedule, tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.hf.dsa import STOCK_ATTR, dsa_forward, glm_dsa_forward, packed_context, position_tiebreak_indexer_forward
+from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
 
 __all__ = ["patch_hybrid_layers", "unpatch_hybrid_layers", "gdn_layer_tree_forward", "batch_gdn_schedule", "packed_context"]
 
@@ -130,7 +131,7 @@ def _patches() -> dict[str, Callable]:
 
 
 def patch_hybrid_layers(model: torch.nn.Module) -> list[str]:
-    """Install the tree forwards on every GDN / DSA layer of ``model`` (idempotent).
+    """Install the tree forwards on every GDN / DSA layer and handled mixer of ``model`` (idempotent).
 
     Returns:
         The qualified names of the patched modules (already patched ones included).
@@ -139,12 +140,16 @@ def patch_hybrid_layers(model: torch.nn.Module) -> list[str]:
     names = []
     for name, mod in model.named_modules():
         fn = patches.get(type(mod).__name__)
+        if fn is None and mixer_kind(mod) == "gdn" and is_handled(mod):
+            fn = _gdn_forward  # a renamed copy or subclass of a stock GDN layer, found by mechanism
         if fn is None:
             continue
         if STOCK_ATTR not in mod.__dict__:
             mod.__dict__[STOCK_ATTR] = mod.forward  # bound stock forward, outside nn.Module's registries
             mod.forward = types.MethodType(fn, mod)
         names.append(name)
+    # Recurrent / conv mixers found by mechanism (Mamba2, Mamba, short conv, KDA, GDN variants).
+    names += [n for n in patch_mixer_layers(model) if n not in names]
     return names
 
 

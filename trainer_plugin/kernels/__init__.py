@@ -7,6 +7,11 @@
   Gated DeltaNet per tree depth level, and its pure-torch kernels;
 - :mod:`~treepack.trainer.kernels.sparse`: top-k indexer attention on the ancestor chain;
 - :mod:`~treepack.trainer.kernels.index`: torch-side index helpers;
+- :mod:`~treepack.trainer.kernels.tree_scan`: the one tree-scan mechanism of every recurrent
+  or conv mixer (per depth level one varlen conv and one varlen scan, forked states), with
+  the mixer families' references beside it: :mod:`~treepack.trainer.kernels.short_conv`
+  (causal conv, LFM2's gated short conv), :mod:`~treepack.trainer.kernels.mamba2` (SSD),
+  :mod:`~treepack.trainer.kernels.mamba` (selective scan), :mod:`~treepack.trainer.kernels.kda`;
 - :mod:`~treepack.trainer.kernels.gpu`: the GPU mixer kernels (fla, mamba_ssm,
   causal-conv1d) wrapped for one tree level each, and which of them import here;
   :mod:`~treepack.trainer.kernels.gpu_varlen`: the same kernels behind the stock

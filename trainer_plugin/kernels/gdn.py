@@ -1,19 +1,19 @@
 """Gated DeltaNet on tree rows (SPEC section 7).
 
 A recurrent layer has no mask: tree packing is exact only if every segment starts from
-the state its sequence would have there. The plan's GDN metadata (``plan.gdn``) groups
-segments by tree depth across all rows; this module runs, per depth level:
+the state its sequence would have there. GDN runs on the one tree-scan mechanism of
+:mod:`treepack.trainer.kernels.tree_scan` (the schedule, :data:`GdnSchedule`, is its
+:class:`~treepack.trainer.kernels.tree_scan.TreeSchedule`); per depth level:
 
-- the short causal conv: each token's window of W inputs runs back along its ancestor
-  chain, so a segment's first W-1 windows reach into its parent (and further up when the
-  parent is shorter than W-1; ``conv_context``), never into a sibling or another tree.
-  Roots are zero-padded as at a sequence start. The conv is one gather-and-sum over all
-  tokens (:func:`tree_causal_conv1d`), exact on any device.
-- the chunked gated delta rule: one varlen call per level (``cu_seqlens``), each segment's
-  initial state gathered from its parent's final state of the previous level (roots start
-  from zeros). The gather's backward index-adds every child's state gradient into its
-  parent, so a shared prefix receives the sum of its branches' gradients.
-  flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA (bf16/fp16), the pure-torch
+- the short causal conv (:func:`tree_causal_conv1d`): one varlen conv call over the
+  level's segments, each preceded by its W-1 conv context from its ancestor chain (across
+  ancestors shorter than W-1), never a sibling or another tree; roots are zero-padded as
+  at a sequence start.
+- the chunked gated delta rule (:func:`tree_gated_delta_rule`): one varlen call per level
+  (``cu_seqlens``), each segment's initial state indexed from its parent's final state of
+  the previous level (roots start from zeros); the backward index-adds every child's state
+  gradient into its parent. flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA
+  (bf16/fp16), the pure-torch
   :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
@@ -26,18 +26,15 @@ references (segment by segment, walking parent pointers); tests compare both pat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.index import local_row_index, localize_flat, ragged_arange, segment_tokens
 from treepack.proto.plan import Plan
-from treepack.trainer.kernels.index import index_tensor, scatter_filled
 from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.tree_scan import TreeLevel, TreeSchedule, tree_conv, tree_scan, tree_schedule
 
 __all__ = [
     "GdnLevelIndex",
@@ -53,125 +50,10 @@ __all__ = [
 Kernel = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GdnLevelIndex:
-    """One depth level as torch tensors.
-
-    Attributes:
-        depth: the level's depth (0 = row roots).
-        token_idx: [T_l] int64 flat positions of the level's tokens, segment by segment.
-        cu_seqlens: [n+1] int32 segment boundaries in ``token_idx``.
-        parent_slot: [n] int64 index of each segment's parent in the previous level (-1 at 0).
-    """
-
-    depth: int
-    token_idx: torch.Tensor
-    cu_seqlens: torch.Tensor
-    parent_slot: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GdnSchedule:
-    """Everything a GDN layer needs to run a packed batch as trees.
-
-    Attributes:
-        num_rows: R. seq_len: C (flat size N = R * C).
-        conv_width: W the plan's conv context was built for.
-        levels: per depth, :class:`GdnLevelIndex`.
-        conv_window: [N, W] int64 flat input positions of each position's conv window,
-            oldest first (the position itself last); N = a zero input (before a root).
-        pad_idx: [P] int64 flat positions of padding.
-    """
-
-    num_rows: int
-    seq_len: int
-    conv_width: int
-    levels: tuple[GdnLevelIndex, ...]
-    conv_window: torch.Tensor
-    pad_idx: torch.Tensor
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_rows * self.seq_len
-
-
-def gdn_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.ndarray | None = None) -> GdnSchedule:
-    """Turn ``plan.gdn`` into torch index tensors (vectorized numpy, then one copy each).
-
-    Args:
-        plan: the plan.
-        device: where the tensors go (default CPU).
-        rows: optional [R'] row numbers to keep (a rank's rows), in the order they are
-            stacked in the batch, -1 for an empty row (all padding); default every row.
-
-    Returns:
-        The :class:`GdnSchedule` for the stacked rows.
-    """
-    if not isinstance(plan, Plan):
-        raise InputTypeError(f"expected a treepack Plan, got {type(plan).__name__}", path="$.plan", rule="type")
-    seg, C, W = plan.segments, plan.seq_len, plan.gdn.conv_width
-    keep = np.arange(plan.num_rows) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    real_rows = keep[keep >= 0]
-    if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
-        raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
-    new_row = local_row_index(keep, plan.num_rows)
-    R = int(keep.shape[0])
-
-    def remap(flat: np.ndarray) -> np.ndarray:  # plan-wide flat positions -> stacked flat positions
-        return localize_flat(flat, new_row, C)
-
-    levels = []
-    ctx_all = np.full((seg.num_segments, max(W - 1, 0)), -1, dtype=np.int64)
-    slot_new = np.full(seg.num_segments, -1, dtype=np.int64)
-    for lv in plan.gdn.levels:
-        ctx_all[lv.segs] = lv.conv_context
-        segs = lv.segs[new_row[seg.row[lv.segs]] >= 0]
-        if segs.size == 0:
-            break  # no deeper segment in the kept rows either
-        slot_new[segs] = np.arange(segs.shape[0])
-        lens = seg.length[segs]
-        cu = np.zeros(segs.shape[0] + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
-        par = seg.parent[segs]
-        levels.append(
-            GdnLevelIndex(
-                depth=lv.depth,
-                token_idx=index_tensor(remap(segment_tokens(seg, C, segs)), device),
-                cu_seqlens=index_tensor(cu, device, torch.int32),
-                parent_slot=index_tensor(np.where(par >= 0, slot_new[np.maximum(par, 0)], -1), device),
-            )
-        )
-
-    # Conv windows: element j of the window of the token at offset o of segment s is entry
-    # o + j of (s's W-1 context positions ++ s's own positions).
-    N = R * C
-    win = np.full((N, W), -1, dtype=np.int64)
-    win[:, W - 1] = np.arange(N)  # padding: a sequence of one token
-    segs = np.flatnonzero(new_row[seg.row] >= 0)
-    if segs.size:
-        lens = seg.length[segs]
-        sid = np.repeat(segs, lens)
-        off = ragged_arange(lens)
-        pos = remap(segment_tokens(seg, C, segs))
-        e = off[:, None] + np.arange(W)[None, :]
-        own = pos[:, None] + (e - (W - 1)) - off[:, None]  # positions inside the segment
-        if W > 1:
-            ctx = remap(ctx_all[sid[:, None], np.minimum(e, W - 2)])
-            win[pos] = np.where(e < W - 1, ctx, own)
-        else:
-            win[pos] = own
-    real = np.zeros(N, dtype=bool)
-    if segs.size:
-        real[pos] = True
-    win = np.where(win < 0, N, win)
-    return GdnSchedule(
-        num_rows=R,
-        seq_len=C,
-        conv_width=W,
-        levels=tuple(levels),
-        conv_window=index_tensor(win, device),
-        pad_idx=index_tensor(np.flatnonzero(~real), device),
-    )
+# The schedule is the one tree-scan mechanism's (kept under the GDN names for callers).
+GdnLevelIndex = TreeLevel
+GdnSchedule = TreeSchedule
+gdn_schedule = tree_schedule
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -201,11 +83,12 @@ def tree_causal_conv1d(
     schedule: GdnSchedule,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv of width W along every token's ancestor chain.
+    """Depthwise causal conv of width W along every token's ancestor chain (:func:`~treepack.trainer.kernels.tree_scan.tree_conv`).
 
     Args:
         x: [N, D] flat row inputs.
-        weight: [D, W] per-channel taps, oldest input first (``nn.Conv1d.weight[:, 0]``).
+        weight: [D, W] per-channel taps, oldest input first (``nn.Conv1d.weight[:, 0]``),
+            W at most the plan's ``conv_width``.
         bias: [D] or None.
         schedule: from :func:`gdn_schedule`.
         activation: None, ``silu`` or ``swish`` (applied after the bias).
@@ -214,16 +97,7 @@ def tree_causal_conv1d(
         [N, D] in the compute dtype of ``x`` and ``weight`` (padding positions see only
         themselves, like a one-token sequence).
     """
-    N = schedule.num_positions
-    _check_conv(x, weight, N, schedule.conv_width)
-    xe = torch.cat([x.to(weight.dtype), x.new_zeros(1, x.shape[1], dtype=weight.dtype)])
-    win = schedule.conv_window
-    y = xe[win[:, 0]] * weight[:, 0]
-    for j in range(1, schedule.conv_width):
-        y = y + xe[win[:, j]] * weight[:, j]
-    if bias is not None:
-        y = y + bias
-    return _activate(y, activation)
+    return tree_conv(x, weight, bias, schedule, activation)
 
 
 def naive_tree_causal_conv1d(
@@ -328,26 +202,19 @@ def tree_gated_delta_rule(
     N = schedule.num_positions
     _check_flat(q, k, v, g, beta, N)
     kernel = select_kernel(q) if kernel is None else kernel
-    outs, idx = [], []
-    final = None
-    for lv in schedule.levels:
-        sel = [x.index_select(0, lv.token_idx)[None] for x in (q, k, v, g, beta)]
-        # Fork: each child starts from its parent's final state (backward sums children).
-        h0 = None if final is None else final.index_select(0, lv.parent_slot)
+
+    def step(sel, h0, lv):
         o, final = kernel(
-            *sel,
+            *(x[None] for x in sel),
             scale=scale,
             initial_state=h0,
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             cu_seqlens=lv.cu_seqlens,
         )
-        outs.append(o[0])
-        idx.append(lv.token_idx)
-    H, V = v.shape[1], v.shape[2]
-    outs.append(q.new_zeros(schedule.pad_idx.shape[0], H, V))
-    idx.append(schedule.pad_idx)
-    return scatter_filled(torch.cat(outs).to(q.dtype), torch.cat(idx), N)
+        return o[0], final
+
+    return tree_scan(step, (q, k, v, g, beta), schedule, tuple(v.shape[1:]))
 
 
 def naive_tree_gated_delta_rule(
