@@ -54,6 +54,9 @@ from treepack.trainer.hf.hybrid import _patches
 __all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES", "kernel_supports"]
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global_attention", "local_attention", "chunked_attention"})
+# Layer types that hold only per-token work (an MLP or MoE block: Nemotron-H's "mlp" / "moe").
+# Their modules are still walked, so a token mixer hidden inside one is refused by mechanism.
+PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe", "ffn", "dense", "feed_forward"})
 STATE_PARAMS = frozenset({"A_log", "dt_bias", "D", "A", "time_decay", "time_first", "time_faaaa", "time_maa_x"})
 _MIXER_NAME = re.compile(r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|Retention|Hyena|Scan|Kda|KDA|Gdn|GDN")
 _ATTENTION_NAME = re.compile(r"Attention$|Attn$|SelfAttention")
@@ -158,7 +161,7 @@ def _mixer_reason(mod: torch.nn.Module) -> str | None:
     convs = [c for c in mod.children() if _conv_reason(c)]
     if convs:
         return f"recurrent / convolutional mixer: {_conv_reason(convs[0])}"
-    if _MIXER_NAME.search(cls.__name__) and not _dispatches_attention(cls):
+    if _MIXER_NAME.search(cls.__name__) and not _dispatches_attention(cls) and not _holds_handled_mixer(mod):
         return f"class name names a token mixer ({_MIXER_NAME.search(cls.__name__).group(0)}) with no tree-exact path"
     return None
 
@@ -262,6 +265,15 @@ def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportRepor
     return False
 
 
+def _holds_handled_mixer(mod: torch.nn.Module) -> bool:
+    """A container (e.g. ``JambaMambaDecoderLayer``) whose name matches a mixer but whose mixer is
+    a handled descendant: the name says nothing about the container itself, and the walk still
+    judges every other child."""
+    patches = _patched_classes()
+    is_handled, _ = _mixer_hooks()
+    return any(type(m).__name__ in patches or (is_handled is not None and is_handled(m)) for m in mod.modules() if m is not mod)
+
+
 def _has_dispatching_child(mod: torch.nn.Module) -> bool:
     return any(_dispatches_attention(type(m)) for m in mod.modules() if m is not mod)
 
@@ -297,7 +309,7 @@ def _layer_type_refusals(model: torch.nn.Module, config: Any, report: SupportRep
     layers = next((m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(types) and n.endswith("layers")), None)
     prefix = next((n for n, m in model.named_modules() if m is layers), "")
     for i, kind in enumerate(types):
-        if kind in ATTENTION_LAYER_TYPES:
+        if kind in ATTENTION_LAYER_TYPES or kind in PER_TOKEN_LAYER_TYPES:
             continue
         root = f"{prefix}.{i}"
         covered = layers is not None and any(p == root or p.startswith(root + ".") for p, how in report.handled.items() if how != "tree_attention")
