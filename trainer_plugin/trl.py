@@ -1,0 +1,260 @@
+"""TRL on tree-packed rows: :class:`TreepackGRPOTrainer`, the one-line change from ``GRPOTrainer``.
+
+::
+
+    from treepack.trainer.trl import PackingConfig, TreepackGRPOTrainer
+    trainer = TreepackGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+                                  train_dataset=..., packing=PackingConfig(min_shared_len=16))
+
+What changes against ``trl.GRPOTrainer`` (1.16): one method, the one TRL computes every
+per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in the
+loss, the old policy and the reference in scoring). It reads TRL's padded
+``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
+per call (a prompt's completions share its tokens in one tree), splits the plan's rows
+into as many chunks as TRL's own ``batch_size`` chunking would make
+(:mod:`treepack.trainer.data.microbatch`), runs the model on the rows through TRL's own
+fused LM head (``fused_lm_head=True`` with pre-shifted ``shift_labels``: the same
+temperature, entropy, soft-capping, fp32 head and chunking as stock), and scatters the
+results back to TRL's ``[B, C]``. TRL's loss code (every ``loss_type``), generation,
+rewards and advantages run untouched. The micro-batch split after generation shuffles
+whole prompt groups (the same ``torch.randperm`` draw as stock, so the random stream is
+unchanged) so that each prompt's completions stay in one micro-batch.
+
+The model is switched to tree attention for a packed call and back right after it
+(no-grad calls: scoring) or after ``training_step``'s backward (activation checkpointing
+replays packed layers there), so ``generate()`` between steps runs the stock model.
+
+Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
+``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
+Multimodal inputs and the MoE auxiliary loss are refused (their per-row meaning differs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import trl
+from trl.trainer import grpo_trainer as _grpo
+
+from treepack.proto.errors import RequestError
+from treepack.trainer.data.bridge import PaddedSequences, from_padded, prompt_groups
+from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.microbatch import plan_microbatches
+from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention
+from treepack.trainer.kernels.attention import BACKENDS
+
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+
+SUPPORTED_TRL = (">=1.16", "<1.17")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackingConfig:
+    """How :class:`TreepackGRPOTrainer` packs.
+
+    Attributes:
+        seq_len: row length L; None picks one per batch (:func:`choose_seq_len`).
+        min_shared_len: shortest shared run the planner keeps (GRPO prompts are the
+            shared runs; the planner's default 64 hides short prompts, so 16 here).
+        backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
+            ``flash``.
+        placement: the planner's placement (``auto`` ...).
+        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
+        keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
+    """
+
+    seq_len: int | None = None
+    min_shared_len: int = 16
+    backend: str = "sdpa"
+    placement: str = "auto"
+    planner: Any = None
+    max_seq_len: int = 8192
+    keep_groups: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+
+
+def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
+    """Row length for ``padded``: ``config.seq_len``, or room for the largest prompt tree.
+
+    A tree (one prompt and its group's completions) needs at most prompt + all its
+    completions tokens; L is that for the largest group, capped at ``max_seq_len`` but never
+    below the longest sequence, rounded up to 128 (``flex``'s block) or 16.
+
+    Returns:
+        L >= 1.
+    """
+    if config.seq_len is not None:
+        return int(config.seq_len)
+    lens = padded.lengths
+    tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
+    first = np.unique(padded.groups, return_index=True)[1]
+    tree[padded.groups[first]] += padded.prompt_lens[first]
+    need = max(int(lens.max(initial=1)), min(int(tree.max(initial=1)), config.max_seq_len))
+    step = 128 if config.backend == "flex" else 16
+    return -(-need // step) * step
+
+
+def _shuffle_keeping_groups(batch: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``shuffle_sequence_dict`` with each prompt's rows kept together.
+
+    Draws the same ``torch.randperm(B)`` as TRL, then orders the groups by where their
+    first row landed, rows of a group in drawn order.
+    """
+    B = len(next(v for v in batch.values() if v is not None))
+    perm = torch.randperm(B).numpy()
+    pid, pmask = batch["prompt_ids"].cpu().numpy(), batch["prompt_mask"].cpu().numpy().astype(bool)
+    groups = prompt_groups([pid[b][pmask[b]] for b in range(B)])
+    g = groups[perm]
+    first = np.full(groups.max(initial=0) + 1, B, dtype=np.int64)
+    np.minimum.at(first, g, np.arange(B))
+    order = torch.from_numpy(perm[np.lexsort((np.arange(B), first[g]))].copy())
+
+    def permute(v: Any) -> Any:
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        return v[order] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
+
+    return {k: permute(v) for k, v in batch.items()}
+
+
+class TreepackGRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` computing every per-token log-probability on tree-packed rows.
+
+    Args:
+        *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
+        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+        self.packing = PackingConfig() if packing is None else packing
+        self._tree_mode: dict[int, tuple[Any, str]] = {}
+        super().__init__(*args, **kwargs)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """TRL's ``_prepare_inputs`` with :func:`_shuffle_keeping_groups` as the shuffle."""
+        if not self.packing.keep_groups or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = _shuffle_keeping_groups(_grpo.split_pixel_values_by_grid(batch))
+            parts = _grpo.split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """TRL's step; the models go back to their attention after its backward."""
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._restore_attention()
+
+    def _restore_attention(self) -> None:
+        for model, prev in self._tree_mode.values():
+            disable_tree_attention(model, prev)
+        self._tree_mode.clear()
+
+    def _enter_tree_mode(self, model: Any) -> None:
+        unwrapped = self.accelerator.unwrap_model(model)
+        if id(unwrapped) not in self._tree_mode:
+            self._tree_mode[id(unwrapped)] = (unwrapped, enable_tree_attention(unwrapped))
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """TRL's per-token log-probabilities (and entropies) of the completions, on tree rows.
+
+        Args:
+            model: the (wrapped) policy or the reference model.
+            input_ids: [B, P + C] prompt (left-padded) and completion (right-padded) ids.
+            attention_mask: [B, P + C] 0/1.
+            logits_to_keep: C, the completion block's width.
+            batch_size: TRL's chunk size in sequences; the plan's rows run in
+                ceil(B / batch_size) chunks.
+            compute_entropy: also return the entropies.
+            compute_aux_loss: refused (MoE load balancing is not per sequence).
+            **extra: multimodal inputs; refused when given.
+
+        Returns:
+            ([B, C] log-probabilities, [B, C] entropies or None, None); 0 at padding.
+        """
+        given = sorted(k for k, v in extra.items() if v is not None)
+        if given or compute_aux_loss:
+            what = given[0] if given else "compute_aux_loss"
+            raise RequestError(f"TreepackGRPOTrainer packs text-only, dense-loss batches; got {what}", path=f"$.{what}", rule="unsupported")
+        C = int(logits_to_keep)
+        padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
+        B = padded.batch_size
+        mb = plan_microbatches(
+            padded.sequences,
+            num_microbatches=max(1, math.ceil(B / (batch_size or B))),
+            planner=self.packing.planner,
+            seq_len=choose_seq_len(padded, self.packing),
+            trainable=padded.trainable,
+            groups=padded.groups.tolist(),
+            min_shared_len=self.packing.min_shared_len,
+            placement=self.packing.placement,
+        )
+        self._log_plan(mb.plan, mb.plan_ms)
+        logps = torch.zeros(B, C, device=input_ids.device)
+        entropies = torch.zeros(B, C, device=input_ids.device) if compute_entropy else None
+        for rows in mb.rows[0]:
+            rows = rows[rows >= 0]
+            if rows.shape[0] == 0:
+                continue
+            batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=padded.groups.tolist(), rows=rows)
+            lp, ent = self._packed_head(model, batch)
+            logps = padded.to_padded(batch, lp, out=logps.to(lp.dtype))
+            if compute_entropy:
+                entropies = padded.to_padded(batch, ent, out=entropies.to(ent.dtype))
+        return logps, entropies, None
+
+    def _packed_head(self, model: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([K, L] log-probabilities, [K, L] entropies or None) of ``batch``'s scored positions.
+
+        Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
+        TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+        """
+        self._enter_tree_mode(model)
+        backend = self.packing.backend
+        ctx = PackedContext(batch=batch, backend=backend, options={})
+        mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        shift = batch.targets.masked_fill(~batch.loss_mask, -100)
+        try:
+            with use_packed(ctx), self.accelerator.autocast():
+                out = model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    attention_mask=mask,
+                    shift_labels=shift,
+                    fused_lm_head=True,
+                    **{BATCH_KWARG: ctx},
+                )
+        finally:
+            if not torch.is_grad_enabled():
+                # Nothing replays a no-grad call: the model goes back now (generation follows).
+                self._restore_attention()
+        return out.log_probs, out.entropy
+
+    def _log_plan(self, plan: Any, plan_ms: float) -> None:
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["treepack/saved_fraction"].append(float(plan.stats.saved_fraction))
+        metrics["treepack/rows"].append(float(plan.stats.rows))
+        metrics["treepack/plan_ms"].append(float(plan_ms))
