@@ -107,7 +107,9 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
     )
     base.update(config)
     args = GRPOConfig(**base)
-    model = tiny_model()
+    # Passed as a local path: with beta > 0 TRL loads the reference from the policy's path.
+    model = f"{workdir}/init"
+    tiny_model().save_pretrained(model)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -121,7 +123,7 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
                 between_steps(trainer)
 
         callbacks.append(_Between())
-    ds = Dataset.from_dict({"prompt": prompts(8, 12)})
+    ds = Dataset.from_dict({"prompt": prompts(8, 20)})
     trainer = trainer_cls(
         model=model,
         reward_funcs=reward,
