@@ -24,6 +24,9 @@ The model is switched to tree attention for a packed call and back right after i
 (no-grad calls: scoring) or after ``training_step``'s backward (activation checkpointing
 replays packed layers there), so ``generate()`` between steps runs the stock model.
 
+:class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
+call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.data.bridge.from_labeled`).
+
 Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
 ``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
 Multimodal inputs and the MoE auxiliary loss are refused (their per-row meaning differs).
@@ -39,16 +42,17 @@ import numpy as np
 import torch
 import trl
 from trl.trainer import grpo_trainer as _grpo
+from trl.trainer.utils import FusedCausalLMOutput
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.data.bridge import PaddedSequences, from_padded, prompt_groups
+from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.microbatch import plan_microbatches
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["PackingConfig", "TreepackGRPOTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
 
 SUPPORTED_TRL = (">=1.16", "<1.17")
 
@@ -86,8 +90,10 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
     """Row length for ``padded``: ``config.seq_len``, or room for the largest prompt tree.
 
     A tree (one prompt and its group's completions) needs at most prompt + all its
-    completions tokens; L is that for the largest group, capped at ``max_seq_len`` but never
-    below the longest sequence, rounded up to 128 (``flex``'s block) or 16.
+    completions tokens; L is that for the largest group (without groups, as from
+    :func:`~treepack.trainer.data.bridge.from_labeled`: all tokens of the batch), capped at
+    ``max_seq_len`` but never below the longest sequence, rounded up to 128 (``flex``'s
+    block) or 16.
 
     Returns:
         L >= 1.
@@ -95,9 +101,13 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
     if config.seq_len is not None:
         return int(config.seq_len)
     lens = padded.lengths
-    tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
-    first = np.unique(padded.groups, return_index=True)[1]
-    tree[padded.groups[first]] += padded.prompt_lens[first]
+    if padded.flags is not None:
+        # No groups known (SFT): any rows may share, so room for the whole batch.
+        tree = np.array([lens.sum()])
+    else:
+        tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
+        first = np.unique(padded.groups, return_index=True)[1]
+        tree[padded.groups[first]] += padded.prompt_lens[first]
     need = max(int(lens.max(initial=1)), min(int(tree.max(initial=1)), config.max_seq_len))
     step = 128 if config.backend == "flex" else 16
     return -(-need // step) * step
@@ -126,30 +136,14 @@ def _shuffle_keeping_groups(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: permute(v) for k, v in batch.items()}
 
 
-class TreepackGRPOTrainer(trl.GRPOTrainer):
-    """``trl.GRPOTrainer`` computing every per-token log-probability on tree-packed rows.
+class _PackedRows:
+    """What both trainers share: tree mode on and off, the packed fused-head call, plan logging."""
 
-    Args:
-        *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
-        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
-    """
+    packing: PackingConfig
 
-    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+    def _init_packing(self, packing: PackingConfig | None) -> None:
         self.packing = PackingConfig() if packing is None else packing
         self._tree_mode: dict[int, tuple[Any, str]] = {}
-        super().__init__(*args, **kwargs)
-
-    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
-        """TRL's ``_prepare_inputs`` with :func:`_shuffle_keeping_groups` as the shuffle."""
-        if not self.packing.keep_groups or not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
-            batch = _shuffle_keeping_groups(_grpo.split_pixel_values_by_grid(batch))
-            parts = _grpo.split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TRL's step; the models go back to their attention after its backward."""
@@ -167,6 +161,74 @@ class TreepackGRPOTrainer(trl.GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         if id(unwrapped) not in self._tree_mode:
             self._tree_mode[id(unwrapped)] = (unwrapped, enable_tree_attention(unwrapped))
+
+    def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None) -> Any:
+        mb = plan_microbatches(
+            padded.sequences,
+            num_microbatches=num_microbatches,
+            planner=self.packing.planner,
+            seq_len=choose_seq_len(padded, self.packing),
+            trainable=padded.trainable,
+            groups=groups,
+            min_shared_len=self.packing.min_shared_len,
+            placement=self.packing.placement,
+        )
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
+        metrics["treepack/rows"].append(float(mb.plan.stats.rows))
+        metrics["treepack/plan_ms"].append(float(mb.plan_ms))
+        return mb
+
+    def _packed_fused(self, model: Any, batch: Any) -> Any:
+        """TRL's fused-head output (``log_probs``, ``entropy``, ... as [K, L]) of ``batch``'s rows.
+
+        Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
+        TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+        """
+        self._enter_tree_mode(model)
+        backend = self.packing.backend
+        ctx = PackedContext(batch=batch, backend=backend, options={})
+        mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        shift = batch.targets.masked_fill(~batch.loss_mask, -100)
+        try:
+            with use_packed(ctx), self.accelerator.autocast():
+                return model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    attention_mask=mask,
+                    shift_labels=shift,
+                    fused_lm_head=True,
+                    **{BATCH_KWARG: ctx},
+                )
+        finally:
+            if not torch.is_grad_enabled():
+                # Nothing replays a no-grad call: the model goes back now (generation follows).
+                self._restore_attention()
+
+
+class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` computing every per-token log-probability on tree-packed rows.
+
+    Args:
+        *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
+        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+        self._init_packing(packing)
+        super().__init__(*args, **kwargs)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """TRL's ``_prepare_inputs`` with :func:`_shuffle_keeping_groups` as the shuffle."""
+        if not self.packing.keep_groups or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = _shuffle_keeping_groups(_grpo.split_pixel_values_by_grid(batch))
+            parts = _grpo.split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -202,17 +264,7 @@ class TreepackGRPOTrainer(trl.GRPOTrainer):
         C = int(logits_to_keep)
         padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
         B = padded.batch_size
-        mb = plan_microbatches(
-            padded.sequences,
-            num_microbatches=max(1, math.ceil(B / (batch_size or B))),
-            planner=self.packing.planner,
-            seq_len=choose_seq_len(padded, self.packing),
-            trainable=padded.trainable,
-            groups=padded.groups.tolist(),
-            min_shared_len=self.packing.min_shared_len,
-            placement=self.packing.placement,
-        )
-        self._log_plan(mb.plan, mb.plan_ms)
+        mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), padded.groups.tolist())
         logps = torch.zeros(B, C, device=input_ids.device)
         entropies = torch.zeros(B, C, device=input_ids.device) if compute_entropy else None
         for rows in mb.rows[0]:
@@ -220,41 +272,59 @@ class TreepackGRPOTrainer(trl.GRPOTrainer):
             if rows.shape[0] == 0:
                 continue
             batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=padded.groups.tolist(), rows=rows)
-            lp, ent = self._packed_head(model, batch)
-            logps = padded.to_padded(batch, lp, out=logps.to(lp.dtype))
+            out = self._packed_fused(model, batch)
+            logps = padded.to_padded(batch, out.log_probs, out=logps.to(out.log_probs.dtype))
             if compute_entropy:
-                entropies = padded.to_padded(batch, ent, out=entropies.to(ent.dtype))
+                entropies = padded.to_padded(batch, out.entropy, out=entropies.to(out.entropy.dtype))
         return logps, entropies, None
 
-    def _packed_head(self, model: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([K, L] log-probabilities, [K, L] entropies or None) of ``batch``'s scored positions.
 
-        Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
-        TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
+    """``trl.SFTTrainer`` whose loss forward runs on tree-packed rows.
+
+    Several completions of one prompt (distillation, rejection sampling) hold the prompt
+    once per row. The batch must be padded (``padding_free=False``, ``packing=False``: TRL's
+    own packing concatenates sequences without a tree); TRL's loss (``nll``, ``dft``),
+    entropy and token-accuracy metrics run on the fused-head outputs scattered back to
+    TRL's ``[B, T - 1]`` layout. ``compute_loss_func`` and label smoothing need full logits
+    and are refused.
+
+    Args:
+        *args, **kwargs: exactly ``trl.SFTTrainer``'s.
+        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+        self._init_packing(packing)
+        super().__init__(*args, **kwargs)
+        if self.padding_free:
+            raise RequestError("TreepackSFTTrainer packs padded batches: set padding_free=False and packing=False", path="$.args.padding_free", rule="unsupported")
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            raise RequestError("compute_loss_func and label smoothing need the full logits; TreepackSFTTrainer runs the fused head", path="$.args", rule="unsupported")
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """TRL's SFT loss, with the model call replaced by the packed one (:meth:`_sft_forward`)."""
+        call = lambda **kw: self._sft_forward(model, **kw)  # noqa: E731
+        return super().compute_loss(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _sft_forward(self, model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool = False, use_cache: Any = None, **rest: Any) -> Any:
+        """TRL's fused-head output for ``[B, T]`` inputs, computed on tree rows.
+
+        Returns:
+            A ``FusedCausalLMOutput`` with ``log_probs``, ``entropy``, ``is_top1`` and
+            ``label_mask`` as [B, T - 1] (TRL's shifted layout), 0 off the labels.
         """
-        self._enter_tree_mode(model)
-        backend = self.packing.backend
-        ctx = PackedContext(batch=batch, backend=backend, options={})
-        mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
-        shift = batch.targets.masked_fill(~batch.loss_mask, -100)
-        try:
-            with use_packed(ctx), self.accelerator.autocast():
-                out = model(
-                    input_ids=batch.input_ids,
-                    position_ids=batch.position_ids,
-                    attention_mask=mask,
-                    shift_labels=shift,
-                    fused_lm_head=True,
-                    **{BATCH_KWARG: ctx},
-                )
-        finally:
-            if not torch.is_grad_enabled():
-                # Nothing replays a no-grad call: the model goes back now (generation follows).
-                self._restore_attention()
-        return out.log_probs, out.entropy
-
-    def _log_plan(self, plan: Any, plan_ms: float) -> None:
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["treepack/saved_fraction"].append(float(plan.stats.saved_fraction))
-        metrics["treepack/rows"].append(float(plan.stats.rows))
-        metrics["treepack/plan_ms"].append(float(plan_ms))
+        given = sorted(k for k, v in rest.items() if v is not None)
+        if not fused_lm_head or given:
+            what = given[0] if given else "fused_lm_head"
+            raise RequestError(f"TreepackSFTTrainer packs text-only fused-head calls; got {what}", path=f"$.{what}", rule="unsupported")
+        padded = from_labeled(input_ids, attention_mask, labels)
+        mb = self._plan(padded, 1, None)
+        rows = mb.rows[0, 0]
+        batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, rows=rows[rows >= 0])
+        out = self._packed_fused(model, batch)
+        fields = {}
+        for name in ("log_probs", "entropy", "is_top1"):
+            v = getattr(out, name)
+            fields[name] = None if v is None else padded.to_padded(batch, v)
+        return FusedCausalLMOutput(loss=None, label_mask=labels[:, 1:] != -100, **fields)

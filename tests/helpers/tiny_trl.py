@@ -144,3 +144,34 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
         "logs": trainer.state.log_history,
         "trainer": trainer,
     }
+
+
+def run_sft(trainer_cls: type, *, workdir: str, steps: int = 3, **config: Any) -> dict[str, Any]:
+    """Train ``trainer_cls`` (SFTTrainer or a subclass) on prompt/completion pairs, 4 completions per prompt.
+
+    Returns:
+        {"loss": [steps], "grad_norm": [steps], "logs": log_history}.
+    """
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    trainer_kwargs = config.pop("trainer_kwargs", {})
+    rng = random.Random(1)
+    ps, cs = [], []
+    for p in prompts(6, 24, seed=3):
+        for _ in range(4):
+            ps.append(p)
+            cs.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))))
+    base = dict(
+        output_dir=workdir, per_device_train_batch_size=8, max_steps=steps, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        shuffle_dataset=False, bf16=False,
+    )
+    base.update(config)
+    model = tiny_model()
+    tok = tiny_tokenizer()
+    tok.padding_side = "right"
+    trainer = trainer_cls(model=model, args=SFTConfig(**base), train_dataset=Dataset.from_dict({"prompt": ps, "completion": cs}), processing_class=tok, **trainer_kwargs)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history}

@@ -13,11 +13,15 @@ prompt length) and the groups (rows with identical prompts share a group, the GR
 group). :meth:`PaddedSequences.to_padded` goes back: per-position values of packed rows
 (``[K, L]``, e.g. log-probabilities at the scored positions) land at ``[B, C]`` where TRL
 expects the value of completion token ``c`` of row ``b``, 0 at padding, differentiably.
+
+:func:`from_labeled` reads an SFT batch (``input_ids``, ``attention_mask``, ``labels`` with
+-100 off the loss) the same way; its way back is HF's shifted ``[B, T - 1]`` layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +29,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["PaddedSequences", "from_padded", "prompt_groups"]
+__all__ = ["PaddedSequences", "from_padded", "from_labeled", "prompt_groups"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,19 +42,23 @@ class PaddedSequences:
         completion_lens: [B] int64 real completion tokens of each row.
         groups: [B] int64 dense code of each row's prompt (identical prompts, one code;
             codes in order of first appearance).
-        completion_ptr: [B + 1] int64 CSR of the rows' completion tokens in ``completion_cols``.
-        completion_cols: [sum completion_lens] int64 column of each completion token in the
-            completion block.
-        completion_width: C, the completion block's width.
+        token_ptr: [B + 1] int64 CSR of the sequences' tokens in ``token_cols``.
+        token_cols: [sum lengths] int64 output column of the value that predicts each token
+            (the completion block's column of a completion token; -1 for a token whose value
+            has no place in the output, e.g. a prompt token).
+        completion_width: C, the output's width (the completion block's).
+        flags: per sequence a [len] bool array of trainable tokens, or None when the
+            trainable tokens are exactly the completion (``trainable`` is then the prompt lengths).
     """
 
     sequences: list[np.ndarray]
     prompt_lens: np.ndarray
     completion_lens: np.ndarray
     groups: np.ndarray
-    completion_ptr: np.ndarray
-    completion_cols: np.ndarray
+    token_ptr: np.ndarray
+    token_cols: np.ndarray
     completion_width: int
+    flags: list[np.ndarray] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -58,9 +66,9 @@ class PaddedSequences:
         return len(self.sequences)
 
     @property
-    def trainable(self) -> list[int]:
-        """Per sequence its prompt length: the planner's and ``materialize``'s trainable form."""
-        return [int(p) for p in self.prompt_lens]
+    def trainable(self) -> list[Any]:
+        """The planner's and ``materialize``'s trainable form: the prompt lengths (or ``flags``)."""
+        return [int(p) for p in self.prompt_lens] if self.flags is None else self.flags
 
     @property
     def lengths(self) -> np.ndarray:
@@ -93,10 +101,13 @@ class PaddedSequences:
         if batch.plan.num_sequences != B:
             raise RequestError(f"the batch's plan has {batch.plan.num_sequences} sequences, the padded batch {B}", path="$.batch", rule="plan_mismatch")
         seq = batch.score_seq.cpu().numpy()
-        j = batch.score_pos.cpu().numpy() - self.prompt_lens[seq]
-        if (j < 0).any() or (j >= self.completion_lens[seq]).any():
+        pos = batch.score_pos.cpu().numpy()
+        lens = self.lengths[seq]
+        if (pos >= lens).any():
+            raise RequestError("the batch scores tokens past the padded rows' sequences", path="$.batch", rule="plan_mismatch")
+        cols = self.token_cols[self.token_ptr[seq] + pos]
+        if (cols < 0).any():
             raise RequestError("the batch scores tokens outside the completions: materialize it with trainable=padded.trainable", path="$.batch", rule="plan_mismatch")
-        cols = self.completion_cols[self.completion_ptr[seq] + j]
         dev = values.device
         tail = tuple(values.shape[2:])
         if out is None:
@@ -177,14 +188,61 @@ def from_padded(
     cid = completion_ids.detach().cpu().numpy().astype(np.int64)
     prompts = [pid[b, p_start[b] : p_start[b] + p_len[b]] for b in range(B)]
     seqs = [np.concatenate([prompts[b], cid[b, c_start[b] : c_start[b] + c_len[b]]]) for b in range(B)]
-    ptr = np.concatenate([[0], np.cumsum(c_len)]).astype(np.int64)
-    cols = np.concatenate([np.arange(c_start[b], c_start[b] + c_len[b]) for b in range(B)] or [np.zeros(0)]).astype(np.int64)
+    cols = [np.concatenate([np.full(p_len[b], -1), np.arange(c_start[b], c_start[b] + c_len[b])]) for b in range(B)]
     return PaddedSequences(
         sequences=seqs,
         prompt_lens=p_len,
         completion_lens=c_len,
         groups=prompt_groups(prompts),
-        completion_ptr=ptr,
-        completion_cols=cols,
+        token_ptr=np.concatenate([[0], np.cumsum(p_len + c_len)]).astype(np.int64),
+        token_cols=np.concatenate(cols or [np.zeros(0)]).astype(np.int64),
         completion_width=int(completion_ids.shape[1]),
+    )
+
+
+def from_labeled(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> PaddedSequences:
+    """Read an SFT batch (``[B, T]`` ids, mask, labels with -100 off the loss) as sequences.
+
+    The output layout is HF's shifted one: the value predicting token ``t`` of row b's
+    run sits at column ``start_b + t - 1`` of ``[B, T - 1]`` (``log_probs[:, k]`` scores
+    ``labels[:, k + 1]``). Trainable tokens are those whose label is not -100; groups are
+    the rows themselves (sharing comes from the tree, not from a loss group).
+
+    Args:
+        input_ids: [B, T] int ids.
+        attention_mask: [B, T] 0/1, each row's ones one run.
+        labels: [B, T] int, the token itself or -100.
+
+    Returns:
+        The :class:`PaddedSequences` (``prompt_lens`` 0, ``completion_lens`` the lengths,
+        ``flags`` the trainable tokens, ``completion_width`` T - 1).
+
+    Raises:
+        RequestError: mismatched shapes, padding inside a row, a label on a padding position
+            or a label that is not the row's own next token.
+    """
+    if input_ids.dtype.is_floating_point or tuple(attention_mask.shape) != tuple(input_ids.shape) or tuple(labels.shape) != tuple(input_ids.shape):
+        raise RequestError(f"input_ids, attention_mask and labels must be [B, T] ids alike; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(labels.shape)}", path="$.input_ids", rule="shape")
+    start, n = _runs(attention_mask, "attention_mask")
+    ids = input_ids.detach().cpu().numpy().astype(np.int64)
+    lab = labels.detach().cpu().numpy().astype(np.int64)
+    B, T = ids.shape
+    on = lab != -100
+    m = attention_mask.detach().cpu().numpy().astype(bool)
+    bad = np.argwhere(on & (~m | (lab != ids)))
+    if bad.shape[0]:
+        b, t = (int(x) for x in bad[0])
+        raise RequestError(f"labels[{b}, {t}] = {int(lab[b, t])} is not the row's token there (or sits on padding)", path=f"$.labels[{b}][{t}]", rule="plan_mismatch")
+    seqs = [ids[b, start[b] : start[b] + n[b]] for b in range(B)]
+    flags = [on[b, start[b] : start[b] + n[b]] for b in range(B)]
+    cols = [np.concatenate([[-1], np.arange(start[b], start[b] + n[b] - 1)]) if n[b] else np.zeros(0) for b in range(B)]
+    return PaddedSequences(
+        sequences=seqs,
+        prompt_lens=np.zeros(B, dtype=np.int64),
+        completion_lens=n,
+        groups=np.arange(B, dtype=np.int64),
+        token_ptr=np.concatenate([[0], np.cumsum(n)]).astype(np.int64),
+        token_cols=np.concatenate(cols or [np.zeros(0)]).astype(np.int64),
+        completion_width=max(T - 1, 0),
+        flags=flags,
     )
