@@ -3,10 +3,16 @@
 - :mod:`~treepack.trainer.data.materialize`: :func:`materialize` (one vectorized gather
   per array);
 - :mod:`~treepack.trainer.data.packed_batch`: :class:`PackedBatch`, the rows as tensors
-  plus the index maps back to the sequences.
+  plus the index maps back to the sequences;
+- :mod:`~treepack.trainer.data.bridge`: HF/TRL padded ``[B, T]`` batches <-> sequences,
+  trainable flags and groups (:func:`from_padded`, :func:`from_labeled`);
+- :mod:`~treepack.trainer.data.microbatch`: plan a whole generation batch once, deal its
+  rows to ranks and micro-batches (:func:`plan_microbatches`).
 """
 
+from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded
 from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.microbatch import MicroBatches, plan_microbatches
 from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["materialize", "PackedBatch"]
+__all__ = ["materialize", "PackedBatch", "PaddedSequences", "from_padded", "from_labeled", "MicroBatches", "plan_microbatches"]

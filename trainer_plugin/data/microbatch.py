@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treepack.client import Packer
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
 
@@ -105,6 +104,9 @@ def plan_microbatches(
     """
     t0 = time.perf_counter()
     if planner is None or isinstance(planner, str):
+        # The embedded planner loads only when asked for (as in distributed.obtain_plan).
+        from treepack.client import Packer
+
         with Packer(planner) as packer:
             plan = packer.pack(sequences, **plan_kwargs)
     elif hasattr(planner, "pack"):
