@@ -25,7 +25,7 @@ import trl
 from helpers.tiny_trl import run_grpo
 from treepack.trainer.trl import TreepackGRPOTrainer
 cls = TreepackGRPOTrainer if {packed} else trl.GRPOTrainer
-res = run_grpo(cls, workdir={workdir!r}, ddp_backend="gloo", beta=0.05, loss_type="dapo")
+res = run_grpo(cls, workdir={workdir!r}, model_path={model!r}, ddp_backend="gloo", beta=0.05, loss_type="dapo")
 import torch.distributed as dist
 if dist.get_rank() == 0:
     saved = [h["treepack/saved_fraction"] for h in res["logs"] if "treepack/saved_fraction" in h]
@@ -41,8 +41,12 @@ def _free_port() -> int:
 
 
 def _ddp(tmp_path: Path, packed: bool) -> dict:
+    from helpers.tiny_trl import tiny_model
+
     out = tmp_path / f"{packed}.json"
-    code = WORKER.format(tests=str(ROOT / "tests"), packed=packed, workdir=str(tmp_path / f"w{packed}"), out=str(out))
+    model = str(tmp_path / f"init{packed}")
+    tiny_model().save_pretrained(model)  # once, before the ranks load it
+    code = WORKER.format(tests=str(ROOT / "tests"), packed=packed, workdir=str(tmp_path / f"w{packed}"), model=model, out=str(out))
     port = _free_port()
     procs = []
     for rank in range(2):

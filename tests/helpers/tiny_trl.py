@@ -61,7 +61,7 @@ def reward_len(completions: list[str], **kwargs: Any) -> list[float]:
     return [c.count("w1") - 0.1 * len(c.split()) for c in completions]
 
 
-def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_steps: Any = None, workdir: str, **config: Any) -> dict[str, Any]:
+def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_steps: Any = None, workdir: str, model_path: str | None = None, **config: Any) -> dict[str, Any]:
     """Train ``trainer_cls`` (GRPOTrainer or a subclass) for ``steps`` optimizer steps.
 
     Args:
@@ -70,6 +70,7 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
         lora: wrap the model in a LoRA adapter (peft).
         between_steps: callable(trainer) run after every optimizer step (a callback).
         workdir: output directory.
+        model_path: a saved :func:`tiny_model` (processes of one run share it); default: saved here.
         **config: ``GRPOConfig`` fields over the defaults below.
 
     Returns:
@@ -108,8 +109,10 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
     base.update(config)
     args = GRPOConfig(**base)
     # Passed as a local path: with beta > 0 TRL loads the reference from the policy's path.
-    model = f"{workdir}/init"
-    tiny_model().save_pretrained(model)
+    model = model_path
+    if model is None:
+        model = f"{workdir}/init"
+        tiny_model().save_pretrained(model)
     peft_config = None
     if lora:
         from peft import LoraConfig
