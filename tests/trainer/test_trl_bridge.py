@@ -119,3 +119,23 @@ def test_microbatches_equal_counts_every_row_once():
     assert sum(lp) == sum(len(s) - 24 for s in seqs)  # every completion token scored exactly once
     with pytest.raises(RequestError, match="num_microbatches"):
         split_rows(mb.plan, 0)
+
+
+def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
+    pytest.importorskip("trl")
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    from treepack.trainer.trl import _shuffle_keeping_groups
+
+    pid, pm, cid, cm = _padded([[5, 6, 7]] * 4 + [[8, 9]] * 4 + [[3, 4, 5, 6]] * 4 + [[7]] * 4, [[1, 2]] * 16)
+    batch = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm, "idx": torch.arange(16), "names": list("abcdefghijklmnop")}
+    torch.manual_seed(3)
+    stock = shuffle_sequence_dict(batch)
+    after_stock = torch.rand(1)
+    torch.manual_seed(3)
+    ours = _shuffle_keeping_groups(batch)
+    assert torch.equal(torch.rand(1), after_stock)  # one randperm(B), like TRL: the random stream is unchanged
+    assert sorted(ours["idx"].tolist()) == list(range(16)) and ours["names"] == [batch["names"][i] for i in ours["idx"].tolist()]
+    assert any(len(set((p["idx"] // 4).tolist())) > 1 for p in split_tensor_dict(stock, 4))  # TRL's own shuffle splits groups
+    for part in split_tensor_dict(ours, 4):
+        assert len(set((part["idx"] // 4).tolist())) == 1  # each micro-batch holds one whole prompt group
