@@ -6,9 +6,10 @@
     trainer = TreepackGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
                                   train_dataset=..., packing=PackingConfig(min_shared_len=16))
 
-What changes against ``trl.GRPOTrainer`` (1.16): one method, the one TRL computes every
-per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in the
-loss, the old policy and the reference in scoring). It reads TRL's padded
+What changes against ``trl.GRPOTrainer`` (1.16) is mainly one method, the one TRL computes
+every per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in
+the loss, the old policy and the reference in scoring), plus ``_prepare_inputs`` (the
+shuffle below) and ``training_step`` (attention switched back after backward). It reads TRL's padded
 ``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
 per call (a prompt's completions share its tokens in one tree), splits the plan's rows
 into as many chunks as TRL's own ``batch_size`` chunking would make
