@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean venv-triton test-triton gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,9 +22,39 @@ test: venv
 	$(PIP) install -e ".[service,client,trainer,trl,plot,test]" torch==2.13.0
 	$(BIN)/python -m pytest -q
 
+# A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).
+# Never in .venv: transformers picks flash-linear-attention whenever it imports, and its
+# kernels fail on CPU there. CPU torch pinned as above; mamba_ssm and causal-conv1d
+# without their CUDA builds (their setup.py would otherwise ask nvcc or download a
+# CUDA wheel): what they bring here is their Python + Triton code.
+TVENV ?= .venv-triton
+TBIN := $(TVENV)/bin
+TPIP := $(TBIN)/python -m pip -q --disable-pip-version-check
+TRITON_PKGS := triton==3.8.0 fla-core==0.6.0 flash-linear-attention==0.6.0 einops
+
+$(TBIN)/python:
+	$(PY) -m venv $(TVENV)
+
+venv-triton: $(TBIN)/python
+	$(TPIP) install torch==2.13.0
+	$(TPIP) install $(TRITON_PKGS) wheel packaging ninja
+	$(TPIP) install -e ".[trainer,test]"
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+		$(TPIP) install --no-build-isolation --no-deps causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
+	$(TBIN)/python -c "import torch, sys; sys.exit('.venv-triton must hold the CPU torch, got ' + torch.__version__) if torch.version.cuda else None"
+
+# The project's GPU wrappers on the Triton kernels, run on CPU by the interpreter.
+test-triton: venv-triton
+	TRITON_INTERPRET=1 $(TBIN)/python -m pytest -q -p no:cacheprovider tests/triton_interp
+
+# Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
+# (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).
+gpu-check:
+	$(PY) benchmarks/gpu_check.py $(if $(REPORT),--json $(REPORT),)
+
 bench: venv
 	$(PIP) install -e .
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) build *.egg-info .pytest_cache .hypothesis

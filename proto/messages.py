@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from treepack.proto import WIRE_VERSION
-from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS
+from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
 
 __all__ = [
     "Buffer",
@@ -102,6 +102,8 @@ PlacementOption = _option({"enum": list(PLACEMENTS), "default": "auto"})
 NumRanksOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"})
 ConvWidthOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"})
 OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
+SavingOption = _option({"type": "integer", "minimum": 0, "maximum": MAX_SEQ_LEN, "default": 0, "description": "0: off; else also share a run shorter than min_shared_len when (sharers - 1) x length >= this"})
+RepairOption = _option({"type": "number", "minimum": 0, "maximum": MAX_REPAIR_MS, "default": REPAIR_MS, "description": "budget of auto's repair pass in ms (0: none)"})
 ShareOption = _option({"type": "boolean", "default": False, "description": "generalized sharing mode: trainable tokens shared up to a scored divergence"})
 Index = Annotated[int, Field(ge=-1, le=_INT64[1])]
 GroupId = Union[Annotated[int, Field(ge=_INT64[0], le=_INT64[1])], Annotated[str, Field(max_length=256)], None]
@@ -145,6 +147,8 @@ class PackRequest(_Model):
     on_overflow: OverflowOption = "error"
     conv_width: ConvWidthOption = 4
     share_trainable: ShareOption = False
+    min_shared_saving: SavingOption = 0
+    repair_ms: RepairOption = REPAIR_MS
     record: bool = Field(True, description="record this batch's shape in the history (false: opt out)")
 
 
@@ -237,6 +241,8 @@ class PlanMessage(_Model):
     min_shared_len: MinShared
     share_trainable: bool = False
     on_overflow: Literal["error", "truncate", "drop"] = "error"
+    min_shared_saving: Annotated[int, Field(ge=0, le=MAX_SEQ_LEN)] = 0
+    repair_ms: Annotated[float, Field(ge=0, le=MAX_REPAIR_MS)] = REPAIR_MS
     seq_lens: ArrayMessage
     orig_lens: ArrayMessage
     row_of: ArrayMessage
@@ -307,6 +313,8 @@ class WhatIfRequest(_Model):
     conv_width: ConvWidthOption = 4
     on_overflow: OverflowOption = "error"
     share_trainable: ShareOption = False
+    min_shared_saving: SavingOption = 0
+    repair_ms: RepairOption = REPAIR_MS
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (default: all retained)"

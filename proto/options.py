@@ -16,13 +16,15 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError
 
-__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "OPTION_NAMES", "as_options"]
+__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
 
 PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
 ON_OVERFLOW = ("error", "truncate", "drop")
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens are int32
 MAX_RANKS = 65536
 MAX_CONV_WIDTH = 64
+REPAIR_MS = 10.0  # default budget of auto's repair pass, ms
+MAX_REPAIR_MS = 60_000.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +39,12 @@ class PlanOptions:
         conv_width: GDN short-conv width W, in [1, MAX_CONV_WIDTH].
         share_trainable: the generalized sharing mode.
         on_overflow: one of :data:`ON_OVERFLOW`, for sequences longer than ``seq_len``.
+        min_shared_saving: 0 (off, rule 4 alone), or also share a run shorter than
+            ``min_shared_len`` when ``(sharers - 1) * length`` is at least this many tokens;
+            in [0, MAX_SEQ_LEN].
+        repair_ms: budget of ``auto``'s repair pass, in CPU ms of the planning thread, in
+            [0, MAX_REPAIR_MS] (0: no repair); the wall time it took is reported as
+            ``stats.timings_ms["repair"]``.
     """
 
     seq_len: Any
@@ -46,6 +54,8 @@ class PlanOptions:
     conv_width: Any = 4
     share_trainable: Any = False
     on_overflow: Any = "error"
+    min_shared_saving: Any = 0
+    repair_ms: Any = REPAIR_MS
 
     def to_wire(self) -> dict[str, Any]:
         """The options as message fields (numpy scalars as Python numbers: msgpack cannot

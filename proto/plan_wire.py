@@ -64,6 +64,8 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
         "min_shared_len": plan.min_shared_len,
         "share_trainable": plan.share_trainable,
         "on_overflow": plan.options.on_overflow,
+        "min_shared_saving": plan.options.min_shared_saving,
+        "repair_ms": plan.options.repair_ms,
         **_section(plan, "", fmt),
         "trainable": None if plan.trainable is None else array_to_wire(plan.trainable.view(np.uint8), "|u1", fmt),
         "segments": _section(plan.segments, "segments", fmt),
@@ -118,6 +120,8 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         conv_width=msg.gdn.conv_width,
         share_trainable=msg.share_trainable,
         on_overflow=msg.on_overflow,
+        min_shared_saving=msg.min_shared_saving,
+        repair_ms=msg.repair_ms,
     )
     top = _arrays(msg, "", "")
     return Plan(

@@ -94,11 +94,11 @@ def plan_with_tree(batch: SequenceBatch, options: PlanOptions, *, t0: float | No
     t0 = time.perf_counter() if t0 is None else t0
     seq_len = options.seq_len
     t1 = time.perf_counter()
-    tree = build_tree(batch, options.min_shared_len, share_trainable=options.share_trainable)
+    tree = build_tree(batch, options.min_shared_len, share_trainable=options.share_trainable, min_shared_saving=options.min_shared_saving)
     t2 = time.perf_counter()
-    placed = place_leaves(tree, batch, seq_len, options.placement)
-    row_of, strategy, num_rows = placed.row_of, placed.strategy, placed.num_rows
     bound = lower_bound_rows(tree, seq_len)
+    placed = place_leaves(tree, batch, seq_len, options.placement, bound=bound, repair_ms=options.repair_ms)
+    row_of, strategy, num_rows = placed.row_of, placed.strategy, placed.num_rows
     t3 = time.perf_counter()
     seg = layout_rows(flat_tree(batch) if options.placement == "no_share" else tree, row_of, num_rows)
     t4 = time.perf_counter()
@@ -122,6 +122,7 @@ def plan_with_tree(batch: SequenceBatch, options: PlanOptions, *, t0: float | No
             "normalize": (t1 - t0) * 1e3,
             "tree": (t2 - t1) * 1e3,
             "placement": (t3 - t2) * 1e3,
+            "repair": placed.timings_ms.get("repair", 0.0),
             "layout": (t4 - t3) * 1e3,
             "metadata": (t5 - t4) * 1e3,
             "total": (t5 - t0) * 1e3,

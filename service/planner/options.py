@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, PlanOptions
+from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, PlanOptions
 
 __all__ = ["check_options"]
 
@@ -22,6 +22,15 @@ def _int(name: str, value: Any, lo: int, hi: int, rule: str) -> int:
         hi_text = f"in [{lo}, {hi}]" if rule == "range" else f"<= {hi}"
         raise RequestError(f"{name} must be {hi_text}, got {value}", path=f"$.{name}", rule="range" if rule == "range" else "maximum")
     return int(value)
+
+
+def _number(name: str, value: Any, lo: float, hi: float) -> float:
+    ok = (int, float, np.integer, np.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, ok):
+        raise InputTypeError(f"{name} must be a number, got {type(value).__name__}", path=f"$.{name}", rule="type")
+    if not lo <= value <= hi:  # NaN fails too
+        raise RequestError(f"{name} must be in [{lo:g}, {hi:g}], got {value}", path=f"$.{name}", rule="range")
+    return float(value)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -52,6 +61,8 @@ def check_options(options: PlanOptions) -> PlanOptions:
     if not isinstance(share, (bool, np.bool_)):
         raise InputTypeError(f"share_trainable must be a bool, got {type(share).__name__}", path="$.share_trainable", rule="type")
     on_overflow = _choice("on_overflow", options.on_overflow, ON_OVERFLOW)
+    saving = _int("min_shared_saving", options.min_shared_saving, 0, MAX_SEQ_LEN, "minimum")
+    repair_ms = _number("repair_ms", options.repair_ms, 0.0, MAX_REPAIR_MS)
     return PlanOptions(
         seq_len=seq_len,
         min_shared_len=min_shared_len,
@@ -60,4 +71,6 @@ def check_options(options: PlanOptions) -> PlanOptions:
         conv_width=conv_width,
         share_trainable=bool(share),
         on_overflow=on_overflow,
+        min_shared_saving=saving,
+        repair_ms=repair_ms,
     )

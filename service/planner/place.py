@@ -6,11 +6,12 @@ It sits above :mod:`~.placement` (the baselines ``bfd``, ``in_order``, ``no_shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from treepack.proto.batch import SequenceBatch
+from treepack.proto.options import REPAIR_MS
 from treepack.service.planner.auto import auto_place
 from treepack.service.planner.placement import _bfd, _in_order, _no_share
 from treepack.service.planner.tree import Tree
@@ -26,14 +27,24 @@ class Placement:
         row_of: [S] int64 row of each sequence, -1 for dropped ones.
         num_rows: number of rows.
         strategy: for ``auto``, the candidate that won; else the name.
+        timings_ms: sub-phases worth reporting (``auto``: ``repair``).
     """
 
     row_of: np.ndarray
     num_rows: int
     strategy: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-def place_leaves(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str = "auto") -> Placement:
+def place_leaves(
+    tree: Tree,
+    batch: SequenceBatch,
+    seq_len: int,
+    placement: str = "auto",
+    *,
+    bound: int | None = None,
+    repair_ms: float = REPAIR_MS,
+) -> Placement:
     """Assign every kept sequence's leaf to a row.
 
     Args:
@@ -42,12 +53,15 @@ def place_leaves(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str 
         seq_len: row capacity C.
         placement: one of :data:`~treepack.proto.options.PLACEMENTS` (checked by
             ``check_options``).
+        bound: ``auto``: the tree's lower bound on rows, if already computed.
+        repair_ms: ``auto``: the repair pass's budget in ms (0: none).
 
     Returns:
         The :class:`Placement`.
     """
+    timings: dict[str, float] = {}
     if placement == "auto":
-        row_of, strategy = auto_place(tree, batch, seq_len)
+        row_of, strategy, timings = auto_place(tree, batch, seq_len, bound=bound, repair_ms=repair_ms)
     elif placement == "bfd":
         row_of, strategy = _bfd(tree, batch, seq_len), placement
     elif placement == "in_order":
@@ -56,4 +70,4 @@ def place_leaves(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str 
         assert placement == "no_share", placement
         row_of, strategy = _no_share(batch, seq_len), placement
     num_rows = int(row_of.max()) + 1 if (row_of >= 0).any() else 0
-    return Placement(row_of=row_of, num_rows=num_rows, strategy=strategy)
+    return Placement(row_of=row_of, num_rows=num_rows, strategy=strategy, timings_ms=timings)

@@ -37,7 +37,7 @@ class OpenRows:
         capacity: tokens per row (C).
     """
 
-    __slots__ = ("capacity", "room", "held", "node_rows", "node_sorted", "row_big", "all_sorted")
+    __slots__ = ("capacity", "room", "held", "node_rows", "node_sorted", "row_big", "all_sorted", "copies")
 
 
     def __init__(self, capacity: int) -> None:
@@ -48,6 +48,7 @@ class OpenRows:
         self.node_sorted: dict[int, list[int]] = {}  # big node -> sorted keys of its rows
         self.row_big: list[list[int]] = []  # per row: big nodes it holds
         self.all_sorted: list[int] = []  # every row's key
+        self.copies = 0  # tokens of internal nodes held by a row other than the first (when add() gets ends)
 
     def best_fit(self, anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:
         """(row, marginal cost) of the best-fitting open row, or (-1, cost) if none fits."""
@@ -90,13 +91,17 @@ class OpenRows:
         insort(self.all_sorted, (self.capacity << 32) | r)
         return r
 
-    def add(self, r: int, anc: list[int], marginal: int) -> None:
-        """Put an item with ancestors ``anc`` into row r, charging ``marginal`` tokens."""
+    def add(self, r: int, anc: list[int], marginal: int, ends: list[int] | None = None) -> None:
+        """Put an item with ancestors ``anc`` into row r, charging ``marginal`` tokens.
+
+        With the ancestors' ``ends``, also counts in :attr:`copies` the tokens of the
+        ancestors this row copies from another row.
+        """
         old = self.room[r]
         new = old - marginal
         assert new >= 0, "row over capacity"
         held = self.held[r]
-        for a in anc:
+        for i, a in enumerate(anc):
             if a in held:
                 continue
             held.add(a)
@@ -105,6 +110,8 @@ class OpenRows:
                 self.node_rows[a] = {r}
                 continue
             rows.add(r)
+            if ends is not None:
+                self.copies += ends[i] - (ends[i - 1] if i else 0)
             keys = self.node_sorted.get(a)
             if keys is not None:
                 insort(keys, (old << 32) | r)

@@ -48,6 +48,8 @@ class Tree:
         path_nodes: [P] int64 each sequence's nodes, root to leaf.
         min_shared_len: the rule-4 threshold the tree was built with.
         share_trainable: built in the generalized mode (SPEC section 2).
+        min_shared_saving: the sharing-by-saving threshold it was built with (0: off; see
+            :func:`shares_run`).
     """
 
     parent: np.ndarray
@@ -61,6 +63,7 @@ class Tree:
     path_nodes: np.ndarray
     min_shared_len: int
     share_trainable: bool = False
+    min_shared_saving: int = 0
 
     @property
     def num_nodes(self) -> int:
@@ -88,6 +91,12 @@ def _min_shared_len(value: int) -> int:
     return int(value)
 
 
+def _min_shared_saving(value: int) -> int:
+    # Checked by check_options, like min_shared_len.
+    assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0, value
+    return int(value)
+
+
 class _Emitter:
     """Collects nodes in pre-order and turns them into a :class:`Tree`."""
 
@@ -112,7 +121,7 @@ class _Emitter:
     def leaf(self, parent: int, s: int, start: int, end: int) -> None:
         self.leaf_of[s] = self.node(parent, start, end, s, 1)
 
-    def finish(self, min_shared_len: int, share_trainable: bool = False) -> Tree:
+    def finish(self, min_shared_len: int, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
         parent = np.asarray(self.parent, dtype=np.int64)
         depth = forest_depth(parent)
         leaf_of = self.leaf_of
@@ -129,6 +138,7 @@ class _Emitter:
             path_nodes=path_nodes,
             min_shared_len=min_shared_len,
             share_trainable=share_trainable,
+            min_shared_saving=min_shared_saving,
         )
 
 
@@ -169,7 +179,20 @@ def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, Ca
     return memoryview(rec).cast("B"), child_key, 12
 
 
-def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def shares_run(run: int, sharers: int, min_shared_len: int, min_shared_saving: int) -> bool:
+    """Rule 4, and the sharing-by-saving option: may ``sharers`` sequences share ``run`` tokens?
+
+    A run of at least ``min_shared_len`` is shared (SPEC rule 4). With
+    ``min_shared_saving`` > 0 a shorter run is shared too when what sharing it saves,
+    ``(sharers - 1) * run`` tokens, is at least ``min_shared_saving``: the trainer-side cost
+    of one more segment, in tokens (BENCHMARKS.md measures it).
+    """
+    if run >= min_shared_len:
+        return True
+    return min_shared_saving > 0 and run > 0 and (sharers - 1) * run >= min_shared_saving
+
+
+def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
     """Build the global radix tree of ``batch`` (fast path).
 
     Args:
@@ -178,19 +201,23 @@ def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainabl
         share_trainable: the generalized mode: trainable tokens and scored positions may be
             shared; only the last position before a divergence whose next token is scored
             (for any sequence going on past it) is not.
+        min_shared_saving: 0 (off), or share a shorter run when it saves at least this
+            many tokens (:func:`shares_run`).
 
     Returns:
         The :class:`Tree`, identical to :func:`naive_build_tree`'s.
     """
     msl = _min_shared_len(min_shared_len)
+    saving = _min_shared_saving(min_shared_saving)
+    floor = 1 if saving else msl  # the shortest run that may be shared at all
     n = batch.num_sequences
     sh_all = batch.lens.copy() if share_trainable else batch.shareable_lens()
     kept = batch.kept
     root = _TrieNode(b"", 0, 0, -1)
     root.count = 0
-    # Only a prefix of >= min_shared_len tokens can ever be shared: any internal node
-    # ends at depth >= its length >= min_shared_len.
-    candidates = np.flatnonzero(kept & (sh_all >= msl))
+    # Only a prefix of >= floor tokens can ever be shared: any internal node ends at
+    # depth >= its length >= floor.
+    candidates = np.flatnonzero(kept & (sh_all >= floor))
     for s in candidates.tolist():
         sh = int(sh_all[s])
         buf, keyof, w = _record_views(batch, s, sh)
@@ -235,9 +262,9 @@ def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainabl
     em = _Emitter(n)
     # Sequences that can share nothing hang off the forest as root leaves, merged with the
     # trie's top-level subtrees in order of lowest sequence index.
-    loners = np.flatnonzero(kept & (sh_all < msl)).tolist()
-    _emit_children(em, root, loners, batch.lens, msl)
-    return em.finish(msl, share_trainable)
+    loners = np.flatnonzero(kept & (sh_all < floor)).tolist()
+    _emit_children(em, root, loners, batch.lens, msl, saving)
+    return em.finish(msl, share_trainable, saving)
 
 
 def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
@@ -280,13 +307,13 @@ def _first_key(node: _TrieNode, w: int) -> int:
     return (k << 32) | t
 
 
-def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.ndarray, msl: int) -> None:
+def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.ndarray, msl: int, saving: int) -> None:
     """Emit the trie as tree nodes in pre-order, applying rule 4.
 
     Iterative DFS over frames of (remaining children, tree parent); a node's children are
     found by :func:`_final_children` and sorted by lowest sequence index.
     """
-    frames = [(iter(_final_children(_ordered_items(root, loners), 0, msl)), -1)]
+    frames = [(iter(_final_children(_ordered_items(root, loners), 0, msl, saving)), -1)]
     while frames:
         items, par = frames[-1]
         item = next(items, None)
@@ -299,13 +326,14 @@ def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.nd
             continue
         tn: _TrieNode = x
         me = em.node(par, st, tn.end, tn.minseq, tn.count)
-        frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl)), me))
+        frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl, saving)), me))
 
 
-def _final_children(items: list[tuple[int, object]], start: int, msl: int) -> list[tuple[int, int, object, int]]:
+def _final_children(items: list[tuple[int, object]], start: int, msl: int, saving: int) -> list[tuple[int, int, object, int]]:
     """The tree children under a node ending at ``start``, as (min seq, kind, x, start).
 
-    A trie node whose run from ``start`` is shorter than ``msl`` creates no node (rule 4):
+    A trie node whose run from ``start`` may not be shared (:func:`shares_run`: shorter than
+    ``msl`` and, with the saving option, saving too little) creates no node (rule 4):
     its own children take its place, from the same ``start``, so the short run stays in
     each descendant's segment. A trie node with one sequence is that sequence's leaf.
     """
@@ -319,7 +347,7 @@ def _final_children(items: list[tuple[int, object]], start: int, msl: int) -> li
         tn: _TrieNode = x
         if tn.count == 1:
             out.append((tn.terminals[0], 0, tn.terminals[0], start))
-        elif tn.end - start >= msl:
+        elif shares_run(tn.end - start, tn.count, msl, saving):
             out.append((tn.minseq, 1, tn, start))
         else:
             todo.extend(reversed(_ordered_items(tn, [])))
@@ -347,7 +375,7 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False) -> Tree:
+def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
     """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
 
     ``node(S, start)``: find the common run of S from ``start`` (within everyone's
@@ -358,6 +386,7 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
     position when that position is scored for a sequence going on past the divergence.
     """
     msl = _min_shared_len(min_shared_len)
+    saving = _min_shared_saving(min_shared_saving)
     n = batch.num_sequences
     sh = (batch.lens if share_trainable else batch.shareable_lens()).tolist()
     trains = [batch.trainable_of(s).tolist() for s in range(n)]
@@ -402,7 +431,7 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
             return [(S, start, 0, 0)]
         run = common_run(S, start)
         keep = kept_run(S, start, run)
-        if keep >= msl:
+        if shares_run(keep, len(S), msl, saving):
             return [(S, start, keep, run)]
         return [item for part in split(S, start + run) for item in expand(part, start)]
 
@@ -417,7 +446,7 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
     kept = [s for s in range(n) if batch.kept[s]]
     if kept:
         emit(expand(kept, 0), -1)
-    return em.finish(msl, share_trainable)
+    return em.finish(msl, share_trainable, saving)
 
 
 def flat_tree(batch: SequenceBatch) -> Tree:

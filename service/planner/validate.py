@@ -16,8 +16,10 @@ checks them against the tokens:
   parent slots, conv context equal to :func:`~.metadata.naive_conv_context`), ranks (each
   row once, equal counts), stats;
 - with sequences: every token at ``idx(s, p)`` is ``s[p]`` (keys too), a shared segment is
-  at least ``min_shared_len`` long and holds no trainable token and no scored position of
-  any sharer (generalized mode: no scored position its sharers predict differently).
+  at least ``min_shared_len`` long (or, with ``min_shared_saving``, saves enough: at least
+  that many tokens over the sequences that could share its end) and holds no trainable
+  token and no scored position of any sharer (generalized mode: no scored position its
+  sharers predict differently).
 """
 
 from __future__ import annotations
@@ -297,6 +299,25 @@ def _check_planned_with(plan: Plan) -> None:
             _check(first == int(ft[s]), f"first_trainable of sequence {s} disagrees with its flags")
 
 
+def _prefix_sharers(batch: SequenceBatch, plan: Plan, src: int, end: int) -> int:
+    """Kept sequences that agree with ``src`` on positions ``0 .. end-1`` (tokens and keys)
+    and may share them (default mode: within their shareable prefix)."""
+    limit = batch.lens if plan.share_trainable else batch.shareable_lens()
+    ref = batch.tokens[src][:end]
+    rkey = None if batch.keys is None or batch.keys[src] is None else batch.keys[src][:end]
+    count = 0
+    for t in np.flatnonzero((plan.row_of >= 0) & (limit >= end)).tolist():
+        if not np.array_equal(batch.tokens[t][:end], ref):
+            continue
+        if batch.keys is not None:
+            k = batch.keys[t]
+            mine = np.zeros(end, np.uint64) if k is None else k[:end]
+            if not np.array_equal(mine, np.zeros(end, np.uint64) if rkey is None else rkey):
+                continue
+        count += 1
+    return count
+
+
 def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
     """Token-level rules against the batch: equal runs, sharing rules, what it was planned with."""
     seg = plan.segments
@@ -309,6 +330,8 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
         _check(bool(np.array_equal(batch.trainable_of(s), plan.trainable_of(s))), f"trainable flags of sequence {s} differ")
     sh = batch.shareable_lens()
     msl = plan.min_shared_len
+    saving = plan.options.min_shared_saving
+    could_share: dict[int, int] = {}
     for s in range(S):
         if plan.row_of[s] < 0:
             continue
@@ -325,7 +348,13 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
             if seg.sharers[g] >= 2:
                 if not plan.share_trainable:
                     _check(a + n <= sh[s], f"segment {g} shares a trainable token or scored position of sequence {s}")
-                _check(n >= msl or plan.placement == "no_share", f"shared segment {g} shorter than min_shared_len")
+                if n < msl and plan.placement != "no_share":
+                    _check(saving > 0, f"shared segment {g} shorter than min_shared_len")
+                    if g not in could_share:
+                        could_share[g] = _prefix_sharers(batch, plan, src, a + n)
+                    # The segment's last tree node saves (sharers - 1) x its length >= saving,
+                    # and its sharers are among those that could share the segment's end.
+                    _check((could_share[g] - 1) * n >= saving, f"shared segment {g} shorter than min_shared_len saves too little")
     if plan.share_trainable:
         # A shared position may be scored only if every sharer predicts the same next
         # token; inside a segment they do by construction, so check each segment's last.

@@ -15,6 +15,7 @@ from helpers.service import running_server
 
 from treepack.client import AsyncPacker, Packer
 from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.options import OPTION_NAMES
 from treepack.service import Settings, create_app
 
 SEQS = [np.arange(40, dtype=np.uint32), np.arange(30, dtype=np.uint32)]
@@ -52,6 +53,13 @@ BAD = [
     ("on_overflow", "clip", RequestError, "enum", "on_overflow must be one of ('error', 'truncate', 'drop'), got 'clip'"),
     ("on_overflow", 0, RequestError, "enum", "on_overflow must be one of ('error', 'truncate', 'drop'), got 0"),
     ("on_overflow", None, RequestError, "enum", "on_overflow must be one of ('error', 'truncate', 'drop'), got None"),
+    ("min_shared_saving", -1, RequestError, "minimum", "min_shared_saving must be >= 0, got -1"),
+    ("min_shared_saving", 1.5, InputTypeError, "type", "min_shared_saving must be an int, got float"),
+    ("min_shared_saving", None, InputTypeError, "type", "min_shared_saving must be an int, got NoneType"),
+    ("repair_ms", -1, RequestError, "range", "repair_ms must be in [0, 60000], got -1"),
+    ("repair_ms", 1e9, RequestError, "range", "repair_ms must be in [0, 60000], got 1000000000.0"),
+    ("repair_ms", "5", InputTypeError, "type", "repair_ms must be a number, got str"),
+    ("repair_ms", True, InputTypeError, "type", "repair_ms must be a number, got bool"),
 ]
 IDS = [f"{name}={value!r}" for name, value, *_ in BAD]
 
@@ -78,7 +86,7 @@ def app():
 
 
 def test_every_option_has_bad_values():
-    assert {name for name, *_ in BAD} == {"seq_len", "min_shared_len", "placement", "num_ranks", "conv_width", "share_trainable", "on_overflow"}
+    assert {name for name, *_ in BAD} == set(OPTION_NAMES)
 
 
 @pytest.mark.parametrize("name,value,exc,rule,message", BAD, ids=IDS)

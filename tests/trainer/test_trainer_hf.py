@@ -9,7 +9,7 @@ import torch
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.hf import ATTN_IMPLEMENTATION, disable_tree_attention, packed_forward
+from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
 
 LOGPROB_TOL = 1e-5
@@ -112,17 +112,6 @@ def test_gradient_checkpointing_replays_the_tree_mask(case):
     _, loss, grads = _packed(model, case, "flash")
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
     _assert_grads_equal(grads, ref_grads)
-
-
-def test_model_left_in_tree_mode_refuses_unpacked_calls(case):
-    model = tiny_model("qwen3")
-    with torch.no_grad():
-        packed_forward(model, case["batch"])
-        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-        with pytest.raises(RuntimeError, match="packed_forward"):
-            model(input_ids=torch.zeros(1, 5, dtype=torch.int64), use_cache=False)
-        disable_tree_attention(model)
-        model(input_ids=torch.zeros(1, 5, dtype=torch.int64), use_cache=False)
 
 
 def test_attention_dropout_refused(case):

@@ -17,7 +17,7 @@ SURFACE = {
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
-        "disable_tree_attention", "packed_forward",
+        "disable_tree_attention", "packed_forward", "packed",
     ],
     "treepack.trainer.data": ["materialize", "PackedBatch"],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],

@@ -1,7 +1,8 @@
 """HF transformers on tree-packed rows (:func:`packed_forward`).
 
-- :mod:`~treepack.trainer.hf.forward`: :func:`packed_forward`, switching a model to tree
-  attention and back;
+- :mod:`~treepack.trainer.hf.forward`: :func:`packed_forward` and the :func:`packed` context
+  manager (the model is left as it was; :mod:`~treepack.trainer.hf.dispatch` picks tree
+  attention per call; :mod:`~treepack.trainer.hf.wrapped` resolves DDP / FSDP2 / PEFT wrappers);
 - :mod:`~treepack.trainer.hf.attention`: the registered ``"treepack"`` attention
   implementation;
 - :mod:`~treepack.trainer.hf.context`: how a layer finds the packed batch it runs on;
@@ -12,7 +13,7 @@ transformers itself is imported only when a model is switched (``register_tree_a
 """
 
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
-from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed_forward
+from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed, packed_forward
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -21,4 +22,5 @@ __all__ = [
     "enable_tree_attention",
     "disable_tree_attention",
     "packed_forward",
+    "packed",
 ]

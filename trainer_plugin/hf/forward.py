@@ -1,72 +1,96 @@
-"""HF transformers on tree-packed rows: :func:`packed_forward`.
+"""HF transformers on tree-packed rows: :func:`packed_forward` and :func:`packed`.
 
-:func:`packed_forward` runs a stock HF decoder model (Qwen3, Llama, Mistral, ...) on a
+:func:`packed_forward` runs a stock HF decoder model (Qwen3, Llama, Mistral, ...), possibly
+wrapped (DDP, FSDP2, PEFT/LoRA, accelerate; :mod:`treepack.trainer.hf.wrapped`), on a
 :class:`~treepack.trainer.data.packed_batch.PackedBatch`:
 
 - ``input_ids`` and the per-sequence ``position_ids`` go in as they are, so RoPE sees
   each token's position in its own sequence;
-- the model's attention implementation is switched to ``"treepack"``
-  (:data:`~treepack.trainer.hf.attention.ATTN_IMPLEMENTATION`), registered in HF's ``AttentionInterface``. HF builds no
-  mask of its own for an implementation without a mask function, so it never infers the
-  (linear, wrong) packing from ``position_ids``; ``packed_forward`` passes the tree mask
-  itself (dense for ``sdpa``, BlockMask for ``flex``), which HF hands to every layer
-  untouched, and :func:`~treepack.trainer.hf.attention.treepack_attention` takes everything else from the batch;
-- the batch travels as the keyword argument ``treepack_context`` (HF forwards
-  ``**kwargs`` to the attention functions, and activation checkpointing replays it) and
-  in a context variable (:mod:`treepack.trainer.hf.context`) for layers without ``**kwargs``.
-  Other layer kinds (Gated DeltaNet, sparse indexers) are patched to read the same
-  context; nothing here assumes attention is the only layer that needs it.
+- the batch travels as the keyword argument ``treepack_context`` (HF forwards ``**kwargs``
+  to every decoder layer and attention function, and activation checkpointing replays it)
+  and in a context variable (:mod:`treepack.trainer.hf.context`) for layers without
+  ``**kwargs``;
+- every module that holds a config switches to the registered ``"treepack"`` attention
+  (:data:`~treepack.trainer.hf.attention.ATTN_IMPLEMENTATION`) for the calls that carry that
+  keyword only (:mod:`treepack.trainer.hf.dispatch`). HF builds no mask for an implementation
+  without a mask function, so it never infers the (linear, wrong) packing from
+  ``position_ids``; ``packed_forward`` passes the tree mask itself (dense for ``sdpa``,
+  BlockMask for ``flex``). Other layer kinds (Gated DeltaNet, sparse indexers) are patched
+  to read the same context and run their stock forward without it.
 
-The model stays in ``"treepack"`` mode after ``packed_forward`` returns, because
-gradient checkpointing re-runs the layers during ``backward()`` and must dispatch the same
-way; an unpacked call then raises a clear error until :func:`disable_tree_attention`.
+Nothing about the model is left switched: after ``packed_forward`` returns, unpacked calls
+(``generate()``, reference passes) run exactly as before, with the model's own
+``attn_implementation``; gradient checkpointing still replays the packed layers in
+``backward()`` because the dispatch follows the replayed arguments.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
-from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.dispatch import install_dispatch
+from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward"]
+__all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward", "packed", "OUTPUTS"]
+
+OUTPUTS = ("logits", "hidden")
 
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
-    """Switch ``model`` (and its sub-models) to tree attention; returns the previous implementation.
+    """Prepare ``model`` for packed calls (idempotent); returns its attention implementation.
+
+    Installs the per-call dispatch hooks (:func:`~treepack.trainer.hf.dispatch.install_dispatch`)
+    and, with ``patch_layers``, the tree forwards of Gated DeltaNet and DeepSeek-V3.2 sparse
+    attention layers (:func:`treepack.trainer.hf.hybrid.patch_hybrid_layers`). Neither changes
+    an unpacked call; the model's ``attn_implementation`` stays what it was.
 
     Args:
-        model: the HF model.
-        patch_layers: also install the tree forwards on Gated DeltaNet and DeepSeek-V3.2
-            sparse attention layers (:func:`treepack.trainer.hf.hybrid.patch_hybrid_layers`,
-            idempotent); without them those layers would scan each row as one sequence.
+        model: the HF model, possibly wrapped.
+        patch_layers: also patch GDN / DSA layers (without the patches those layers would
+            scan each row as one sequence).
+
+    Returns:
+        The model's (unchanged) ``config._attn_implementation``.
     """
-    register_tree_attention()
+    hf = unwrap_model(model)
+    install_dispatch(hf)
     if patch_layers:
         from treepack.trainer.hf.hybrid import patch_hybrid_layers
 
-        patch_hybrid_layers(model)
-    prev = model.config._attn_implementation
-    if prev != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise RequestError(
-                f"{type(model).__name__} does not accept a custom attention implementation "
-                "(it does not dispatch through HF's AttentionInterface)",
-                path="$.model",
-                rule="unsupported",
-            )
-    return prev
+        patch_hybrid_layers(hf)
+    return hf.config._attn_implementation
 
 
-def disable_tree_attention(model: Any, implementation: str = "sdpa") -> None:
-    """Switch ``model`` back to a stock implementation (for unpacked calls)."""
-    model.set_attn_implementation(implementation)
+def disable_tree_attention(model: Any, implementation: str | None = None) -> None:
+    """Set ``model``'s attention implementation (kept for older callers; no longer needed).
+
+    ``packed_forward`` leaves the model's implementation as it found it, so there is nothing
+    to switch back. With ``implementation`` this is ``set_attn_implementation(implementation)``.
+    """
+    if implementation is not None:
+        unwrap_model(model).set_attn_implementation(implementation)
+
+
+def _check_args(backend: str, output: str) -> None:
+    if backend not in BACKENDS:
+        raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
+    if output not in OUTPUTS:
+        raise RequestError(f"output must be one of {OUTPUTS}, got {output!r}", path="$.output", rule="enum")
+
+
+def _mask(batch: PackedBatch, backend: str) -> Any:
+    if backend == "sdpa":
+        return batch.dense_mask()
+    if backend == "flex":
+        return batch.block_mask()
+    return None
 
 
 def packed_forward(
@@ -80,18 +104,19 @@ def packed_forward(
     patch_layers: bool = True,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Run an HF causal LM on the packed rows.
+    """Run an HF causal LM on the packed rows, leaving the model as it was.
 
     Args:
         model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
-            dispatch attention through ``AttentionInterface``.
+            dispatch attention through ``AttentionInterface``; bare or wrapped (DDP, FSDP2,
+            PEFT, accelerate, ``torch.compile``): the forward runs through the wrapper.
         batch: the packed batch.
         backend: ``sdpa`` | ``flex`` | ``flash`` (:func:`~treepack.trainer.tree_attention`).
         varlen_fn: ``flash`` backend kernel override (e.g. ``naive_varlen_attention`` on CPU).
         compile: ``flex`` backend: compile ``flex_attention`` (default: on CUDA).
-        output: ``logits``, or ``hidden`` to run the base model only and return its final
-            hidden states (then :meth:`PackedBatch.target_logprobs_from_hidden` with
-            ``model.lm_head`` never materializes [K, L, vocab]).
+        output: ``logits``, or ``hidden`` for the base model's final hidden states (the head
+            runs on no position); then :meth:`PackedBatch.target_logprobs_from_hidden` with
+            :func:`~treepack.trainer.hf.head.output_head` never materializes [K, L, vocab].
         patch_layers: patch GDN / DSA layers for tree rows (see :func:`enable_tree_attention`);
             False only to run their stock forward on purpose (a negative control).
         **kwargs: passed to ``model(...)``.
@@ -99,27 +124,50 @@ def packed_forward(
     Returns:
         [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
     """
-    if backend not in BACKENDS:
-        raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
-    if output not in ("logits", "hidden"):
-        raise RequestError(f"output must be 'logits' or 'hidden', got {output!r}", path="$.output", rule="enum")
-    enable_tree_attention(model, patch_layers=patch_layers)
+    _check_args(backend, output)
+    hf = unwrap_model(model)
+    enable_tree_attention(hf, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
-    mask = None
-    if backend == "sdpa":
-        mask = batch.dense_mask()
-    elif backend == "flex":
-        mask = batch.block_mask()
-    target = model.base_model if output == "hidden" else model
+    inputs = dict(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=_mask(batch, backend),
+        use_cache=False,
+        **{BATCH_KWARG: ctx},
+        **kwargs,
+    )
     with use_packed(ctx):
-        out = target(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=mask,
-            use_cache=False,
-            **{BATCH_KWARG: ctx},
-            **kwargs,
-        )
-    if output == "hidden":
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return out.logits if hasattr(out, "logits") else out[0]
+        if output == "hidden":
+            return forward_hidden(model, hf, inputs)
+        return forward_logits(model, inputs)
+
+
+@contextmanager
+def packed(model: Any, batch: PackedBatch, **options: Any) -> Iterator[Callable[..., torch.Tensor]]:
+    """Context-manager form: ``with packed(model, batch, backend="flash") as run: logits = run()``.
+
+    ``run(**kw)`` is :func:`packed_forward` with ``options`` and ``kw`` merged (``kw`` wins).
+    Inside the block the batch is also the current packed context, so a ``backward()`` run
+    inside the block can recompute layers that read only the context variable. Leaving the
+    block leaves the model as it was.
+
+    Args:
+        model: as for :func:`packed_forward`.
+        batch: the packed batch.
+        **options: :func:`packed_forward` keyword arguments (backend, output, ...).
+
+    Yields:
+        ``run``, a callable returning what :func:`packed_forward` returns.
+    """
+    _check_args(options.get("backend", "sdpa"), options.get("output", "logits"))
+    outer = PackedContext(
+        batch=batch,
+        backend=options.get("backend", "sdpa"),
+        options={"varlen_fn": options.get("varlen_fn"), "compile": options.get("compile")},
+    )
+
+    def run(**kw: Any) -> torch.Tensor:
+        return packed_forward(model, batch, **{**options, **kw})
+
+    with use_packed(outer):
+        yield run

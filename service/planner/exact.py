@@ -1,0 +1,239 @@
+"""Exact placement of small sets of leaves: a dependency-free branch and bound, and its brute-force reference.
+
+:func:`fit_rows` decides whether a set of leaves fits into ``m`` rows of C tokens, where a
+row's cost is the size of the union of its leaves' root paths (SPEC section 4). The
+repair pass (:mod:`.repair`) asks it "do the leaves of these k rows fit in k - 1?"; the
+tests and the benchmarks ask it for the optimum of whole small batches
+(:func:`exact_min_rows`). :func:`naive_min_rows` is the obviously correct reference: a
+dynamic programme over all subsets of at most ~12 leaves.
+
+The search assigns leaves, largest first, to rows, best fit first. It is exact: every
+assignment is reachable except those equal to another up to
+
+- renaming rows: a leaf opens at most one empty row, the lowest-numbered one (rows are
+  then numbered by their first leaf, which any solution can be relabelled to);
+- permuting identical leaves (same parent, same length): their rows are non-decreasing
+  (a run of identical leaves can be re-sorted without changing any row);
+
+and it prunes a branch when the tokens still needed, at least every remaining leaf's own
+segment plus every ancestor that some remaining leaf needs and no row holds yet, exceed
+the room left in all rows together. A node limit bounds the work; a search that reaches
+it answers "unknown", never a wrong "no"; so does one past its deadline, if given.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.service.planner.tree import Tree
+
+__all__ = ["Item", "leaf_items_of", "fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN"]
+
+FIT, NO_FIT, UNKNOWN = "fit", "no_fit", "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A leaf as the search sees it.
+
+    Attributes:
+        seq: the sequence it ends.
+        chain: its internal ancestors, root first.
+        cost: its full cost (sequence length).
+        tail: its own segment's length (cost minus the chain's tokens).
+    """
+
+    seq: int
+    chain: tuple[int, ...]
+    cost: int
+    tail: int
+
+
+def leaf_items_of(tree: Tree, seqs) -> list[Item]:
+    """The :class:`Item` of each kept sequence in ``seqs``."""
+    out = []
+    ends = tree.end
+    for s in seqs:
+        path = tree.path(int(s))
+        leaf = int(path[-1])
+        out.append(Item(int(s), tuple(int(v) for v in path[:-1]), int(ends[leaf]), int(tree.length[leaf])))
+    return out
+
+
+class _Limit(Exception):
+    pass
+
+
+class _Search:
+    """State of one :func:`fit_rows` call (see module docstring)."""
+
+    def __init__(self, items: list[Item], m: int, capacity: int, node_len, limit: int, deadline: float | None) -> None:
+        self.items = sorted(items, key=lambda it: (-it.cost, it.chain, it.seq))
+        self.m, self.C, self.node_len, self.limit, self.deadline = m, capacity, node_len, limit, deadline
+        self.nodes = 0
+        self.load = [0] * m
+        self.count = [0] * m
+        self.held: list[dict[int, int]] = [{} for _ in range(m)]  # node -> leaves of the row using it
+        self.rows_holding: dict[int, int] = {}
+        self.need: dict[int, int] = {}
+        for it in self.items:
+            for v in it.chain:
+                self.need[v] = self.need.get(v, 0) + 1
+        self.uncovered = sum(node_len[v] for v in self.need)
+        self.tails = sum(it.tail for it in self.items)
+        self.room = m * capacity
+        self.row_of = [-1] * len(self.items)
+
+    def _marginal(self, it: Item, r: int) -> int:
+        held = self.held[r]
+        return it.tail + sum(self.node_len[v] for v in it.chain if v not in held)
+
+    def _move(self, i: int, r: int, marg: int, sign: int) -> None:
+        """Put leaf i into row r (sign 1) or take it out again (sign -1)."""
+        it = self.items[i]
+        held, need, holding, node_len = self.held[r], self.need, self.rows_holding, self.node_len
+        for v in it.chain:
+            before = need[v] > 0 and holding.get(v, 0) == 0
+            need[v] -= sign
+            h = held.get(v, 0) + sign
+            if h:
+                held[v] = h
+            else:
+                del held[v]
+            if h == 0 or (h == 1 and sign > 0):
+                holding[v] = holding.get(v, 0) + sign
+            after = need[v] > 0 and holding.get(v, 0) == 0
+            if before != after:
+                self.uncovered += node_len[v] if after else -node_len[v]
+        self.load[r] += sign * marg
+        self.count[r] += sign
+        self.tails -= sign * it.tail
+        self.room -= sign * marg
+        self.row_of[i] = r if sign > 0 else -1
+
+    def run(self, i: int) -> bool:
+        if i == len(self.items):
+            return True
+        self.nodes += 1
+        if self.nodes > self.limit:
+            raise _Limit
+        if self.deadline is not None and self.nodes % 64 == 0 and time.thread_time() > self.deadline:
+            raise _Limit
+        if self.uncovered + self.tails > self.room:
+            return False
+        it = self.items[i]
+        prev = self.items[i - 1] if i else None
+        lo = self.row_of[i - 1] if prev is not None and prev.chain == it.chain and prev.cost == it.cost else 0
+        options = []
+        opened = False
+        for r in range(lo, self.m):
+            if self.count[r] == 0:
+                if opened:
+                    continue
+                opened = True
+            marg = self._marginal(it, r)
+            left = self.C - self.load[r] - marg
+            if left >= 0:
+                options.append((left, r, marg))
+        options.sort()
+        for _, r, marg in options:
+            self._move(i, r, marg, 1)
+            if self.run(i + 1):
+                return True
+            self._move(i, r, marg, -1)
+        return False
+
+
+def fit_rows(
+    items: list[Item], num_rows: int, capacity: int, node_len, *, node_limit: int = 20_000, deadline: float | None = None
+) -> tuple[str, dict[int, int]]:
+    """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens.
+
+    Args:
+        items: the leaves (see :func:`leaf_items_of`).
+        num_rows: m >= 0.
+        capacity: C.
+        node_len: per node id, its length (indexable: a list or an array).
+        node_limit: search nodes before giving up with ``UNKNOWN``.
+        deadline: a ``time.thread_time()`` value (this thread's CPU time) after which the
+            search gives up too.
+
+    Returns:
+        (``FIT``, {seq: row in [0, m)}) or (``NO_FIT`` | ``UNKNOWN``, {}).
+    """
+    if not items:
+        return FIT, {}
+    if num_rows <= 0:
+        return NO_FIT, {}
+    search = _Search(items, num_rows, capacity, node_len, node_limit, deadline)
+    if search.uncovered + search.tails > search.room:
+        return NO_FIT, {}
+    try:
+        found = search.run(0)
+    except _Limit:
+        return UNKNOWN, {}
+    if not found:
+        return NO_FIT, {}
+    return FIT, {it.seq: r for it, r in zip(search.items, search.row_of)}
+
+
+def exact_min_rows(tree: Tree, seq_len: int, lower: int, upper: int, *, node_limit: int = 200_000) -> tuple[int, bool]:
+    """The fewest rows for every kept leaf, searched between two known bounds.
+
+    Args:
+        tree: the batch's tree.
+        seq_len: C.
+        lower: a proven lower bound (e.g. :func:`~.bounds.lower_bound_rows`).
+        upper: the rows of a known placement.
+        node_limit: per decision.
+
+    Returns:
+        (rows, proven): the fewest rows found; ``proven`` when every smaller count was
+        refuted (not merely left unknown).
+    """
+    items = leaf_items_of(tree, np.flatnonzero(tree.leaf_of >= 0))
+    node_len = tree.length.tolist()
+    proven = True
+    for m in range(lower, upper):
+        status, _ = fit_rows(items, m, seq_len, node_len, node_limit=node_limit)
+        if status == FIT:
+            return m, proven
+        proven = proven and status == NO_FIT
+    return upper, proven
+
+
+def naive_min_rows(tree: Tree, seq_len: int) -> int:
+    """Brute force over all subsets of the kept leaves (at most ~12): the optimum rows.
+
+    ``cost[mask]`` is the union of the leaves' paths in ``mask``; ``best[mask]`` the fewest
+    rows for ``mask``, trying every fitting row that holds its lowest leaf.
+    """
+    seqs = np.flatnonzero(tree.leaf_of >= 0).tolist()
+    n = len(seqs)
+    assert n <= 14, "naive_min_rows is exponential"
+    member = np.zeros(tree.num_nodes, dtype=np.int64)
+    for bit, s in enumerate(seqs):
+        member[tree.path(s)] |= 1 << bit
+    masks = np.arange(1 << n, dtype=np.int64)
+    cost = np.zeros(1 << n, dtype=np.int64)
+    for v in range(tree.num_nodes):
+        cost += tree.length[v] * ((masks & member[v]) != 0)
+    fits = (cost <= seq_len).tolist()
+    best = [0] * (1 << n)
+    for mask in range(1, 1 << n):
+        low = mask & -mask
+        rest = mask ^ low
+        b = n + 1
+        sub = rest
+        while True:
+            row = sub | low
+            if fits[row] and best[mask ^ row] + 1 < b:
+                b = best[mask ^ row] + 1
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        best[mask] = b
+    return best[(1 << n) - 1]

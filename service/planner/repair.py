@@ -1,0 +1,281 @@
+"""The repair pass: a bounded large-neighbourhood search that removes rows after the greedy.
+
+Greedy packings lose rows the classic first-fit way: a late leaf finds no room and opens
+a row that ends up light, though moving a few leaves between it and the rows that share
+its prefix would have made room. :func:`repair_rows` looks for exactly that:
+
+1. take the lightest rows first; for such a row r, form neighbourhoods of k = 2..MAX_ROWS
+   rows: r plus the rows sharing most of its prefix (tokens of internal nodes both
+   hold), and r plus the lightest other rows;
+2. decide exactly whether the leaves of those k rows fit into k - 1 rows
+   (:func:`~.exact.fit_rows`, a branch and bound with a node limit per neighbourhood);
+3. if they do, rewrite those rows (r disappears) and start again from the lightest row;
+   stop at the lower bound, when no neighbourhood of any light row helps, or when the
+   time budget is spent.
+
+Every step keeps a valid placement (all leaves placed, every row within C) and removes one
+row, so the result never has more rows than its input. The search order depends on the
+input only (rows by load then index, neighbours by shared tokens, load, index; the node
+limit counts search nodes), so it is deterministic as long as the budget lasts. The budget
+is CPU time of the planning thread (``time.thread_time``), checked while forming
+neighbourhoods and every 64 search nodes: a loaded machine, or other plans running in
+other threads, do not eat it, so the same batch gets the same plan there too; only a run
+that spends the whole budget may stop earlier on a slower CPU. Setting up is linear in the
+batch and lazy (rows and nodes are indexed when first looked at), about 10 ms at 267k
+completions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.service.planner.exact import FIT, Item, fit_rows
+from treepack.service.planner.placement import row_costs
+from treepack.service.planner.tree import Tree
+
+__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT"]
+
+MAX_ROWS = 12  # largest neighbourhood: this many rows into one fewer
+LIGHT_ROWS = 8  # light rows tried per round
+NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RepairResult:
+    """What :func:`repair_rows` did.
+
+    Attributes:
+        row_of: [S] int64 new row of each sequence (-1 for dropped), rows numbered 0..R-1
+            in the order of their old numbers.
+        num_rows: R.
+        removed: rows removed.
+        tried: neighbourhoods searched.
+        out_of_time: the budget ran out before the search finished.
+    """
+
+    row_of: np.ndarray
+    num_rows: int
+    removed: int
+    tried: int
+    out_of_time: bool
+
+
+def _subtree_nodes(tree: Tree) -> np.ndarray:
+    """[N] int64 nodes in each node's subtree: in pre-order, v's subtree is ``v .. v + span - 1``."""
+    span = np.ones(tree.num_nodes, dtype=np.int64)
+    for d in range(int(tree.depth.max(initial=0)), 0, -1):
+        at = np.flatnonzero(tree.depth == d)
+        span += np.bincount(tree.parent[at], weights=span[at], minlength=tree.num_nodes).astype(np.int64)
+    return span
+
+
+class _Lookup(dict):
+    """int(array[i]) on first use, then cached: per-node values without converting every node."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        super().__init__()
+        self.array = array
+
+    def __missing__(self, i: int) -> int:
+        v = self[i] = int(self.array[i])
+        return v
+
+
+class _Rows:
+    """Rows as sets of sequences, with their loads and the internal nodes they hold.
+
+    Built lazily so that a large batch pays only for the rows and nodes the search looks
+    at: a row's members and held nodes on first use, a node's rows from the leaves of its
+    subtree (a contiguous pre-order range) on first use.
+    """
+
+    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None) -> None:
+        self.tree = tree
+        self.row_of = row_of
+        self.node_len = _Lookup(tree.length)
+        self.end = _Lookup(tree.end)
+        self.alive = set(range(num_rows))
+        self.items: dict[int, Item] = {}
+        kept = row_of >= 0
+        tails = np.zeros(row_of.shape[0], dtype=np.int64)
+        tails[kept] = tree.length[tree.leaf_of[kept]]
+        self.tail = np.bincount(row_of[kept], weights=tails[kept], minlength=num_rows).astype(np.int64).tolist()
+        if loads is None:
+            loads = row_costs(tree, row_of, num_rows)
+        self.load = np.asarray(loads, dtype=np.int64).tolist()
+        self.seq_at = np.full(tree.num_nodes, -1, dtype=np.int64)  # [N] sequence of each leaf node
+        self.seq_at[tree.leaf_of[kept]] = np.flatnonzero(kept)
+        self.span = _subtree_nodes(tree)
+        self._members: dict[int, list[int]] = {}
+        self._held: dict[int, set[int]] = {}
+        self._node_rows: dict[int, set[int]] = {}
+        self._dirty: set[int] = set()  # rows rewritten since row_of
+
+    def members(self, r: int) -> list[int]:
+        got = self._members.get(r)
+        if got is None:
+            got = self._members[r] = np.flatnonzero(self.row_of == r).tolist()
+        return got
+
+    def held(self, r: int) -> set[int]:
+        got = self._held.get(r)
+        if got is None:
+            got = self._held[r] = {v for s in self.members(r) for v in self.item(s).chain}
+        return got
+
+    def node_rows(self, v: int) -> set[int]:
+        got = self._node_rows.get(v)
+        if got is None:
+            seqs = self.seq_at[v : v + int(self.span[v])]
+            got = set(np.unique(self.row_of[seqs[seqs >= 0]]).tolist()) - self._dirty
+            got |= {x for x in self._dirty if v in self._held[x]}
+            self._node_rows[v] = got
+        return got
+
+    def item(self, s: int) -> Item:
+        it = self.items.get(s)
+        if it is None:
+            ptr = self.tree.path_ptr
+            path = self.tree.path_nodes[ptr[s] : ptr[s + 1]].tolist()
+            leaf = path[-1]
+            it = self.items[s] = Item(s, tuple(path[:-1]), self.end[leaf], self.node_len[leaf])
+        return it
+
+    def _reindex(self, r: int, members: list[int]) -> None:
+        for v in self.held(r):
+            if v in self._node_rows:
+                self._node_rows[v].discard(r)
+        self._members[r] = members
+        held: set[int] = set()
+        tail = 0
+        for s in members:
+            it = self.item(s)
+            tail += it.tail
+            held.update(it.chain)
+        for v in held:
+            if v in self._node_rows:
+                self._node_rows[v].add(r)
+        self._held[r] = held
+        self._dirty.add(r)
+        self.tail[r] = tail
+        self.load[r] = tail + sum(self.node_len[v] for v in held)
+
+    def neighbourhoods(self, r: int, max_rows: int, seq_len: int, deadline: float):
+        """Row groups containing r, most promising first (module docstring).
+
+        From each pool (rows by shared tokens, rows by load) rows join r until the group's
+        tokens could fit one row fewer, then up to two more for slack.
+        """
+        shared: dict[int, int] = {}
+        for v in self.held(r):
+            for x in self.node_rows(v):
+                if x != r:
+                    shared[x] = shared.get(x, 0) + self.node_len[v]
+        by_share = sorted(shared, key=lambda x: (-shared[x], self.load[x], x))
+        by_room = sorted((x for x in self.alive if x != r), key=lambda x: (self.load[x], x))
+        for pool in (by_share, by_room):
+            group, nodes, tail, extra = [r], set(self.held(r)), self.tail[r], 0
+            for x in pool[: max_rows - 1]:
+                if time.thread_time() > deadline:
+                    return
+                group.append(x)
+                nodes |= self.held(x)
+                tail += self.tail[x]
+                if tail + sum(self.node_len[v] for v in nodes) <= (len(group) - 1) * seq_len:
+                    yield sorted(group)
+                    extra += 1
+                    if extra == 3:
+                        break
+
+    def replace(self, group: list[int], drop: int, assign: dict[int, int]) -> None:
+        keep = [x for x in group if x != drop]
+        new: dict[int, list[int]] = {x: [] for x in group}
+        for s, b in sorted(assign.items()):
+            new[keep[b]].append(s)
+        for x in group:
+            self._reindex(x, new[x])
+        self.alive.discard(drop)
+
+    def final_row_of(self) -> np.ndarray:
+        out = self.row_of.copy()
+        for x, members in self._members.items():
+            out[members] = x
+        new_id = np.full(max(len(self.load), 1), -1, dtype=np.int64)
+        alive = sorted(self.alive)
+        new_id[alive] = np.arange(len(alive))
+        kept = out >= 0
+        out[kept] = new_id[out[kept]]
+        return out
+
+
+def repair_rows(
+    tree: Tree,
+    row_of: np.ndarray,
+    num_rows: int,
+    seq_len: int,
+    bound: int,
+    *,
+    budget_ms: float,
+    max_rows: int = MAX_ROWS,
+    node_limit: int = NODE_LIMIT,
+    loads: np.ndarray | None = None,
+) -> RepairResult:
+    """Remove rows from a placement by exact re-packing of small neighbourhoods (module docstring).
+
+    Args:
+        tree: the batch's tree.
+        row_of: [S] int64 a valid placement (-1 for dropped sequences).
+        num_rows: its rows.
+        seq_len: C.
+        bound: a proven lower bound on the rows: the search stops there.
+        budget_ms: CPU-time budget of this thread, in ms; 0 disables the pass.
+        max_rows: largest neighbourhood.
+        node_limit: branch-and-bound nodes per neighbourhood.
+        loads: [R] tokens of each row, if known (else computed).
+
+    Returns:
+        The :class:`RepairResult` (``row_of`` is the input itself when nothing changed).
+    """
+    deadline = time.thread_time() + budget_ms / 1e3
+    if budget_ms <= 0 or num_rows <= bound:
+        return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=0, out_of_time=False)
+    rows = _Rows(tree, row_of, num_rows, loads)
+    failed: set[frozenset[int]] = set()
+    tried = 0
+    out_of_time = False
+    while len(rows.alive) > bound and not out_of_time:
+        improved = False
+        light = sorted(rows.alive, key=lambda x: (rows.load[x], x))[:LIGHT_ROWS]
+        for r in light:
+            if time.thread_time() > deadline:
+                out_of_time = True
+                break
+            for group in rows.neighbourhoods(r, max_rows, seq_len, deadline):
+                key = frozenset(group)
+                if key in failed:
+                    continue
+                if time.thread_time() > deadline:
+                    out_of_time = True
+                    break
+                tried += 1
+                items = [rows.item(s) for x in group for s in rows.members(x)]
+                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=node_limit, deadline=deadline)
+                if status != FIT:
+                    failed.add(key)
+                    continue
+                rows.replace(group, r, assign)
+                failed = {f for f in failed if not (f & key)}
+                improved = True
+                break
+            if improved or out_of_time:
+                break
+        if not improved:
+            break
+    removed = num_rows - len(rows.alive)
+    if removed == 0:
+        return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=tried, out_of_time=out_of_time)
+    out = rows.final_row_of()
+    return RepairResult(row_of=out, num_rows=len(rows.alive), removed=removed, tried=tried, out_of_time=out_of_time)
