@@ -9,7 +9,7 @@
 What changes against ``trl.GRPOTrainer`` (1.16) is mainly one method, the one TRL computes
 every per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in
 the loss, the old policy and the reference in scoring), plus ``_prepare_inputs`` (the
-shuffle below) and ``training_step`` (attention switched back after backward). It reads TRL's padded
+shuffle below). It reads TRL's padded
 ``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
 per call (a prompt's completions share its tokens in one tree), splits the plan's rows
 into as many chunks as TRL's own ``batch_size`` chunking would make
@@ -21,9 +21,10 @@ rewards and advantages run untouched. The micro-batch split after generation shu
 whole prompt groups (the same ``torch.randperm`` draw as stock, so the random stream is
 unchanged) so that each prompt's completions stay in one micro-batch.
 
-The model is switched to tree attention for a packed call and back right after it
-(no-grad calls: scoring) or after ``training_step``'s backward (activation checkpointing
-replays packed layers there), so ``generate()`` between steps runs the stock model.
+Packed calls carry the batch as the ``treepack_context`` keyword, which alone selects the tree
+attention (:mod:`treepack.trainer.hf.dispatch`); the model's own implementation is never
+switched, so ``generate()`` between steps runs the stock model and activation checkpointing
+replays the packed layers in backward.
 
 :class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
 call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.data.bridge.from_labeled`).
@@ -50,7 +51,7 @@ from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_pad
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.microbatch import plan_microbatches
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
-from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention
+from treepack.trainer.hf.forward import enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
@@ -138,30 +139,12 @@ def _shuffle_keeping_groups(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 class _PackedRows:
-    """What both trainers share: tree mode on and off, the packed fused-head call, plan logging."""
+    """What both trainers share: the packed fused-head call and plan logging."""
 
     packing: PackingConfig
 
     def _init_packing(self, packing: PackingConfig | None) -> None:
         self.packing = PackingConfig() if packing is None else packing
-        self._tree_mode: dict[int, tuple[Any, str]] = {}
-
-    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """TRL's step; the models go back to their attention after its backward."""
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._restore_attention()
-
-    def _restore_attention(self) -> None:
-        for model, prev in self._tree_mode.values():
-            disable_tree_attention(model, prev)
-        self._tree_mode.clear()
-
-    def _enter_tree_mode(self, model: Any) -> None:
-        unwrapped = self.accelerator.unwrap_model(model)
-        if id(unwrapped) not in self._tree_mode:
-            self._tree_mode[id(unwrapped)] = (unwrapped, enable_tree_attention(unwrapped))
 
     def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None) -> Any:
         mb = plan_microbatches(
@@ -186,25 +169,20 @@ class _PackedRows:
         Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
         TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
         """
-        self._enter_tree_mode(model)
+        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         backend = self.packing.backend
         ctx = PackedContext(batch=batch, backend=backend, options={})
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
-        try:
-            with use_packed(ctx), self.accelerator.autocast():
-                return model(
-                    input_ids=batch.input_ids,
-                    position_ids=batch.position_ids,
-                    attention_mask=mask,
-                    shift_labels=shift,
-                    fused_lm_head=True,
-                    **{BATCH_KWARG: ctx},
-                )
-        finally:
-            if not torch.is_grad_enabled():
-                # Nothing replays a no-grad call: the model goes back now (generation follows).
-                self._restore_attention()
+        with use_packed(ctx), self.accelerator.autocast():
+            return model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=mask,
+                shift_labels=shift,
+                fused_lm_head=True,
+                **{BATCH_KWARG: ctx},
+            )
 
 
 class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):

@@ -61,7 +61,6 @@ def test_matches_unpacked_model_logprobs():
     from helpers.tiny_trl import tiny_model
 
     from treepack.trainer import packed_forward
-    from treepack.trainer.hf import disable_tree_attention
 
     model = tiny_model()
     pid, pm, cid, cm = _padded(PROMPTS, COMPLETIONS)
@@ -73,7 +72,6 @@ def test_matches_unpacked_model_logprobs():
         plan = Packer().pack(ps.sequences, seq_len=16, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=1)
         batch = materialize(plan, ps.sequences, trainable=ps.trainable)
         got = ps.to_padded(batch, batch.target_logprobs(packed_forward(model, batch)))
-        disable_tree_attention(model)
     assert torch.allclose(got, ref, atol=1e-5)
 
 
