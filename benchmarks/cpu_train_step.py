@@ -40,7 +40,7 @@ from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize, naive_varlen_attention  # noqa: E402
-from treepack.trainer.hf import disable_tree_attention, packed_forward  # noqa: E402
+from treepack.trainer.hf import packed_forward  # noqa: E402
 from treepack.trainer.losses import sft_loss  # noqa: E402
 
 
@@ -64,7 +64,6 @@ def build_model(vocab: int, hidden: int, layers: int):
 
 def unpacked_step(model, case) -> torch.Tensor:
     """Every sequence alone, batched by equal length; SFT token-mean NLL; backward."""
-    disable_tree_attention(model)
     seqs, prompt = case["sequences"], case["trainable"]
     total = sum(len(s) - max(p, 1) for s, p in zip(seqs, prompt))
     by_len: dict[int, list[int]] = {}

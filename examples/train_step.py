@@ -24,7 +24,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.distributed import obtain_plan
-from treepack.trainer.hf import disable_tree_attention, packed_forward
+from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
 
 VOCAB = 300
@@ -105,7 +105,6 @@ def main() -> None:
 
     if args.check:
         # The weights before the step, each sequence alone through the stock model.
-        disable_tree_attention(ref_model)
         seq_lp = []
         for seq in seqs:
             x = torch.as_tensor(seq)[None]

@@ -24,7 +24,7 @@ PUBLIC = [
         "treepack.trainer",
         {
             "BACKENDS", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
-            "resolve_packed", "tree_attention", "use_packed", "packed_forward",
+            "resolve_packed", "tree_attention", "use_packed", "packed_forward", "packed", "output_head", "TreepackWarning",
         },
         id="trainer",
     ),  # fmt: skip

@@ -17,13 +17,15 @@ Layers, each importing only the ones above it in this list:
   ``TreepackGRPOTrainer`` / ``TreepackSFTTrainer``, TRL's trainers on tree rows.
 
 GPU packages (flash-attn, flash-linear-attention, triton) are imported only inside the
-functions that use them; transformers only when a model is switched to tree attention.
+functions that use them; transformers only when a model is first prepared for packed calls.
 """
 
+from treepack.trainer.data.advice import TreepackWarning
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
-from treepack.trainer.hf.forward import packed_forward
+from treepack.trainer.hf.forward import packed, packed_forward
+from treepack.trainer.hf.head import output_head
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 
 __all__ = [
@@ -33,6 +35,9 @@ __all__ = [
     "naive_varlen_attention",
     "BACKENDS",
     "packed_forward",
+    "packed",
+    "output_head",
+    "TreepackWarning",
     "PackedContext",
     "use_packed",
     "current_packed",

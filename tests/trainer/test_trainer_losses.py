@@ -121,7 +121,7 @@ def test_input_forms_agree():
 def test_shared_scored_positions_keep_advantage_signs_apart():
     """Generalized sharing: two sequences score the same positions with opposite advantages.
 
-    a is a prefix of b, planned without trainable flags (so fully shared) and scored from
+    a is a prefix of b, planned with share_trainable=True (so fully shared) and scored from
     token 4 on: positions 3..10 are scored for both. The packed loss (one logprob per
     position, P and N sums) equals the per-sequence loss; merging the two signs into one
     weighted advantage (the negative control) does not.
@@ -132,10 +132,10 @@ def test_shared_scored_positions_keep_advantage_signs_apart():
     a = rng.integers(0, VOCAB, 12)
     b = np.concatenate([a, rng.integers(0, VOCAB, 5)])
     seqs = [a, b]
-    plan = plan_batch(seqs, seq_len=32, min_shared_len=4)
+    plan = plan_batch(seqs, seq_len=32, min_shared_len=4, trainable=[4, 4], share_trainable=True)
     old = [torch.from_numpy(rng.normal(-4.6, 0.6, len(s))) for s in seqs]
     old[1][:12] = old[0]  # behaviour logprobs depend on context and token only: sharers agree
-    batch = materialize(plan, seqs, payloads={"old": old}, trainable=[4, 4])
+    batch = materialize(plan, seqs, payloads={"old": old})
     assert int(batch.loss_mask.sum()) == 13 and batch.num_scored == 8 + 13
     flags = [torch.arange(len(s)) >= 4 for s in seqs]
     adv = torch.tensor([1.5, -0.7], dtype=torch.float64)

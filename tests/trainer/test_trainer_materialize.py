@@ -212,17 +212,18 @@ def test_errors_name_what_and_where():
 
 
 def test_generalized_sharing_consistency_check():
-    """A plan made without trainable flags shares everything it can; scoring shared positions
-    is fine when the sharers agree on the next token, refused when they do not."""
+    """share_trainable plans score shared positions; flags other than the plan's are refused
+    (a plan made without flags shares the positions the flags would score)."""
     from treepack.service.planner import plan_batch
 
     rng = np.random.default_rng(5)
     a = rng.integers(0, VOCAB, 12)
     b = np.concatenate([a, rng.integers(0, VOCAB, 5)])
     c = np.concatenate([a[:9], (a[9:10] + 1) % VOCAB, rng.integers(0, VOCAB, 4)])
-    plan = plan_batch([a, b], seq_len=32, min_shared_len=4)
-    batch = materialize(plan, [a, b], trainable=[4, 4])
+    plan = plan_batch([a, b], seq_len=32, min_shared_len=4, trainable=[4, 4], share_trainable=True)
+    batch = materialize(plan, [a, b])
     assert int(batch.loss_mask.sum()) < batch.num_scored  # shared scored positions
+    assert torch.equal(batch.loss_mask, materialize(plan, [a, b], trainable=[4, 4]).loss_mask)
     plan = plan_batch([a, c], seq_len=32, min_shared_len=4)
-    with pytest.raises(RequestError, match="predict different next tokens"):
+    with pytest.raises(RequestError, match="disagrees with the plan at sequence 0, token 4"):
         materialize(plan, [a, c], trainable=[4, 4])

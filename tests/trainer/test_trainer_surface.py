@@ -13,11 +13,11 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 SURFACE = {
     "treepack.trainer": [
         "materialize", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
-        "PackedContext", "use_packed", "current_packed", "resolve_packed",
+        "PackedContext", "use_packed", "current_packed", "resolve_packed", "packed", "output_head", "TreepackWarning",
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
-        "disable_tree_attention", "packed_forward", "packed",
+        "disable_tree_attention", "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model",
     ],
     "treepack.trainer.data": ["materialize", "PackedBatch"],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],

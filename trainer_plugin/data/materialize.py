@@ -34,8 +34,9 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.data.advice import warn_hidden_sharing, warn_no_sharing
 from treepack.trainer.data.packed_batch import PackedBatch
-from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, group_codes, normalize_trainable, scored_counts
+from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, plan_groups, plan_trainable
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 
 __all__ = ["materialize"]
@@ -189,6 +190,8 @@ def materialize(
     rows: Any = None,
     pad_id: int = 0,
     check_tokens: bool = True,
+    allow_empty_loss: bool = False,
+    advise: bool = True,
 ) -> PackedBatch:
     """Build the packed tensors of ``plan`` (all rows, or the given ``rows``).
 
@@ -198,11 +201,12 @@ def materialize(
             the materialized rows are read), each of its submitted or placed length.
         payloads: target-aligned per-token arrays by name (module docstring).
         device: where the tensors live (default CPU).
-        trainable: as given to the planner (per sequence a bool array or a prompt
-            length; None: nothing trainable). Needed for ``targets``/``loss_mask`` and
-            for every sequence (the loss normalizations count all sequences' tokens).
-        groups: per sequence a group id (int/str/None), for per-group normalization;
-            default: each sequence its own group.
+        trainable: default (None): the flags the plan was made with (``plan.first_trainable``
+            / ``plan.trainable``), which give ``targets``/``loss_mask`` and the per-sequence
+            counts of the loss normalizations. Given (per sequence a bool array or a prompt
+            length), they must equal the plan's, else RequestError.
+        groups: default (None): the plan's group codes (per-group normalization). Given
+            (per sequence an int/str/None), they must give the plan's groups, else RequestError.
         input_payloads: token-aligned per-token arrays by name (module docstring).
         rows: [K] global rows to materialize, -1 for an empty padding row (a rank's
             ``plan.ranks.rank_rows[rank]``); default all rows.
@@ -210,6 +214,11 @@ def materialize(
         check_tokens: verify that reading each materialized sequence back from the rows
             reproduces its tokens (one gather; catches sequences that differ from the
             planned ones in content).
+        allow_empty_loss: accept a plan that scores no token at all (a forward-only use);
+            by default that raises, since every loss would be a silent 0.
+        advise: warn (:class:`~treepack.trainer.data.advice.TreepackWarning`) when the plan
+            shares nothing, or when ``min_shared_len`` hides sharing (with what a smaller
+            value would share); see :mod:`treepack.trainer.data.advice`.
 
     Returns:
         The :class:`PackedBatch`.
@@ -223,15 +232,24 @@ def materialize(
     rows_arr = check_rows(rows, plan)
     K = rows_arr.shape[0]
     size = K * C
-    flags = normalize_trainable(trainable, plan)
-    counts = scored_counts(flags, plan, trainable)
-    codes = group_codes(groups, S)
+    flags, counts = plan_trainable(plan, trainable)
+    if not allow_empty_loss and not counts.any():
+        raise RequestError(
+            "the plan scores no token (no sequence has a trainable token after its first): the loss mask would be "
+            "empty and the loss silently 0; plan with trainable= (or pass allow_empty_loss=True for a forward only)",
+            path="$.trainable",
+            rule="empty_loss_mask",
+        )
+    codes = plan_groups(plan, groups)
     ix = _row_index(plan, rows_arr)
     c_sel, seq_of_c = _scored(flags, ix)
     score_seq = ix.local_seqs[seq_of_c[c_sel]]
     score_flat = ix.seq_flat[c_sel]
 
     tokens = _token_ids(sequences, plan, ix, dev)
+    if advise:
+        warn_no_sharing(plan)
+        warn_hidden_sharing(plan, tokens.cpu().numpy(), ix.ptr, ix.local_seqs)
     t = lambda a: index_tensor(a, dev)  # noqa: E731
     tok_flat, seq_flat, entry_src, score_flat_t = t(ix.tok_flat), t(ix.seq_flat), t(c_sel + 1), t(score_flat)
     gather_src = t(ix.gather_src)

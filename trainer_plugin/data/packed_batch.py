@@ -19,6 +19,7 @@ import torch
 from treepack.proto.errors import RequestError
 from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
+from treepack.trainer.data.advice import warn_dense_mask
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 
@@ -141,6 +142,7 @@ class PackedBatch:
         """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
         key = ("dense", sliding_window)
         if key not in self._cache:
+            warn_dense_mask(self.num_rows, self.seq_len)
             self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window)
         return self._cache[key]
 
@@ -163,52 +165,83 @@ class PackedBatch:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise RequestError(f"{what} must have shape [{K}, {L}, ...] (rows, seq_len), got {shape}", path=f"$.{what}", rule="shape")
 
-    def target_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+    def target_logprobs(
+        self, logits: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[K, L] log-probability of ``targets`` at every scored position, 0 elsewhere.
 
         Args:
             logits: [K, L, V] model outputs on the packed rows (any float dtype; the
                 log-softmax runs in float32 or wider, on the scored positions only).
+            temperature: the logits are divided by it first (TRL's ``temperature``: the
+                distribution the completions were sampled from).
+            with_entropy: also return the entropy of that distribution at every scored
+                position (TRL's ``entropy_from_logits``), 0 elsewhere.
+
+        Returns:
+            [K, L] logprobs, or ([K, L] logprobs, [K, L] entropies) with ``with_entropy``.
         """
         self._check_rows_tensor(logits, "logits")
         if logits.ndim != 3:
             raise RequestError(f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape")
+        _check_temperature(temperature)
         K, L, V = logits.shape
         pos = self._loss_positions(V, "logits")
-        lp = _target_logprobs(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos])
-        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+        lp, ent = _target_stats(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos], temperature, with_entropy)
+        return self._spread(pos, lp, ent)
 
-    def target_logprobs_from_hidden(self, hidden: torch.Tensor, head: Any, *, chunk_size: int = 4096) -> torch.Tensor:
+    def target_logprobs_from_hidden(
+        self, hidden: torch.Tensor, head: Any, *, chunk_size: int = 4096, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`target_logprobs` from final hidden states, never holding [K, L, V] logits.
 
         The head runs on the scored positions only, ``chunk_size`` at a time, each chunk
         under activation checkpointing, so at most one chunk's logits exist at once
-        (forward or backward). For heads that are a plain projection (``lm_head``);
-        models that post-process logits (final soft-capping, scaling) need that applied
-        inside ``head``.
+        (forward or backward).
 
         Args:
             hidden: [K, L, d] final hidden states (``packed_forward(..., output="hidden")``).
-            head: callable [n, d] -> [n, V], e.g. ``model.lm_head``.
+            head: callable [n, d] -> [n, V]: :func:`treepack.trainer.hf.head.output_head`
+                (``lm_head`` plus the model's final logit transforms: Cohere's
+                ``logit_scale``, Granite's ``logits_scaling``, Gemma 2's soft-cap). A bare
+                ``model.lm_head`` is right only for models without such transforms.
             chunk_size: positions per chunk.
+            temperature: as in :meth:`target_logprobs`.
+            with_entropy: as in :meth:`target_logprobs`.
 
         Returns:
-            [K, L] log-probabilities, 0 off the loss mask.
+            [K, L] log-probabilities, 0 off the loss mask (and [K, L] entropies with
+            ``with_entropy``).
         """
         from torch.utils.checkpoint import checkpoint
 
         self._check_rows_tensor(hidden, "hidden")
+        _check_temperature(temperature)
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise RequestError(f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range")
         K, L, d = hidden.shape
         pos = self._loss_positions(None, "hidden")
         flat = hidden.reshape(K * L, d)
         tgt = self.targets.reshape(-1)
+
+        def fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            lp, ent = _target_stats(head(h), t, temperature, with_entropy)
+            return (lp,) if ent is None else (lp, ent)
+
         parts = []
         for a in range(0, int(pos.shape[0]), chunk_size):
             p = pos[a : a + chunk_size]
-            fn = lambda h, t: _target_logprobs(head(h), t)  # noqa: E731
             parts.append(checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p]))
-        lp = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-        return torch.zeros(K * L, dtype=lp.dtype, device=lp.device).index_put((pos,), lp).view(K, L)
+        empty = flat.new_zeros(0, dtype=torch.float32)
+        lp = torch.cat([x[0] for x in parts]) if parts else empty
+        ent = (torch.cat([x[1] for x in parts]) if parts else empty) if with_entropy else None
+        return self._spread(pos, lp, ent)
+
+    def _spread(self, pos: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None) -> Any:
+        """[U] values at the scored positions -> [K, L] (0 elsewhere); a pair with entropies."""
+        K, L = self.num_rows, self.seq_len
+        put = lambda v: torch.zeros(K * L, dtype=v.dtype, device=v.device).index_put((pos,), v).view(K, L)  # noqa: E731
+        return put(lp) if ent is None else (put(lp), put(ent))
 
     def _loss_positions(self, vocab: int | None, what: str) -> torch.Tensor:
         """[U] flat scored positions (cached); checks ``vocab`` covers every target."""
@@ -253,7 +286,24 @@ class PackedBatch:
         return out
 
 
-def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[n] log-softmax of [n, V] ``logits`` at ``targets`` (half precision lifted to float32)."""
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
+        raise RequestError(f"temperature must be a finite number > 0, got {temperature!r}", path="$.temperature", rule="range")
+
+
+def _target_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([n] log-softmax of [n, V] ``logits / temperature`` at ``targets``, [n] entropies or None).
+
+    Half precision is lifted to float32 first.
+    """
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    return x.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    lp = x.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return lp, None
+    logp = x - lse[:, None]
+    return lp, -(logp.exp() * logp).sum(-1)

@@ -16,7 +16,9 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
 
-__all__ = ["normalize_trainable", "scored_counts", "group_codes", "check_count", "check_rows", "concat_arrays"]
+__all__ = [
+    "normalize_trainable", "scored_counts", "group_codes", "plan_trainable", "plan_groups", "check_count", "check_rows", "concat_arrays",
+]  # fmt: skip
 
 
 def _as_tensor(x: Any, *, path: str) -> torch.Tensor:
@@ -180,4 +182,79 @@ def group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
         elif isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str)):
             raise InputTypeError(f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type")
         codes[s] = index.setdefault(g, len(index))
+    return codes
+
+
+def _plan_flat_flags(plan: Plan) -> np.ndarray:
+    """[sum seq_lens] bool the plan's trainable flags of the placed tokens, sequence after sequence."""
+    if plan.trainable is not None:
+        return np.asarray(plan.trainable, dtype=bool)
+    lens = plan.seq_lens.astype(np.int64)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    pos = np.arange(int(lens.sum()), dtype=np.int64) - starts
+    return pos >= np.repeat(plan.first_trainable.astype(np.int64), lens)
+
+
+def plan_trainable(plan: Plan, trainable: Sequence[Any] | None = None) -> tuple[Callable[[int], np.ndarray], np.ndarray]:
+    """The plan's trainable flags, checked against ``trainable`` when it is given.
+
+    The plan carries the flags it was planned with (``first_trainable`` / ``trainable``), so
+    the trainer need not pass them again; passing them is a check.
+
+    Args:
+        plan: the plan.
+        trainable: None (take the plan's), or per sequence a bool array or a prompt length.
+
+    Returns:
+        (``flags(s)`` -> [seq_lens[s]] bool, [S] int64 scored entries per sequence: trainable
+        tokens at index >= 1).
+
+    Raises:
+        RequestError: ``trainable`` disagrees with the plan (rule ``plan_mismatch``), naming
+            the first sequence and position that differ.
+    """
+    flat = _plan_flat_flags(plan)
+    lens = plan.seq_lens.astype(np.int64)
+    ptr = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    if trainable is not None:
+        given = normalize_trainable(trainable, plan)
+        got = np.concatenate([given(s) for s in range(plan.num_sequences)]) if lens.shape[0] else np.zeros(0, bool)
+        bad = np.flatnonzero(got != flat)
+        if bad.shape[0]:
+            i = int(bad[0])
+            s = int(np.searchsorted(ptr, i, side="right") - 1)
+            raise RequestError(
+                f"trainable disagrees with the plan at sequence {s}, token {i - int(ptr[s])} "
+                f"(given {bool(got[i])}, planned {bool(flat[i])}); omit trainable= to use the plan's flags",
+                path=f"$.trainable[{s}]",
+                rule="plan_mismatch",
+            )
+    seq_of = np.repeat(np.arange(lens.shape[0]), lens)
+    scored = flat.copy()
+    scored[ptr[:-1][lens > 0]] = False  # a sequence's first token is predicted by nothing
+    counts = np.bincount(seq_of[scored], minlength=lens.shape[0]).astype(np.int64)
+    return (lambda s: flat[int(ptr[s]) : int(ptr[s + 1])]), counts
+
+
+def plan_groups(plan: Plan, groups: Sequence[Any] | None = None) -> np.ndarray:
+    """[S] int64 the plan's group codes, checked against ``groups`` when it is given.
+
+    Raises:
+        RequestError: ``groups`` gives other groups than the plan was made with (rule
+            ``plan_mismatch``), naming the first sequence whose group differs.
+    """
+    codes = np.asarray(plan.group_codes, dtype=np.int64)
+    if groups is None:
+        return codes
+    given = group_codes(groups, plan.num_sequences)
+    bad = np.flatnonzero(given != codes)
+    if bad.shape[0]:
+        s = int(bad[0])
+        raise RequestError(
+            f"groups disagree with the plan at sequence {s} (its group code is {int(given[s])} here, "
+            f"{int(codes[s])} in the plan); omit groups= to use the plan's groups",
+            path=f"$.groups[{s}]",
+            rule="plan_mismatch",
+        )
     return codes

@@ -9,11 +9,16 @@
 - :mod:`~treepack.trainer.hf.hybrid` and :mod:`~treepack.trainer.hf.dsa`: layer patches
   for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention.
 
-transformers itself is imported only when a model is switched (``register_tree_attention``).
+- :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
+  transforms, for the chunked head.
+
+transformers itself is imported only when a model is first prepared (``register_tree_attention``).
 """
 
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
 from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed, packed_forward
+from treepack.trainer.hf.head import OutputHead, output_head
+from treepack.trainer.hf.wrapped import unwrap_model
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -23,4 +28,7 @@ __all__ = [
     "disable_tree_attention",
     "packed_forward",
     "packed",
+    "output_head",
+    "OutputHead",
+    "unwrap_model",
 ]
