@@ -19,7 +19,7 @@ demo: venv
 # Set up everything the tests need (CPU torch pinned: never a multi-GB CUDA build) and run them.
 test: venv
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[service,client,trainer,plot,test]"
+	$(PIP) install -e ".[service,client,trainer,trl,plot,test]" torch==2.13.0
 	$(BIN)/python -m pytest -q
 
 # A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).

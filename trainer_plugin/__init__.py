@@ -12,7 +12,9 @@ Layers, each importing only the ones above it in this list:
   :mod:`treepack.trainer.hf.context`);
 - :mod:`treepack.trainer.losses`: SFT, GRPO/PPO-clip and CISPO losses on packed rows;
 - :mod:`treepack.trainer.distributed`: rank 0 plans (through :mod:`treepack.client`), every
-  rank materializes its rows.
+  rank materializes its rows;
+- :mod:`treepack.trainer.trl` (extra ``trl``, imported only on request):
+  ``TreepackGRPOTrainer`` / ``TreepackSFTTrainer``, TRL's trainers on tree rows.
 
 GPU packages (flash-attn, flash-linear-attention, triton) are imported only inside the
 functions that use them; transformers only when a model is first prepared for packed calls.

@@ -176,11 +176,16 @@ def test_subclass_overriding_attention_forward_is_refused(case):
         packed_forward(model, case["batch"])
 
 
-def test_renamed_subclass_of_a_patched_layer_is_refused(case):
+def test_subclass_of_a_patched_layer_that_overrides_forward_is_refused(case):
+    """A renamed subclass that inherits the stock forward is run exactly (tests/trainer/test_mixers_gdn.py);
+    one whose forward is its own may compute anything, so it is refused by name."""
     from transformers.models.qwen3_next import modeling_qwen3_next as q
 
+    def forward(self, hidden_states, *args, **kwargs):
+        return q.Qwen3NextGatedDeltaNet.forward(self, hidden_states * 1.0, *args, **kwargs)
+
     model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == "qwen3_next"))
-    renamed = type("MyGatedDeltaNet", (q.Qwen3NextGatedDeltaNet,), {})
+    renamed = type("MyGatedDeltaNet", (q.Qwen3NextGatedDeltaNet,), {"forward": forward})
     path = next(n for n, m in model.named_modules() if type(m) is q.Qwen3NextGatedDeltaNet)
     model.get_submodule(path).__class__ = renamed
     with pytest.raises(UnsupportedModelError, match=rf"{re.escape(path)} \(MyGatedDeltaNet\): subclass of Qwen3NextGatedDeltaNet"):

@@ -47,4 +47,7 @@ def attention_mask_for(model: Any, mask: Any) -> Any:
     types = getattr(getattr(base, "config", None), "layer_types", None)
     if mask is None or not isinstance(types, (list, tuple)) or not takes_mask_mapping(type(base)):
         return mask
-    return {t: (mask if t in ATTENTION_LAYER_TYPES else None) for t in dict.fromkeys(types)}
+    # Some forwards index keys their config does not list (Falcon-H1 reads "full_attention" and
+    # "linear_attention" whatever its layer_types say): the mapping always holds those too.
+    keys = dict.fromkeys([*types, "full_attention", "sliding_attention", "chunked_attention", "linear_attention"])
+    return {t: (mask if t in ATTENTION_LAYER_TYPES else None) for t in keys}

@@ -59,6 +59,7 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "atten
 PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe", "ffn", "dense", "feed_forward"})
 STATE_PARAMS = frozenset({"A_log", "dt_bias", "D", "A", "time_decay", "time_first", "time_faaaa", "time_maa_x"})
 _MIXER_NAME = re.compile(r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|Retention|Hyena|Scan|Kda|KDA|Gdn|GDN")
+_POSITION_NAME = re.compile(r"pos|wpe|rotary|Rotary|Position|ALiBi|alibi", re.I)
 _ATTENTION_NAME = re.compile(r"Attention$|Attn$|SelfAttention")
 # Per-token modules whose names look like mixers (GPT-2's Conv1D is a transposed Linear).
 _PER_TOKEN = frozenset({"transformers.pytorch_utils.Conv1D"})
@@ -161,7 +162,7 @@ def _mixer_reason(mod: torch.nn.Module) -> str | None:
     convs = [c for c in mod.children() if _conv_reason(c)]
     if convs:
         return f"recurrent / convolutional mixer: {_conv_reason(convs[0])}"
-    if _MIXER_NAME.search(cls.__name__) and not _dispatches_attention(cls) and not _holds_handled_mixer(mod):
+    if _MIXER_NAME.search(cls.__name__) and "Norm" not in cls.__name__ and not _dispatches_attention(cls) and not _holds_handled_mixer(mod):
         return f"class name names a token mixer ({_MIXER_NAME.search(cls.__name__).group(0)}) with no tree-exact path"
     return None
 
@@ -281,11 +282,24 @@ def _has_dispatching_child(mod: torch.nn.Module) -> bool:
 def _position_refusals(model: Any) -> list[Refusal]:
     """A model (or base model) whose forward takes no ``position_ids`` numbers the row's tokens 0..L-1 itself."""
     out = []
+    if not _reads_positions(model):
+        return out
     for path, mod in (("", model), ("base_model", getattr(model, "base_model", None))):
         if isinstance(mod, torch.nn.Module) and "position_ids" not in inspect.signature(mod.forward).parameters:
             out.append(Refusal(path, type(mod).__name__, "its forward takes no position_ids: positions would run over the whole row, not restart per sequence"))
             break
     return out
+
+
+def _reads_positions(model: Any) -> bool:
+    """Whether anything in ``model`` depends on token positions: attention (causal masks, RoPE)
+    or a positional embedding. A pure state-space model (Mamba2) reads none, so a forward
+    without ``position_ids`` loses nothing there; its mixers follow the tree from the plan."""
+    for name, mod in model.named_modules():
+        cls = type(mod)
+        if _dispatches_attention(cls) or _ATTENTION_NAME.search(cls.__name__) or _POSITION_NAME.search(name) or _POSITION_NAME.search(cls.__name__):
+            return True
+    return False
 
 
 def _backend_refusals(model: Any, backend: str) -> list[Refusal]:

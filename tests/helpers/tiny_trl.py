@@ -1,0 +1,180 @@
+"""A tiny local TRL setup: a word-level tokenizer built in code, a random Qwen3, a prompt set.
+
+Nothing is downloaded. :func:`run_grpo` trains ``trl.GRPOTrainer`` or a subclass for a few
+optimizer steps and returns what a side-by-side comparison needs.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+WORDS = [f"w{i}" for i in range(40)]
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` (pad 0, eos 1), left padding for prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.padding_side = "left"
+    return fast
+
+
+def tiny_model(seed: int = 0, vocab: int = len(SPECIAL) + len(WORDS), hidden: int = 32, layers: int = 2) -> Any:
+    """A random Qwen3 causal LM, fp32, sdpa attention, identical for one seed."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[str]:
+    """n distinct prompts of ``length`` words each."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(n)]
+
+
+def reward_len(completions: list[str], **kwargs: Any) -> list[float]:
+    """In-code reward: shorter completions with more 'w1' score higher (anything non-constant)."""
+    return [c.count("w1") - 0.1 * len(c.split()) for c in completions]
+
+
+def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_steps: Any = None, workdir: str, model_path: str | None = None, **config: Any) -> dict[str, Any]:
+    """Train ``trainer_cls`` (GRPOTrainer or a subclass) for ``steps`` optimizer steps.
+
+    Args:
+        trainer_cls: the trainer class; extra constructor keywords go in ``config["trainer_kwargs"]``.
+        steps: optimizer steps (``max_steps``).
+        lora: wrap the model in a LoRA adapter (peft).
+        between_steps: callable(trainer) run after every optimizer step (a callback).
+        workdir: output directory.
+        model_path: a saved :func:`tiny_model` (processes of one run share it); default: saved here.
+        **config: ``GRPOConfig`` fields over the defaults below.
+
+    Returns:
+        {"loss": [steps], "grad_norm": [steps], "completions": [...], "rewards": [...],
+        "logs": log_history, "trainer": the trainer}.
+    """
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+
+    trainer_kwargs = config.pop("trainer_kwargs", {})
+    seen: list[tuple[str, float]] = []
+
+    def reward(completions: list[str], **kw: Any) -> list[float]:
+        r = reward_len(completions)
+        seen.extend(zip(completions, r))
+        return r
+
+    base = dict(
+        output_dir=workdir,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    base.update(config)
+    args = GRPOConfig(**base)
+    # Passed as a local path: with beta > 0 TRL loads the reference from the policy's path.
+    model = model_path
+    if model is None:
+        model = f"{workdir}/init"
+        tiny_model().save_pretrained(model)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    callbacks = []
+    if between_steps is not None:
+
+        class _Between(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                between_steps(trainer)
+
+        callbacks.append(_Between())
+    ds = Dataset.from_dict({"prompt": prompts(8, 20)})
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tiny_tokenizer(),
+        peft_config=peft_config,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {
+        "loss": [h["loss"] for h in logs],
+        "grad_norm": [h["grad_norm"] for h in logs],
+        "completions": [c for c, _ in seen],
+        "rewards": [r for _, r in seen],
+        "logs": trainer.state.log_history,
+        "trainer": trainer,
+    }
+
+
+def run_sft(trainer_cls: type, *, workdir: str, steps: int = 3, **config: Any) -> dict[str, Any]:
+    """Train ``trainer_cls`` (SFTTrainer or a subclass) on prompt/completion pairs, 4 completions per prompt.
+
+    Returns:
+        {"loss": [steps], "grad_norm": [steps], "logs": log_history}.
+    """
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    trainer_kwargs = config.pop("trainer_kwargs", {})
+    rng = random.Random(1)
+    ps, cs = [], []
+    for p in prompts(6, 24, seed=3):
+        for _ in range(4):
+            ps.append(p)
+            cs.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))))
+    base = dict(
+        output_dir=workdir, per_device_train_batch_size=8, max_steps=steps, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        shuffle_dataset=False, bf16=False,
+    )
+    base.update(config)
+    model = tiny_model()
+    tok = tiny_tokenizer()
+    tok.padding_side = "right"
+    trainer = trainer_cls(model=model, args=SFTConfig(**base), train_dataset=Dataset.from_dict({"prompt": ps, "completion": cs}), processing_class=tok, **trainer_kwargs)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history}

@@ -1,0 +1,309 @@
+"""TRL on tree-packed rows: :class:`TreepackGRPOTrainer`, the one-line change from ``GRPOTrainer``.
+
+::
+
+    from treepack.trainer.trl import PackingConfig, TreepackGRPOTrainer
+    trainer = TreepackGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+                                  train_dataset=..., packing=PackingConfig(min_shared_len=16))
+
+What changes against ``trl.GRPOTrainer`` (1.16) is mainly one method, the one TRL computes
+every per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in
+the loss, the old policy and the reference in scoring), plus ``_prepare_inputs`` (the
+shuffle below). It reads TRL's padded
+``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
+per call (a prompt's completions share its tokens in one tree), splits the plan's rows
+into as many chunks as TRL's own ``batch_size`` chunking would make
+(:mod:`treepack.trainer.data.microbatch`), runs the model on the rows through TRL's own
+fused LM head (``fused_lm_head=True`` with pre-shifted ``shift_labels``: the same
+temperature, entropy, soft-capping, fp32 head and chunking as stock), and scatters the
+results back to TRL's ``[B, C]``. TRL's loss code (every ``loss_type``), generation,
+rewards and advantages run untouched. The micro-batch split after generation shuffles
+whole prompt groups (the same ``torch.randperm`` draw as stock, so the random stream is
+unchanged) so that each prompt's completions stay in one micro-batch.
+
+Packed calls carry the batch as the ``treepack_context`` keyword, which alone selects the tree
+attention (:mod:`treepack.trainer.hf.dispatch`); the model's own implementation is never
+switched, so ``generate()`` between steps runs the stock model and activation checkpointing
+replays the packed layers in backward.
+
+:class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
+call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.data.bridge.from_labeled`).
+
+Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
+``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
+Multimodal inputs and the MoE auxiliary loss are refused (their per-row meaning differs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import trl
+from trl.trainer import grpo_trainer as _grpo
+from trl.trainer.utils import FusedCausalLMOutput
+
+from treepack.proto.errors import RequestError
+from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
+from treepack.trainer.data.materialize import materialize
+from treepack.trainer.data.microbatch import plan_microbatches
+from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.forward import enable_tree_attention
+from treepack.trainer.kernels.attention import BACKENDS
+
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+
+SUPPORTED_TRL = (">=1.16", "<1.17")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackingConfig:
+    """How :class:`TreepackGRPOTrainer` packs.
+
+    Attributes:
+        seq_len: row length L; None picks one per batch (:func:`choose_seq_len`).
+        min_shared_len: shortest shared run the planner keeps (GRPO prompts are the
+            shared runs; the planner's default 64 hides short prompts, so 16 here).
+        backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
+            ``flash``.
+        placement: the planner's placement (``auto`` ...).
+        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
+        keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
+    """
+
+    seq_len: int | None = None
+    min_shared_len: int = 16
+    backend: str = "sdpa"
+    placement: str = "auto"
+    planner: Any = None
+    max_seq_len: int = 8192
+    keep_groups: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+
+
+def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
+    """Row length for ``padded``: ``config.seq_len``, or room for the largest prompt tree.
+
+    A tree (one prompt and its group's completions) needs at most prompt + all its
+    completions tokens; L is that for the largest group (without groups, as from
+    :func:`~treepack.trainer.data.bridge.from_labeled`: all tokens of the batch), capped at
+    ``max_seq_len`` but never below the longest sequence, rounded up to 128 (``flex``'s
+    block) or 16.
+
+    Returns:
+        L >= 1.
+    """
+    if config.seq_len is not None:
+        return int(config.seq_len)
+    lens = padded.lengths
+    if padded.flags is not None:
+        # No groups known (SFT): any rows may share, so room for the whole batch.
+        tree = np.array([lens.sum()])
+    else:
+        tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
+        first = np.unique(padded.groups, return_index=True)[1]
+        tree[padded.groups[first]] += padded.prompt_lens[first]
+    need = max(int(lens.max(initial=1)), min(int(tree.max(initial=1)), config.max_seq_len))
+    step = 128 if config.backend == "flex" else 16
+    return -(-need // step) * step
+
+
+def _shuffle_keeping_groups(batch: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``shuffle_sequence_dict`` with each prompt's rows kept together.
+
+    Draws the same ``torch.randperm(B)`` as TRL, then orders the groups by where their
+    first row landed, rows of a group in drawn order.
+    """
+    B = len(next(v for v in batch.values() if v is not None))
+    perm = torch.randperm(B).numpy()
+    pid, pmask = batch["prompt_ids"].cpu().numpy(), batch["prompt_mask"].cpu().numpy().astype(bool)
+    groups = prompt_groups([pid[b][pmask[b]] for b in range(B)])
+    g = groups[perm]
+    first = np.full(groups.max(initial=0) + 1, B, dtype=np.int64)
+    np.minimum.at(first, g, np.arange(B))
+    order = torch.from_numpy(perm[np.lexsort((np.arange(B), first[g]))].copy())
+
+    def permute(v: Any) -> Any:
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        return v[order] if isinstance(v, torch.Tensor) else [v[i] for i in order.tolist()]
+
+    return {k: permute(v) for k, v in batch.items()}
+
+
+class _PackedRows:
+    """What both trainers share: the packed fused-head call and plan logging."""
+
+    packing: PackingConfig
+
+    def _init_packing(self, packing: PackingConfig | None) -> None:
+        self.packing = PackingConfig() if packing is None else packing
+
+    def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None) -> Any:
+        mb = plan_microbatches(
+            padded.sequences,
+            num_microbatches=num_microbatches,
+            planner=self.packing.planner,
+            seq_len=choose_seq_len(padded, self.packing),
+            trainable=padded.trainable,
+            groups=groups,
+            min_shared_len=self.packing.min_shared_len,
+            placement=self.packing.placement,
+        )
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
+        metrics["treepack/rows"].append(float(mb.plan.stats.rows))
+        metrics["treepack/plan_ms"].append(float(mb.plan_ms))
+        return mb
+
+    def _packed_fused(self, model: Any, batch: Any) -> Any:
+        """TRL's fused-head output (``log_probs``, ``entropy``, ... as [K, L]) of ``batch``'s rows.
+
+        Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
+        TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+        """
+        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
+        backend = self.packing.backend
+        ctx = PackedContext(batch=batch, backend=backend, options={})
+        mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        shift = batch.targets.masked_fill(~batch.loss_mask, -100)
+        with use_packed(ctx), self.accelerator.autocast():
+            return model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=mask,
+                shift_labels=shift,
+                fused_lm_head=True,
+                **{BATCH_KWARG: ctx},
+            )
+
+
+class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` computing every per-token log-probability on tree-packed rows.
+
+    Args:
+        *args, **kwargs: exactly ``trl.GRPOTrainer``'s.
+        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+        self._init_packing(packing)
+        super().__init__(*args, **kwargs)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """TRL's ``_prepare_inputs`` with :func:`_shuffle_keeping_groups` as the shuffle."""
+        if not self.packing.keep_groups or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = _shuffle_keeping_groups(_grpo.split_pixel_values_by_grid(batch))
+            parts = _grpo.split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """TRL's per-token log-probabilities (and entropies) of the completions, on tree rows.
+
+        Args:
+            model: the (wrapped) policy or the reference model.
+            input_ids: [B, P + C] prompt (left-padded) and completion (right-padded) ids.
+            attention_mask: [B, P + C] 0/1.
+            logits_to_keep: C, the completion block's width.
+            batch_size: TRL's chunk size in sequences; the plan's rows run in
+                ceil(B / batch_size) chunks.
+            compute_entropy: also return the entropies.
+            compute_aux_loss: refused (MoE load balancing is not per sequence).
+            **extra: multimodal inputs; refused when given.
+
+        Returns:
+            ([B, C] log-probabilities, [B, C] entropies or None, None); 0 at padding.
+        """
+        given = sorted(k for k, v in extra.items() if v is not None)
+        if given or compute_aux_loss:
+            what = given[0] if given else "compute_aux_loss"
+            raise RequestError(f"TreepackGRPOTrainer packs text-only, dense-loss batches; got {what}", path=f"$.{what}", rule="unsupported")
+        C = int(logits_to_keep)
+        padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
+        B = padded.batch_size
+        mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), padded.groups.tolist())
+        logps = torch.zeros(B, C, device=input_ids.device)
+        entropies = torch.zeros(B, C, device=input_ids.device) if compute_entropy else None
+        for rows in mb.rows[0]:
+            rows = rows[rows >= 0]
+            if rows.shape[0] == 0:
+                continue
+            batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=padded.groups.tolist(), rows=rows)
+            out = self._packed_fused(model, batch)
+            logps = padded.to_padded(batch, out.log_probs, out=logps.to(out.log_probs.dtype))
+            if compute_entropy:
+                entropies = padded.to_padded(batch, out.entropy, out=entropies.to(out.entropy.dtype))
+        return logps, entropies, None
+
+
+class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
+    """``trl.SFTTrainer`` whose loss forward runs on tree-packed rows.
+
+    Several completions of one prompt (distillation, rejection sampling) hold the prompt
+    once per row. The batch must be padded (``padding_free=False``, ``packing=False``: TRL's
+    own packing concatenates sequences without a tree); TRL's loss (``nll``, ``dft``),
+    entropy and token-accuracy metrics run on the fused-head outputs scattered back to
+    TRL's ``[B, T - 1]`` layout. ``compute_loss_func`` and label smoothing need full logits
+    and are refused.
+
+    Args:
+        *args, **kwargs: exactly ``trl.SFTTrainer``'s.
+        packing: a :class:`PackingConfig` (default ``PackingConfig()``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
+        self._init_packing(packing)
+        super().__init__(*args, **kwargs)
+        if self.padding_free:
+            raise RequestError("TreepackSFTTrainer packs padded batches: set padding_free=False and packing=False", path="$.args.padding_free", rule="unsupported")
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            raise RequestError("compute_loss_func and label smoothing need the full logits; TreepackSFTTrainer runs the fused head", path="$.args", rule="unsupported")
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """TRL's SFT loss, with the model call replaced by the packed one (:meth:`_sft_forward`)."""
+        call = lambda **kw: self._sft_forward(model, **kw)  # noqa: E731
+        return super().compute_loss(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _sft_forward(self, model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool = False, use_cache: Any = None, **rest: Any) -> Any:
+        """TRL's fused-head output for ``[B, T]`` inputs, computed on tree rows.
+
+        Returns:
+            A ``FusedCausalLMOutput`` with ``log_probs``, ``entropy``, ``is_top1`` and
+            ``label_mask`` as [B, T - 1] (TRL's shifted layout), 0 off the labels.
+        """
+        given = sorted(k for k, v in rest.items() if v is not None)
+        if not fused_lm_head or given:
+            what = given[0] if given else "fused_lm_head"
+            raise RequestError(f"TreepackSFTTrainer packs text-only fused-head calls; got {what}", path=f"$.{what}", rule="unsupported")
+        padded = from_labeled(input_ids, attention_mask, labels)
+        mb = self._plan(padded, 1, None)
+        rows = mb.rows[0, 0]
+        batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, rows=rows[rows >= 0])
+        out = self._packed_fused(model, batch)
+        fields = {}
+        for name in ("log_probs", "entropy", "is_top1"):
+            v = getattr(out, name)
+            fields[name] = None if v is None else padded.to_padded(batch, v)
+        return FusedCausalLMOutput(loss=None, label_mask=labels[:, 1:] != -100, **fields)
