@@ -187,6 +187,17 @@ def build_family(row: Family, seed: int = 0) -> torch.nn.Module:
     """The row's tiny model (eval mode, eager attention)."""
     model = build_causal_lm(row.model_type, seed=seed, **row.overrides)
     model.set_attn_implementation("eager")
+    return _with_patches(model)
+
+
+def _with_patches(model: torch.nn.Module) -> torch.nn.Module:
+    """Install the layer patches up front, as any packed call does: a patched DSA indexer breaks
+    top-k ties by the key's position on unpacked calls too (SPEC section 7), so the unpacked
+    reference uses the same rule as the packed run. Without it, HF's arbitrary tie order (ReLU
+    scores are often exactly 0) makes the reference differ from itself under any packing."""
+    from treepack.trainer.hf.hybrid import patch_hybrid_layers
+
+    patch_hybrid_layers(model)
     return model
 
 
@@ -257,11 +268,14 @@ def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
     from treepack.trainer.hf import check_model
 
     try:
-        model = build_causal_lm(model_type)
+        model = _with_patches(build_causal_lm(model_type))
         model.set_attn_implementation("eager")
     except Exception as e:  # noqa: BLE001 - any failure to build is listed, not hidden
         return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    report = check_model(model, raise_error=False)
+    from treepack.proto.options import PlanOptions
+
+    # What packed_forward checks for forward_oracle's plan: its row length and conv width.
+    report = check_model(model, raise_error=False, row_len=small_case()["seq_len"], conv_width=PlanOptions(seq_len=small_case()["seq_len"]).conv_width)
     if report.refusals:
         return "refused", report.refusals[0].reason
     try:

@@ -133,7 +133,7 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=HIDDEN_APPLIES_LOGIT_TRANSFORMS, row_len=batch.seq_len, **kwargs)
+    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=HIDDEN_APPLIES_LOGIT_TRANSFORMS, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, **kwargs)
     enable_tree_attention(hf, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     inputs = dict(

@@ -291,6 +291,20 @@ def _position_refusals(model: Any) -> list[Refusal]:
     return out
 
 
+def _conv_width_refusals(model: Any, report: SupportReport, conv_width: int) -> list[Refusal]:
+    """Handled mixers whose causal conv is wider than the plan's ``conv_width`` (their tree conv
+    would need more context than the plan's conv metadata holds)."""
+    out = []
+    for path, how in report.handled.items():
+        if how == "tree_attention":
+            continue
+        mod = model.get_submodule(path)
+        widths = [m.kernel_size[0] for m in mod.modules() if isinstance(m, torch.nn.Conv1d)]
+        if widths and max(widths) > conv_width:
+            out.append(Refusal(path, type(mod).__name__, f"its causal conv has kernel {max(widths)} but the plan was made with conv_width={conv_width}; plan with conv_width >= {max(widths)}"))
+    return out
+
+
 def _reads_positions(model: Any) -> bool:
     """Whether anything in ``model`` depends on token positions: attention (causal masks, RoPE)
     or a positional embedding. A pure state-space model (Mamba2) reads none, so a forward
@@ -341,6 +355,7 @@ def check_model(
     hidden_applies_logit_transforms: bool = False,
     raise_error: bool = True,
     row_len: int | None = None,
+    conv_width: int | None = None,
     **kwargs: Any,
 ) -> SupportReport:
     """Check that every token mixer of ``model`` runs tree-exact; refuse before any compute otherwise.
@@ -355,6 +370,9 @@ def check_model(
         raise_error: raise on refusals (default); False returns the report to inspect.
         row_len: the packed rows' length (``batch.seq_len``), for settings that read the
             row index instead of ``position_ids`` (Llama4's NoPE temperature tuning).
+        conv_width: the plan's ``conv_width``: a handled mixer whose causal conv is wider
+            needs more ancestor context than the plan carries, so it is refused here, before
+            any layer runs.
         **kwargs: the keyword arguments the model will be called with
             (``output_router_logits`` is checked).
 
@@ -379,6 +397,8 @@ def check_model(
             skip += (path,)
     for cfg in _configs(model):
         _layer_type_refusals(model, cfg, report)
+    if conv_width is not None:
+        report.refusals.extend(_conv_width_refusals(model, report, conv_width))
     if report.refusals and raise_error:
         shown = "; ".join(str(r) for r in report.refusals[:6])
         more = f" (+{len(report.refusals) - 6} more)" if len(report.refusals) > 6 else ""
