@@ -174,7 +174,7 @@ FAMILIES: tuple[Family, ...] = (
     F("LFM2", "lfm2", "short causal conv hybrid", dict(layer_types=["conv", "full_attention"]), refused=HYBRID, lands_with="mixers"),
     F("Kimi-Linear", "kimi_linear", "KDA hybrid, MLA", MLA, refused=HYBRID, lands_with="mixers"),
     F("OLMo-hybrid", "olmo_hybrid", "GDN hybrid", refused=HYBRID, lands_with="mixers"),
-    F("Mamba", "mamba", "pure SSM", refused=r"position_ids|scan over the whole row"),
+    F("Mamba", "mamba", "pure SSM", refused=r"position_ids|scan over the whole row|token mixer \(Mamba\)"),
     F("Llama, dynamic NTK", "llama", "length-dependent RoPE", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), refused=r"length-dependent RoPE 'dynamic'"),
     F("Phi-3, LongRoPE", "phi3", "length-dependent RoPE", dict(max_position_embeddings=256, original_max_position_embeddings=16, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}), refused=r"length-dependent RoPE 'longrope'"),
     F("Mixtral, router logits", "mixtral", "MoE auxiliary loss", dict(output_router_logits=True), refused=r"auxiliary \(load-balancing\) loss"),

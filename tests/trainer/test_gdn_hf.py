@@ -149,7 +149,8 @@ def test_conv_width_mismatch_is_a_clear_error(case):
     seqs, trainable, plan, model, batch = case
     other = tiny_qwen3_next(plan.gdn.conv_width + 1)
     patch_hybrid_layers(other)
-    with pytest.raises(RequestError, match=r"conv kernel of \d+ but the plan was made with conv_width=\d+"):
+    # Refused by the support check before any layer runs (UnsupportedModelError is a RequestError).
+    with pytest.raises(RequestError, match=r"causal conv has kernel \d+ but the plan was made with conv_width=\d+"):
         packed_forward(other, batch)
 
 
