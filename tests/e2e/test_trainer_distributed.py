@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import fields
 from datetime import timedelta
 
@@ -20,6 +19,7 @@ from treepack.proto.messages import PlanMessage
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
+from helpers.ranks import join_ranks
 
 TIMEOUT_S = 240
 
@@ -177,6 +177,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             result["max_grad_rel"] = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in model.named_parameters())
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        # Both ranks finish their collectives before either tears gloo down: a rank that exits
+        # while its peer's pair threads still run makes the peer abort (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -185,15 +188,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2-rank test did not finish in {TIMEOUT_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    join_ranks(ctx, TIMEOUT_S, [tmp_path / "rank0.json", tmp_path / "rank1.json"])
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert sorted(x for x in r0["rows"] + r1["rows"] if x >= 0) == [0, 1, 2]

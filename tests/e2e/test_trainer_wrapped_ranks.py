@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from datetime import timedelta
 
 import numpy as np
-import pytest
 import torch
 
 from helpers.trainer_cases import mixed_batch, plan_of
+from helpers.ranks import join_ranks
 
 TIMEOUT_S = 300
 WRAPS = ("ddp", "fsdp2")
@@ -90,6 +89,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 result[f"{kind}/{output}"] = {"loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel": rel, "gen": gen.tolist()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        # Both ranks finish their collectives before either tears gloo down: a rank that exits
+        # while its peer's pair threads still run makes the peer abort (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -98,15 +100,7 @@ def test_ddp_and_fsdp2_wrapped_models_match_one_process(tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2-rank test did not finish in {TIMEOUT_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    join_ranks(ctx, TIMEOUT_S, [tmp_path / "rank0.json", tmp_path / "rank1.json"])
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert sorted(r0) == sorted(f"{k}/{o}" for k in WRAPS for o in OUTPUTS)
