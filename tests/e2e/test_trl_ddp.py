@@ -7,6 +7,7 @@ writes its per-step loss, grad_norm and completions. Stock and treepack must agr
 from __future__ import annotations
 
 import json
+import signal
 import os
 import socket
 import subprocess
@@ -31,6 +32,9 @@ if dist.get_rank() == 0:
     saved = [h["treepack/saved_fraction"] for h in res["logs"] if "treepack/saved_fraction" in h]
     json.dump({{"loss": res["loss"], "grad_norm": res["grad_norm"], "completions": res["completions"],
                "world": dist.get_world_size(), "saved": saved}}, open({out!r}, "w"))
+dist.barrier()  # both ranks are done with every collective before gloo is torn down
+dist.destroy_process_group()
+print("RANK_DONE", flush=True)
 """
 
 
@@ -53,7 +57,10 @@ def _ddp(tmp_path: Path, packed: bool) -> dict:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=400)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    # gloo on CPU now and then aborts a process (SIGABRT) at interpreter exit, after its group was
+    # destroyed: a rank that printed RANK_DONE had finished all its work, so only that is let pass.
+    ok = [p.returncode == 0 or (p.returncode == -signal.SIGABRT and "RANK_DONE" in log) for p, log in zip(procs, logs)]
+    assert all(ok), "\n".join(x[-3000:] for x in logs)
     return json.loads(out.read_text())
 
 
