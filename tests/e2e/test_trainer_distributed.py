@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import fields
 from datetime import timedelta
 
@@ -19,7 +18,7 @@ from treepack.proto.messages import PlanMessage
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
-from helpers.ranks import join_ranks
+from helpers.ranks import run_ranks
 
 TIMEOUT_S = 240
 
@@ -114,11 +113,6 @@ def test_obtain_plan_through_a_sidecar_url():
     _same(obtain_plan(c["sequences"], **kw), got)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
@@ -185,12 +179,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    join_ranks(ctx, TIMEOUT_S, [tmp_path / "rank0.json", tmp_path / "rank1.json"])
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = run_ranks(_worker, tmp_path, TIMEOUT_S)
     assert sorted(x for x in r0["rows"] + r1["rows"] if x >= 0) == [0, 1, 2]
     assert r0["empty_rows"] + r1["empty_rows"] == 1
     assert r0["loss"] == r1["loss"] and abs(r0["loss"] - r0["ref_loss"]) <= 1e-6 * abs(r0["ref_loss"])

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import numpy as np
 import torch
 
 from helpers.trainer_cases import mixed_batch, plan_of
-from helpers.ranks import join_ranks
+from helpers.ranks import run_ranks
 
 TIMEOUT_S = 300
 WRAPS = ("ddp", "fsdp2")
 OUTPUTS = ("logits", "hidden")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wrap(kind, model):
@@ -97,12 +91,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_and_fsdp2_wrapped_models_match_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    join_ranks(ctx, TIMEOUT_S, [tmp_path / "rank0.json", tmp_path / "rank1.json"])
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = run_ranks(_worker, tmp_path, TIMEOUT_S)
     assert sorted(r0) == sorted(f"{k}/{o}" for k in WRAPS for o in OUTPUTS)
     for key, a in r0.items():
         b = r1[key]

@@ -7,14 +7,15 @@ writes its per-step loss, grad_norm and completions. Stock and treepack must agr
 from __future__ import annotations
 
 import json
-import signal
 import os
-import socket
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.service import free_port
 
 pytest.importorskip("trl")
 
@@ -38,11 +39,6 @@ print("RANK_DONE", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ddp(tmp_path: Path, packed: bool) -> dict:
     from helpers.tiny_trl import tiny_model
@@ -51,7 +47,7 @@ def _ddp(tmp_path: Path, packed: bool) -> dict:
     model = str(tmp_path / f"init{packed}")
     tiny_model().save_pretrained(model)  # once, before the ranks load it
     code = WORKER.format(tests=str(ROOT / "tests"), packed=packed, workdir=str(tmp_path / f"w{packed}"), model=model, out=str(out))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")

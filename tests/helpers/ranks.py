@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+
+from helpers.service import free_port
 
 
 def join_ranks(ctx, timeout_s: float, results: list[Path]) -> None:
@@ -38,3 +42,23 @@ def join_ranks(ctx, timeout_s: float, results: list[Path]) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
+
+
+def run_ranks(worker: Callable[[int, int, str], None], out_dir: Path, timeout_s: float, nprocs: int = 2) -> list[dict[str, Any]]:
+    """Spawn ``worker(rank, port, out_dir)`` on ``nprocs`` gloo ranks and read each ``rank{r}.json``.
+
+    Args:
+        worker: a module-level function (spawned); it writes ``out_dir / f"rank{rank}.json"``.
+        out_dir: where the ranks write their results.
+        timeout_s: wall-clock limit for all ranks together (see :func:`join_ranks`).
+        nprocs: number of ranks.
+
+    Returns:
+        Each rank's decoded result, rank order.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False, start_method="spawn")
+    results = [out_dir / f"rank{r}.json" for r in range(nprocs)]
+    join_ranks(ctx, timeout_s, results)
+    return [json.loads(r.read_text()) for r in results]
