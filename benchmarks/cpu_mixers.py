@@ -24,7 +24,6 @@ baseline (the oracle, measured in the benchmark itself).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_train_step import packed_step, timed, unpacked_step  # noqa: E402
+from cpu_train_step import packed_step, report, timed, unpacked_step  # noqa: E402
 from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
@@ -110,13 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     m = out["model"]
     print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}, {out['levels']} depth levels, {out['segments']} segments), "
           f"Bamba hidden {m['hidden']} x {m['layers']} layers ({m['mamba_layers']} Mamba2, chunk {m['chunk']}), median of {args.repeats}")
-    print("| variant | rows | tokens | step s | time / unpacked | tokens / unpacked | loss | max grad rel diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in out["results"]:
-        print(f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | {r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    report(out, args.json)
     return out
 
 

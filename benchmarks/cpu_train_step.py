@@ -148,14 +148,19 @@ def main(argv: list[str] | None = None) -> dict:
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants)
     print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}")
+    report(out, args.json)
+    return out
+
+
+def report(out: dict, json_path: str | None) -> None:
+    """Print the results table (markdown, as BENCHMARKS.md has it) and write the JSON if asked."""
     print("| variant | rows | tokens | step s | time / unpacked | tokens / unpacked | loss | max grad rel diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
         print(f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | {r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
-    return out
 
 
 if __name__ == "__main__":
