@@ -17,9 +17,10 @@ only by class name:
   over time (the depthwise causal ``Conv1d`` of Mamba, GDN and short-conv layers), torch's
   RNNs, and class names of known mixer kinds. Such a layer is handled only by a patch that
   runs it on the tree (:mod:`treepack.trainer.hf.hybrid`; the recurrent-mixer patches of
-  ``treepack.trainer.hf.mixers`` through their ``is_handled``); a subclass of a patched
-  class is refused, since patches match exact classes and its ``forward`` may differ;
-- ``config.layer_types``: a layer of a type that is not attention must contain a handled mixer;
+  :mod:`treepack.trainer.hf.mixer_kinds` ``is_handled``: the stock forward's code, whatever
+  the class is called); a subclass with a forward of its own is refused;
+- ``config.layer_types``: a layer of a type that is neither attention nor per-token work
+  (MLP / MoE) must contain a handled mixer;
 - length-dependent RoPE (``dynamic`` NTK, ``longrope``): HF picks the scaling from the
   longest position of the whole call, so one long sequence would change the others'
   rotary embedding. Refused (decision, see the README's model-support section): exact needs every
@@ -50,6 +51,7 @@ import torch
 
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer.hf.hybrid import _patches
+from treepack.trainer.hf.mixer_kinds import is_handled, mixer_kind
 
 __all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES", "kernel_supports"]
 
@@ -123,18 +125,6 @@ def _is_known(cls: type) -> bool:
 
 def _patched_classes() -> dict[str, Any]:
     return _patches()
-
-
-def _mixer_hooks() -> tuple[Any, Any]:
-    """(``is_handled``, ``mixer_kind``) of ``treepack.trainer.hf.mixers`` when that module exists, else (None, None)."""
-    import importlib.util
-
-    if importlib.util.find_spec("treepack.trainer.hf.mixers") is None:
-        return None, None
-    import importlib
-
-    mixers = importlib.import_module("treepack.trainer.hf.mixers")
-    return getattr(mixers, "is_handled", None), getattr(mixers, "mixer_kind", None)
 
 
 def _conv_reason(mod: torch.nn.Module) -> str | None:
@@ -229,19 +219,18 @@ def _configs(model: Any) -> list[Any]:
     return out
 
 
-def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportReport, patch_layers: bool, hooks: tuple) -> bool:
+def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportReport, patch_layers: bool) -> bool:
     """Record how ``mod`` runs; returns True when its children are covered by it (skip them)."""
     cls = type(mod)
     patches = _patched_classes()
-    is_handled, mixer_kind = hooks
     if cls.__name__ in patches:
         if not patch_layers:
             report.refusals.append(Refusal(path, cls.__name__, "its tree patch is off (patch_layers=False): the stock forward scans the whole row"))
         else:
             report.handled[path] = f"patch:{cls.__name__}"
         return True
-    if is_handled is not None and is_handled(mod):
-        report.handled[path] = f"mixer:{mixer_kind(mod) if mixer_kind else cls.__name__}"
+    if is_handled(mod):
+        report.handled[path] = f"mixer:{mixer_kind(mod)}"
         return True
     patched_base = next((b.__name__ for b in cls.__mro__[1:] if b.__name__ in patches), None)
     if patched_base is not None:
@@ -271,8 +260,7 @@ def _holds_handled_mixer(mod: torch.nn.Module) -> bool:
     a handled descendant: the name says nothing about the container itself, and the walk still
     judges every other child."""
     patches = _patched_classes()
-    is_handled, _ = _mixer_hooks()
-    return any(type(m).__name__ in patches or (is_handled is not None and is_handled(m)) for m in mod.modules() if m is not mod)
+    return any(type(m).__name__ in patches or is_handled(m) for m in mod.modules() if m is not mod)
 
 
 def _has_dispatching_child(mod: torch.nn.Module) -> bool:
@@ -387,13 +375,12 @@ def check_model(
         report.refusals.extend(_config_refusals(config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs, row_len=row_len))
     report.refusals.extend(_position_refusals(model))
     report.refusals.extend(_backend_refusals(model, backend))
-    hooks = _mixer_hooks()
     config = getattr(model, "config", None)
     skip: tuple[str, ...] = ()
     for path, mod in model.named_modules():
         if skip and any(path.startswith(s + ".") for s in skip):
             continue
-        if _classify(path, mod, config, report, patch_layers, hooks):
+        if _classify(path, mod, config, report, patch_layers):
             skip += (path,)
     for cfg in _configs(model):
         _layer_type_refusals(model, cfg, report)
