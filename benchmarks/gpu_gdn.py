@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from treepack.service.planner import plan_batch
-from treepack.trainer.kernels.gdn import gdn_schedule, select_kernel, tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.kernels.tree_scan import tree_schedule
+from treepack.trainer.kernels.gdn import select_kernel, tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref
 
 SHAPES = {
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     tree_plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=64, conv_width=s["W"])
     flat_plan = plan_batch(seqs, seq_len=seq_len, placement="no_share", conv_width=s["W"])
-    tree_sched, flat_sched = gdn_schedule(tree_plan, device=device), gdn_schedule(flat_plan, device=device)
+    tree_sched, flat_sched = tree_schedule(tree_plan, device=device), tree_schedule(flat_plan, device=device)
     plan_ms = (time.perf_counter() - t0) * 1e3
     seg = tree_plan.segments
     info = dict(

@@ -16,8 +16,8 @@ import torch
 
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
+from treepack.trainer.kernels.tree_scan import tree_schedule
 from treepack.trainer.kernels.gdn import (
-    gdn_schedule,
     naive_tree_causal_conv1d,
     naive_tree_gated_delta_rule,
     tree_causal_conv1d,
@@ -95,7 +95,7 @@ PLANS = [(0, 2, 4), (100, 4, 6), (200, 2, 4)]  # (seed, min_shared_len, conv wid
 def planned(request):
     seed, msl, W = request.param
     seqs, _, plan = tree_plan(seed, min_shared_len=msl, conv_width=W)
-    return seqs, plan, gdn_schedule(plan)
+    return seqs, plan, tree_schedule(plan)
 
 
 def _flat_inputs(plan, Hk=2, Hv=4, K=8, V=6, seed=1, grad=True):
@@ -221,7 +221,7 @@ def test_schedule_for_a_subset_of_rows(planned):
     _, plan, sched = planned
     C = plan.seq_len
     rows = np.array([plan.num_rows - 1, -1, 0])
-    sub = gdn_schedule(plan, rows=rows)
+    sub = tree_schedule(plan, rows=rows)
     xs = _flat_inputs(plan, grad=False)
     full = tree_gated_delta_rule(*xs, sched, use_qk_l2norm_in_kernel=True).reshape(plan.num_rows, C, -1)
 
@@ -248,4 +248,4 @@ def test_tree_ops_reject_bad_input(planned):
     with pytest.raises(RequestError, match="q must be"):
         tree_gated_delta_rule(xs[0][:-1], *xs[1:], sched)
     with pytest.raises(RequestError, match="rows must be distinct"):
-        gdn_schedule(plan, rows=[0, 0])
+        tree_schedule(plan, rows=[0, 0])

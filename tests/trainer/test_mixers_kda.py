@@ -13,7 +13,7 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from treepack.trainer.kernels.kda import chunk_kda_ref, naive_recurrent_kda, tree_kda
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 
@@ -98,7 +98,7 @@ def test_kimi_linear_oracle():
                 m.forget_gate.dt_bias.uniform_(-3.0, -1.0)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "kda"]
     assert len(mixers) == 2 and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\nkimi_linear: {figures}")
     assert_oracle(figures)

@@ -15,7 +15,7 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from treepack.trainer.kernels.mamba import naive_selective_scan, selective_scan_ref, tree_selective_scan
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 
@@ -103,7 +103,7 @@ def test_jamba_oracle():
                 m.dt_proj.bias.uniform_(-3.0, -1.0)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "mamba"]
     assert len(mixers) == 2 and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\njamba: {figures}")
     assert_oracle(figures)

@@ -17,7 +17,7 @@ SURFACE = {
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
-        "disable_tree_attention", "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model", "check_model", "SupportReport",
+        "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model", "check_model", "SupportReport",
     ],
     "treepack.trainer.data": ["materialize", "PackedBatch", "routing_keys", "PaddedSequences", "from_padded", "from_labeled", "MicroBatches", "plan_microbatches"],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],
