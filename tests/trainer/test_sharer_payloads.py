@@ -21,9 +21,9 @@ from helpers.trainer_cases import VOCAB, plan_of, reference_logprobs, shared_tra
 from treepack.proto.errors import RequestError
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.data import routing_keys
+from treepack.trainer.planning import routing_keys
 from treepack.trainer.data.materialize import PayloadMismatchError
-from treepack.trainer.data.routing import naive_routing_keys
+from treepack.trainer.planning.routing import naive_routing_keys
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import (
     cispo_loss,
