@@ -54,9 +54,8 @@ from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
 
-SUPPORTED_TRL = (">=1.16", "<1.17")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,7 +14,7 @@ the state its sequence would have there. GDN runs on the one tree-scan mechanism
   the previous level (roots start from zeros); the backward index-adds every child's state
   gradient into its parent. flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA
   (bf16/fp16), the pure-torch
-  :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
+  :func:`~treepack.trainer.kernels.gdn_ref.torch_chunk_gated_delta_rule` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
 NaN and only real tokens are written; padding gets zeros (a pad token is a sequence of its
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
-from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_scan
 
 __all__ = [
@@ -138,7 +138,7 @@ def select_kernel(q: torch.Tensor) -> Kernel:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError:
-            return chunk_gated_delta_rule_ref
+            return torch_chunk_gated_delta_rule
 
         def fla_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
             # Grouped values: repeat q/k heads ourselves (as HF's fallback does), so the
@@ -156,7 +156,7 @@ def select_kernel(q: torch.Tensor) -> Kernel:
             )
 
         return fla_kernel
-    return chunk_gated_delta_rule_ref
+    return torch_chunk_gated_delta_rule
 
 
 def _check_flat(q, k, v, g, beta, n: int) -> None:

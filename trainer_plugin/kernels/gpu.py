@@ -123,7 +123,7 @@ def available() -> dict[str, str | None]:
 
 
 def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
-    """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.chunk_gated_delta_rule_ref``.
+    """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.torch_chunk_gated_delta_rule``.
 
     Grouped values (fewer q/k heads than v heads) are expanded here, as HF's fallback does,
     so the head mapping does not depend on the installed fla version. Usable as the
