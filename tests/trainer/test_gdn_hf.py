@@ -151,6 +151,16 @@ def test_conv_width_mismatch_is_a_clear_error(case):
         packed_forward(other, batch)
 
 
+def test_a_conv_narrower_than_the_plan_is_exact(case):
+    """The plan's conv context covers any kernel up to its conv_width: a narrower GDN conv is exact too."""
+    seqs, trainable, plan, model, batch = case
+    narrow = tiny_qwen3_next(plan.gdn.conv_width - 2)
+    with torch.no_grad():
+        ref = _unpacked(narrow, seqs)
+        tree = _packed_logprobs(narrow, batch)
+    assert_close("packed logprobs", ref, per_sequence_logprobs(batch, tree), atol=1e-5)
+
+
 def test_qwen3_5_packed_logprobs_equal_unpacked():
     """Qwen3.5's GDN layer (separate q/k/v, z, b, a projections) runs through the same patch."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig

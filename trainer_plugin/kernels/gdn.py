@@ -60,8 +60,7 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, n: int, width: int) -> No
         raise RequestError(f"x must be [N, D] with N = rows * seq_len = {n}, got {tuple(x.shape)}", path="$.x", rule="shape")
     if weight.shape != (x.shape[1], width):
         raise RequestError(
-            f"weight must be [D, W] = {(x.shape[1], width)} (W = the plan's conv_width), got {tuple(weight.shape)}; "
-            "plan with conv_width equal to the layer's conv kernel size",
+            f"weight must be [D, W] = {(x.shape[1], width)}, got {tuple(weight.shape)}",
             path="$.weight",
             rule="shape",
         )
