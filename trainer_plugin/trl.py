@@ -50,6 +50,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.planner import PlannerArg
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
@@ -69,7 +70,9 @@ class PackingConfig:
         backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
             ``flash``.
         placement: the planner's placement (``auto`` ...).
-        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        planner: as :func:`~treepack.trainer.planning.planner.obtain_plan`: a
+            ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
+            a plan function, a sidecar URL, or None (embedded).
         max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
         keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
     """
@@ -78,7 +81,7 @@ class PackingConfig:
     min_shared_len: int = 16
     backend: str = "sdpa"
     placement: str = "auto"
-    planner: Any = None
+    planner: PlannerArg = None
     max_seq_len: int = 8192
     keep_groups: bool = True
 
