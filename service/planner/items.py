@@ -1,0 +1,80 @@
+"""Leaves and subtrees as packing items: each one's chain of internal ancestors, built once.
+
+Every placement packs *items*: a leaf (one sequence) or, for ``auto``, a whole subtree. An
+item rooted at node v costs ``end(v)`` tokens alone (for a subtree, plus its descendants);
+in a row that already holds part of its root path it costs less, and that part is always a
+prefix of its *chain*, the internal ancestors of v, root first (SPEC section 4; see
+:mod:`.rows` for the query that uses it). Siblings share their chain, so :class:`Chains`
+builds one per parent, on first use: a candidate that is abandoned early does not pay for
+the leaves it never reached, and the candidates of one ``auto`` run share one cache.
+
+:class:`Item` is the same leaf as the exact search (:mod:`.exact`) and the repair pass
+(:mod:`.repair`) see it: its chain as a tuple, its cost and its own segment's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treepack.service.planner.tree import Tree
+
+__all__ = ["Chains", "Item", "leaf_items"]
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A leaf as the exact search sees it.
+
+    Attributes:
+        seq: the sequence it ends.
+        chain: its internal ancestors, root first.
+        cost: its full cost (sequence length).
+        tail: its own segment's length (cost minus the chain's tokens).
+    """
+
+    seq: int
+    chain: tuple[int, ...]
+    cost: int
+    tail: int
+
+
+class Chains:
+    """Per node, its internal ancestors (root first) and their end positions, one pair of
+    lists per parent, built on first use (module docstring).
+
+    Args:
+        tree: the batch's tree.
+    """
+
+    __slots__ = ("tree", "parent", "end", "_cache")
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.parent: list[int] = tree.parent.tolist()
+        self.end = tree.end  # [N] (a property: computed once here)
+        self._cache: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
+
+    def of(self, v: int) -> tuple[list[int], list[int]]:
+        """(ancestors of node v, root first; their end positions). Do not modify the lists."""
+        p = self.parent[v]
+        got = self._cache.get(p)
+        if got is None:
+            tree = self.tree
+            at = int(tree.path_ptr[tree.source[p]])
+            a = tree.path_nodes[at : at + int(tree.depth[p]) + 1]
+            got = self._cache[p] = (a.tolist(), self.end[a].tolist())
+        return got
+
+    def item(self, s: int) -> Item:
+        """The :class:`Item` of kept sequence s."""
+        tree = self.tree
+        leaf = int(tree.leaf_of[s])
+        return Item(s, tuple(self.of(leaf)[0]), int(self.end[leaf]), int(tree.length[leaf]))
+
+
+def leaf_items(tree: Tree, seqs) -> list[Item]:
+    """The :class:`Item` of each kept sequence in ``seqs``."""
+    chains = Chains(tree)
+    return [chains.item(int(s)) for s in seqs]
