@@ -40,32 +40,40 @@ class Item:
     tail: int
 
 
-class Chains:
-    """Per node, its internal ancestors (root first) and their end positions, one pair of
-    lists per parent, built on first use (module docstring).
+class Chains(dict):
+    """Chains of items, one per parent, built on first use (module docstring).
+
+    ``chains[p]`` is (the internal ancestors of p's children, root first, ending with p;
+    their end positions): two lists, not to be modified. ``chains[-1]`` is empty (a root
+    has no ancestors). :meth:`of` looks a node's chain up by its parent.
 
     Args:
         tree: the batch's tree.
     """
 
-    __slots__ = ("tree", "parent", "end", "_cache")
+    __slots__ = ("tree", "parent", "end", "_source", "_depth", "_ptr", "_nodes", "_end")
 
     def __init__(self, tree: Tree) -> None:
+        super().__init__({-1: ([], [])})
         self.tree = tree
         self.parent: list[int] = tree.parent.tolist()
         self.end = tree.end  # [N] (a property: computed once here)
-        self._cache: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
+        self._source: list[int] = tree.source.tolist()
+        self._depth: list[int] = tree.depth.tolist()
+        self._ptr: list[int] = tree.path_ptr.tolist()
+        self._nodes: list[int] = tree.path_nodes.tolist()
+        self._end: list[int] = self.end.tolist()
+
+    def __missing__(self, p: int) -> tuple[list[int], list[int]]:
+        at = self._ptr[self._source[p]]
+        a = self._nodes[at : at + self._depth[p] + 1]
+        end = self._end
+        got = self[p] = (a, [end[x] for x in a])
+        return got
 
     def of(self, v: int) -> tuple[list[int], list[int]]:
-        """(ancestors of node v, root first; their end positions). Do not modify the lists."""
-        p = self.parent[v]
-        got = self._cache.get(p)
-        if got is None:
-            tree = self.tree
-            at = int(tree.path_ptr[tree.source[p]])
-            a = tree.path_nodes[at : at + int(tree.depth[p]) + 1]
-            got = self._cache[p] = (a.tolist(), self.end[a].tolist())
-        return got
+        """(ancestors of node v, root first; their end positions)."""
+        return self[self.parent[v]]
 
     def item(self, s: int) -> Item:
         """The :class:`Item` of kept sequence s."""

@@ -215,29 +215,6 @@ class Candidate:
         return self.num_rows, self.packed_tokens
 
 
-class _Abandon(Exception):
-    pass
-
-
-class _Watch:
-    """Gives up once the packing cannot use fewer than ``stop`` rows: its open rows, or
-    ``ceil((T + copies) / C)`` (T the tree's tokens, ``copies`` the tokens of internal nodes
-    already held by a second row: the final rows hold every tree token once plus those)."""
-
-    __slots__ = ("rows", "limit", "stop")
-
-    def __init__(self, rows: OpenRows, tree_tokens: int, stop: int | None) -> None:
-        self.rows = rows
-        self.stop = stop
-        self.limit = None if stop is None else (stop - 1) * rows.capacity - tree_tokens
-
-    def add(self, r: int, anc: list[int], ends: list[int], m: int) -> None:
-        rows = self.rows
-        rows.add(r, anc, m, ends)
-        if self.limit is not None and (rows.copies > self.limit or len(rows.room) >= self.stop):
-            raise _Abandon
-
-
 def best_fit_decreasing(
     tree: Tree,
     order: list[int],
@@ -268,28 +245,34 @@ def best_fit_decreasing(
         The :class:`Candidate`, or None if given up.
     """
     chains = Chains(tree) if chains is None else chains
+    parent = chains.parent
     costl = cost.tolist()
     rows = OpenRows(seq_len)
-    watch = _Watch(rows, tree.num_tokens, stop_rows)
+    room = rows.room
+    # Give up once the result cannot have fewer than stop_rows rows: its open rows, or
+    # ceil((T + copies) / C) with T the tree's tokens and ``copies`` the tokens of internal
+    # nodes already held by a second row (the final rows hold every tree token once plus those).
+    limit = None if stop_rows is None else (stop_rows - 1) * seq_len - tree.num_tokens
     placed: list[int] = []
     placed_row: list[int] = []
+    best_fit, add = rows.best_fit, rows.add
     stack = order[::-1]
-    try:
-        while stack:
-            v = stack.pop()
-            anc, aend = chains.of(v)
-            r, m = rows.best_fit(anc, aend, costl[v])
-            if r < 0:
-                if kids is not None and kids[0][v] < kids[0][v + 1]:
-                    ptr, kid = kids
-                    stack.extend(kid[ptr[v + 1] - 1 : ptr[v] - 1 if ptr[v] else None : -1])
-                    continue
-                r = rows.open_row()
-            watch.add(r, anc, aend, m)
-            placed.append(v)
-            placed_row.append(r)
-    except _Abandon:
-        return None
+    pop = stack.pop
+    while stack:
+        v = pop()
+        anc, aend = chains[parent[v]]
+        r, m = best_fit(anc, aend, costl[v])
+        if r < 0:
+            if kids is not None and kids[0][v] < kids[0][v + 1]:
+                ptr, kid = kids
+                stack.extend(kid[ptr[v + 1] - 1 : ptr[v] - 1 if ptr[v] else None : -1])
+                continue
+            r = rows.open_row()
+        add(r, anc, m, aend)
+        if limit is not None and (rows.copies > limit or len(room) >= stop_rows):
+            return None
+        placed.append(v)
+        placed_row.append(r)
     node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
     node_row[placed] = placed_row
     row_of = np.full(tree.leaf_of.shape[0], -1, dtype=np.int64)
