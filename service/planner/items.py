@@ -5,8 +5,9 @@ item rooted at node v costs ``end(v)`` tokens alone (for a subtree, plus its des
 in a row that already holds part of its root path it costs less, and that part is always a
 prefix of its *chain*, the internal ancestors of v, root first (SPEC section 4; see
 :mod:`.rows` for the query that uses it). Siblings share their chain, so :class:`Chains`
-builds one per parent, on first use: a candidate that is abandoned early does not pay for
-the leaves it never reached, and the candidates of one ``auto`` run share one cache.
+builds one per parent, on first use (a candidate that is abandoned early does not build the
+chains it never reached), and the candidates of one ``auto`` run and its repair pass share
+one :class:`Chains`.
 
 :class:`Item` is the same leaf as the exact search (:mod:`.exact`) and the repair pass
 (:mod:`.repair`) see it: its chain as a tuple, its cost and its own segment's length.
@@ -15,8 +16,6 @@ the leaves it never reached, and the candidates of one ``auto`` run share one ca
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from treepack.service.planner.tree import Tree
 
