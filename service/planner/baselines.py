@@ -63,13 +63,13 @@ def in_order(tree: Tree, batch: SequenceBatch, seq_len: int) -> np.ndarray:
     marginal cost there fits, else opens a row."""
     row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
     chains = Chains(tree)
-    leaf_parent = tree.parent[np.maximum(tree.leaf_of, 0)].tolist()
+    kept = np.flatnonzero(batch.kept)
     lens = batch.lens.tolist()
     held: set[int] = set()
     room = seq_len
     r = -1
-    for s in np.flatnonzero(batch.kept).tolist():
-        anc, ends = chains[leaf_parent[s]]
+    for s, p in zip(kept.tolist(), tree.parent[tree.leaf_of[kept]].tolist()):
+        anc, ends = chains[p]
         e = 0
         for a, end in zip(anc, ends):
             if a in held:

@@ -24,10 +24,11 @@ BUDGET = 60_000.0
 SETTINGS = (("bfd", 0.0), ("in_order", 0.0), ("no_share", 0.0), ("auto", 0.0), ("auto", BUDGET))
 
 
-def _random_batch(seed: int) -> dict:
+def _random_batch(seed: int, overflow: str | None = None) -> dict:
     """GRPO-like groups (a prompt, some behind a shared system prompt, 1-6 completions) with
-    lengths from a few tokens to most of a row."""
-    rng = np.random.default_rng([16, seed])
+    lengths from a few tokens to most of a row; with ``overflow``, some sequences run past
+    the row and are dropped or truncated."""
+    rng = np.random.default_rng([16, seed] if overflow is None else [16, seed, 1])
     C = int(rng.integers(64, 600))
     systems = [rng.integers(0, 1 << 16, int(rng.integers(1, C // 4))) for _ in range(int(rng.integers(1, 4)))]
     seqs, groups = [], []
@@ -36,9 +37,12 @@ def _random_batch(seed: int) -> dict:
         prompt = np.concatenate([head, rng.integers(0, 1 << 16, int(rng.integers(1, C // 3)))])
         for _ in range(int(rng.integers(1, 7))):
             body = rng.integers(0, 1 << 16, int(rng.integers(0, max(1, C - len(prompt)))))
+            if overflow is not None and rng.random() < 0.3:
+                body = rng.integers(0, 1 << 16, C + 1 - len(prompt) + int(rng.integers(0, 50)))
             seqs.append(np.concatenate([prompt, body]))
             groups.append(g)
-    return dict(sequences=seqs, groups=groups, seq_len=C, min_shared_len=int(rng.integers(1, 12)))
+    kw = dict(sequences=seqs, groups=groups, seq_len=C, min_shared_len=int(rng.integers(1, 12)))
+    return kw if overflow is None else kw | {"on_overflow": overflow}
 
 
 def _workload(make) -> dict:
@@ -48,6 +52,9 @@ def _workload(make) -> dict:
 
 FAMILIES = {
     "random": lambda: [_random_batch(s) for s in range(160)],
+    "overflow": lambda: [_random_batch(s, ("drop", "truncate")[s % 2]) for s in range(40)] + [
+        dict(sequences=[np.arange(9), np.arange(12)], groups=[0, 0], seq_len=8, min_shared_len=1, on_overflow="drop")
+    ],
     "workloads": lambda: [
         _workload(lambda: W.curriculum(24, seq_len=8192)),
         _workload(lambda: W.curriculum(24, seq_len=16384, seed=1)),
@@ -58,6 +65,7 @@ FAMILIES = {
 }
 
 PINNED = {
+    "overflow": "86411a390efbb56b837af8b0b248ee2161be41d8b2b1e081fe0e214b9c9cb00b",
     "random": "1d256838fb84c7df41a01fc250ce472e02d110f50176d7cb71eee7a7f2b5634f",
     "workloads": "8a5e0b1458ece55db72e3e97184dc24f8bfe6dc894c1986ad70de76711a6d957",
 }
@@ -66,8 +74,14 @@ PINNED = {
 def _digest(batches: list[dict], seen: dict) -> str:
     h = hashlib.sha256()
     for kw in batches:
-        batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw["groups"])
+        batch = normalize_batch(
+            kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw["groups"], on_overflow=kw.get("on_overflow", "error")
+        )
         tree = build_tree(batch, kw["min_shared_len"])
+        over = np.asarray([len(x) > kw["seq_len"] for x in kw["sequences"]])
+        seen["dropped"] = seen.get("dropped", 0) + int((~batch.kept).any())
+        seen["truncated"] = seen.get("truncated", 0) + int((over & batch.kept).any())
+        seen["all dropped"] = seen.get("all dropped", 0) + int(not batch.kept.any())
         for name, repair_ms in SETTINGS:
             placed = place_leaves(tree, batch, kw["seq_len"], name, repair_ms=repair_ms)
             h.update(f"{name}:{placed.strategy}:{placed.num_rows}:".encode())
@@ -82,6 +96,8 @@ def test_placements_unchanged(family):
     seen: dict = {}
     got = _digest(FAMILIES[family](), seen)
     assert got == PINNED[family], f"{family}: placements changed (strategies seen: {seen})"
+    if family == "overflow":
+        assert seen["dropped"] >= 10 and seen["truncated"] >= 10 and seen["all dropped"] >= 1, seen
     if family == "random":
         # Not vacuous: every auto candidate and the repair pass win somewhere in the battery.
         assert {"grouped", "grouped+split", "bfd"} <= {k.removesuffix("+repair") for k in seen}, seen
@@ -89,6 +105,6 @@ def test_placements_unchanged(family):
 
 
 def test_pinned_plans_are_valid():
-    for kw in FAMILIES["random"]()[:20]:
+    for kw in FAMILIES["random"]()[:20] + FAMILIES["overflow"]()[:10]:
         plan = plan_batch(**kw)
         validate_plan(plan, kw["sequences"])
