@@ -151,9 +151,10 @@ def test_errors_are_the_same_exceptions(server, kwargs, exc, path, rule, message
 def test_server_side_errors_keep_kind_message_and_path(server):
     # A request the client does not check itself: the server's error arrives intact.
     from treepack.proto.codec import encode_body
+    from treepack.proto.batch import PackInput
     from treepack.proto.batch_wire import encode_pack_request
 
-    msg = encode_pack_request([np.arange(5)], seq_len=64)
+    msg = encode_pack_request(PackInput.of([np.arange(5)], seq_len=64))
     msg["version"] = 7
     r = httpx.post(server + "/v1/pack", content=encode_body(msg, "msgpack"), headers={"content-type": "application/msgpack"})
     from treepack.client.http import raise_for_response

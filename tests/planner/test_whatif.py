@@ -13,9 +13,9 @@ from helpers.trees import plan_result
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import CapacityError, RequestError
 from treepack.service import Settings, create_app
+from treepack.proto.batch import PackInput, normalize_batch
 from treepack.proto.batch_wire import encode_pack_request
 from treepack.proto.shape_wire import shape_to_wire
-from treepack.proto.batch import normalize_batch
 from treepack.service.planner import build_tree, plan_batch, validate_plan
 from treepack.service.planner.fingerprint import shape_of
 from treepack.proto.whatif import Composition
@@ -95,7 +95,7 @@ def _split(w, per_batch):
 async def _record(c, batches):
     rows = []
     for b in batches:
-        r = await c.post("/v1/pack", content=encode_body(encode_pack_request(**b), "msgpack"), headers={"accept": "application/json"})
+        r = await c.post("/v1/pack", content=encode_body(encode_pack_request(PackInput.of(**b)), "msgpack"), headers={"accept": "application/json"})
         assert r.status_code == 200 and r.json()["recorded"]
         rows.append(r.json()["plan"]["num_rows"])
     return rows
