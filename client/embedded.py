@@ -12,6 +12,7 @@ from typing import Any
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto.batch import PackInput
+from treepack.proto.history import HistoryStore, empty_summary
 from treepack.proto.plan import Plan
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.service.planner.api import plan_request
@@ -33,8 +34,6 @@ class EmbeddedBackend:
         self._store = None
         self._max_batches = history_max_batches
         if history_path is not None:
-            from treepack.service.history import HistoryStore
-
             self._store = HistoryStore(history_path, max_batches=history_max_batches)
 
     def pack(self, request: PackInput) -> Plan:
@@ -55,8 +54,6 @@ class EmbeddedBackend:
         return whatif(list(shapes), list(query.compositions), query.options, trials=query.trials, seed=query.seed, max_rows=query.max_rows)
 
     def history(self) -> dict[str, Any]:
-        from treepack.service.history import empty_summary
-
         summary = empty_summary() if self._store is None else self._store.summary()
         retention = {"max_batches": self._max_batches, "max_age_s": None}
         return {"version": WIRE_VERSION, "enabled": self._store is not None, **summary, "retention": retention}

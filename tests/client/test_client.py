@@ -104,6 +104,27 @@ async def test_async_embedded_and_sync_http_agree(server):
         assert p.health() == {"version": 1, "status": "ok", "backend": "http"}
 
 
+async def test_a_pack_input_goes_to_every_entry_point_as_it_is(server):
+    # One request object: plan_batch, both packers and both backends take it in place
+    # of the keywords, and give the plan the keywords give.
+    from treepack.proto.batch import PackInput
+    from treepack.service.planner import plan_batch
+
+    name, kwargs, tags = BATCHES[1]
+    request = PackInput.of(**kwargs, tags=tags)
+    want = plan_batch(**kwargs)
+    validate_plan(want, kwargs["sequences"], trainable=kwargs.get("trainable"))
+    assert_same_plan(want, plan_batch(request))
+    assert_same_plan(want, Packer().pack(request))
+    async with AsyncPacker(server) as p:
+        assert_same_plan(want, await p.pack(request))
+    with pytest.raises(InputTypeError, match="PackInput alone") as e:
+        Packer().pack(request, groups=None, seq_len=64)
+    assert (e.value.path, e.value.rule) == ("$", "exclusive")
+    with pytest.raises(InputTypeError, match="PackInput alone"):
+        Packer().pack(request, record=False)
+
+
 # (kwargs, exception, path, rule, message): the embedded planner's full message; the
 # sidecar's errors come back as the same exception with the server's message and path.
 _OVER = " (set on_overflow='truncate' or 'drop' to allow)"
