@@ -149,6 +149,28 @@ class _Call:
         self.attempt += 1
         return wait
 
+    def retry_after_failure(self, exc: httpx.HTTPError) -> float:
+        """Seconds to wait before retrying an attempt that failed with ``exc``.
+
+        Raises:
+            TransportError: the failure is not retried (module docstring).
+        """
+        wait = self.wait_for_retry(exc, None)
+        if wait is None:
+            raise transport_error(exc, self.url) from None
+        return wait
+
+    def retry_after_answer(self, resp: httpx.Response) -> float | None:
+        """Seconds to wait before retrying a retryable 503, or None when ``resp`` is the answer.
+
+        Raises:
+            TreepackError: (a subclass) for a 4xx/5xx answer that is not retried.
+        """
+        wait = self.wait_for_retry(None, resp) if _retryable_503(resp) else None
+        if wait is None:
+            raise_for_response(resp)
+        return wait
+
 
 def raise_for_response(resp: httpx.Response) -> None:
     """Raise the project's exception for a 4xx/5xx answer (no-op otherwise)."""
@@ -316,13 +338,10 @@ class HttpBackend(_HttpBase):
             try:
                 resp = _read_within(self._client, method, path, body, headers, call.attempt_timeout())
             except httpx.HTTPError as exc:
-                wait = call.wait_for_retry(exc, None)
-                if wait is None:
-                    raise transport_error(exc, self.url + path) from None
+                wait = call.retry_after_failure(exc)
             else:
-                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                wait = call.retry_after_answer(resp)
                 if wait is None:
-                    raise_for_response(resp)
                     return resp
             time.sleep(wait)
 
@@ -362,13 +381,10 @@ class AsyncHttpBackend(_HttpBase):
             except (asyncio.TimeoutError, TimeoutError):
                 raise TransportError(f"request to {self.url + path} timed out: no whole answer within {limit:g} s", path="$", rule="ReadTimeout") from None
             except httpx.HTTPError as exc:
-                wait = call.wait_for_retry(exc, None)
-                if wait is None:
-                    raise transport_error(exc, self.url + path) from None
+                wait = call.retry_after_failure(exc)
             else:
-                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                wait = call.retry_after_answer(resp)
                 if wait is None:
-                    raise_for_response(resp)
                     return resp
             await asyncio.sleep(wait)
 
