@@ -229,3 +229,25 @@ def test_whatif_over_http_matches_embedded_on_inline_shapes(server):
         assert a.rows == b.rows and a.packed_tokens == b.packed_tokens and a.p_rows_over == b.p_rows_over
         assert np.array_equal(a.row_counts, b.row_counts)
     assert rem[2].row_counts.tolist() == [result.plan.num_rows] * 4  # every group: the recorded batch itself
+
+
+def test_every_backend_has_the_protocol_methods_with_their_parameters():
+    # Protocols are not checked at runtime: hold each backend to its protocol here.
+    import inspect
+
+    from treepack.client.embedded import EmbeddedBackend
+    from treepack.client.http import AsyncHttpBackend, HttpBackend
+    from treepack.client.protocols import AsyncBackend, Backend, InThread
+
+    def methods(cls):
+        return {n: f for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")}
+
+    for proto, impls in ((Backend, (EmbeddedBackend, HttpBackend)), (AsyncBackend, (InThread, AsyncHttpBackend))):
+        want = methods(proto)
+        assert set(want) == {"pack", "whatif", "history", "health", "close"}
+        for impl in impls:
+            for name, spec in want.items():
+                got = getattr(impl, name, None)
+                assert got is not None, f"{impl.__name__} has no {name}"
+                assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(spec), (impl.__name__, name)
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(spec).parameters), (impl.__name__, name)
