@@ -89,7 +89,7 @@ class PlanningService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
-        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s)
+        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s, reserve=settings.intake_reserve_bytes)
         self.replay = ReplayCache(max_bytes=settings.idempotency_cache_bytes, ttl_s=settings.idempotency_ttl_s)
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
@@ -149,7 +149,7 @@ class PlanningService:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread).
 
         Refused before any trial (413) when its work (:func:`whatif_work`) passes
-        ``whatif_max_work``; ``check`` stops it between trials (deadline, disconnect).
+        ``whatif_max_work`` (default 4 x ``max_tokens``); ``check`` stops it between trials (deadline, disconnect).
         """
         if check is not None:
             check()
@@ -170,9 +170,11 @@ class PlanningService:
         comps = [composition_from_wire(c) for c in msg.compositions]
         pool = build_pool(shapes)
         work = whatif_work(pool, comps, msg.trials)
-        if work > self.settings.whatif_max_work:
+        limit = self.settings.whatif_work_limit
+        if work > limit:
+            setting = "whatif_max_work" if self.settings.whatif_max_work is not None else "whatif_max_work, unset: 4 x max_tokens"
             raise PayloadTooLargeError(
-                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {self.settings.whatif_max_work}",
+                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {limit} ({setting})",
                 path="$.trials",
                 rule="max_work",
             )

@@ -80,7 +80,7 @@ async def pack(
     key = idempotency_key(request)
     if key is None:
         return await _plan_in_pool(request, svc, svc.pack, formats, body)
-    return await svc.replay.run(key, body, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
+    return await svc.replay.run(key, request.state.body_digest, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
 
 
 @router.post("/v1/whatif", dependencies=AUTH, openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"))

@@ -112,8 +112,8 @@ async def test_work_for_a_client_that_went_away_is_cancelled():
         app.state.service.close()
 
 
-async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
-    app = create_app(_settings(intake_budget_bytes=100_000, max_body_bytes=200_000, retry_after_s=2))
+async def test_bodies_past_the_intake_budget_get_503():
+    app = create_app(_settings(intake_budget_bytes=100_000, intake_reserve_bytes=0, max_body_bytes=200_000, retry_after_s=2))
     release = asyncio.Event()
     first_calls = 0
 
@@ -121,26 +121,21 @@ async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
         nonlocal first_calls
         first_calls += 1
         if first_calls == 1:
-            return {"type": "http.request", "body": b"\x00" * 1000, "more_body": True}
+            return {"type": "http.request", "body": b"\x00" * 90_000, "more_body": True}
         if first_calls == 2:
             await release.wait()
-            return {"type": "http.request", "body": b"\x00" * 79_000, "more_body": False}
+            return {"type": "http.request", "body": b"\x00" * 5_000, "more_body": False}
         await asyncio.sleep(3600)  # the client stays until the answer
 
-    second_reads = 0
-
-    async def never_read():
-        nonlocal second_reads
-        second_reads += 1
+    async def second():
         return {"type": "http.request", "body": b"\x00" * 50_000, "more_body": False}
 
     try:
-        first = asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "80000"}, slow_upload))
+        first = asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "95000"}, slow_upload))
         await asyncio.sleep(0.1)
-        assert app.state.service.intake.in_flight == 80_000  # reserved by its announced size
-        status, headers, body = await _asgi(app, "/v1/pack", {**MP, "content-length": "50000"}, never_read)
+        assert app.state.service.intake.in_flight == 90_000  # charged as the bytes arrived
+        status, headers, body = await _asgi(app, "/v1/pack", {**MP, "content-length": "50000"}, second)
         assert status == 503 and headers["retry-after"] == "2" and b"intake_budget" in body
-        assert second_reads == 0  # refused before one byte was read
         release.set()
         status, _, _ = await asyncio.wait_for(first, 5)
         assert status == 400  # zeros are no msgpack map: the point is that it was read and answered
@@ -148,6 +143,7 @@ async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
         # A body alone may use the whole budget: one over it still gets in when nothing else is read.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
             assert (await c.post("/v1/pack", content=pack_body(small_batch()), headers=MP)).status_code == 200
+            assert (await c.post("/v1/pack", content=b"\x00" * 150_000, headers=MP)).status_code == 400
     finally:
         app.state.service.close()
 
