@@ -3,7 +3,8 @@
 :class:`PlanningService` holds one instance's parts (settings, planner pool, history,
 metrics). :meth:`PlanningService.pack` and :meth:`PlanningService.whatif` take the raw body
 and return the raw answer; the routes run them on a planner worker thread (decoding a
-large body is CPU work too). Errors are raised as the project's exceptions; the app maps
+large body is CPU work too). Bodies are decoded within a bound of their size
+(:mod:`treepack.proto.bounded`), and decoding counts against the request's deadline. Errors are raised as the project's exceptions; the app maps
 them to HTTP in one place.
 """
 
@@ -16,7 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from treepack.proto import WIRE_VERSION
-from treepack.proto.codec import Format, decode_body, encode_body, parse_message
+from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
+from treepack.proto.codec import Format, encode_body, parse_message
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
 from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
@@ -131,7 +133,7 @@ class PlanningService:
         if check is not None:
             check()  # it may have waited in the queue past its deadline
         t0 = time.perf_counter()
-        msg = parse_message(PackRequest, decode_body(body, fmt_in))
+        msg = parse_message(PackRequest, decode_request(body, fmt_in, PACK_SPEC, check=check))
         # Options (422) before size limits (413); plan_request's check is then a no-op.
         check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         request = decode_pack_request(msg, self.limits)
@@ -153,7 +155,7 @@ class PlanningService:
         """
         if check is not None:
             check()
-        msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
+        msg = parse_message(WhatIfRequest, decode_request(body, fmt_in, WHATIF_SPEC, check=check))
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
         options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))

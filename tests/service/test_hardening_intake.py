@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 
 import httpx
 import msgpack
 import numpy as np
+import pytest
 from helpers.service import pack_message, small_batch
 
 from treepack.proto.codec import encode_body
+from treepack.proto.errors import DeadlineError, TreepackError, http_status
 from treepack.service import Settings, create_app
 
 MP = {"content-type": "application/msgpack"}
@@ -169,3 +172,65 @@ async def test_a_whatif_is_priced_against_the_largest_pack_and_refused_before_an
         assert ok.status_code == 200
     finally:
         app.state.service.close()
+
+
+def _adversarial(fmt: str, shape: str, nbytes: int) -> bytes:
+    """A body of ``nbytes`` made almost entirely of the cheapest containers or items."""
+    if fmt == "json":
+        unit = {"maps": b"{},", "lists": b"[],", "numbers": b"7,"}[shape]
+        items = unit * (nbytes // len(unit))
+        return b'{"version":1,"seq_len":64,"tokens":"","offsets":"","x":[' + items[:-1] + b"]}"
+    n = nbytes
+    empty = {"maps": b"\x80", "lists": b"\x90", "numbers": b"\xcd\x01\x2c"}[shape]  # {}, [], 300
+    count = n // len(empty)
+    head = msgpack.packb({"version": 1, "seq_len": 64, "tokens": b"", "offsets": b""})[1:]  # the map's entries
+    array = b"\xdd" + count.to_bytes(4, "big") + empty * count
+    where = {"maps": b"\xa1x", "lists": b"\xa6groups", "numbers": b"\xa6tokens"}[shape]  # an unknown field, groups, a buffer
+    if shape == "numbers":
+        head = msgpack.packb({"version": 1, "seq_len": 64, "offsets": b""})[1:]
+        return b"\x84" + head + where + array
+    return b"\x85" + head + where + array
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+@pytest.mark.parametrize("shape", ["maps", "lists", "numbers"])
+def test_decoding_holds_at_most_four_times_the_body(fmt, shape):
+    """Whatever a body holds, decoding it builds at most 4x its size (+1 MiB) before it is refused."""
+    svc = create_app(Settings(history_enabled=False)).state.service
+    body = _adversarial(fmt, shape, 2 << 20)
+    try:
+        tracemalloc.start()
+        try:
+            svc.pack(body, fmt, fmt)
+        except TreepackError as exc:
+            outcome = (http_status(exc), exc.rule)
+        else:
+            outcome = (200, "")
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert outcome[0] in (413, 422), outcome
+        assert peak <= 4 * len(body) + (1 << 20), (peak / len(body), outcome)
+    finally:
+        svc.close()
+
+
+def test_decoding_counts_against_the_request_deadline():
+    """The walk over a large list calls the deadline check as it goes: it stops there, not after."""
+    svc = create_app(Settings(history_enabled=False)).state.service
+    groups = msgpack.packb(list(range(200_000)))
+    body = msgpack.packb({"version": 1, "seq_len": 64, "tokens": b"", "offsets": b""})
+    body = bytes([body[0] + 1]) + body[1:] + b"\xa6groups" + groups
+    calls = 0
+
+    def check():
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise DeadlineError("stopped", path="$", rule="deadline")
+
+    try:
+        with pytest.raises(DeadlineError):
+            svc.pack(body, "msgpack", "msgpack", check)
+        assert calls == 4
+    finally:
+        svc.close()
