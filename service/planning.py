@@ -96,6 +96,7 @@ class PlanningService:
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
         self.history_problem: str | None = None
+        self.history_problem_reason: str | None = None
         if settings.history_enabled:
             self.store = self._open_history()
             if self.store is not None:
@@ -106,7 +107,11 @@ class PlanningService:
         self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
 
     def _open_history(self) -> HistoryStore | None:
-        """The store; a damaged file is moved aside (``history_recover``) or leaves the history off."""
+        """The store; a damaged file is moved aside (``history_recover``) or leaves the history off.
+
+        Raises:
+            HistoryPathError: the path cannot be created or written (moving nothing aside helps).
+        """
         s = self.settings
 
         def open_store() -> HistoryStore:
@@ -117,11 +122,21 @@ class PlanningService:
         except HistoryDamaged as exc:
             if s.history_recover and s.history_path is not None:
                 moved = move_aside(s.history_path)
-                log.error("%s; moved it to %s and started a fresh history (history_recover)", exc, moved)
-                return open_store()
-            self.history_problem = f"{exc} (the history is off; restart with TREEPACK_HISTORY_RECOVER=true to move the file aside)"
-            log.error("%s", self.history_problem)
+                if moved is not None:
+                    log.error("%s; moved it to %s and started a fresh history (history_recover)", exc, moved)
+                    try:
+                        return open_store()
+                    except HistoryDamaged as again:
+                        exc = again
+                self._history_off(exc, "moving it aside did not help; see the server log")
+                return None
+            self._history_off(exc, "restart with TREEPACK_HISTORY_RECOVER=true to move the file aside")
             return None
+
+    def _history_off(self, exc: HistoryDamaged, advice: str) -> None:
+        self.history_problem = f"{exc} (the history is off; {advice})"
+        self.history_problem_reason = f"{exc.reason} (the history is off; {advice})"
+        log.error("%s", self.history_problem)
 
     def history_damage(self) -> str | None:
         if self.history_problem is not None:
@@ -239,16 +254,20 @@ class PlanningService:
             self._refuse_if_damaged()
             raise
 
-    def ready_checks(self) -> dict[str, str]:
-        """Readiness: each part answers (``"ok"``) or says why not."""
+    def ready_checks(self, *, detail: bool = False) -> dict[str, str]:
+        """Readiness: each part answers (``"ok"``, maybe with a note after ``"ok; "``) or says why not.
+
+        Args:
+            detail: name files (for an authenticated reader); else short reasons, no paths.
+        """
         checks = {"planner": "ok"}
         if self.history_problem is not None:
-            checks["history"] = f"damaged: {self.history_problem}"
+            checks["history"] = f"damaged: {self.history_problem if detail else self.history_problem_reason}"
         elif self.store is not None:
             try:
-                checks["history"] = self.store.check()
+                checks["history"] = self.store.check(detail=detail)
             except Exception as exc:  # any database failure means not ready
-                checks["history"] = f"error: {exc}"
+                checks["history"] = f"error: {exc}" if detail else f"error: {type(exc).__name__}"
         return checks
 
     def flush(self, timeout: float | None = 60.0) -> None:
