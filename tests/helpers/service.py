@@ -73,8 +73,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None, startup_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start ``python -m treepack.service`` on 127.0.0.1 (a free port) and wait for /readyz.
+def running_server(
+    *flags: str, env: dict[str, str] | None = None, startup_s: float = 60.0, ready_status: int = 200
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start ``python -m treepack.service`` on 127.0.0.1 (a free port) and wait for /readyz
+    to answer ``ready_status`` (503: a server started with a damaged history).
 
     Yields:
         (base URL, the process). The process is terminated (SIGTERM, then SIGKILL) on exit.
@@ -92,7 +95,7 @@ def running_server(*flags: str, env: dict[str, str] | None = None, startup_s: fl
                 out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{out}")
             try:
-                if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(url + "/readyz", timeout=1.0).status_code == ready_status:
                     break
             except httpx.HTTPError:
                 pass
