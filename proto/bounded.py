@@ -11,7 +11,8 @@ decoding is driven by the message's shape and charged as it goes:
   built (the validator then names them: "unknown field", "expected ..., got map").
   Every object built is charged its size; past the budget the body is refused (413
   ``decode_budget``). The walk calls ``check`` every few thousand items, so decoding
-  counts against the request's deadline.
+  counts against the request's deadline. A float with a whole value is read as that
+  integer (as in JSON, where ``2.0`` and ``2`` are one number).
 - **JSON**: the standard decoder, after a count of the bytes that open containers and
   separate items (``{ [ , :``, C-speed, nothing built) prices what it would build; a body
   priced over the budget is refused before decoding. Buffers travel as base64 (one
@@ -171,6 +172,8 @@ class _Walk:
             self.charge(8)
             return self.skip(k)
         v = self.u.unpack()
+        if type(v) is float and v.is_integer() and abs(v) < 2**64:
+            v = int(v)  # a whole number sent as a float is that number (as in JSON)
         if v is None or v is True or v is False or (type(v) is int and -5 <= v <= 256):
             self.charge(8)
         else:
@@ -305,7 +308,7 @@ def decode_request(body: bytes | bytearray | memoryview, fmt: Format, spec: Spec
         price = json_price(body)
         if price > decode_budget(len(body)):
             raise _over(price, len(body), "JSON")
-        obj = decode_body(body, "json")
+        obj = decode_body(body, "json", whole_floats=True)
     if check is not None:
         check()
     return obj

@@ -297,3 +297,13 @@ def test_fault_history_problems_are_reported_in_one_short_line(tmp_path):
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "--no-history" in lines[0], out.stderr
+
+
+def test_fault_the_served_schema_states_the_running_limits():
+    with running_server("--no-history", "--whatif-max-trials", "50") as (url, _):
+        doc = httpx.get(url + "/openapi.json", timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    assert schemas["WhatIfRequest"]["properties"]["trials"]["maximum"] == 50
+    assert len(schemas["Composition"]["oneOf"]) == 2  # exactly one of groups / by_tag
+    tokens = schemas["PackRequest"]["properties"]["tokens"]["anyOf"]
+    assert {"type": "integer", "minimum": 0, "maximum": 2**32 - 1} in [o.get("items") for o in tokens]
