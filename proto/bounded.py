@@ -11,13 +11,14 @@ decoding is driven by the message's shape and charged as it goes:
   built (the validator then names them: "unknown field", "expected ..., got map").
   Every object built is charged its size; past the budget the body is refused (413
   ``decode_budget``). The walk calls ``check`` every few thousand items, so decoding
-  counts against the request's deadline. A float with a whole value is read as that
-  integer (as in JSON, where ``2.0`` and ``2`` are one number).
+  counts against the request's deadline. (msgpack tells an int from a float: a float
+  where an integer belongs is refused, as the embedded planner refuses it.)
 - **JSON**: the standard decoder, after a count of the bytes that open containers and
   separate items (``{ [ , :``, C-speed, nothing built) prices what it would build; a body
   priced over the budget is refused before decoding. Buffers travel as base64 (one
   string each); a list of numbers (for debugging) costs ~64 bytes per item, so lists of
   more than a few thousand items beyond what the body's size pays for are refused.
+  JSON has one number type: a whole number written ``2.0`` or ``2e0`` is the integer 2.
 
 The budget: ``BUDGET_FACTOR x body`` bytes of objects (the unpacker's copy of the body
 or JSON's text counted in) plus ``ALLOWANCE``.
@@ -172,8 +173,6 @@ class _Walk:
             self.charge(8)
             return self.skip(k)
         v = self.u.unpack()
-        if type(v) is float and v.is_integer() and abs(v) < 2**64:
-            v = int(v)  # a whole number sent as a float is that number (as in JSON)
         if v is None or v is True or v is False or (type(v) is int and -5 <= v <= 256):
             self.charge(8)
         else:

@@ -36,6 +36,10 @@ def _packable(x: Any) -> Any:
     # msgpack has no integers beyond 64 bits; a real client could only send them as floats.
     if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**64:
         return float(x)
+    # The schema's numbers are JSON's, where 2.0 is the integer 2; msgpack's form of a whole
+    # number is an int (a msgpack float where an integer belongs is refused, as embedded).
+    if isinstance(x, float) and x.is_integer() and -(2**63) <= x < 2**64:
+        return int(x)
     if isinstance(x, dict):
         return {k: _packable(v) for k, v in x.items()}
     if isinstance(x, list):
