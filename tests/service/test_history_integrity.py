@@ -12,7 +12,7 @@ import pytest
 from helpers.service import pack_body, small_batch
 
 from treepack.service import Settings, create_app
-from treepack.service.history import HistoryDamaged, HistoryPathError, HistoryStore, history_path_problem
+from treepack.proto.history import HistoryDamaged, HistoryPathError, HistoryStore, history_path_problem
 
 MP = {"content-type": "application/msgpack", "accept": "application/json"}
 WHATIF = msgpack.packb({"version": 1, "seq_len": 512, "trials": 2, "compositions": [{"groups": 1}]})
