@@ -86,12 +86,12 @@ class Server:
 
 
 def _small_pack() -> bytes:
-    from treepack.proto.batch_wire import encode_pack_request
-    from treepack.proto.codec import encode_body
+    from treepack.proto.batch import PackInput
+    from treepack.proto.batch_wire import encode_pack_body
     from treepack.service.cli.workloads import curriculum
 
     w = curriculum(8, seed=0)
-    return encode_body(encode_pack_request(**w.plan_kwargs(), tags=w.tags, fmt="msgpack"), "msgpack")
+    return encode_pack_body(PackInput.of(**w.plan_kwargs(), tags=w.tags))
 
 
 def _post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[str, float]:
@@ -204,15 +204,15 @@ def bench_flood(pythonpath: str | None, idle: int, repeats: int) -> dict[str, An
 
 
 def bench_digest(repeats: int) -> list[dict[str, Any]]:
-    from treepack.proto.batch_wire import encode_pack_request
-    from treepack.proto.codec import encode_body
+    from treepack.proto.batch import PackInput
+    from treepack.proto.batch_wire import encode_pack_body
     from treepack.service.cli.workloads import curriculum
     from treepack.service.planner import plan_batch
 
     out = []
     for groups, seq_len in ((3, 32768), (30, 32768)):  # about 100k and 1M tokens
         w = curriculum(groups, seed=0, seq_len=seq_len)
-        body = encode_body(encode_pack_request(**w.plan_kwargs(), tags=w.tags, fmt="msgpack"), "msgpack")
+        body = encode_pack_body(PackInput.of(**w.plan_kwargs(), tags=w.tags))
         tokens = sum(len(s) for s in w.sequences)
         digest, plan = [], []
         for _ in range(repeats):

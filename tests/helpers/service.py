@@ -122,3 +122,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+async def asgi_request(app: Any, path: str, headers: dict[str, str], receive: Any) -> tuple[int, dict[str, str], bytes]:
+    """Run one POST through the raw ASGI app with a ``receive`` the test controls; (status, headers, body)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    out: dict = {"status": None, "headers": {}, "body": b""}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return out["status"], out["headers"], out["body"]

@@ -13,7 +13,7 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import pack_body, small_batch
+from helpers.service import asgi_request, pack_body, small_batch
 from pydantic import ValidationError
 
 from treepack.client import AsyncPacker
@@ -41,26 +41,6 @@ def _busy_whatif(trials: int = 100_000) -> bytes:
 
 def _settings(**kw) -> Settings:
     return Settings(history_enabled=False, whatif_max_trials=1_000_000, whatif_max_work=2**62, **kw)
-
-
-async def _asgi(app, path: str, headers: dict[str, str], receive) -> tuple[int, dict[str, str], bytes]:
-    """Run one HTTP request through the raw ASGI app; (status, headers, body)."""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    out: dict = {"status": None, "headers": {}, "body": b""}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    await app(scope, receive, send)
-    return out["status"], out["headers"], out["body"]
 
 
 async def _wait_idle(pool, limit_s: float) -> float:
@@ -101,7 +81,7 @@ async def test_work_for_a_client_that_went_away_is_cancelled():
 
     pool = app.state.service.pool
     try:
-        task = asyncio.create_task(_asgi(app, "/v1/whatif", {**MP, "content-length": str(len(body))}, receive))
+        task = asyncio.create_task(asgi_request(app, "/v1/whatif", {**MP, "content-length": str(len(body))}, receive))
         await asyncio.sleep(0.2)
         assert pool.admitted == 1  # it is planning
         idle_after = await _wait_idle(pool, 10.0)
@@ -131,10 +111,10 @@ async def test_bodies_past_the_intake_budget_get_503():
         return {"type": "http.request", "body": b"\x00" * 50_000, "more_body": False}
 
     try:
-        first = asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "95000"}, slow_upload))
+        first = asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": "95000"}, slow_upload))
         await asyncio.sleep(0.1)
         assert app.state.service.intake.in_flight == 90_000  # charged as the bytes arrived
-        status, headers, body = await _asgi(app, "/v1/pack", {**MP, "content-length": "50000"}, second)
+        status, headers, body = await asgi_request(app, "/v1/pack", {**MP, "content-length": "50000"}, second)
         assert status == 503 and headers["retry-after"] == "2" and b"intake_budget" in body
         release.set()
         status, _, _ = await asyncio.wait_for(first, 5)
@@ -161,7 +141,7 @@ async def test_a_stalled_body_gets_408():
 
     try:
         t0 = time.monotonic()
-        status, _, body = await asyncio.wait_for(_asgi(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10)
+        status, _, body = await asyncio.wait_for(asgi_request(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10)
         assert status == 408 and b"body_timeout" in body and time.monotonic() - t0 < 3
         assert app.state.service.intake.in_flight == 0
     finally:

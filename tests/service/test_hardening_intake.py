@@ -14,33 +14,13 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import pack_message, small_batch
+from helpers.service import asgi_request, pack_message, small_batch
 
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import DeadlineError, TreepackError, http_status
 from treepack.service import Settings, create_app
 
 MP = {"content-type": "application/msgpack"}
-
-
-async def _asgi(app, path: str, headers: dict[str, str], receive) -> tuple[int, dict[str, str], bytes]:
-    """Run one HTTP request through the raw ASGI app; (status, headers, body)."""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    out: dict = {"status": None, "headers": {}, "body": b""}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    await app(scope, receive, send)
-    return out["status"], out["headers"], out["body"]
 
 
 def _silent(first: bytes = b""):
@@ -91,7 +71,7 @@ async def test_announced_bytes_that_never_arrive_are_not_charged_and_small_packs
     app = create_app(Settings(history_enabled=False, max_body_bytes=256 << 20, intake_budget_bytes=512 << 20))
     svc = app.state.service
     try:
-        stalled = [asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": str(256 << 20)}, _silent())) for _ in range(2)]
+        stalled = [asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": str(256 << 20)}, _silent())) for _ in range(2)]
         await asyncio.sleep(0.1)
         assert svc.intake.in_flight == 0
         body = encode_body(pack_message(small_batch()), "msgpack")
@@ -111,11 +91,11 @@ async def test_a_body_that_announces_itself_and_stays_silent_is_cut_after_the_fi
     app = create_app(Settings(history_enabled=False, body_timeout_s=60, body_first_byte_s=0.3))
     try:
         t0 = time.monotonic()
-        status, _, body = await asyncio.wait_for(_asgi(app, "/v1/pack", {**MP, "content-length": str(64 << 20)}, _silent()), 10)
+        status, _, body = await asyncio.wait_for(asgi_request(app, "/v1/pack", {**MP, "content-length": str(64 << 20)}, _silent()), 10)
         assert status == 408 and b"first_byte" in body, body
         assert time.monotonic() - t0 < 5
         # A body whose first bytes came is held to body_timeout_s, not to the first-byte timeout.
-        task = asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "5000"}, _silent(b"\x81")))
+        task = asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": "5000"}, _silent(b"\x81")))
         await asyncio.sleep(0.8)
         assert not task.done()
         task.cancel()
@@ -127,11 +107,11 @@ async def test_bytes_are_charged_as_they_arrive_and_small_bodies_keep_room():
     app = create_app(Settings(history_enabled=False, max_body_bytes=400_000, intake_budget_bytes=300_000, intake_reserve_bytes=100_000))
     svc = app.state.service
     try:
-        half = [asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "400000"}, _silent(b"\x00" * 150_000))) for _ in range(2)]
+        half = [asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": "400000"}, _silent(b"\x00" * 150_000))) for _ in range(2)]
         await asyncio.sleep(0.1)
         assert svc.intake.in_flight == 300_000  # what arrived, not what was announced
         # A third large body has no room: refused (503) once its bytes would pass the budget.
-        status, headers, body = await _asgi(app, "/v1/pack", {**MP, "content-length": "200000"}, _silent(b"\x00" * 1000))
+        status, headers, body = await asgi_request(app, "/v1/pack", {**MP, "content-length": "200000"}, _silent(b"\x00" * 1000))
         assert status == 503 and b"intake_budget" in body
         # A small pack always has room.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:

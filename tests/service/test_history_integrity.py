@@ -47,20 +47,6 @@ async def test_a_non_database_file_leaves_packs_served_and_readyz_not_ready(tmp_
     assert "treepack_history_damaged 1.0" in metrics
 
 
-async def test_the_recovery_flag_moves_the_damaged_file_aside(tmp_path):
-    path = tmp_path / "history.sqlite3"
-    path.write_bytes(b"garbage" * 1000)
-    app = create_app(Settings(history_path=str(path), history_recover=True))
-    try:
-        async with _client(app) as c:
-            assert (await c.get("/readyz")).status_code == 200
-            assert (await c.post("/v1/pack", content=pack_body(small_batch()), headers=MP)).json()["recorded"] is True
-    finally:
-        app.state.service.close()
-    aside = [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
-    assert len(aside) == 1 and aside[0].read_bytes() == b"garbage" * 1000
-
-
 def test_startup_errors_name_the_file_in_one_line(tmp_path):
     path = tmp_path / "h.sqlite3"
     path.write_bytes(b"\x00" * 4096 * 3)
