@@ -21,43 +21,15 @@ import pytest
 import torch
 
 from helpers.ranks import run_ranks
-from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, tiny_model
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, tiny_gpt_oss, tiny_llama4, tiny_model
 
 TIMEOUT_S = 240
 # (CP ranks, families): one spawn per group size (process start and imports dominate).
 CASES = [(2, ("qwen3", "gemma2", "gpt_oss", "llama4")), (4, ("qwen3", "gpt_oss"))]
 
 
-def _tiny_gpt_oss():
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0, 2)
-    return model
-
-
-def _tiny_llama4():
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    cfg = Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-        attention_chunk_size=16, max_position_embeddings=512, interleave_moe_layer_step=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return Llama4ForCausalLM(cfg).float().eval()
-
-
 def _build(family):
-    return {"gpt_oss": _tiny_gpt_oss, "llama4": _tiny_llama4}.get(family, lambda: tiny_model(family))()
+    return {"gpt_oss": tiny_gpt_oss, "llama4": tiny_llama4}.get(family, lambda: tiny_model(family))()
 
 
 def _tiny_qwen3_next():

@@ -83,21 +83,26 @@ def treepack_attention(
     opts = dict(ctx.options)
     if ctx.batch.cp is not None:
         return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
-    out = tree_attention(
+    out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _tree(module, query, key, value, batch, ctx, opts, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    """[K, H, L, D] tree attention over ``batch``'s whole rows, with the layer's variants."""
+    return tree_attention(
         query,
         key,
         value,
-        ctx.batch,
+        batch,
         backend=ctx.backend,
         scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
         varlen_fn=opts.get("varlen_fn"),
         compile=opts.get("compile"),
-        sinks=kwargs.get("s_aux"),
+        sinks=sinks,
         chunk_size=attention_chunk_size(module),
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def ulysses_refusal(num_heads: int, cp_size: int) -> str | None:
@@ -127,20 +132,7 @@ def _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, soft
     q, k, v = (seq_to_heads(x, cp) for x in (query, key, value))
     C = batch.plan.seq_len
     heads = slice(cp.rank * (H // P), (cp.rank + 1) * (H // P))
-    out = tree_attention(
-        q[:, :, :C],
-        k[:, :, :C],
-        v[:, :, :C],
-        batch.cp_full,
-        backend=ctx.backend,
-        scale=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        varlen_fn=opts.get("varlen_fn"),
-        compile=opts.get("compile"),
-        sinks=None if sinks is None else sinks[heads],
-        chunk_size=attention_chunk_size(module),
-    )
+    out = _tree(module, q[:, :, :C], k[:, :, :C], v[:, :, :C], batch.cp_full, ctx, opts, scaling, sliding_window, softcap, None if sinks is None else sinks[heads])
     if q.shape[2] > C:
         # Positions past seq_len are CP padding: nothing attends them and nothing reads them.
         out = torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - C, out.shape[3])], dim=2)
