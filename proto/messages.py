@@ -222,6 +222,7 @@ class StatsMessage(_Model):
     padding_tokens: Count
     saved_fraction: float
     timings_ms: dict[str, float]
+    predicted_ms: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
 
 
 class OverflowMessage(_Model):
