@@ -11,7 +11,9 @@ tokens (token mean), backward. Variants, all in the same run:
 - ``unpacked``: every sequence alone (stock HF SDPA, causal), batched by equal length
   (no padding: the golden example's groups have equal lengths), the baseline;
 - ``tree / varlen``: the tree-packed rows, attention over gathered ancestor keys per
-  segment (the FlashAttention path, with the pure-torch varlen kernel on CPU);
+  segment (the FlashAttention path; on CPU ``--varlen batched``, the default, runs
+  ``treepack.trainer.kernels.varlen.varlen_attention``, one batched SDPA per bucket of
+  similar lengths, and ``--varlen naive`` the loop reference);
 - ``tree / sdpa``: the tree-packed rows, SDPA with the dense [L, L] tree mask (attention
   cost is the full L^2 of each row, whatever the sharing);
 - ``no_share / varlen``: classic sequence packing of the same sequences (no tree).
@@ -40,6 +42,7 @@ from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize, naive_varlen_attention  # noqa: E402
+from treepack.trainer.kernels.varlen import varlen_attention  # noqa: E402
 from treepack.trainer.hf import packed_forward  # noqa: E402
 from treepack.trainer.losses import sft_loss  # noqa: E402
 
@@ -83,8 +86,11 @@ def unpacked_step(model, case) -> torch.Tensor:
     return loss
 
 
-def packed_step(model, batch, backend: str) -> torch.Tensor:
-    logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention)
+VARLEN = {"batched": varlen_attention, "naive": naive_varlen_attention}
+
+
+def packed_step(model, batch, backend: str, varlen: str = "batched") -> torch.Tensor:
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=VARLEN[varlen])
     loss = sft_loss(batch.target_logprobs(logits), batch, normalization="token")
     loss.backward()
     return loss.detach()
@@ -103,7 +109,7 @@ def timed(fn, model, repeats: int) -> tuple[float, torch.Tensor, dict]:
     return statistics.median(times), loss, grads
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str]) -> dict:
+def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched") -> dict:
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers)
     kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
@@ -117,7 +123,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
     for name in variants:
         layout, backend = name.split("/")
         batch = batches[layout]
-        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend), model, repeats)
+        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats)
         rel = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in base_grads.items())
         rows.append(dict(variant=f"{layout} / {backend}", rows=batch.num_rows, tokens=int(plans[layout].stats.packed_tokens), time_s=t, loss=float(loss), max_grad_rel=rel))
     for r in rows:
@@ -129,6 +135,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         seq_len=case["seq_len"],
         model=dict(hidden=hidden, layers=layers, vocab=vocab),
         repeats=repeats,
+        varlen=varlen,
         results=rows,
     )
 
@@ -140,14 +147,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--varlen", choices=sorted(VARLEN), default="batched", help="CPU varlen kernel of the varlen variants")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.scale, args.hidden, args.layers, args.vocab, args.repeats = 512, 32, 1, 128, 1
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
-    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants)
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}")
+    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen)
+    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel")
     report(out, args.json)
     return out
 

@@ -25,6 +25,7 @@ PUBLIC = [
         {
             "BACKENDS", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
             "resolve_packed", "tree_attention", "use_packed", "packed_forward", "packed", "output_head", "TreepackWarning", "check_model",
+            "calibrate", "time_step",
         },
         id="trainer",
     ),  # fmt: skip
