@@ -14,8 +14,10 @@ backend pays for every row's full [C, C] attention whatever the sharing. With a
 
 Ties go to the simpler plan (``no_share`` first, then the larger thresholds). ``plan.strategy``
 names the winner, its predicted ms and the runner-up's; ``plan.stats.predicted_ms`` holds the
-winner's prediction. When plain packing wins, a :class:`~treepack.proto.cost.CostWarning`
-says that the tree does not pay on this batch.
+winner's prediction. When the winner shares nothing although the tree plan did (plain
+packing, or a threshold above every shared run), a :class:`~treepack.proto.cost.CostWarning`
+says that the tree does not pay on this batch. (On a batch with nothing to share the tree
+plan is itself plain packing, placed by ``auto``; it competes with ``no_share`` on rows.)
 """
 
 from __future__ import annotations
@@ -102,13 +104,13 @@ def choose_by_time(batch: SequenceBatch, options: PlanOptions, cost: CostModel, 
     chosen_options = dataclasses.replace(plan.options, placement="auto")
     strategy = _strategy(name, preds[win], None if runner is None else (results[runner][0], preds[runner]))
     plan = dataclasses.replace(plan, options=chosen_options, strategy=strategy, stats=stats)
-    if label == "no_share":
-        tree_ms = preds[0]
+    shares = bool((plan.segments.sharers >= 2).any())
+    if not shares and bool((first.plan.segments.sharers >= 2).any()):
         warnings.warn(
             CostWarning(
-                f"tree packing does not pay on this batch: plain packing is predicted at {preds[win]:.4g} ms per step, "
-                f"the tree at {tree_ms:.4g} ms ({plan.stats.sequences} sequences, tree tokens {first.plan.stats.tree_tokens} "
-                f"of {plan.stats.unpacked_tokens}); auto packed it plainly"
+                f"tree packing does not pay on this batch: {name} (no shared segment) is predicted at {preds[win]:.4g} ms per step, "
+                f"the tree at {preds[0]:.4g} ms ({plan.stats.sequences} sequences, tree tokens {first.plan.stats.tree_tokens} "
+                f"of {plan.stats.unpacked_tokens}); auto packed them without sharing"
             ),
             stacklevel=4,
         )
