@@ -10,7 +10,9 @@ and one attention layer), ``treepack.trainer.calibrate`` times the training step
 (forward, SFT token-mean loss, backward; ``flash`` backend, on CPU the batched varlen
 kernel) on its synthetic calibration batches and fits the cost model. Then, on batches it
 never saw, the script measures the step (median of ``--repeats`` after a warm-up) and
-compares it with ``predict_ms``:
+compares it with ``predict_ms``. ``--clock cpu`` (the default) times the process's CPU
+time with one torch thread: on a machine shared with other work the wall clock measures
+the neighbours as much as the step.
 
 - ``golden``: the golden example divided by 256 (high sharing), tree plan and plain plan;
 - ``medium``: GRPO groups whose prompts are a third of each sequence;
@@ -94,11 +96,11 @@ def held_out(seq_len: int, vocab: int) -> dict[str, dict]:
     }
 
 
-def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, repeats: int) -> dict:
+def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, repeats: int, clock: str) -> dict:
     model = MODELS[name](vocab, hidden, layers)
     conv = model_conv_width(model)
     t0 = time.perf_counter()
-    cost = calibrate(model, backend="flash", seq_len=seq_len, repeats=repeats, vocab=vocab)
+    cost = calibrate(model, backend="flash", seq_len=seq_len, repeats=repeats, vocab=vocab, clock=clock)
     calib_s = time.perf_counter() - t0
     rows = []
     for bname, b in held_out(seq_len, vocab).items():
@@ -109,7 +111,7 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, repeats: 
             plans["auto+cost"] = plan_batch(b["sequences"], cost_model=cost, **kw)
         for label, plan in plans.items():
             validate_plan(plan, b["sequences"], trainable=b["trainable"])
-            measured = time_step(model, plan, b["sequences"], repeats=repeats)
+            measured = time_step(model, plan, b["sequences"], repeats=repeats, clock=clock)
             predicted = cost.predict_ms(plan)
             rows.append(dict(batch=bname, plan=label, strategy=plan.strategy, rows=plan.num_rows, segments=plan.segments.num_segments,
                              saved=plan.stats.saved_fraction, measured_ms=measured, predicted_ms=predicted, error=predicted / measured - 1))  # fmt: skip
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu", help="cpu: process CPU time (stable on a shared machine)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
@@ -133,9 +136,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     out = []
     print(f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, median of {args.repeats}")  # fmt: skip
+          f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, median of {args.repeats}, {args.clock} clock")  # fmt: skip
     for name in args.models.split(","):
-        r = run(name, args.hidden, args.layers, args.vocab, args.seq_len, args.repeats)
+        r = run(name, args.hidden, args.layers, args.vocab, args.seq_len, args.repeats, args.clock)
         out.append(r)
         print(f"\n{name}: calibrated in {r['calibration_s']:.0f} s on {int(r['fit']['batches'])} plans "
               f"(fit: median error {r['fit']['median_rel_err']:.1%}, max {r['fit']['max_rel_err']:.1%})")  # fmt: skip

@@ -96,20 +96,23 @@ def packed_step(model, batch, backend: str, varlen: str = "batched") -> torch.Te
     return loss.detach()
 
 
-def timed(fn, model, repeats: int) -> tuple[float, torch.Tensor, dict]:
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, model, repeats: int, now=time.perf_counter) -> tuple[float, torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = fn()  # warm-up (and the values to check)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times), loss, grads
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched") -> dict:
+def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched", clock: str = "wall") -> dict:
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers)
     kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
@@ -118,12 +121,13 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         validate_plan(p, case["sequences"], trainable=case["trainable"])
     batches = {k: materialize(p, case["sequences"], trainable=case["trainable"], groups=case["groups"]) for k, p in plans.items()}
     unpacked_tokens = sum(len(s) for s in case["sequences"])
-    t_base, base_loss, base_grads = timed(lambda: unpacked_step(model, case), model, repeats)
+    now = CLOCK[clock]
+    t_base, base_loss, base_grads = timed(lambda: unpacked_step(model, case), model, repeats, now)
     rows = [dict(variant="unpacked", rows=len(case["sequences"]), tokens=unpacked_tokens, time_s=t_base, loss=float(base_loss), max_grad_rel=0.0)]
     for name in variants:
         layout, backend = name.split("/")
         batch = batches[layout]
-        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats)
+        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats, now)
         rel = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in base_grads.items())
         rows.append(dict(variant=f"{layout} / {backend}", rows=batch.num_rows, tokens=int(plans[layout].stats.packed_tokens), time_s=t, loss=float(loss), max_grad_rel=rel))
     for r in rows:
@@ -136,6 +140,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         model=dict(hidden=hidden, layers=layers, vocab=vocab),
         repeats=repeats,
         varlen=varlen,
+        clock=clock,
         results=rows,
     )
 
@@ -148,14 +153,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--varlen", choices=sorted(VARLEN), default="batched", help="CPU varlen kernel of the varlen variants")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="cpu: process CPU time (for a machine shared with other work; use --threads 1)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.scale, args.hidden, args.layers, args.vocab, args.repeats = 512, 32, 1, 128, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
-    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen)
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel")
+    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen, args.clock)
+    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel, {args.clock} clock")
     report(out, args.json)
     return out
 

@@ -345,6 +345,7 @@ class WhatIfResultMessage(_Model):
     max_rows: Optional[Count]
     p_rows_over: Optional[float] = Field(description="fraction of trials with rows > max_rows")
     row_counts: list[Count] = Field(description="rows of each trial, in trial order")
+    step_ms: Optional[Distribution] = Field(None, description="predicted step time over the trials, ms (with a cost model)")
 
 
 class PoolMessage(_Model):

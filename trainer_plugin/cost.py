@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from treepack.proto.cost import MIXER_KINDS, CostModel, fit_cost_model
+from treepack.proto.errors import RequestError
 from treepack.proto.plan import Plan
 from treepack.trainer.data import materialize
 from treepack.trainer.hf import packed_forward, unwrap_model
 from treepack.trainer.hf.mixer_kinds import mixer_kind
 from treepack.trainer.losses import sft_loss
 
-__all__ = ["calibrate", "calibration_batches", "time_step", "model_mixers", "model_conv_width"]
+__all__ = ["calibrate", "calibration_batches", "time_step", "model_mixers", "model_conv_width", "CLOCKS"]
 
 SPARSE_INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
 
@@ -125,25 +126,38 @@ def time_step(
     varlen_fn: Callable | None = None,
     repeats: int = 3,
     warmup: int = 1,
+    clock: str = "wall",
 ) -> float:
     """Median ms of ``repeats`` training steps of ``plan`` after ``warmup`` (forward, SFT
-    token-mean loss, backward; gradients cleared before each). ``varlen_fn`` as for
-    :func:`calibrate`."""
+    token-mean loss, backward; gradients cleared before each). ``varlen_fn`` and ``clock``
+    as for :func:`calibrate`."""
     device = next(unwrap_model(model).parameters()).device
+    now = _clock(clock, device)
     fn = varlen_fn if varlen_fn is not None else _default_varlen(backend, device)
     batch = materialize(plan, sequences, device=device, advise=False)
     times = []
     for i in range(warmup + repeats):
         model.zero_grad(set_to_none=True)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = now()
         logits = packed_forward(model, batch, backend=backend, varlen_fn=fn)
         sft_loss(batch.target_logprobs(logits), batch, normalization="token").backward()
         _sync(device)
         if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((now() - t0) * 1e3)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def _clock(clock: str, device: torch.device) -> Callable[[], float]:
+    if clock == "wall":
+        return time.perf_counter
+    if clock == "cpu" and device.type == "cpu":
+        return time.process_time
+    raise RequestError(f"clock must be 'wall', or 'cpu' for a model on the CPU; got {clock!r} on {device.type}", path="$.clock", rule="enum")
 
 
 def _default_varlen(backend: str, device: torch.device) -> Callable | None:
@@ -168,6 +182,7 @@ def calibrate(
     seed: int = 0,
     planner: Any = None,
     report: Callable[[str, Plan, float], None] | None = None,
+    clock: str = "wall",
 ) -> CostModel:
     """Measure the cost model of ``model`` with ``backend`` on this device.
 
@@ -185,6 +200,10 @@ def calibrate(
         seed: of the synthetic batches.
         planner: a ``treepack.client.Packer`` (default: embedded).
         report: called with (batch name, plan, measured ms) after each batch.
+        clock: ``wall`` (default; synchronized on CUDA), or ``cpu``: the process's CPU
+            time, for a model on the CPU of a machine that other work shares (with
+            ``torch.set_num_threads(1)`` it is the step's wall time on a quiet machine,
+            without the other processes' share).
 
     Returns:
         The fitted :class:`~treepack.proto.cost.CostModel` (``fit`` holds its errors on
@@ -207,14 +226,14 @@ def calibrate(
     for b in todo:
         for placement in ("auto", "no_share"):
             plan = packer.pack(b["sequences"], trainable=b["trainable"], groups=b.get("groups"), seq_len=seq_len, min_shared_len=msl, conv_width=conv_width, placement=placement, record=False)
-            ms = time_step(model, plan, b["sequences"], backend=backend, varlen_fn=fn, repeats=repeats, warmup=warmup)
+            ms = time_step(model, plan, b["sequences"], backend=backend, varlen_fn=fn, repeats=repeats, warmup=warmup, clock=clock)
             feats.append(probe.features(plan))
             times.append(ms)
             if report is not None:
                 report(f"{b.get('name', '')} / {placement}", plan, ms)
     dev = f"{device.type} {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     dtype = next(hf.parameters()).dtype
-    desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans"
+    desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans, {clock} clock"
     return fit_cost_model(np.stack(feats), times, backend=backend, mixers=mixers, chunk_size=chunk, device=dev, description=desc)
 
 
