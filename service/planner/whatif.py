@@ -34,7 +34,7 @@ import numpy as np
 
 from treepack.proto.cost import CostModel, CostWarning
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
-from treepack.proto.batch_wire import PackInput
+from treepack.proto.batch import PackInput
 from treepack.proto.options import PlanOptions, as_options
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from helpers.trees import plan_result
+from treepack.proto.batch import PackInput
 from treepack.proto.batch_wire import encode_pack_request
 from treepack.proto.codec import encode_body
 from treepack.proto.cost import CostModel, CostModelError, cost_terms
@@ -67,7 +68,7 @@ def cost_file(tmp_path):
 async def test_sidecar_with_a_cost_file(cost_file):
     app = create_app(Settings(cost_model_path=cost_file, history_max_batches=100))
     w = agentic(8, seq_len=8192, seed=1, rollouts=2)
-    body = encode_pack_request(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192)
+    body = encode_pack_request(PackInput.of(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
             r = await c.post("/v1/pack", content=encode_body(body, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
@@ -97,3 +98,15 @@ def test_sidecar_refuses_a_bad_cost_file_at_startup(tmp_path):
     bad.write_text('{"format": "treepack-cost-model", "version": 7}')
     with pytest.raises(CostModelError, match="bad.json.*version 7"):
         create_app(Settings(cost_model_path=str(bad)))
+
+
+def test_embedded_packer_with_a_cost_model():
+    from treepack.client import Packer
+    from treepack.proto.errors import InputTypeError
+
+    w = agentic(4, seq_len=8192, seed=2, rollouts=2)
+    with Packer(cost_model=COST) as p:
+        plan = p.pack(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, record=False)
+    assert plan.stats.predicted_ms == pytest.approx(COST.predict_ms(plan)) and "by time" in plan.strategy
+    with pytest.raises(InputTypeError, match="sidecar uses its own cost file"):
+        Packer("http://127.0.0.1:1", cost_model=COST)
