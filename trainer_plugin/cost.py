@@ -4,8 +4,8 @@
 ``backward``) of the caller's model on synthetic batches of varied shape
 (:func:`calibration_batches`: GRPO groups, agent trees with a shared system prompt, plain
 unshared sequences, many short ones; from under one row to several), planned by the
-embedded planner, and fits the cost model's non-negative coefficients to the median step
-times (:func:`~treepack.proto.cost.fit_cost_model`). The model's token-mixer kinds
+embedded planner (each as the tree plan and plain packing), times them in interleaved
+rounds, and fits the cost model's non-negative coefficients to the median step times (:func:`~treepack.proto.cost.fit_cost_model`). The model's token-mixer kinds
 (GDN, Mamba2, short conv, ...; sparse indexer attention) are read from its modules, so
 their per-level and per-chunk terms are measured too. Save the result with
 ``cost.save(path)`` and give it to the planner (``plan_batch(..., cost_model=cost)``, the
@@ -195,11 +195,12 @@ def calibrate(
             ``dict(sequences, trainable, groups)``; at least as many as the cost terms.
         varlen_fn: the ``flash`` kernel (default: flash-attn on CUDA, the batched CPU
             kernel :func:`~treepack.trainer.kernels.varlen.varlen_attention` elsewhere).
-        repeats, warmup: timed and untimed steps per batch (the median is fitted).
+        repeats, warmup: timed and untimed rounds; a round steps every plan once (so a
+            change in load reaches all alike), and each plan's median is fitted.
         min_shared_len: planner option (default ``min(64, max(1, seq_len // 64))``).
         seed: of the synthetic batches.
         planner: a ``treepack.client.Packer`` (default: embedded).
-        report: called with (batch name, plan, measured ms) after each batch.
+        report: called with (batch name, plan, median ms) for each plan at the end.
         clock: ``wall`` (default; synchronized on CUDA), or ``cpu``: the process's CPU
             time, for a model on the CPU of a machine that other work shares (with
             ``torch.set_num_threads(1)`` it is the step's wall time on a quiet machine,
@@ -222,15 +223,23 @@ def calibrate(
     packer = planner if planner is not None else Packer()
     chunk = _model_chunk_size(model)
     probe = CostModel(backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in _terms(backend, mixers)})
-    feats, times = [], []
+    plans, names = [], []
     for b in todo:
         for placement in ("auto", "no_share"):
             plan = packer.pack(b["sequences"], trainable=b["trainable"], groups=b.get("groups"), seq_len=seq_len, min_shared_len=msl, conv_width=conv_width, placement=placement, record=False)
-            ms = time_step(model, plan, b["sequences"], backend=backend, varlen_fn=fn, repeats=repeats, warmup=warmup, clock=clock)
-            feats.append(probe.features(plan))
-            times.append(ms)
-            if report is not None:
-                report(f"{b.get('name', '')} / {placement}", plan, ms)
+            plans.append((plan, b["sequences"]))
+            names.append(f"{b.get('name', '')} / {placement}")
+    for _ in range(warmup):
+        for plan, seqs in plans:
+            time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
+    # Interleaved rounds (each plan once per round, the median kept): a change in the
+    # machine's load reaches every plan alike instead of the ones timed during it.
+    rounds = np.array([[time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock) for plan, seqs in plans] for _ in range(repeats)])
+    times = np.median(rounds, axis=0)
+    feats = [probe.features(plan) for plan, _ in plans]
+    if report is not None:
+        for name, (plan, _), ms in zip(names, plans, times):
+            report(name, plan, float(ms))
     dev = f"{device.type} {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     dtype = next(hf.parameters()).dtype
     desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans, {clock} clock"
