@@ -21,7 +21,7 @@ from treepack.service.planner.by_time import choose_by_time, with_prediction
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
-from treepack.service.planner.place import place_leaves
+from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.ranks import assign_ranks
 from treepack.service.planner.tree import Tree, build_tree, flat_tree
 
