@@ -80,8 +80,8 @@ def choose_by_time(batch: SequenceBatch, options: PlanOptions, cost: CostModel, 
             ``PlanResult`` (the planner's ``plan_with_tree``).
 
     Returns:
-        The winner's ``PlanResult`` with ``options.placement`` still ``auto`` (what was
-        asked), its ``strategy`` saying which candidate won and by how much, its
+        The winner's ``PlanResult`` (its ``tree`` the one of the asked options, what the
+        history records) with ``options.placement`` still ``auto`` (what was asked), its ``strategy`` saying which candidate won and by how much, its
         ``stats.predicted_ms``, and ``stats.timings_ms["by_time"]``: planning and
         predicting the other candidates, ms (also in ``total``).
     """
@@ -114,5 +114,7 @@ def choose_by_time(batch: SequenceBatch, options: PlanOptions, cost: CostModel, 
             ),
             stacklevel=4,
         )
-    return dataclasses.replace(res, plan=plan)
+    # The tree beside the plan is the one built with the asked options: the history records
+    # the batch's shape at the asked min_shared_len, whichever candidate won.
+    return dataclasses.replace(res, plan=plan, tree=first.tree)
 
