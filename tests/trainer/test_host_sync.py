@@ -115,3 +115,16 @@ def test_the_counter_sees_each_kind_of_sync():
         x.cpu()
     kinds = {k[0] for k in sync.sites}
     assert {"item", "__float__", "tolist", "boolean index", "aten.nonzero.default", "cpu", "aten._local_scalar_dense.default"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_kernel_metadata_is_ready_before_the_first_layer(backend):
+    model = tiny_qwen3()
+    plan = plan_batch(SEQS, trainable=[4, 4, 2, 3], seq_len=32, min_shared_len=2)
+    batch = materialize(plan, SEQS)
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(sorted(map(str, batch._cache))))
+    before = sorted(map(str, batch._cache))
+    packed_forward(model, batch, backend=backend, varlen_fn=varlen_attention)
+    assert len(seen) == 1 and seen[0] == sorted(map(str, batch._cache)), (before, seen, sorted(map(str, batch._cache)))
+    assert seen[0] != before  # the mask or varlen metadata was built, before layer 0
