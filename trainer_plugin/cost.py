@@ -29,23 +29,21 @@ from treepack.proto.errors import RequestError
 from treepack.proto.plan import Plan
 from treepack.trainer.data import materialize
 from treepack.trainer.hf import packed_forward, unwrap_model
-from treepack.trainer.hf.mixer_kinds import mixer_kind
+from treepack.trainer.hf.layers import layer_of
 from treepack.trainer.losses import sft_loss
 
 __all__ = ["calibrate", "calibration_batches", "time_step", "model_mixers", "model_conv_width", "CLOCKS"]
 
-SPARSE_INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
+SPARSE_KINDS = ("dsa", "glm_dsa", "dsa_indexer")  # layer kinds timed by the ``sparse`` terms
 
 
 def model_mixers(model: Any) -> tuple[str, ...]:
     """The model's token-mixer kinds beside attention, in :data:`~treepack.proto.cost.MIXER_KINDS` order."""
     found = set()
     for mod in unwrap_model(model).modules():
-        kind = mixer_kind(mod)
-        if kind is not None:
-            found.add(kind)
-        if type(mod).__name__ in SPARSE_INDEXER_CLASSES:
-            found.add("sparse")
+        layer = layer_of(mod)
+        if layer is not None:
+            found.add("sparse" if layer.kind in SPARSE_KINDS else layer.kind)
     return tuple(k for k in MIXER_KINDS if k in found)
 
 

@@ -9,7 +9,7 @@ pytest.importorskip("trl")
 
 from treepack.proto.cost import CostModel, cost_terms  # noqa: E402
 from treepack.proto.errors import RequestError  # noqa: E402
-from treepack.trainer.data import plan_microbatches  # noqa: E402
+from treepack.trainer.planning import plan_microbatches  # noqa: E402
 from treepack.trainer.trl import PackingConfig  # noqa: E402
 
 COST = CostModel(backend="sdpa", coefficients={t: 0.0 for t in cost_terms("sdpa")} | {"positions": 0.01, "attention_pairs": 1e-5, "step": 1.0})
