@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.hidden, args.layers, args.vocab, args.seq_len, args.rounds = 32, 2, 128, 128, 1
+        args.models, args.hidden, args.layers, args.vocab, args.seq_len, args.rounds = "qwen3", 32, 2, 128, 128, 1
     torch.set_num_threads(args.threads)
     out = []
     print(f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
