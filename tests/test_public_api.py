@@ -14,6 +14,7 @@ PUBLIC = [
             "WhatIfQuery", "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError",
             "PayloadTooLargeError", "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError",
             "UnsupportedModelError", "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
+            "CostModel", "load_cost_model", "CostModelError", "TreepackWarning",
         },
         id="proto",
     ),  # fmt: skip
