@@ -213,6 +213,7 @@ HTTP_STATUS: dict[type[TreepackError], int] = {
     InputTypeError: 422,
     UnsupportedVersionError: 422,
     UnsupportedModelError: 422,
+    CostModelError: 422,
     RequestError: 422,
     OverloadedError: 503,
     DeadlineError: 504,
