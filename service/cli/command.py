@@ -8,6 +8,7 @@ Each command registers itself (``add_*_parser``) from its own module: :mod:`.dem
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import Sequence
@@ -56,4 +57,8 @@ def _missing_service(missing: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``treepack`` with ``argv`` (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `treepack ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
