@@ -27,7 +27,7 @@ demo: venv
 	$(BIN)/treepack demo
 	@echo
 	@echo "The treepack command is in $(BIN)/ (or: source $(BIN)/activate). Next:"
-	@echo "  $(BIN)/pip install -e '.[plot]'                     # matplotlib, for --png"
+	@echo "  $(BIN)/pip install matplotlib                       # for --png (the plot extra)"
 	@echo "  $(BIN)/treepack demo --groups 96 --png rows.png     # draws the rows"
 	@echo "  $(BIN)/treepack plan examples/batch.jsonl --seq-len 512"
 

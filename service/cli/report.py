@@ -14,7 +14,7 @@ from treepack.proto.plan import Plan
 __all__ = ["plan_summary", "format_table", "plans_table", "rows_table", "draw_rows", "PLOT_HINT"]
 
 #: How to get the drawing's one dependency, from a clone (no package index serves treepack).
-PLOT_HINT = "pip install matplotlib (the 'plot' extra: pip install -e '.[plot]' in the clone)"
+PLOT_HINT = "pip install matplotlib (the 'plot' extra)"
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def clone(tmp_path_factory):
         pytest.skip("the newcomer check needs git and make on PATH")
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout (an sdist, say): there is nothing to clone")
-    dest = tmp_path_factory.mktemp("newcomer") / "treepack"
+    dest = tmp_path_factory.mktemp("newcomer") / "clone"  # not "treepack": a cwd holding that would shadow the install
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(dest)], check=True, timeout=120)
     return dest
 
@@ -84,11 +84,9 @@ def test_a_fresh_clone_runs_the_readme_commands_and_the_wheel(clone):
     wheels = sorted((clone / "dist").glob("treepack-*.whl"))
     assert len(wheels) == 1 and list((clone / "dist").glob("treepack-*.tar.gz"))
     venv = clone.parent / "wheel-venv"
-    _run(f"python3 -m venv {venv}", clone, timeout=120)
-    _run(f"{venv}/bin/python -m pip install -q --disable-pip-version-check {wheels[0]}", clone.parent, timeout=300)
-    demo = _run(f"{venv}/bin/treepack demo --groups 24", clone.parent, timeout=120)
-    assert "fewer rows" in demo
-    js = _run(f"{venv}/bin/treepack plan {clone}/examples/batch.jsonl --seq-len 512 --json", clone.parent, timeout=60)
-    assert '"rows": 2' in js
-    site = _run(f"{venv}/bin/python -c \"import treepack.service; print(treepack.service.__file__)\"", clone.parent, timeout=60)
-    assert str(clone) not in site  # the wheel's files, not the clone's
+    _run(f"python3 -m venv {venv}", clone.parent, timeout=120)
+    _run(f"bin/python -m pip install -q --disable-pip-version-check {wheels[0]}", venv, timeout=300)
+    assert "fewer rows" in _run("bin/treepack demo --groups 24", venv, timeout=120)
+    assert '"rows": 2' in _run(f"bin/treepack plan {clone}/examples/batch.jsonl --seq-len 512 --json", venv, timeout=60)
+    where = _run('bin/python -c "import treepack.service; print(treepack.service.__file__)"', venv, timeout=60)
+    assert where.startswith(str(venv / "lib")), where  # the wheel's files, not the clone's
