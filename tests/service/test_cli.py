@@ -125,7 +125,7 @@ def test_demo_prints_table_and_draws(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "130,105, 122,114" in out  # bfd's golden rows
     assert "120,113, 125,105, 23,096" in out  # in_order's
-    assert "fewer rows" in out
+    assert "fewer rows" in out and "SPEC" not in out  # user output names no development file
     assert png.stat().st_size > 10_000 and (tmp_path / "rows-curriculum.png").stat().st_size > 10_000
 
 
