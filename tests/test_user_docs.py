@@ -67,3 +67,9 @@ def test_help_is_plain_and_product_only():
     for name, text in texts.items():
         assert internal_refs(text) == [], name
         assert not re.search(r":(?:class|func|mod|meth|attr):|``", text), (name, text)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_installs_are_from_the_clone(doc):
+    """No package index serves treepack: the docs install ``".[extra]"`` from the clone."""
+    assert re.findall(r"pip install -?e? ?['\"]?treepack\[", (ROOT / doc).read_text()) == []
