@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.extras import require
 from treepack.client import Packer
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
@@ -125,7 +126,7 @@ def test_group_shuffle_order_is_the_seeded_draw():
     The expected order is the loop-based reference; an order by group id (or any order that
     ignores the draw) fails, and the chosen seed's draw is checked to differ from both.
     """
-    pytest.importorskip("trl")
+    require("trl")
     from helpers.tiny_trl import group_shuffle_reference
 
     from treepack.trainer.trl import _shuffle_keeping_groups
@@ -145,7 +146,7 @@ def test_group_shuffle_order_is_the_seeded_draw():
 
 
 def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
-    pytest.importorskip("trl")
+    require("trl")
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from treepack.trainer.trl import _shuffle_keeping_groups

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-trl = pytest.importorskip("trl")
-pytest.importorskip("peft")
+from helpers.extras import require
+
+trl = require("trl")
+require("peft")
 
 from helpers.tiny_trl import run_grpo, tiny_tokenizer  # noqa: E402
 
