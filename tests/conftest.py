@@ -56,7 +56,7 @@ def pytest_terminal_summary(terminalreporter):
     for rep in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(rep, "longrepr", None)
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        reasons[reason.removeprefix("Skipped: ").split(":")[0]] += 1
+        reasons[":".join(reason.removeprefix("Skipped: ").split(":")[:2])] += 1
     if reasons:
         summary = "; ".join(f"{n} x {r}" for r, n in reasons.most_common())
         terminalreporter.write_line(f"skipped {sum(reasons.values())} tests: {summary}")
