@@ -19,7 +19,7 @@ from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
-from treepack.service.planner.place import place_leaves
+from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.ranks import assign_ranks
 from treepack.service.planner.tree import Tree, build_tree, flat_tree
 
