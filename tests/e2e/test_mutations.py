@@ -47,7 +47,7 @@ MUTANTS = (
            ("tests/planner/test_boundaries.py",)),
     Mutant("lower bound: only the volume bound", "service/planner/bounds.py", r"^\s+return max\(best, leaf_children_rows\(", "return max(best, ", "return min(best, ",
            ("tests/planner/test_planner_exact.py", "-k", "auto_is_optimal")),
-    Mutant("in_order: a row filled to seq_len closed early", "service/planner/placement.py", r"^\s+if r < 0 or m > room:$", "m > room", "m >= room",
+    Mutant("in_order: a row filled to seq_len closed early", "service/planner/baselines.py", r"^\s+if r < 0 or m > room:$", "m > room", "m >= room",
            ("tests/planner/test_boundaries.py",)),
     Mutant("validate_plan off", "service/planner/validate.py", r"^\s+raise PlanInvariantError\(what\)$", "raise PlanInvariantError(what)", "return None",
            ("tests/planner/test_validate_forged.py",)),
