@@ -49,6 +49,8 @@ MUTANTS = (
            ("tests/planner/test_planner_exact.py", "-k", "auto_is_optimal")),
     Mutant("in_order: a row filled to seq_len closed early", "service/planner/baselines.py", r"^\s+if r < 0 or m > room:$", "m > room", "m >= room",
            ("tests/planner/test_boundaries.py",)),
+    Mutant("bfd: groups visited smallest first", "service/planner/baselines.py", r'group_rank\[np\.argsort\(-biggest, kind="stable"\)\]', "np.argsort(-biggest", "np.argsort(biggest",
+           ("tests/planner/test_planner_workloads.py", "-k", "fast_bfd_equals_naive")),
     Mutant("validate_plan off", "service/planner/validate.py", r"^\s+raise PlanInvariantError\(what\)$", "raise PlanInvariantError(what)", "return None",
            ("tests/planner/test_validate_forged.py",)),
     Mutant("validate_plan: empty segments allowed", "service/planner/validate.py", r'"empty segment in a row"\)$', "np.all(seg.length >= 1)", "np.all(seg.length >= 0)",
