@@ -285,26 +285,45 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+#: What each status of the automatic sweep (``--auto``) means.
+SWEEP_STATUSES = {
+    "pass": "treepack ran it packed and its logprobs equal each sequence run alone (forward, sdpa)",
+    "refused": "check_model refuses it before any compute, naming the module and why",
+    "stock_fails": "the stock model fails unpacked on the tiny config the sweep builds, so there is nothing to compare with",
+    "unbuildable": "no tiny model can be built from its shrunken default config",
+    "WRONG": "accepted but packed differs from unpacked: a bug (never expected)",
+}
+
+
+def sweep_overrides(model_type: str) -> dict[str, Any]:
+    """The config overrides of the first exact :data:`FAMILIES` row of ``model_type`` ({} if none).
+
+    A shrunken default config is not always a valid model (DeepSeek-V3's MLA and router
+    groups need consistent sizes); the table's rows say which sizes make one.
+    """
+    return next((dict(f.overrides) for f in FAMILIES if f.model_type == model_type and f.refused is None), {})
+
+
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
-    """(status, detail) of one architecture: ``unbuildable`` | ``stock_fails`` | ``refused`` | ``pass`` | ``WRONG``.
+    """(status, detail) of one architecture: one of :data:`SWEEP_STATUSES`.
 
-    ``unbuildable``: HF builds no tiny model from the shrunken default config;
-    ``stock_fails``: the stock model, before any treepack patch, fails unpacked (nothing to
-    compare with). Only those two steps are guarded: whatever treepack's own code raises
-    (layer patches, the check, the packed forward) propagates, except a refusal
-    (:class:`UnsupportedModelError`, status ``refused``). ``WRONG`` (accepted by the check
-    but off the oracle) must never happen.
+    The tiny model is the shrunken default config with :func:`sweep_overrides`, so every
+    model type of the README table is swept as the table's row builds it. Only building
+    the stock model and running it alone, before any treepack patch, are guarded
+    (``unbuildable``, ``stock_fails``): whatever treepack's own code raises (layer patches,
+    the check, the packed forward) propagates, except a refusal
+    (:class:`UnsupportedModelError`, status ``refused``).
     """
     from treepack.proto.errors import UnsupportedModelError
     from treepack.proto.options import PlanOptions
     from treepack.trainer.hf import check_model
 
     try:
-        model = build_causal_lm(model_type)
+        model = build_causal_lm(model_type, **sweep_overrides(model_type))
         model.set_attn_implementation("eager")
     except Exception as e:  # noqa: BLE001 - building the stock model only: listed, not hidden
         return "unbuildable", _first_line(e)
@@ -370,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     if args.auto:
+        for status, meaning in SWEEP_STATUSES.items():
+            print(f"# {status}: {meaning}")
         for t in causal_lm_types():
             print(t, *sweep_one(t), sep="\t", flush=True)
     table = render_table({row.name: status_of(row) for row in FAMILIES})
