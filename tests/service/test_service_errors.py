@@ -295,6 +295,7 @@ EXPECTED_STATUS = {
     "CapacityError": 422,
     "UnsupportedVersionError": 422,
     "UnsupportedModelError": 422,
+    "CostModelError": 422,
     "ServerError": 500,
     "OverloadedError": 503,
     "UnavailableError": 503,
