@@ -380,6 +380,10 @@ def materialize(
         groups=t(codes),
         device=dev,
     )
+    # What the losses read, prepared here so that the forward and backward never wait on
+    # the device: the scored positions from the host's index, the largest target now.
+    full._cache["loss_positions"] = t(np.unique(score_flat))
+    full._cache["max_target"] = int(score_target.max()) if score_target.numel() else -1
     return full if cp is None else cp_shard(full, cp, pad_id)
 
 
