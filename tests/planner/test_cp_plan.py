@@ -68,7 +68,7 @@ def test_validate_plan_refuses_broken_cp_split():
 
 def test_cli_cp_size(tmp_path):
     f = tmp_path / "b.jsonl"
-    f.write_text("\n".join(json.dumps({"tokens": list(range(n))}) for n in (30, 50, 20)) + "\n")
+    f.write_text("\n".join(json.dumps({"tokens": list(range(n)), "prompt_len": 4}) for n in (30, 50, 20)) + "\n")
     out = subprocess.run(
         [sys.executable, "-m", "treepack.service.cli", "plan", str(f), "--seq-len", "64", "--cp-size", "2", "--json"],
         capture_output=True, text=True, check=True, timeout=120,
