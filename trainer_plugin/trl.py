@@ -50,6 +50,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.microbatch import plan_microbatches
+from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
@@ -171,8 +172,8 @@ class _PackedRows:
         """
         enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         backend = self.packing.backend
-        ctx = PackedContext(batch=batch, backend=backend, options={})
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
         with use_packed(ctx), self.accelerator.autocast():
             return model(

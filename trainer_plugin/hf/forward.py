@@ -33,6 +33,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.guards import refuse_guards
@@ -156,11 +157,12 @@ def packed_forward(
     enable_tree_attention(hf, patch_layers=patch_layers)
     if verify:
         verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
-    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
+    mask = _mask(batch, backend)
+    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=attention_mask_for(hf, _mask(batch, backend)),
+        attention_mask=attention_mask_for(hf, mask),
         use_cache=False,
         **{BATCH_KWARG: ctx},
         **kwargs,

@@ -348,7 +348,7 @@ def run_probe(
         path = _first_divergence(hf, seqs, lambda: _padded_outputs(hf, seqs), NOISE_CAP)
         raise UnsupportedModelError(
             f"{what}: the unpacked model is not deterministic across batch shapes (each sequence alone vs right-padded: "
-            f"logprobs differ by {noise:.3g}); something random or batch-dependent runs{_at(path)}, so packing cannot be verified "
+            f"logprobs differ by {noise:.3g}); something random or batch-dependent runs{_at(path, _cls(hf, path))}, so packing cannot be verified "
             "(dropout while training? call model.eval() or set the dropout to 0)",
             path="$.model" + (f".{path}" if path else ""),
             rule="probe_nondeterministic",
@@ -369,14 +369,14 @@ def run_probe(
             path, kind = _gradient_divergence(hf, ratio), "parameter gradients"
         msg = (
             f"{what}: packed rows differ from each sequence alone: logprobs by {lp_err:.3g} (bound {lp_tol:.3g}), "
-            f"gradients up to {grad_ratio:.3g}x their bound; first diverging {kind}{_at(path)}"
+            f"gradients up to {grad_ratio:.3g}x their bound; first diverging {kind}{_at(path, _cls(hf, path))}"
         )
         raise UnsupportedModelError(msg, path="$.model" + (f".{path}" if path else ""), rule="probe_mismatch", refusals=((path or "", _cls(hf, path), msg),))
     return ProbeReport(signature=signature, tokens=int(sum(a.shape[0] for a in arrays)), logprob_err=lp_err, logprob_tol=lp_tol, grad_err=grad_ratio, seconds=time.perf_counter() - t0)
 
 
-def _at(path: str | None) -> str:
-    return f": {path}" if path else ""
+def _at(path: str | None, cls: str = "") -> str:
+    return (f": {path} ({cls})" if cls else f": {path}") if path else ""
 
 
 def _cls(hf: Any, path: str | None) -> str:
@@ -408,21 +408,25 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
+def _first_tensor_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    return _first_tensor(tuple(args) + tuple(kwargs.values()))
+
+
 @contextmanager
-def _recording(hf: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every module's first float tensor output, in the order the modules finish."""
-    seen: list[tuple[str, torch.Tensor]] = []
+def _recording(hf: Any) -> Iterator[list[tuple[tuple[str, str], torch.Tensor]]]:
+    """Every module call's first float tensor input and output, in the order the calls finish."""
+    seen: list[tuple[tuple[str, str], torch.Tensor]] = []
     handles = []
     for name, mod in hf.named_modules():
         if not name:
             continue
 
-        def hook(m: Any, a: Any, out: Any, name: str = name) -> None:
-            t = _first_tensor(out)
-            if t is not None and t.is_floating_point() and t.ndim >= 2:
-                seen.append((name, t.detach().float().clone()))
+        def hook(m: Any, args: tuple, kwargs: dict, out: Any, name: str = name) -> None:
+            for side, t in (("in", _first_tensor_of(args, kwargs)), ("out", _first_tensor(out))):
+                if t is not None and t.is_floating_point() and t.ndim >= 2:
+                    seen.append(((name, side), t.detach().float().clone()))
 
-        handles.append(mod.register_forward_hook(hook))
+        handles.append(mod.register_forward_hook(hook, with_kwargs=True))
     try:
         yield seen
     finally:
@@ -430,17 +434,18 @@ def _recording(hf: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
             h.remove()
 
 
-def _per_call(seen: list[tuple[str, torch.Tensor]]) -> dict[tuple[str, int], torch.Tensor]:
-    count: dict[str, int] = {}
+def _per_call(seen: list[tuple[tuple[str, str], torch.Tensor]]) -> dict[tuple[str, int, str], torch.Tensor]:
+    """``{(module, call index, "in" | "out"): tensor}`` in finishing order."""
+    count: dict[tuple[str, str], int] = {}
     out = {}
-    for name, t in seen:
-        c = count.get(name, 0)
-        count[name] = c + 1
-        out[(name, c)] = t
+    for (name, side), t in seen:
+        c = count.get((name, side), 0)
+        count[(name, side)] = c + 1
+        out[(name, c, side)] = t
     return out
 
 
-def _alone_outputs(hf: Any, seqs: list[torch.Tensor]) -> list[dict[tuple[str, int], torch.Tensor]]:
+def _alone_outputs(hf: Any, seqs: list[torch.Tensor]) -> list[dict]:
     out = []
     for s in seqs:
         with _recording(hf) as seen:
@@ -450,7 +455,7 @@ def _alone_outputs(hf: Any, seqs: list[torch.Tensor]) -> list[dict[tuple[str, in
     return out
 
 
-def _padded_outputs(hf: Any, seqs: list[torch.Tensor]) -> tuple[list[str], list[dict]]:
+def _padded_outputs(hf: Any, seqs: list[torch.Tensor]) -> tuple[list, list[dict]]:
     n = max(s.shape[0] for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.int64, device=seqs[0].device)
     mask = torch.zeros_like(ids)
@@ -461,9 +466,8 @@ def _padded_outputs(hf: Any, seqs: list[torch.Tensor]) -> tuple[list[str], list[
         _seed()
         hf(input_ids=ids, attention_mask=mask, use_cache=False)
     calls = _per_call(seen)
-    order = list(calls)
     per = [{k: t[i, : s.shape[0]] for k, t in calls.items() if t.shape[:2] == (len(seqs), n)} for i, s in enumerate(seqs)]
-    return order, per
+    return list(calls), per
 
 
 def _packed_outputs(hf: Any, batch: Any, run_packed: Callable[[Any], torch.Tensor]) -> tuple[list, list[dict]]:
@@ -472,32 +476,47 @@ def _packed_outputs(hf: Any, batch: Any, run_packed: Callable[[Any], torch.Tenso
         run_packed(batch)
     calls = _per_call(seen)
     K, L = batch.input_ids.shape
-    plan = batch.plan
     per = []
-    for s in range(plan.num_sequences):
-        row, idx = plan.locate(s)
+    for s in range(batch.plan.num_sequences):
+        row, idx = batch.plan.locate(s)
         idx_t = torch.as_tensor(idx)
         per.append({key: t[row].index_select(0, idx_t.to(t.device)) for key, t in calls.items() if t.shape[:2] == (K, L)})
     return list(calls), per
 
 
 def _first_divergence(hf: Any, seqs: list[torch.Tensor], other: Callable[[], tuple[list, list[dict]]], rel: float) -> str | None:
-    """The first module, in finishing order of ``other``'s run, whose output differs from
-    every sequence alone by more than ``rel`` of its largest entry (None: none does)."""
+    """The module where ``other``'s run first departs from every sequence alone.
+
+    The first call, in finishing order, whose output differs by more than ``rel`` of its
+    largest entry while its input does not (the module that made the difference; a
+    projection after an attention function sees a differing input and is passed over);
+    else the first call whose output differs. None when no recorded output differs.
+    """
     with torch.no_grad():
         ref = _alone_outputs(hf, seqs)
         order, got = other()
-    for key in order:
+
+    def differs(key: tuple) -> bool | None:
+        seen = None
         for r, g in zip(ref, got):
             if key not in r or key not in g or r[key].shape != g[key].shape:
                 continue
             a, b = r[key].double(), g[key].double()
             if not bool(torch.isfinite(a).all()):
                 continue
-            scale = max(float(a.abs().max()), 1e-6)
-            if float((a - b).abs().max()) > rel * scale:
-                return key[0]
-    return None
+            seen = False
+            if float((a - b).abs().max()) > rel * max(float(a.abs().max()), 1e-6):
+                return True
+        return seen
+
+    first = None
+    for name, c, side in order:
+        if side != "out" or not differs((name, c, "out")):
+            continue
+        if differs((name, c, "in")) is False:
+            return name
+        first = first or name
+    return first
 
 
 def verify_packing(
