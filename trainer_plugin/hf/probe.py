@@ -17,8 +17,10 @@ runs a small probe on the model itself and refuses the setup unless packing is e
   norm and three random projections (so nothing of the model's size is kept twice);
 - tolerances from the dtype, measured rather than guessed: the unpacked path's own noise
   is the difference between each sequence alone and all of them right-padded in one
-  batch (two batch shapes, the same mathematics). The packed result must lie within 4x
-  that noise plus a floor of a few ulps of the dtype. When the two unpacked shapes
+  batch (two batch shapes, the same mathematics). Packed log-probabilities must lie within
+  4x that noise plus a floor of a few ulps of the dtype, each parameter's projected
+  gradient within 8x its noise plus a floor (the larger of 1024 ulps capped at 1e-3, and
+  two ulps) of its norm. When the two unpacked shapes
   themselves differ by more than the dtype allows, something random runs (dropout) or
   the model reads the batch shape, and the probe refuses too: it cannot prove anything.
 
@@ -356,8 +358,9 @@ def run_probe(
     floor = min(LOGPROB_FLOOR_EPS * eps, FLOOR_CAP)
     lp_tol = NOISE_FACTOR * noise + floor * scale
     lp_err = _lp_err(alone, [x.detach() for x in packed])
-    gfloor = min(GRAD_FLOOR_EPS * eps, FLOOR_CAP)
-    gtol = NOISE_FACTOR * gnoise + gfloor * gscale
+    # Gradients sum over every position and layer: a coarse dtype keeps two of its ulps.
+    gfloor = max(min(GRAD_FLOOR_EPS * eps, FLOOR_CAP), 2 * eps)
+    gtol = 2 * NOISE_FACTOR * gnoise + gfloor * gscale
     gerr = (g_packed[1] - g_alone[1]).abs().amax(1)
     ratio = gerr / gtol
     grad_ratio = float(ratio.max()) if ratio.numel() else 0.0
