@@ -11,9 +11,10 @@ SFT loss, backward). Measured in the same run, each ``--repeats`` times:
 - ``probe``: :func:`~treepack.trainer.hf.forward.verify_model` on a fresh setup (the
   remembered probes dropped first), in eval and in train mode with gradient checkpointing.
 
-Time: median and range of the repeats. Memory: the growth of the peak resident set of a
-fresh process over the same model and batch, for one step and for one probe (each in its
-own child process, ``ru_maxrss``), so each figure is that operation's own peak.
+Time: median and range of the repeats, the three run in turn. Memory: the growth of the
+peak resident set of a fresh process over the same model and batch, for one step and for
+one probe (each in its own child process, Linux ``VmHWM`` reset after setup), so each
+figure is that operation's own peak.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_train_step import build_model, packed_step  # noqa: E402
+from cpu_train_step import build_model, machine, packed_step, workload_args  # noqa: E402
 from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
@@ -49,30 +48,37 @@ def setup(scale: int, hidden: int, layers: int, vocab: int):
     return model, materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
 
 
-def _times(fn, repeats: int) -> list[float]:
-    out = []
+def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Wall times of each of ``fns``, run in turn ``repeats`` times (a shared machine's load
+    drifts; interleaving spreads the drift over every row alike)."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t0)
     return out
 
 
-def _peak_kib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def child(what: str, scale: int, hidden: int, layers: int, vocab: int) -> int:
-    """Peak RSS growth (KiB) of one ``step`` or one ``probe`` in this fresh process."""
+    """Peak RSS growth (KiB) of one ``step`` or one ``probe`` in this fresh process: the peak
+    (``VmHWM``, reset through ``/proc/self/clear_refs`` after setup) minus the RSS before."""
     model, batch = setup(scale, hidden, layers, vocab)
     with torch.no_grad():
         model(input_ids=batch.input_ids[:1, :16])  # imports and lazy inits out of the figure
-    before = _peak_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
     if what == "step":
         packed_step_unverified(model, batch)
     else:
         verify_model(model)
-    return _peak_kib() - before
+    return _status_kib("VmHWM") - before
 
 
 def packed_step_unverified(model, batch) -> None:
@@ -87,16 +93,22 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
     model, batch = setup(scale, hidden, layers, vocab)
     model.eval()
     packed_step(model, batch, "sdpa")  # warm-up, and this setup's probe
-    step = _times(lambda: packed_step(model, batch, "sdpa"), repeats)
 
     def fresh_probe() -> None:
         forget_probes(model)
         verify_model(model)
 
-    probe_eval = _times(fresh_probe, repeats)
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    probe_train = _times(fresh_probe, repeats)
+    def train_probe() -> None:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            fresh_probe()
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+
+    t = _interleaved({"step": lambda: packed_step(model, batch, "sdpa"), "eval": fresh_probe, "train": train_probe}, repeats)
+    step, probe_eval, probe_train = t["step"], t["eval"], t["train"]
     args = [str(scale), str(hidden), str(layers), str(vocab)]
     mem = {w: int(subprocess.run([sys.executable, __file__, "--child", w, *args], check=True, capture_output=True, text=True).stdout.split()[-1]) for w in ("step", "probe")}
     rows = [
@@ -109,7 +121,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
         r["median_s"] = statistics.median(r["times"])
         r["ratio"] = r["median_s"] / med
     return dict(
-        machine=f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        machine=machine(),
         model=dict(hidden=hidden, layers=layers, vocab=vocab),
         scale=scale,
         rows_x_len=f"{batch.num_rows} x {batch.seq_len}",
@@ -120,21 +132,10 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
-    ap.add_argument("--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = workload_args(__doc__.splitlines()[0], argv, lambda ap: ap.add_argument("--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS))
     if args.child:
         print(child(args.child[0], *map(int, args.child[1:])))
         return {}
-    if args.smoke:
-        args.scale, args.hidden, args.layers, args.vocab, args.repeats = 512, 32, 1, 128, 1
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats)
     print(f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), Qwen3 hidden {args.hidden} x {args.layers} layers, {args.repeats} repeats")
     print("| what | median s | range s | / one step |")

@@ -522,16 +522,13 @@ def _first_divergence(hf: Any, seqs: list[torch.Tensor], other: Callable[[], tup
     return first
 
 
-def verify_packing(
-    hf: Any,
-    *,
-    backend: str,
-    patch_layers: bool,
-    run_packed: Callable[[Any], torch.Tensor],
-    plan_and_batch: Callable[[list[np.ndarray]], tuple[Any, Any]],
-    extra: tuple = (),
-) -> ProbeReport:
-    """:func:`run_probe` once per (model, :func:`probe_signature`); later calls return the first report.
+def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = (), **probe: Any) -> ProbeReport:
+    """:func:`run_probe` once per (model, :func:`probe_signature` + ``extra``); later calls return the first report.
+
+    Args:
+        hf: the unwrapped model; backend, patch_layers: as for ``packed_forward``.
+        extra: more of the setup, part of the signature.
+        **probe: ``run_packed`` and ``plan_and_batch`` of :func:`run_probe`.
 
     Raises:
         UnsupportedModelError: as :func:`run_probe` (a refused setup is probed again next call).
@@ -539,5 +536,5 @@ def verify_packing(
     sig = probe_signature(hf, backend=backend, patch_layers=patch_layers) + tuple(extra)
     done = _VERIFIED.setdefault(hf, {})
     if sig not in done:
-        done[sig] = run_probe(hf, run_packed=run_packed, plan_and_batch=plan_and_batch, signature=sig)
+        done[sig] = run_probe(hf, signature=sig, **probe)
     return done[sig]
