@@ -40,7 +40,7 @@ from treepack.service.cli import workloads as W
 from treepack.service.planner.api import plan_normalized
 from treepack.service.planner.bounds import lower_bound_rows, min_copies
 from treepack.service.planner.exact import exact_min_rows
-from treepack.service.planner.place import place_leaves
+from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.tree import build_tree
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from treepack.client import Packer
 from treepack.proto.codec import encode_body
+from treepack.proto.batch import PackInput
 from treepack.proto.batch_wire import encode_pack_request
 from treepack.service.cli.workloads import agentic, curriculum, distillation
 
@@ -239,7 +240,7 @@ def _breakdown(server: "Server", remote: Packer, b: dict[str, Any], repeats: int
     for _ in range(repeats):
         t0 = time.perf_counter()
         # As Packer(url).pack builds it (a large body as chunks, written while it is sent).
-        body = pack_body(b["sequences"], "msgpack", chunked=True, dedup=True, **{k: v for k, v in b.items() if k != "sequences"}, record=False)
+        body = pack_body(PackInput.of(**b, record=False), "msgpack", chunked=True, dedup=True)
         t1 = time.perf_counter()
         resp = backend.request("POST", "/v1/pack", body)
         t2 = time.perf_counter()
@@ -270,7 +271,7 @@ def run_roundtrip(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
             for size in sizes:
                 b = _batch_of(size)
                 n = sum(len(s) for s in b["sequences"])
-                body = encode_body(encode_pack_request(**b, record=False), "msgpack")
+                body = encode_body(encode_pack_request(PackInput.of(**b, record=False)), "msgpack")
                 remote.pack(**b, record=False)  # warm up both paths
                 embedded.pack(**b)
                 emb, http, http_plain, planner = [], [], [], []

@@ -5,7 +5,7 @@ to a ``treepack serve`` sidecar. No torch here. The HTTP backend needs ``httpx``
 (``pip install 'treepack[client]'``).
 """
 
-from treepack.client.packer import AsyncPacker, Packer, as_composition
-from treepack.proto.whatif import Composition, Distribution, WhatIfResult
+from treepack.client.packer import AsyncPacker, Packer
+from treepack.proto.whatif import Composition, Distribution, WhatIfResult, as_composition
 
 __all__ = ["Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"]

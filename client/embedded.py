@@ -8,14 +8,13 @@ batch's shape there, as the sidecar does).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from treepack.proto import WIRE_VERSION
-from treepack.proto.batch_wire import PackInput
-from treepack.proto.options import PlanOptions, as_options
+from treepack.proto.batch import PackInput
+from treepack.proto.history import HistoryStore, empty_summary
 from treepack.proto.plan import Plan
-from treepack.proto.shape import BatchShape
-from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job
 from treepack.service.planner.whatif import whatif
@@ -24,7 +23,7 @@ __all__ = ["EmbeddedBackend"]
 
 
 class EmbeddedBackend:
-    """Plans in-process.
+    """Plans in-process (a :class:`~treepack.client.protocols.Backend`).
 
     Args:
         history_path: optional SQLite file for a local shape history (see module docstring).
@@ -35,49 +34,26 @@ class EmbeddedBackend:
         self._store = None
         self._max_batches = history_max_batches
         if history_path is not None:
-            from treepack.service.history import HistoryStore
-
             self._store = HistoryStore(history_path, max_batches=history_max_batches)
 
-    def pack(
-        self,
-        sequences: Sequence[Any],
-        options: PlanOptions | None = None,
-        *,
-        trainable: Sequence[Any] | None = None,
-        groups: Sequence[Any] | None = None,
-        keys: Sequence[Any] | None = None,
-        tags: Sequence[str | None] | None = None,
-        record: bool = True,
-        **option_kwargs: Any,
-    ) -> Plan:
+    def pack(self, request: PackInput) -> Plan:
         """``plan_batch``; records the batch's shape when a history is set."""
-        request = PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=as_options(options, option_kwargs))
         result = plan_request(request)
-        if self._store is not None and record:
-            job = shape_job(result, tags)
+        if self._store is not None and request.record:
+            job = shape_job(result, request.tags)
             if job is not None:
                 st = result.plan.stats
                 self._store.record(job(), rows=st.rows, packed_tokens=st.packed_tokens, saved_fraction=st.saved_fraction)
         return result.plan
 
-    def whatif(
-        self,
-        compositions: Sequence[Composition],
-        options: PlanOptions,
-        *,
-        shapes: Sequence[BatchShape] | None = None,
-        history_batches: int | None = None,
-        **kwargs: Any,
-    ) -> list[WhatIfResult]:
-        """What-if over ``shapes``, or over the local history when none are given."""
+    def whatif(self, query: WhatIfQuery) -> list[WhatIfResult]:
+        """What-if over ``query.shapes``, or over the local history when none are given."""
+        shapes = query.shapes
         if shapes is None:
-            shapes = [] if self._store is None else self._store.shapes(history_batches)
-        return whatif(list(shapes), list(compositions), options, **kwargs)
+            shapes = [] if self._store is None else self._store.shapes(query.history_batches)
+        return whatif(list(shapes), list(query.compositions), query.options, trials=query.trials, seed=query.seed, max_rows=query.max_rows)
 
     def history(self) -> dict[str, Any]:
-        from treepack.service.history import empty_summary
-
         summary = empty_summary() if self._store is None else self._store.summary()
         retention = {"max_batches": self._max_batches, "max_age_s": None}
         return {"version": WIRE_VERSION, "enabled": self._store is not None, **summary, "retention": retention}

@@ -36,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timezone
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import msgpack
@@ -45,13 +45,12 @@ import numpy as np
 from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
 from treepack.proto.errors import OverloadedError, RequestError, ServerError, TransportError, TreepackError, error_from_payload
 from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
+from treepack.proto.batch import PackInput
 from treepack.proto.batch_columns import BodyChunks
 from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
-from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
 from treepack.proto.plan_wire import plan_from_wire
-from treepack.proto.shape import BatchShape
-from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
 __all__ = ["RetryPolicy", "HttpBackend", "AsyncHttpBackend", "raise_for_response", "transport_error", "parse_retry_after"]
@@ -150,6 +149,28 @@ class _Call:
         self.attempt += 1
         return wait
 
+    def retry_after_failure(self, exc: httpx.HTTPError) -> float:
+        """Seconds to wait before retrying an attempt that failed with ``exc``.
+
+        Raises:
+            TransportError: the failure is not retried (module docstring).
+        """
+        wait = self.wait_for_retry(exc, None)
+        if wait is None:
+            raise transport_error(exc, self.url) from None
+        return wait
+
+    def retry_after_answer(self, resp: httpx.Response) -> float | None:
+        """Seconds to wait before retrying a retryable 503, or None when ``resp`` is the answer.
+
+        Raises:
+            TreepackError: (a subclass) for a 4xx/5xx answer that is not retried.
+        """
+        wait = self.wait_for_retry(None, resp) if _retryable_503(resp) else None
+        if wait is None:
+            raise_for_response(resp)
+        return wait
+
 
 def raise_for_response(resp: httpx.Response) -> None:
     """Raise the project's exception for a 4xx/5xx answer (no-op otherwise)."""
@@ -195,14 +216,14 @@ def _decode(resp: httpx.Response, model: type) -> Any:
 CHUNKED_MIN_BYTES = 8 << 20
 
 
-def pack_body(sequences: Sequence[Any], fmt: Format, *, chunked: bool = False, **kwargs: Any) -> bytes | BodyChunks:
+def pack_body(request: PackInput, fmt: Format, *, chunked: bool = False, dedup: bool = True) -> bytes | BodyChunks:
     """The ``/v1/pack`` body; with ``chunked``, a msgpack body over
     :data:`CHUNKED_MIN_BYTES` comes as :class:`BodyChunks`, written while it is sent (the
     sync client's way; httpx's async client takes bytes or an async stream)."""
     if chunked and fmt == "msgpack":
-        body = encode_pack_chunks(sequences, **kwargs)
+        body = encode_pack_chunks(request, dedup=dedup)
         return body if body.nbytes > CHUNKED_MIN_BYTES else b"".join(body.parts)
-    return encode_pack_body(sequences, fmt=fmt, **kwargs)
+    return encode_pack_body(request, fmt=fmt, dedup=dedup)
 
 
 def decode_pack(resp: httpx.Response) -> Plan:
@@ -213,10 +234,8 @@ def decode_pack(resp: httpx.Response) -> Plan:
         raise ServerError(f"the server sent an invalid plan: {exc}", path=exc.path, rule="bad_response") from None
 
 
-def whatif_body(
-    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **kwargs: Any
-) -> bytes:
-    return encode_body(whatif_request(compositions, fmt, options, shapes=shapes, **kwargs), fmt)
+def whatif_body(query: WhatIfQuery, fmt: Format) -> bytes:
+    return encode_body(whatif_request(query, fmt), fmt)
 
 
 def decode_whatif(resp: httpx.Response) -> list[WhatIfResult]:
@@ -262,8 +281,21 @@ def _read_within(client: httpx.Client, method: str, path: str, body: Any, header
     return httpx.Response(resp.status_code, headers=kept, content=b"".join(parts), request=resp.request)
 
 
-class HttpBackend:
-    """Synchronous HTTP backend (see :class:`treepack.client.Packer`)."""
+class _HttpBase:
+    """What the two HTTP backends share: configuration and the httpx client's settings.
+
+    Args:
+        url: the sidecar's base URL.
+        token: bearer token, or None.
+        timeout: seconds per attempt as a whole (module docstring).
+        policy: retries and the total deadline.
+        fmt: the body format sent and asked for.
+        transport: an httpx transport (tests: ``httpx.ASGITransport``), or None.
+        dedup: send shared prefixes as references (:func:`~treepack.proto.batch_wire.encode_pack_request`).
+        idempotent: send each pack with a fresh ``Idempotency-Key`` (so it may be retried).
+    """
+
+    _client_type: Any = httpx.Client
 
     def __init__(
         self,
@@ -283,35 +315,43 @@ class HttpBackend:
         self.timeout = timeout
         self.dedup = dedup
         self.idempotent = idempotent
-        self._client = httpx.Client(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
+        self._client = self._client_type(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
+
+    def _call(self, method: str, path: str, safe: bool | None) -> _Call:
+        """The deadlines and retries of one call; ``safe`` defaults to GET-only."""
+        return _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
+
+    def _idempotency_key(self) -> str | None:
+        return uuid.uuid4().hex if self.idempotent else None
+
+
+class HttpBackend(_HttpBase):
+    """Synchronous HTTP backend (a :class:`~treepack.client.protocols.Backend`)."""
 
     def request(
         self, method: str, path: str, body: bytes | BodyChunks | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
     ) -> httpx.Response:
         """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
-        call = _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
+        call = self._call(method, path, safe)
         while True:
             try:
                 resp = _read_within(self._client, method, path, body, headers, call.attempt_timeout())
             except httpx.HTTPError as exc:
-                wait = call.wait_for_retry(exc, None)
-                if wait is None:
-                    raise transport_error(exc, self.url + path) from None
+                wait = call.retry_after_failure(exc)
             else:
-                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                wait = call.retry_after_answer(resp)
                 if wait is None:
-                    raise_for_response(resp)
                     return resp
             time.sleep(wait)
 
-    def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
-        body = pack_body(sequences, self.fmt, chunked=True, dedup=self.dedup, options=options, **kwargs)
-        key = uuid.uuid4().hex if self.idempotent else None
+    def pack(self, request: PackInput) -> Plan:
+        body = pack_body(request, self.fmt, chunked=True, dedup=self.dedup)
+        key = self._idempotency_key()
         return decode_pack(self.request("POST", "/v1/pack", body, safe=key is not None, key=key))
 
-    def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs), safe=True))
+    def whatif(self, query: WhatIfQuery) -> list[WhatIfResult]:
+        return decode_whatif(self.request("POST", "/v1/whatif", whatif_body(query, self.fmt), safe=True))
 
     def history(self) -> dict[str, Any]:
         return _decode(self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()
@@ -323,35 +363,17 @@ class HttpBackend:
         self._client.close()
 
 
-class AsyncHttpBackend:
-    """Asynchronous HTTP backend (see :class:`treepack.client.AsyncPacker`)."""
+class AsyncHttpBackend(_HttpBase):
+    """Asynchronous HTTP backend (a :class:`~treepack.client.protocols.AsyncBackend`)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None,
-        timeout: float,
-        policy: RetryPolicy,
-        fmt: Format,
-        transport: Any = None,
-        dedup: bool = True,
-        idempotent: bool = True,
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.fmt = fmt
-        self.policy = policy
-        self.timeout = timeout
-        self.dedup = dedup
-        self.idempotent = idempotent
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
+    _client_type = httpx.AsyncClient
 
     async def request(
         self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
     ) -> httpx.Response:
         """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
-        call = _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
+        call = self._call(method, path, safe)
         while True:
             limit = call.attempt_timeout()
             try:
@@ -359,24 +381,21 @@ class AsyncHttpBackend:
             except (asyncio.TimeoutError, TimeoutError):
                 raise TransportError(f"request to {self.url + path} timed out: no whole answer within {limit:g} s", path="$", rule="ReadTimeout") from None
             except httpx.HTTPError as exc:
-                wait = call.wait_for_retry(exc, None)
-                if wait is None:
-                    raise transport_error(exc, self.url + path) from None
+                wait = call.retry_after_failure(exc)
             else:
-                wait = call.wait_for_retry(None, resp) if _retryable_503(resp) else None
+                wait = call.retry_after_answer(resp)
                 if wait is None:
-                    raise_for_response(resp)
                     return resp
             await asyncio.sleep(wait)
 
-    async def pack(self, sequences: Sequence[Any], options: PlanOptions, **kwargs: Any) -> Plan:
-        body = await asyncio.to_thread(lambda: pack_body(sequences, self.fmt, dedup=self.dedup, options=options, **kwargs))
-        key = uuid.uuid4().hex if self.idempotent else None
+    async def pack(self, request: PackInput) -> Plan:
+        body = await asyncio.to_thread(pack_body, request, self.fmt, dedup=self.dedup)
+        key = self._idempotency_key()
         resp = await self.request("POST", "/v1/pack", body, safe=key is not None, key=key)
         return await asyncio.to_thread(decode_pack, resp)
 
-    async def whatif(self, compositions: Sequence[Composition], options: PlanOptions, **kwargs: Any) -> list[WhatIfResult]:
-        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(compositions, self.fmt, options, **kwargs), safe=True))
+    async def whatif(self, query: WhatIfQuery) -> list[WhatIfResult]:
+        return decode_whatif(await self.request("POST", "/v1/whatif", whatif_body(query, self.fmt), safe=True))
 
     async def history(self) -> dict[str, Any]:
         return _decode(await self.request("GET", "/v1/history", accept="application/json"), HistorySummary).model_dump()

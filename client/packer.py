@@ -6,54 +6,74 @@
 :class:`~treepack.proto.whatif.WhatIfResult` from :meth:`Packer.whatif`,
 and raise the same exceptions (:mod:`treepack.proto.errors`), server messages and field
 paths included.
+
+The two share everything but the awaiting: the configuration (:class:`_Packers`), and the
+request objects each call builds once (:class:`~treepack.proto.batch.PackInput`,
+:class:`~treepack.proto.whatif.WhatIfQuery`) and hands to its backend
+(:mod:`~treepack.client.protocols`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Sequence, TypeVar
 
+from treepack.client.protocols import AsyncBackend, Backend, InThread
+from treepack.proto.batch import PackInput
 from treepack.proto.codec import Format
-from treepack.proto.errors import InputTypeError
-from treepack.proto.options import PlanOptions, as_options
+from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
-from treepack.proto.shape import BatchShape
-from treepack.proto.whatif import Composition, WhatIfResult
+from treepack.proto.whatif import CompositionLike, WhatIfQuery, WhatIfResult, as_composition
 
 __all__ = ["Packer", "AsyncPacker", "CompositionLike", "as_composition"]
 
-CompositionLike = Union[Composition, int, Mapping[str, Any]]
+_P = TypeVar("_P", bound="_Packers")
 
 
-def as_composition(c: CompositionLike, i: int = 0) -> Composition:
-    """A :class:`Composition` from itself, a group count, or a dict (``groups``/``by_tag``/``name``)."""
-    if isinstance(c, Composition):
-        return c
-    if isinstance(c, int) and not isinstance(c, bool):
-        return Composition(groups=c)
-    if isinstance(c, Mapping):
-        unknown = set(c) - {"name", "groups", "by_tag"}
-        if unknown:
-            raise InputTypeError(f"unknown composition field(s) {sorted(unknown)}", path=f"$.compositions[{i}]", rule="unknown_field")
-        return Composition(name=c.get("name", ""), groups=c.get("groups"), by_tag=c.get("by_tag"))
-    raise InputTypeError(f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type")
+class _Packers:
+    """The configuration both packers share (see :class:`Packer` for the arguments)."""
+
+    _asynchronous = False
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 4,
+        backoff: float = 0.2,
+        max_backoff: float = 30.0,
+        fmt: Format = "msgpack",
+        transport: Any = None,
+        history_path: str | None = None,
+        dedup: bool = True,
+        total_timeout: float | None = None,
+        idempotent: bool = True,
+    ) -> None:
+        self.url = url
+        if url is None:
+            from treepack.client.embedded import EmbeddedBackend
+
+            embedded = EmbeddedBackend(history_path)
+            self._b = InThread(embedded) if self._asynchronous else embedded
+            return
+        from treepack.client.http import AsyncHttpBackend, HttpBackend, RetryPolicy
+
+        policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
+        cls = AsyncHttpBackend if self._asynchronous else HttpBackend
+        self._b = cls(url, token=token, timeout=timeout, policy=policy, fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)
+
+    @classmethod
+    def from_env(cls: type[_P], **kwargs: Any) -> _P:
+        """A packer configured by ``TREEPACK_URL`` (unset or empty: embedded) and ``TREEPACK_TOKEN``.
+
+        The sidecar deployments (``deploy/``) set these for the trainer container.
+        """
+        return cls(os.environ.get("TREEPACK_URL") or None, token=os.environ.get("TREEPACK_TOKEN") or None, **kwargs)
 
 
-def _backend(url: str | None, http: dict[str, Any], history_path: str | None, asynchronous: bool) -> Any:
-    """The embedded backend (no ``url``) or an HTTP one built from the ``http`` options."""
-    if url is None:
-        from treepack.client.embedded import EmbeddedBackend
-
-        return EmbeddedBackend(history_path)
-    from treepack.client.http import AsyncHttpBackend, HttpBackend, RetryPolicy
-
-    cls = AsyncHttpBackend if asynchronous else HttpBackend
-    policy = RetryPolicy(retries=http.pop("retries"), backoff=http.pop("backoff"), max_backoff=http.pop("max_backoff"), total_timeout=http.pop("total_timeout"))
-    return cls(url, policy=policy, **http)
-
-
-class Packer:
+class Packer(_Packers):
     """Plan batches, embedded (default) or through a sidecar.
 
     Args:
@@ -74,54 +94,19 @@ class Packer:
             as a reference, not again (about half the bytes for GRPO groups; same plan).
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        token: str | None = None,
-        timeout: float = 60.0,
-        retries: int = 4,
-        backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        fmt: Format = "msgpack",
-        transport: Any = None,
-        history_path: str | None = None,
-        dedup: bool = True,
-        total_timeout: float | None = None,
-        idempotent: bool = True,
-    ) -> None:
-        self.url = url
-        http = dict(token=token, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout,
-                    fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)  # fmt: skip
-        self._b = _backend(url, http, history_path, False)
+    _b: Backend
 
-    @classmethod
-    def from_env(cls, **kwargs: Any) -> "Packer":
-        """A packer configured by ``TREEPACK_URL`` (unset or empty: embedded) and ``TREEPACK_TOKEN``.
-
-        The sidecar deployments (``deploy/``) set these for the trainer container.
-        """
-        return cls(os.environ.get("TREEPACK_URL") or None, token=os.environ.get("TREEPACK_TOKEN") or None, **kwargs)
-
-    def pack(
-        self,
-        sequences: Sequence[Any],
-        options: PlanOptions | None = None,
-        *,
-        trainable: Sequence[Any] | None = None,
-        groups: Sequence[Any] | None = None,
-        keys: Sequence[Any] | None = None,
-        tags: Sequence[str | None] | None = None,
-        record: bool = True,
-        **option_kwargs: Any,
-    ) -> Plan:
-        """Pack a batch; the arguments of :func:`~treepack.service.planner.plan_batch`, plus:
+    def pack(self, sequences: Sequence[Any] | PackInput, options: PlanOptions | None = None, **kwargs: Any) -> Plan:
+        """Pack a batch.
 
         Args:
+            sequences: the sequences, with the rest of the batch as keywords named as
+                :class:`~treepack.proto.batch.PackInput` names them (``trainable``,
+                ``groups``, ``keys``, ``tags``: per sequence a task tag recorded with the
+                shape, ``record``: record the shape in the history, default True);
+                or one :class:`~treepack.proto.batch.PackInput` alone.
             options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as
                 keywords (``seq_len=...``, ``placement=...``).
-            tags: per sequence a task tag, recorded with the shape (what-if by tag).
-            record: record the batch's shape in the history (opt out with False).
 
         Returns:
             The :class:`Plan`.
@@ -131,40 +116,24 @@ class Packer:
             OverloadedError: the sidecar stayed busy through every retry.
             TransportError: the sidecar could not be reached.
         """
-        opts = as_options(options, option_kwargs)
-        return self._b.pack(sequences, opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
+        return self._b.pack(PackInput.of(sequences, options, **kwargs))
 
-    def whatif(
-        self,
-        compositions: Sequence[CompositionLike],
-        options: PlanOptions | None = None,
-        *,
-        trials: int = 32,
-        seed: int = 0,
-        max_rows: int | None = None,
-        history_batches: int | None = None,
-        shapes: Sequence[BatchShape] | None = None,
-        **option_kwargs: Any,
-    ) -> list[WhatIfResult]:
+    def whatif(self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any) -> list[WhatIfResult]:
         """Row distributions of candidate compositions, from the history or ``shapes``.
 
         Args:
             compositions: each a :class:`Composition`, a group count, or a dict such as
                 ``{"by_tag": {"math": 20, "code": 12}}``.
             options: the plan options of every trial (``seq_len`` is the row capacity to
-                plan for), or their fields as keywords; as for ``pack`` (shapes record no
-                trainable tokens: the generalized mode shares none in a trial).
-            trials: trials per composition; ``seed`` makes them reproducible.
-            max_rows: also report the probability of needing more rows than this.
-            history_batches: sample only the most recent N recorded batches.
-            shapes: sample these batches instead of the history.
+                plan for), or their fields as keywords; as for ``pack``.
+            **kwargs: the option keywords, and ``trials`` (32), ``seed`` (0), ``max_rows``,
+                ``history_batches``, ``shapes`` as :class:`~treepack.proto.whatif.WhatIfQuery`
+                describes them.
 
         Returns:
             One :class:`WhatIfResult` per composition.
         """
-        comps = [as_composition(c, i) for i, c in enumerate(compositions)]
-        opts = as_options(options, option_kwargs)
-        return self._b.whatif(comps, opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
+        return self._b.whatif(WhatIfQuery.of(compositions, options, **kwargs))
 
     def history(self) -> dict[str, Any]:
         """Summary of the recorded shapes (``GET /v1/history``)."""
@@ -184,89 +153,31 @@ class Packer:
         self.close()
 
 
-class AsyncPacker:
+class AsyncPacker(_Packers):
     """:class:`Packer` for asyncio: the same arguments, awaitable methods.
 
     The embedded backend runs the planner in a worker thread (``asyncio.to_thread``).
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        token: str | None = None,
-        timeout: float = 60.0,
-        retries: int = 4,
-        backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        fmt: Format = "msgpack",
-        transport: Any = None,
-        history_path: str | None = None,
-        dedup: bool = True,
-        total_timeout: float | None = None,
-        idempotent: bool = True,
-    ) -> None:
-        self.url = url
-        http = dict(token=token, timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout,
-                    fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)  # fmt: skip
-        self._b = _backend(url, http, history_path, True)
-        self._embedded = url is None
+    _asynchronous = True
+    _b: AsyncBackend
 
-    @classmethod
-    def from_env(cls, **kwargs: Any) -> "AsyncPacker":
-        """See :meth:`Packer.from_env`."""
-        return cls(os.environ.get("TREEPACK_URL") or None, token=os.environ.get("TREEPACK_TOKEN") or None, **kwargs)
-
-    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        fn = getattr(self._b, name)
-        if self._embedded:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        return await fn(*args, **kwargs)
-
-    async def pack(
-        self,
-        sequences: Sequence[Any],
-        options: PlanOptions | None = None,
-        *,
-        trainable: Sequence[Any] | None = None,
-        groups: Sequence[Any] | None = None,
-        keys: Sequence[Any] | None = None,
-        tags: Sequence[str | None] | None = None,
-        record: bool = True,
-        **option_kwargs: Any,
-    ) -> Plan:
+    async def pack(self, sequences: Sequence[Any] | PackInput, options: PlanOptions | None = None, **kwargs: Any) -> Plan:
         """See :meth:`Packer.pack` (same arguments and defaults)."""
-        opts = as_options(options, option_kwargs)
-        return await self._call("pack", sequences, opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
+        return await self._b.pack(PackInput.of(sequences, options, **kwargs))
 
-    async def whatif(
-        self,
-        compositions: Sequence[CompositionLike],
-        options: PlanOptions | None = None,
-        *,
-        trials: int = 32,
-        seed: int = 0,
-        max_rows: int | None = None,
-        history_batches: int | None = None,
-        shapes: Sequence[BatchShape] | None = None,
-        **option_kwargs: Any,
-    ) -> list[WhatIfResult]:
+    async def whatif(self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any) -> list[WhatIfResult]:
         """See :meth:`Packer.whatif` (same arguments and defaults)."""
-        comps = [as_composition(c, i) for i, c in enumerate(compositions)]
-        opts = as_options(options, option_kwargs)
-        return await self._call("whatif", comps, opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
+        return await self._b.whatif(WhatIfQuery.of(compositions, options, **kwargs))
 
     async def history(self) -> dict[str, Any]:
-        return await self._call("history")
+        return await self._b.history()
 
     async def health(self) -> dict[str, Any]:
-        return await self._call("health")
+        return await self._b.health()
 
     async def close(self) -> None:
-        if self._embedded:
-            self._b.close()
-        else:
-            await self._b.close()
+        await self._b.close()
 
     async def __aenter__(self) -> "AsyncPacker":
         return self

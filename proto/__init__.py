@@ -1,13 +1,18 @@
-"""The contract of treepack: the plan, its options, the batch, shapes, errors, the wire.
+"""The contract of treepack: the plan, its options, the request, shapes, errors, the wire.
 
-Modules (this package depends on nothing else of treepack):
+The main types are importable from here (``from treepack.proto import Plan, PlanOptions,
+PackInput, RequestError``); the modules hold the rest. This package depends on nothing
+else of treepack.
 
 - :mod:`~treepack.proto.plan` — :class:`Plan` and its parts (numpy only).
 - :mod:`~treepack.proto.options` — :class:`PlanOptions` (checked by the planner).
-- :mod:`~treepack.proto.batch` — the normalized :class:`SequenceBatch`; the one
-  normalisation of trainable flags and group ids.
-- :mod:`~treepack.proto.shape` — batch shapes (fingerprints) for history and what-if.
-- :mod:`~treepack.proto.whatif` — what-if compositions and results.
+- :mod:`~treepack.proto.batch` — the pack request :class:`PackInput` that every entry
+  point takes, and the normalized :class:`SequenceBatch`; the one normalisation of
+  trainable flags and group ids.
+- :mod:`~treepack.proto.shape` — batch shapes (fingerprints) for history and what-if;
+  :mod:`~treepack.proto.history` — their SQLite store, written by the sidecar and the
+  embedded client alike.
+- :mod:`~treepack.proto.whatif` — what-if queries, compositions and results.
 - :mod:`~treepack.proto.index` — shared numpy index helpers.
 - ``batch_columns``, ``batch_wire``, ``plan_wire``, ``shape_wire``, ``whatif_wire`` — every
   message codec.
@@ -18,10 +23,39 @@ Modules (this package depends on nothing else of treepack):
 - :mod:`~treepack.proto.schema` — the JSON Schema files kept next to this module
   (``python -m treepack.proto.schema --write`` regenerates them).
 
-Every message carries ``"version": WIRE_VERSION``; a peer that receives another version
-answers :class:`~treepack.proto.errors.UnsupportedVersionError`.
+Every message carries ``"version": WIRE_VERSION`` (:mod:`~treepack.proto.version`); a peer
+that receives another version answers :class:`~treepack.proto.errors.UnsupportedVersionError`.
 """
 
-WIRE_VERSION = 1
+from treepack.proto.batch import PackInput, SequenceBatch
+from treepack.proto.errors import (
+    AuthError,
+    BodyTimeoutError,
+    CapacityError,
+    ConflictError,
+    DeadlineError,
+    DecodeError,
+    InputTypeError,
+    OverloadedError,
+    PayloadTooLargeError,
+    RequestError,
+    ServerError,
+    TransportError,
+    TreepackError,
+    UnavailableError,
+    UnsupportedMediaTypeError,
+    UnsupportedModelError,
+    UnsupportedVersionError,
+)
+from treepack.proto.options import PlanOptions
+from treepack.proto.plan import Plan, PlanStats
+from treepack.proto.shape import BatchShape
+from treepack.proto.version import WIRE_VERSION
+from treepack.proto.whatif import Composition, WhatIfQuery, WhatIfResult
 
-__all__ = ["WIRE_VERSION"]
+__all__ = [
+    "WIRE_VERSION", "Plan", "PlanStats", "PlanOptions", "PackInput", "SequenceBatch", "BatchShape", "Composition", "WhatIfQuery",
+    "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError", "PayloadTooLargeError",
+    "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError", "UnsupportedModelError",
+    "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
+]  # fmt: skip

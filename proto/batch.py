@@ -1,4 +1,8 @@
-"""Request normalization: user sequences -> one validated :class:`SequenceBatch`.
+"""The pack request and its normalization: :class:`PackInput` -> one validated :class:`SequenceBatch`.
+
+:class:`PackInput` is the one form of a pack request: ``plan_batch``, both clients, both
+client backends, the wire codec and the planner take it (or build it once, with
+:meth:`PackInput.of`, from ``plan_batch``-style keywords).
 
 The planner works in metadata space: after this module, nothing reads token payloads
 except the tree builder (to find shared prefixes) and ``validate_plan`` (to check them).
@@ -14,9 +18,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
+from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import OverflowEvent
 
-__all__ = ["SequenceBatch", "normalize_batch", "as_trainable", "normalize_trainable", "group_codes"]
+__all__ = ["PackInput", "SequenceBatch", "normalize_batch", "as_trainable", "normalize_trainable", "group_codes"]
 
 MAX_GROUP_LABEL = 256  # characters, as on the wire
 _UINT32_MAX = np.iinfo(np.uint32).max
@@ -84,6 +89,72 @@ class SequenceBatch:
         """
         ft = self.first_trainable
         return np.where(ft >= self.lens, self.lens, np.maximum(ft - 1, 0)).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackInput:
+    """One pack request: the batch, its plan options, and what to record with it.
+
+    Attributes:
+        sequences: S sequences of token ids in [0, 2**32) (lists, numpy arrays, anything
+            ``np.asarray`` takes; uint8/16/32 arrays are used without a copy).
+        options: the plan options as given (the planner checks them, ``check_options``).
+        trainable: None (no token is a loss target: every sequence fully shareable), or
+            per sequence a bool array of its length or a prompt length p (tokens p.. are
+            trainable).
+        groups: None, or per sequence an int/str group id (or None: a group of its own);
+            groups order ``bfd``, they never limit sharing.
+        keys: None, or per sequence None or one uint64 per token that must also match
+            for two sequences to share a token.
+        tags: per sequence a task tag, recorded with the shape (what-if by tag), or None.
+        record: record the batch's shape in the history, where there is one (the
+            sidecar's, or an embedded client's ``history_path``).
+    """
+
+    sequences: Sequence[Any]
+    options: PlanOptions
+    trainable: Sequence[Any] | None = None
+    groups: Sequence[Any] | None = None
+    keys: Sequence[Any] | None = None
+    tags: Sequence[str | None] | None = None
+    record: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        sequences: Sequence[Any],
+        options: PlanOptions | None = None,
+        *,
+        trainable: Sequence[Any] | None = None,
+        groups: Sequence[Any] | None = None,
+        keys: Sequence[Any] | None = None,
+        tags: Sequence[str | None] | None = None,
+        record: bool = True,
+        **option_kwargs: Any,
+    ) -> "PackInput":
+        """The request from ``plan_batch``-style arguments (the attributes above).
+
+        Args:
+            options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as
+                keywords instead (``seq_len=...``, ``placement=...``), not both.
+
+        A :class:`PackInput` given as ``sequences``, with nothing else, is returned as it
+        is, so every entry point takes either form.
+
+        Raises:
+            InputTypeError: both forms of options, an unknown keyword, no ``seq_len``, or
+                a :class:`PackInput` with more arguments.
+        """
+        if isinstance(sequences, PackInput):
+            if options is not None or option_kwargs or any(v is not None for v in (trainable, groups, keys, tags)) or record is not True:
+                raise InputTypeError("give a PackInput alone, or sequences with their arguments, not both", path="$", rule="exclusive")
+            return sequences
+        opts = as_options(options, option_kwargs)
+        return cls(sequences=sequences, options=opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
+
+    def normalize(self, seq_len: int, on_overflow: str) -> SequenceBatch:
+        """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``."""
+        return normalize_batch(self.sequences, seq_len=seq_len, trainable=self.trainable, groups=self.groups, keys=self.keys, on_overflow=on_overflow)
 
 
 def _as_tokens(x: Any, i: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Batches on the wire: ``PackRequest`` <-> :class:`~treepack.proto.batch.SequenceBatch`.
+"""Batches on the wire: ``PackRequest`` <-> :class:`~treepack.proto.batch.PackInput`.
 
 Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
@@ -17,7 +17,7 @@ Errors about one sequence carry the planner's paths (``$.sequences[i]`` is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +25,11 @@ from treepack.proto.buffers import Format, decode_buffer, encode_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
 from treepack.proto.messages import PackRequest
-from treepack.proto.options import OPTION_NAMES, PlanOptions, as_options
+from treepack.proto.options import OPTION_NAMES, PlanOptions
 from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
-from treepack.proto.batch import SequenceBatch, normalize_batch
+from treepack.proto.batch import PackInput
 
-__all__ = ["Limits", "PackInput", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
+__all__ = ["Limits", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,33 +38,6 @@ class Limits:
 
     max_sequences: int | None = None
     max_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PackInput:
-    """A pack request as :func:`~treepack.proto.batch.normalize_batch` takes it, with its options.
-
-    Attributes:
-        sequences: per sequence its uint32 tokens (views of the sent buffer where possible).
-        trainable: per sequence flags or a prompt length, or None.
-        groups: per sequence a group id, or None.
-        keys: per sequence uint64 keys, or None.
-        options: the options as sent (the planner checks them, then normalizes).
-        record: record the batch's shape in the history.
-        tags: per sequence a task tag, or None.
-    """
-
-    sequences: Sequence[Any]
-    trainable: Sequence[Any] | None = None
-    groups: Sequence[Any] | None = None
-    keys: Sequence[Any] | None = None
-    options: PlanOptions
-    record: bool = True
-    tags: tuple[str | None, ...] | None = None
-
-    def normalize(self, seq_len: int, on_overflow: str) -> SequenceBatch:
-        """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``."""
-        return normalize_batch(self.sequences, seq_len=seq_len, trainable=self.trainable, groups=self.groups, keys=self.keys, on_overflow=on_overflow)
 
 
 def _offsets(msg: PackRequest, num_tokens: int) -> np.ndarray:
@@ -208,22 +181,11 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> PackInpu
     return PackInput(sequences=sequences, trainable=trainable, groups=msg.groups, keys=keys, options=options, record=msg.record, tags=tags)
 
 
-def _request_fields(
-    sequences: Sequence[Any],
-    options: PlanOptions | None = None,
-    *,
-    trainable: Sequence[Any] | None = None,
-    groups: Sequence[Any] | None = None,
-    keys: Sequence[Any] | None = None,
-    tags: Sequence[str | None] | None = None,
-    record: bool = True,
-    dedup: bool = True,
-    min_prefix: int = 64,
-    **option_kwargs: Any,
-) -> dict[str, Any]:
+def _request_fields(request: PackInput, *, dedup: bool = True, min_prefix: int = 64) -> dict[str, Any]:
     """The ``PackRequest`` fields in order, buffers as :class:`Column` s or little-endian arrays."""
-    opts = as_options(options, option_kwargs).to_wire()
-    cols = batch_columns(sequences, trainable=trainable, groups=groups, keys=keys, dedup=dedup, min_prefix=min_prefix)
+    opts = request.options.to_wire()
+    cols = batch_columns(request.sequences, trainable=request.trainable, groups=request.groups, keys=request.keys, dedup=dedup, min_prefix=min_prefix)
+    record = request.record
     fields: dict[str, Any] = {
         "version": 1,
         "seq_len": opts["seq_len"],
@@ -243,8 +205,8 @@ def _request_fields(
         fields["keys"] = cols.keys
     if cols.groups is not None:
         fields["groups"] = cols.groups
-    if tags is not None:
-        fields["tags"] = list(tags)
+    if request.tags is not None:
+        fields["tags"] = list(request.tags)
     return fields
 
 
@@ -252,21 +214,8 @@ def _le(arr: np.ndarray) -> np.ndarray:
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
 
-def encode_pack_request(
-    sequences: Sequence[Any],
-    options: PlanOptions | None = None,
-    *,
-    trainable: Sequence[Any] | None = None,
-    groups: Sequence[Any] | None = None,
-    keys: Sequence[Any] | None = None,
-    tags: Sequence[str | None] | None = None,
-    record: bool = True,
-    fmt: Format = "msgpack",
-    dedup: bool = True,
-    min_prefix: int = 64,
-    **option_kwargs: Any,
-) -> dict[str, Any]:
-    """Build a ``PackRequest`` message from ``plan_batch``-style arguments (client side).
+def encode_pack_request(request: PackInput, *, fmt: Format = "msgpack", dedup: bool = True, min_prefix: int = 64) -> dict[str, Any]:
+    """Build a ``PackRequest`` message from a :class:`~treepack.proto.batch.PackInput` (client side).
 
     Only what cannot be written as its column is checked here (with the embedded
     planner's errors, :mod:`~.batch_columns`); the server validates the rest, the options
@@ -274,7 +223,8 @@ def encode_pack_request(
     come back in the plan).
 
     Args:
-        options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as keywords.
+        request: the batch, its options (as given), tags and ``record``.
+        fmt: ``msgpack`` (buffers as bytes) or ``json`` (buffers as base64 text).
         dedup: send a sequence's common prefix with its group's first sequence (the
             previous sequence without groups) as a reference (``prefix_src``/``prefix_len``)
             when it is at least ``min_prefix`` tokens: a GRPO group's prompt travels once.
@@ -284,10 +234,7 @@ def encode_pack_request(
         The message as a dict of buffers (byte views for msgpack, lists for JSON).
         :func:`encode_pack_body` writes the msgpack body without building it.
     """
-    fields = _request_fields(
-        sequences, options, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record, dedup=dedup, min_prefix=min_prefix,
-        **option_kwargs,
-    )  # fmt: skip
+    fields = _request_fields(request, dedup=dedup, min_prefix=min_prefix)
     for k, v in fields.items():
         if isinstance(v, Column):
             fields[k] = encode_buffer(v.concat(), v.dtype, fmt)
@@ -296,18 +243,18 @@ def encode_pack_request(
     return fields
 
 
-def encode_pack_body(sequences: Sequence[Any], *, fmt: Format = "msgpack", **kwargs: Any) -> bytes:
+def encode_pack_body(request: PackInput, *, fmt: Format = "msgpack", dedup: bool = True, min_prefix: int = 64) -> bytes:
     """The body of ``POST /v1/pack`` (arguments as for :func:`encode_pack_request`).
 
     msgpack bodies are written straight from the token arrays (:func:`~treepack.proto.batch_columns.msgpack_body`),
     bytes-for-bytes equal to ``encode_body(encode_pack_request(...), "msgpack")``.
     """
     if fmt != "msgpack":
-        return encode_body(encode_pack_request(sequences, fmt=fmt, **kwargs), fmt)
-    return msgpack_body(_request_fields(sequences, **kwargs))
+        return encode_body(encode_pack_request(request, fmt=fmt, dedup=dedup, min_prefix=min_prefix), fmt)
+    return msgpack_body(_request_fields(request, dedup=dedup, min_prefix=min_prefix))
 
 
-def encode_pack_chunks(sequences: Sequence[Any], **kwargs: Any) -> BodyChunks:
+def encode_pack_chunks(request: PackInput, *, dedup: bool = True, min_prefix: int = 64) -> BodyChunks:
     """The msgpack body of :func:`encode_pack_body` as :class:`~treepack.proto.batch_columns.BodyChunks`:
     written chunk by chunk while it is sent, never whole."""
-    return BodyChunks(msgpack_parts(_request_fields(sequences, **kwargs)))
+    return BodyChunks(msgpack_parts(_request_fields(request, dedup=dedup, min_prefix=min_prefix)))

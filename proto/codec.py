@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from treepack.proto import WIRE_VERSION
+from treepack.proto.version import WIRE_VERSION
 from treepack.proto.errors import (
     DecodeError,
     InputTypeError,

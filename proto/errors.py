@@ -30,7 +30,7 @@ Hierarchy::
 
 from __future__ import annotations
 
-from treepack.proto import WIRE_VERSION
+from treepack.proto.version import WIRE_VERSION
 
 __all__ = [
     "TreepackError",

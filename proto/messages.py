@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from treepack.proto import WIRE_VERSION
+from treepack.proto.version import WIRE_VERSION
 from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
 
 __all__ = [

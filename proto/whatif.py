@@ -1,4 +1,5 @@
-"""What-if answers: candidate batch compositions and the distributions the planner reports.
+"""What-if questions and answers: a :class:`WhatIfQuery` of candidate batch compositions,
+and the distributions the planner reports for each.
 
 The contract types of ``POST /v1/whatif``; the sampling that fills them lives in the
 planner (:mod:`treepack.service.planner.whatif`), the codecs in :mod:`~.whatif_wire`.
@@ -7,11 +8,15 @@ planner (:mod:`treepack.service.planner.whatif`), the codecs in :mod:`~.whatif_w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-__all__ = ["Composition", "Distribution", "WhatIfResult"]
+from treepack.proto.errors import InputTypeError
+from treepack.proto.options import PlanOptions, as_options
+from treepack.proto.shape import BatchShape
+
+__all__ = ["Composition", "CompositionLike", "Distribution", "WhatIfQuery", "WhatIfResult", "as_composition"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +30,77 @@ class Composition:
     @property
     def total_groups(self) -> int:
         return int(self.groups) if self.groups is not None else int(sum((self.by_tag or {}).values()))
+
+
+CompositionLike = Union[Composition, int, Mapping[str, Any]]
+
+
+def as_composition(c: CompositionLike, i: int = 0) -> Composition:
+    """A :class:`Composition` from itself, a group count, or a dict (``groups``/``by_tag``/``name``).
+
+    Raises:
+        InputTypeError: another type, or a dict with another key (path ``$.compositions[i]``).
+    """
+    if isinstance(c, Composition):
+        return c
+    if isinstance(c, int) and not isinstance(c, bool):
+        return Composition(groups=c)
+    if isinstance(c, Mapping):
+        unknown = set(c) - {"name", "groups", "by_tag"}
+        if unknown:
+            raise InputTypeError(f"unknown composition field(s) {sorted(unknown)}", path=f"$.compositions[{i}]", rule="unknown_field")
+        return Composition(name=c.get("name", ""), groups=c.get("groups"), by_tag=c.get("by_tag"))
+    raise InputTypeError(f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIfQuery:
+    """One what-if question, as both client backends and the wire codec take it.
+
+    Attributes:
+        compositions: the candidates.
+        options: the plan options of every trial, as given (the planner checks them);
+            ``seq_len`` is the row capacity to plan for. Shapes record no trainable
+            tokens: the generalized mode shares none in a trial.
+        trials: trials per composition; ``seed`` makes them reproducible.
+        seed: the sampling seed.
+        max_rows: also report the probability of needing more rows than this.
+        history_batches: sample only the most recent N recorded batches (None: all).
+        shapes: sample these batches instead of the history.
+    """
+
+    compositions: tuple[Composition, ...]
+    options: PlanOptions
+    trials: int = 32
+    seed: int = 0
+    max_rows: int | None = None
+    history_batches: int | None = None
+    shapes: Sequence[BatchShape] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        compositions: Sequence[CompositionLike],
+        options: PlanOptions | None = None,
+        *,
+        trials: int = 32,
+        seed: int = 0,
+        max_rows: int | None = None,
+        history_batches: int | None = None,
+        shapes: Sequence[BatchShape] | None = None,
+        **option_kwargs: Any,
+    ) -> "WhatIfQuery":
+        """The query from the clients' ``whatif`` arguments (the attributes above).
+
+        Args:
+            compositions: each a :class:`Composition`, a group count, or a dict such as
+                ``{"by_tag": {"math": 20, "code": 12}}`` (:func:`as_composition`).
+            options: a :class:`~treepack.proto.options.PlanOptions`, or its fields as
+                keywords instead, not both.
+        """
+        comps = tuple(as_composition(c, i) for i, c in enumerate(compositions))
+        opts = as_options(options, option_kwargs)
+        return cls(compositions=comps, options=opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,18 +5,16 @@ fields. The client encodes compositions and decodes results; the service the rev
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from treepack.proto import WIRE_VERSION
+from treepack.proto.version import WIRE_VERSION
 from treepack.proto.buffers import Format
 from treepack.proto.messages import Composition as CompositionMessage
 from treepack.proto.messages import WhatIfResultMessage
-from treepack.proto.options import PlanOptions
-from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_to_wire
-from treepack.proto.whatif import Composition, Distribution, WhatIfResult
+from treepack.proto.whatif import Composition, Distribution, WhatIfQuery, WhatIfResult
 
 __all__ = ["composition_to_wire", "composition_from_wire", "whatif_request", "whatif_result_to_wire", "whatif_result_from_wire"]
 
@@ -29,15 +27,14 @@ def composition_from_wire(c: CompositionMessage) -> Composition:
     return Composition(name=c.name, groups=c.groups, by_tag=None if c.by_tag is None else dict(c.by_tag))
 
 
-def whatif_request(
-    compositions: Sequence[Composition], fmt: Format, options: PlanOptions, *, shapes: Sequence[BatchShape] | None = None, **fields: Any
-) -> dict[str, Any]:
+def whatif_request(query: WhatIfQuery, fmt: Format) -> dict[str, Any]:
     """A ``WhatIfRequest`` dict: the compositions, the plan options as given (the server
     checks them), inline shapes if any, the other fields given (None = the server's default)."""
-    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in compositions], **options.to_wire()}
+    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in query.compositions], **query.options.to_wire()}
+    fields = {"trials": query.trials, "seed": query.seed, "max_rows": query.max_rows, "history_batches": query.history_batches}
     msg.update({k: v for k, v in fields.items() if v is not None})
-    if shapes is not None:
-        msg["shapes"] = [shape_to_wire(s, fmt) for s in shapes]
+    if query.shapes is not None:
+        msg["shapes"] = [shape_to_wire(s, fmt) for s in query.shapes]
     return msg
 
 

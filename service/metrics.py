@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from treepack.service.history import HistoryRecorder
+from treepack.service.recorder import HistoryRecorder
 from treepack.proto.plan import Plan
 from treepack.service.pool import PlanPool
 

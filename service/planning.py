@@ -25,7 +25,8 @@ from treepack.proto.plan_wire import plan_to_wire
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire
 from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
-from treepack.service.history import HistoryDamaged, HistoryRecorder, HistoryStore, empty_summary, move_aside
+from treepack.proto.history import HistoryDamaged, HistoryStore, empty_summary, move_aside
+from treepack.service.recorder import HistoryRecorder
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job

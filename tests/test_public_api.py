@@ -7,7 +7,16 @@ import importlib
 import pytest
 
 PUBLIC = [
-    pytest.param("treepack.proto", {"WIRE_VERSION"}, id="proto"),
+    pytest.param(
+        "treepack.proto",
+        {
+            "WIRE_VERSION", "Plan", "PlanStats", "PlanOptions", "PackInput", "SequenceBatch", "BatchShape", "Composition",
+            "WhatIfQuery", "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError",
+            "PayloadTooLargeError", "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError",
+            "UnsupportedModelError", "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
+        },
+        id="proto",
+    ),  # fmt: skip
     pytest.param("treepack.service", {"create_app", "Settings", "__version__"}, id="service"),
     pytest.param(
         "treepack.service.planner",

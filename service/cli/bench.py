@@ -3,7 +3,7 @@
 For every workload of :mod:`treepack.service.cli.workloads` and every placement, it
 plans the batch ``repeats`` times and reports the best time of each phase (tree,
 placement, layout+metadata, total), the rows and the packed tokens. In the same run it
-times the naive quadratic best fit (:func:`~treepack.service.planner.placement.naive_place`,
+times the naive quadratic best fit (:func:`~treepack.service.planner.baselines.naive_place`,
 every open row checked for every leaf) as the baseline, and reports ``auto``/``bfd`` and
 ``naive``/``bfd`` time ratios: this machine is shared and noisy, so ratios measured in one
 run are the figures to trust, not absolute times.
@@ -22,7 +22,7 @@ from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.proto.options import PLACEMENTS, PlanOptions
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options
-from treepack.service.planner.placement import naive_place
+from treepack.service.planner.baselines import naive_place
 from treepack.service.planner.tree import build_tree
 
 __all__ = ["run_benchmark", "add_bench_parser"]

@@ -12,7 +12,7 @@ from typing import Any
 from treepack.service.cli.report import draw_rows, plans_table
 from treepack.service.cli.workloads import curriculum, golden_example
 from treepack.service.planner import plan_batch
-from treepack.service.planner.placement import PLACEMENTS
+from treepack.proto.options import PLACEMENTS
 
 __all__ = ["run_demo", "add_demo_parser"]
 

@@ -18,7 +18,7 @@ import numpy as np
 from treepack.proto.errors import RequestError
 from treepack.service.cli.report import plan_summary, plans_table, rows_table
 from treepack.service.planner import plan_batch
-from treepack.service.planner.placement import PLACEMENTS
+from treepack.proto.options import PLACEMENTS
 
 __all__ = ["read_jsonl", "run_plan", "add_plan_parser"]
 

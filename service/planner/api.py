@@ -12,15 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from treepack.proto.batch import SequenceBatch
-from treepack.proto.batch_wire import PackInput
+from treepack.proto.batch import PackInput, SequenceBatch
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan, PlanStats
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
-from treepack.service.planner.place import place_leaves
+from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.ranks import assign_ranks
 from treepack.service.planner.tree import Tree, build_tree, flat_tree
 
@@ -36,15 +35,7 @@ class PlanResult:
     tree: Tree
 
 
-def plan_batch(
-    sequences: Sequence[Any],
-    options: PlanOptions | None = None,
-    *,
-    trainable: Sequence[Any] | None = None,
-    groups: Sequence[Any] | None = None,
-    keys: Sequence[Any] | None = None,
-    **option_kwargs: Any,
-) -> Plan:
+def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, **kwargs: Any) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
     Args:
@@ -53,10 +44,12 @@ def plan_batch(
             keywords instead (``seq_len=``, ``min_shared_len=64``, ``placement="auto"``
             (``bfd``, ``in_order``, ``no_share``), ``num_ranks=1``, ``conv_width=4``,
             ``share_trainable=False``, ``on_overflow="error"`` (``truncate``, ``drop``)).
-        trainable: None (nothing trainable: every sequence fully shareable) or per
-            sequence a bool array or a prompt length.
-        groups: per sequence an int/str group id (orders ``bfd``; never limits sharing).
-        keys: per sequence None or one uint64 per token that must also match to share.
+        **kwargs: the option keywords, and the rest of the batch as
+            :class:`~treepack.proto.batch.PackInput` names it: ``trainable`` (None, or per
+            sequence a bool array or a prompt length), ``groups`` (per sequence an int/str
+            id: orders ``bfd``, never limits sharing), ``keys`` (per sequence None or one
+            uint64 per token that must also match to share). ``tags`` and ``record`` are
+            taken and unused: there is no history here.
 
     Returns:
         The :class:`Plan`.
@@ -64,8 +57,7 @@ def plan_batch(
     Raises:
         RequestError: (or a subclass) for any invalid argument, naming it.
     """
-    request = PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=as_options(options, option_kwargs))
-    return plan_request(request).plan
+    return plan_request(PackInput.of(sequences, options, **kwargs)).plan
 
 
 def plan_request(request: PackInput, *, check: Callable[[], None] | None = None) -> PlanResult:

@@ -14,7 +14,7 @@ lower bound (:func:`~.bounds.lower_bound_rows`) wins at once since nothing can b
    exact re-packing of small neighbourhoods of light rows, within ``repair_ms``.
 3. ``grouped+split`` — as ``grouped``, but a unit that fits no open row is split into its
    child units (which then fill the gaps of open rows) before a new row is opened.
-4. ``bfd`` — the reference leaf-level best fit (SPEC section 4).
+4. ``bfd`` — the reference leaf-level best fit (SPEC section 4; :mod:`.baselines`).
 
 If a later candidate wins and is still above the bound, the repair pass runs on it with
 what is left of the budget. (A global order, units largest first across all trees, never
@@ -25,6 +25,8 @@ fewer rows than the best so far: its open rows, or ``ceil((T + dup) / C)`` where
 tree's tokens and ``dup`` the copies of internal nodes it has made so far (its final rows
 hold every tree token at least once plus at least those copies), reach the best's rows.
 Scores are kept incrementally: a candidate's packed tokens are ``C * rows - sum(room)``.
+Every candidate is one run of :func:`~.rows.best_fit_decreasing` (over units, or over
+leaves for ``bfd``), which does this bookkeeping, and returns a :class:`~.rows.Candidate`.
 
 The winner has the fewest rows, then (among candidates that ran to the end) the fewest
 packed tokens, then the earliest; since ``bfd`` is a candidate whenever no earlier one
@@ -44,45 +46,25 @@ import numpy as np
 
 from treepack.proto.batch import SequenceBatch
 from treepack.proto.options import REPAIR_MS
+from treepack.service.planner.baselines import bfd_candidate
 from treepack.service.planner.bounds import lower_bound_rows, subtree_sizes
-from treepack.service.planner.placement import bfd_order, row_costs
+from treepack.service.planner.items import Chains
 from treepack.service.planner.repair import repair_rows
-from treepack.service.planner.rows import OpenRows
+from treepack.service.planner.rows import Candidate, best_fit_decreasing, row_costs
 from treepack.service.planner.tree import Tree
 
-__all__ = ["auto_place", "unit_place", "bfd_place"]
-
-
-class _Abandon(Exception):
-    pass
-
-
-class _Watch:
-    """Abandons a candidate once it cannot beat ``stop`` rows (module docstring)."""
-
-    __slots__ = ("rows", "limit", "stop")
-
-    def __init__(self, rows: OpenRows, tree_tokens: int, stop: int | None) -> None:
-        self.rows = rows
-        self.stop = stop
-        self.limit = None if stop is None else (stop - 1) * rows.capacity - tree_tokens
-
-    def add(self, r: int, anc: list[int], ends: list[int], m: int) -> None:
-        rows = self.rows
-        rows.add(r, anc, m, ends)
-        if self.limit is not None and (rows.copies > self.limit or len(rows.room) >= self.stop):
-            raise _Abandon
-
-    def result(self, row_of: np.ndarray) -> tuple[np.ndarray, tuple[int, int], np.ndarray]:
-        """(row_of, (rows, packed tokens), [R] tokens per row)."""
-        rows = self.rows
-        loads = rows.capacity - np.asarray(rows.room, dtype=np.int64)
-        return row_of, (len(rows.room), int(loads.sum())), loads
+__all__ = ["auto_place", "unit_place"]
 
 
 def unit_place(
-    tree: Tree, batch: SequenceBatch, seq_len: int, *, split: bool, stop_rows: int | None = None
-) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
+    tree: Tree,
+    batch: SequenceBatch,
+    seq_len: int,
+    *,
+    split: bool,
+    stop_rows: int | None = None,
+    chains: Chains | None = None,
+) -> Candidate | None:
     """Best-fit decreasing over units (see module docstring).
 
     Args:
@@ -90,102 +72,27 @@ def unit_place(
         batch: the batch.
         seq_len: row capacity C.
         split: split a unit that fits no open row into its child units first.
-        stop_rows: abandon (return None) once the result cannot have fewer rows than this.
+        stop_rows: give up (return None) once the result cannot have fewer rows than this.
+        chains: the tree's :class:`~.items.Chains`, shared between candidates.
 
     Returns:
-        ([S] int64 row of each sequence (-1 for dropped ones), (rows, packed tokens), [R] int64
-        tokens per row), or None.
+        The :class:`~.rows.Candidate`, or None.
     """
     size = subtree_sizes(tree)
-    start = tree.start
-    cost = start + size
+    cost = tree.start + size
     parent = tree.parent
     fits = cost <= seq_len
     pfits = np.where(parent >= 0, fits[np.maximum(parent, 0)], False)
     units = np.flatnonzero(fits & ~pfits)
+    kids = None
     if split:
         # Children of each node, largest cost first (CSR over a stable sort by parent).
         child = np.flatnonzero(parent >= 0)
         child = child[np.lexsort((-cost[child], parent[child]))]
-        kid_ptr = np.searchsorted(parent[child], np.arange(tree.num_nodes + 1)).tolist()
-        kid_list = child.tolist()
-
-    ptr = tree.path_ptr.tolist()
-    pnodes = tree.path_nodes.tolist()
-    ends = tree.end.tolist()
-    src = tree.source.tolist()
-    depth = tree.depth.tolist()
-    costl = cost.tolist()
-
-    rows = OpenRows(seq_len)
-    watch = _Watch(rows, tree.num_tokens, stop_rows)
-    node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
-    placed: list[int] = []
-    placed_row: list[int] = []
+        kids = (np.searchsorted(parent[child], np.arange(tree.num_nodes + 1)).tolist(), child.tolist())
     root = tree.path_nodes[tree.path_ptr[tree.source]]  # [N] root of each node's tree
     order = units[np.lexsort((-cost[units], root[units], -size[root[units]]))].tolist()
-    stack = order[::-1]
-    try:
-        while stack:
-            v = stack.pop()
-            s = src[v]
-            anc = pnodes[ptr[s] : ptr[s] + depth[v]]
-            aend = [ends[a] for a in anc]
-            r, m = rows.best_fit(anc, aend, costl[v])
-            if r < 0:
-                if split and kid_ptr[v] < kid_ptr[v + 1]:
-                    stack.extend(kid_list[kid_ptr[v + 1] - 1 : kid_ptr[v] - 1 if kid_ptr[v] else None : -1])
-                    continue
-                r = rows.open_row()
-            watch.add(r, anc, aend, m)
-            placed.append(v)
-            placed_row.append(r)
-    except _Abandon:
-        return None
-    # Each kept sequence's path crosses exactly one placed unit: its row is that unit's.
-    node_row[placed] = placed_row
-    row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
-    kept = np.flatnonzero(tree.leaf_of >= 0)
-    if kept.shape[0]:
-        per_node = node_row[tree.path_nodes]
-        row_of[kept] = np.maximum.reduceat(per_node, tree.path_ptr[kept])
-    return watch.result(row_of)
-
-
-def bfd_place(
-    tree: Tree, batch: SequenceBatch, seq_len: int, *, stop_rows: int | None = None
-) -> tuple[np.ndarray, tuple[int, int], np.ndarray] | None:
-    """``bfd`` (SPEC section 4) as an ``auto`` candidate: same rows as ``place_leaves(..., "bfd")``,
-    abandoned (None) once it cannot have fewer rows than ``stop_rows``.
-
-    Returns:
-        ([S] int64 row of each sequence, (rows, packed tokens), [R] tokens per row), or None.
-    """
-    row_of = np.full(batch.num_sequences, -1, dtype=np.int64)
-    lens = batch.lens.tolist()
-    rows = OpenRows(seq_len)
-    watch = _Watch(rows, tree.num_tokens, stop_rows)
-    # Chains on demand, one per parent (as leaf_items, which builds them all up front: an
-    # abandoned candidate should not pay for the leaves it never reached).
-    ptr = tree.path_ptr.tolist()
-    leaf_parent = np.where(tree.leaf_of >= 0, tree.parent[np.maximum(tree.leaf_of, 0)], -1).tolist()
-    end = tree.end
-    chains: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
-    try:
-        for s in bfd_order(batch):
-            p = leaf_parent[s]
-            chain = chains.get(p)
-            if chain is None:
-                a = tree.path_nodes[ptr[s] : ptr[s + 1] - 1]
-                chain = chains[p] = (a.tolist(), end[a].tolist())
-            r, m = rows.best_fit(chain[0], chain[1], lens[s])
-            if r < 0:
-                r = rows.open_row()
-            watch.add(r, chain[0], chain[1], m)
-            row_of[s] = r
-    except _Abandon:
-        return None
-    return watch.result(row_of)
+    return best_fit_decreasing(tree, order, cost, seq_len, kids=kids, stop_rows=stop_rows, chains=chains)
 
 
 def auto_place(
@@ -194,7 +101,7 @@ def auto_place(
     """Run the candidates of the module docstring.
 
     Args:
-        tree, batch, seq_len: as for :func:`~.place.place_leaves`.
+        tree, batch, seq_len: as for :func:`~.placement.place_leaves`.
         bound: the tree's :func:`~.bounds.lower_bound_rows`, if already known.
         repair_ms: the repair pass's budget, CPU ms of this thread (0: no repair).
 
@@ -204,29 +111,32 @@ def auto_place(
     if bound is None:
         bound = lower_bound_rows(tree, seq_len)
     spent = cpu = 0.0  # the repair pass's wall time (reported) and CPU time (budgeted), ms
+    chains = Chains(tree)
     candidates = (
-        ("grouped", lambda stop: unit_place(tree, batch, seq_len, split=False, stop_rows=stop)),
-        ("grouped+split", lambda stop: unit_place(tree, batch, seq_len, split=True, stop_rows=stop)),
-        ("bfd", lambda stop: bfd_place(tree, batch, seq_len, stop_rows=stop)),
+        ("grouped", lambda stop: unit_place(tree, batch, seq_len, split=False, stop_rows=stop, chains=chains)),
+        ("grouped+split", lambda stop: unit_place(tree, batch, seq_len, split=True, stop_rows=stop, chains=chains)),
+        ("bfd", lambda stop: bfd_candidate(tree, batch, seq_len, stop_rows=stop, chains=chains)),
     )
-    best = None
+    best: Candidate | None = None
+    winner = ""
     for name, run in candidates:
-        got = run(None if best is None else best[1][0])
+        got = run(None if best is None else best.num_rows)
         if got is None:
             continue
-        if best is None or got[1] < best[1]:
-            best = (got[0], got[1], name, got[2])
-        if best[1][0] > bound and best[2] == name and repair_ms > 0:
+        if best is None or got.score < best.score:
+            best, winner = got, name
+        if best.num_rows > bound and winner == name and repair_ms > 0:
             t, c = time.perf_counter(), time.thread_time()
             budget = repair_ms - cpu
             if budget > 0:
-                res = repair_rows(tree, best[0], best[1][0], seq_len, bound, budget_ms=budget, loads=best[3])
+                res = repair_rows(tree, best.row_of, best.num_rows, seq_len, bound, budget_ms=budget, loads=best.loads, chains=chains)
                 if res.removed:
                     loads = row_costs(tree, res.row_of, res.num_rows)
-                    best = (res.row_of, (res.num_rows, int(loads.sum())), name + "+repair", loads)
+                    best = Candidate(row_of=res.row_of, num_rows=res.num_rows, packed_tokens=int(loads.sum()), loads=loads)
+                    winner = name + "+repair"
             spent += (time.perf_counter() - t) * 1e3
             cpu += (time.thread_time() - c) * 1e3
-        if best[1][0] <= bound:
+        if best.num_rows <= bound:
             break
     assert best is not None
-    return best[0], best[2], {"repair": spent}
+    return best.row_of, winner, {"repair": spent}

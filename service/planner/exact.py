@@ -24,43 +24,15 @@ it answers "unknown", never a wrong "no"; so does one past its deadline, if give
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from treepack.service.planner.items import Item, leaf_items
 from treepack.service.planner.tree import Tree
 
-__all__ = ["Item", "leaf_items_of", "fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN"]
+__all__ = ["fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN"]
 
 FIT, NO_FIT, UNKNOWN = "fit", "no_fit", "unknown"
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """A leaf as the search sees it.
-
-    Attributes:
-        seq: the sequence it ends.
-        chain: its internal ancestors, root first.
-        cost: its full cost (sequence length).
-        tail: its own segment's length (cost minus the chain's tokens).
-    """
-
-    seq: int
-    chain: tuple[int, ...]
-    cost: int
-    tail: int
-
-
-def leaf_items_of(tree: Tree, seqs) -> list[Item]:
-    """The :class:`Item` of each kept sequence in ``seqs``."""
-    out = []
-    ends = tree.end
-    for s in seqs:
-        path = tree.path(int(s))
-        leaf = int(path[-1])
-        out.append(Item(int(s), tuple(int(v) for v in path[:-1]), int(ends[leaf]), int(tree.length[leaf])))
-    return out
 
 
 class _Limit(Exception):
@@ -153,7 +125,7 @@ def fit_rows(
     """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens.
 
     Args:
-        items: the leaves (see :func:`leaf_items_of`).
+        items: the leaves (see :func:`~.items.leaf_items`).
         num_rows: m >= 0.
         capacity: C.
         node_len: per node id, its length (indexable: a list or an array).
@@ -194,7 +166,7 @@ def exact_min_rows(tree: Tree, seq_len: int, lower: int, upper: int, *, node_lim
         (rows, proven): the fewest rows found; ``proven`` when every smaller count was
         refuted (not merely left unknown).
     """
-    items = leaf_items_of(tree, np.flatnonzero(tree.leaf_of >= 0))
+    items = leaf_items(tree, np.flatnonzero(tree.leaf_of >= 0))
     node_len = tree.length.tolist()
     proven = True
     for m in range(lower, upper):

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepack.service.planner.exact import FIT, Item, fit_rows
-from treepack.service.planner.placement import row_costs
+from treepack.service.planner.exact import FIT, fit_rows
+from treepack.service.planner.items import Chains, Item
+from treepack.service.planner.rows import row_costs
 from treepack.service.planner.tree import Tree
 
 __all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT"]
@@ -92,11 +93,11 @@ class _Rows:
     subtree (a contiguous pre-order range) on first use.
     """
 
-    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None) -> None:
+    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None, chains: Chains | None) -> None:
         self.tree = tree
+        self.chains = Chains(tree) if chains is None else chains
         self.row_of = row_of
         self.node_len = _Lookup(tree.length)
-        self.end = _Lookup(tree.end)
         self.alive = set(range(num_rows))
         self.items: dict[int, Item] = {}
         kept = row_of >= 0
@@ -138,10 +139,7 @@ class _Rows:
     def item(self, s: int) -> Item:
         it = self.items.get(s)
         if it is None:
-            ptr = self.tree.path_ptr
-            path = self.tree.path_nodes[ptr[s] : ptr[s + 1]].tolist()
-            leaf = path[-1]
-            it = self.items[s] = Item(s, tuple(path[:-1]), self.end[leaf], self.node_len[leaf])
+            it = self.items[s] = self.chains.item(s)
         return it
 
     def _reindex(self, r: int, members: list[int]) -> None:
@@ -222,6 +220,7 @@ def repair_rows(
     max_rows: int = MAX_ROWS,
     node_limit: int = NODE_LIMIT,
     loads: np.ndarray | None = None,
+    chains: Chains | None = None,
 ) -> RepairResult:
     """Remove rows from a placement by exact re-packing of small neighbourhoods (module docstring).
 
@@ -235,6 +234,7 @@ def repair_rows(
         max_rows: largest neighbourhood.
         node_limit: branch-and-bound nodes per neighbourhood.
         loads: [R] tokens of each row, if known (else computed).
+        chains: the tree's :class:`~.items.Chains`, if already built.
 
     Returns:
         The :class:`RepairResult` (``row_of`` is the input itself when nothing changed).
@@ -242,7 +242,7 @@ def repair_rows(
     deadline = time.thread_time() + budget_ms / 1e3
     if budget_ms <= 0 or num_rows <= bound:
         return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=0, out_of_time=False)
-    rows = _Rows(tree, row_of, num_rows, loads)
+    rows = _Rows(tree, row_of, num_rows, loads, chains)
     failed: set[frozenset[int]] = set()
     tried = 0
     out_of_time = False

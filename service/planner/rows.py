@@ -1,4 +1,5 @@
-"""Open rows and the sharing-aware best-fit query (the engine under ``bfd`` and ``auto``).
+"""Open rows, the sharing-aware best-fit query, and the one best-fit-decreasing loop over
+them (the engine under ``bfd`` and every ``auto`` candidate).
 
 An *item* is a leaf (or, for ``auto``, a whole subtree) with a full cost and a chain of
 internal ancestors ``anc[0..k)`` (root first) ending at ``ends[i]`` tokens. A row holds
@@ -18,13 +19,26 @@ skipped rows, not O(R):
 - the "none" class walks a global sorted list of every open row.
 
 :func:`naive_best_fit` is the obviously correct O(R) scan the tests compare against.
+
+:func:`best_fit_decreasing` puts items (tree nodes: leaves for ``bfd``, subtrees for
+``auto``'s grouped candidates) into rows in the order given, each into its best-fitting
+open row, opening a row when none fits; it can split an item that fits nowhere into its
+children first, and give up as soon as it cannot beat a known row count. Its result is a
+:class:`Candidate`. :func:`row_costs` gives any placement's tokens per row.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 
-__all__ = ["OpenRows", "naive_best_fit", "SMALL"]
+import numpy as np
+
+from treepack.proto.index import csr_gather
+from treepack.service.planner.items import Chains
+from treepack.service.planner.tree import Tree
+
+__all__ = ["OpenRows", "naive_best_fit", "SMALL", "Candidate", "best_fit_decreasing", "row_costs"]
 
 SMALL = 12
 _MASK = (1 << 32) - 1
@@ -177,3 +191,107 @@ def naive_best_fit(held: list[set[int]], room: list[int], anc: list[int], ends: 
         if ra >= 0 and (best_ra is None or ra < best_ra):
             best_ra, best = ra, (r, m)
     return best
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """A packing of every kept sequence, with its score.
+
+    Attributes:
+        row_of: [S] int64 row of each sequence, -1 for dropped ones.
+        num_rows: R.
+        packed_tokens: tokens the rows hold together (sum of ``loads``).
+        loads: [R] int64 tokens each row holds.
+    """
+
+    row_of: np.ndarray
+    num_rows: int
+    packed_tokens: int
+    loads: np.ndarray
+
+    @property
+    def score(self) -> tuple[int, int]:
+        """(rows, packed tokens): lower is better."""
+        return self.num_rows, self.packed_tokens
+
+
+def best_fit_decreasing(
+    tree: Tree,
+    order: list[int],
+    cost: np.ndarray,
+    seq_len: int,
+    *,
+    kids: tuple[list[int], list[int]] | None = None,
+    stop_rows: int | None = None,
+    chains: Chains | None = None,
+) -> Candidate | None:
+    """Put the items ``order`` (tree nodes) into rows, each into its best-fitting open row.
+
+    Every kept sequence's path must cross exactly one placed item (leaves of every kept
+    sequence; or subtrees covering them, split further by ``kids``): its row is that item's.
+
+    Args:
+        tree: the batch's tree.
+        order: [K] nodes in the order they are visited (largest first, by the caller's rule).
+        cost: [N] int64 full cost of each node as an item (``end`` for a leaf; start plus
+            subtree size for a subtree).
+        seq_len: row capacity C.
+        kids: (ptr [N+1], nodes) CSR of the children to visit, in order, instead of opening a
+            row for an item that fits no open row; None: never split.
+        stop_rows: give up (return None) once the result cannot have fewer rows than this.
+        chains: the tree's :class:`~.items.Chains`, shared between calls (else built here).
+
+    Returns:
+        The :class:`Candidate`, or None if given up.
+    """
+    chains = Chains(tree) if chains is None else chains
+    parent = chains.parent
+    costl = cost.tolist()
+    rows = OpenRows(seq_len)
+    room = rows.room
+    # Give up once the result cannot have fewer than stop_rows rows: its open rows, or
+    # ceil((T + copies) / C) with T the tree's tokens and ``copies`` the tokens of internal
+    # nodes already held by a second row (the final rows hold every tree token once plus those).
+    limit = None if stop_rows is None else (stop_rows - 1) * seq_len - tree.num_tokens
+    placed: list[int] = []
+    placed_row: list[int] = []
+    best_fit, add = rows.best_fit, rows.add
+    stack = order[::-1]
+    pop = stack.pop
+    while stack:
+        v = pop()
+        anc, aend = chains[parent[v]]
+        r, m = best_fit(anc, aend, costl[v])
+        if r < 0:
+            if kids is not None and kids[0][v] < kids[0][v + 1]:
+                ptr, kid = kids
+                stack.extend(kid[ptr[v + 1] - 1 : ptr[v] - 1 if ptr[v] else None : -1])
+                continue
+            r = rows.open_row()
+        add(r, anc, m, aend)
+        if limit is not None and (rows.copies > limit or len(room) >= stop_rows):
+            return None
+        placed.append(v)
+        placed_row.append(r)
+    node_row = np.full(tree.num_nodes, -1, dtype=np.int64)
+    node_row[placed] = placed_row
+    row_of = np.full(tree.leaf_of.shape[0], -1, dtype=np.int64)
+    kept = np.flatnonzero(tree.leaf_of >= 0)
+    if kept.shape[0]:
+        row_of[kept] = np.maximum.reduceat(node_row[tree.path_nodes], tree.path_ptr[kept])
+    loads = rows.capacity - np.asarray(rows.room, dtype=np.int64)
+    return Candidate(row_of=row_of, num_rows=len(rows.room), packed_tokens=int(loads.sum()), loads=loads)
+
+
+def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = True) -> np.ndarray:
+    """[R] int64 tokens each row holds: the size of the union of its leaves' paths."""
+    kept = row_of >= 0
+    if not share:
+        lens = tree.end[tree.leaf_of]
+        return np.bincount(row_of[kept], weights=lens[kept], minlength=num_rows).astype(np.int64)
+    seqs = np.flatnonzero(kept)
+    counts = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
+    nodes = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
+    rows = np.repeat(row_of[seqs], counts)
+    pair = np.unique(rows * tree.num_nodes + nodes)
+    return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)

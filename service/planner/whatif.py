@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
-from treepack.proto.batch_wire import PackInput
+from treepack.proto.batch import PackInput
 from treepack.proto.options import PlanOptions, as_options
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options

@@ -104,6 +104,27 @@ async def test_async_embedded_and_sync_http_agree(server):
         assert p.health() == {"version": 1, "status": "ok", "backend": "http"}
 
 
+async def test_a_pack_input_goes_to_every_entry_point_as_it_is(server):
+    # One request object: plan_batch, both packers and both backends take it in place
+    # of the keywords, and give the plan the keywords give.
+    from treepack.proto.batch import PackInput
+    from treepack.service.planner import plan_batch
+
+    name, kwargs, tags = BATCHES[1]
+    request = PackInput.of(**kwargs, tags=tags)
+    want = plan_batch(**kwargs)
+    validate_plan(want, kwargs["sequences"], trainable=kwargs.get("trainable"))
+    assert_same_plan(want, plan_batch(request))
+    assert_same_plan(want, Packer().pack(request))
+    async with AsyncPacker(server) as p:
+        assert_same_plan(want, await p.pack(request))
+    with pytest.raises(InputTypeError, match="PackInput alone") as e:
+        Packer().pack(request, groups=None, seq_len=64)
+    assert (e.value.path, e.value.rule) == ("$", "exclusive")
+    with pytest.raises(InputTypeError, match="PackInput alone"):
+        Packer().pack(request, record=False)
+
+
 # (kwargs, exception, path, rule, message): the embedded planner's full message; the
 # sidecar's errors come back as the same exception with the server's message and path.
 _OVER = " (set on_overflow='truncate' or 'drop' to allow)"
@@ -151,9 +172,10 @@ def test_errors_are_the_same_exceptions(server, kwargs, exc, path, rule, message
 def test_server_side_errors_keep_kind_message_and_path(server):
     # A request the client does not check itself: the server's error arrives intact.
     from treepack.proto.codec import encode_body
+    from treepack.proto.batch import PackInput
     from treepack.proto.batch_wire import encode_pack_request
 
-    msg = encode_pack_request([np.arange(5)], seq_len=64)
+    msg = encode_pack_request(PackInput.of([np.arange(5)], seq_len=64))
     msg["version"] = 7
     r = httpx.post(server + "/v1/pack", content=encode_body(msg, "msgpack"), headers={"content-type": "application/msgpack"})
     from treepack.client.http import raise_for_response
@@ -207,3 +229,25 @@ def test_whatif_over_http_matches_embedded_on_inline_shapes(server):
         assert a.rows == b.rows and a.packed_tokens == b.packed_tokens and a.p_rows_over == b.p_rows_over
         assert np.array_equal(a.row_counts, b.row_counts)
     assert rem[2].row_counts.tolist() == [result.plan.num_rows] * 4  # every group: the recorded batch itself
+
+
+def test_every_backend_has_the_protocol_methods_with_their_parameters():
+    # Protocols are not checked at runtime: hold each backend to its protocol here.
+    import inspect
+
+    from treepack.client.embedded import EmbeddedBackend
+    from treepack.client.http import AsyncHttpBackend, HttpBackend
+    from treepack.client.protocols import AsyncBackend, Backend, InThread
+
+    def methods(cls):
+        return {n: f for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")}
+
+    for proto, impls in ((Backend, (EmbeddedBackend, HttpBackend)), (AsyncBackend, (InThread, AsyncHttpBackend))):
+        want = methods(proto)
+        assert set(want) == {"pack", "whatif", "history", "health", "close"}
+        for impl in impls:
+            for name, spec in want.items():
+                got = getattr(impl, name, None)
+                assert got is not None, f"{impl.__name__} has no {name}"
+                assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(spec), (impl.__name__, name)
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(spec).parameters), (impl.__name__, name)

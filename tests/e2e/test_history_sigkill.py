@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from treepack.service.history import HistoryStore
+from treepack.proto.history import HistoryStore
 
 WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from treepack.service.history import HistoryStore
+    from treepack.proto.history import HistoryStore
     from treepack.proto.shape import BatchShape
 
     rng = np.random.default_rng(0)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 
+from treepack.proto.batch import PackInput
 from treepack.proto.codec import encode_body
 from treepack.proto.batch_wire import encode_pack_request
 from treepack.proto.plan_wire import plan_differences
@@ -48,14 +49,14 @@ def plan_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def pack_body(batch: dict[str, Any], fmt: str = "msgpack", *, dedup: bool = True, **overrides: Any) -> bytes:
-    msg = encode_pack_request(**batch, fmt=fmt, dedup=dedup)
+    msg = encode_pack_request(PackInput.of(**batch), fmt=fmt, dedup=dedup)
     msg.update(overrides)
     return encode_body(msg, fmt)
 
 
 def pack_message(batch: dict[str, Any], fmt: str = "msgpack", *, dedup: bool = False) -> dict[str, Any]:
     """The request as a dict; plain columns (no prefix references) unless ``dedup``."""
-    return encode_pack_request(**batch, fmt=fmt, dedup=dedup)
+    return encode_pack_request(PackInput.of(**batch), fmt=fmt, dedup=dedup)
 
 
 def assert_same_plan(a: Plan, b: Plan) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.proto.batch_wire import PackInput
+from treepack.proto.batch import PackInput
 from treepack.proto.options import PlanOptions
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.planner.api import PlanResult, plan_request

@@ -21,10 +21,12 @@ from treepack.proto.batch import normalize_batch
 from treepack.proto.errors import RequestError
 from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
 from treepack.service.planner import PlanInvariantError, build_tree, lower_bound_rows, place_leaves, plan_batch, validate_plan
-from treepack.service.planner.auto import bfd_place, unit_place
+from treepack.service.planner.auto import unit_place
+from treepack.service.planner.baselines import bfd_candidate
 from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, bin_packing_l2, leaf_children_rows, min_copies
-from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, leaf_items_of, naive_min_rows
-from treepack.service.planner.placement import row_costs
+from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, naive_min_rows
+from treepack.service.planner.items import leaf_items
+from treepack.service.planner.rows import row_costs
 from treepack.service.planner.repair import repair_rows
 
 FAMILIES = ("grpo", "curriculum", "agentic", "distill", "sft", "adversarial")
@@ -138,7 +140,7 @@ def test_branch_and_bound_equals_brute_force():
         opt = naive_min_rows(tree, C)
         rows, proven = exact_min_rows(tree, C, 0, len(kw["sequences"]) + 1)
         assert proven and rows == opt, (family, rows, opt)
-        items = leaf_items_of(tree, np.flatnonzero(tree.leaf_of >= 0))
+        items = leaf_items(tree, np.flatnonzero(tree.leaf_of >= 0))
         status, assign = fit_rows(items, opt, C, tree.length.tolist())
         assert status == FIT
         row_of = np.full(len(kw["sequences"]), -1, dtype=np.int64)
@@ -200,9 +202,9 @@ def test_repair_pass_removes_a_stranded_row_deterministically():
         found += 1
         base = repaired.strategy.removesuffix("+repair")
         if base == "bfd":
-            before = bfd_place(tree, batch, C)[1][0]
+            before = bfd_candidate(tree, batch, C).num_rows
         else:
-            before = unit_place(tree, batch, C, split=base == "grouped+split")[1][0]
+            before = unit_place(tree, batch, C, split=base == "grouped+split").num_rows
         assert repaired.num_rows < before and repaired.num_rows <= greedy.num_rows
         fewer += repaired.num_rows < greedy.num_rows
         again = place_leaves(tree, batch, C, "auto", repair_ms=BUDGET)
@@ -234,18 +236,18 @@ def test_abandoned_candidates_could_not_have_won():
     for family, kw in suite(per_family=20):
         batch, tree = _tree(kw)
         C = kw["seq_len"]
-        full = bfd_place(tree, batch, C)
-        assert np.array_equal(full[0], place_leaves(tree, batch, C, "bfd").row_of)
-        for stop in range(1, full[1][0] + 2):
-            got = bfd_place(tree, batch, C, stop_rows=stop)
+        full = bfd_candidate(tree, batch, C)
+        assert np.array_equal(full.row_of, place_leaves(tree, batch, C, "bfd").row_of)
+        for stop in range(1, full.num_rows + 2):
+            got = bfd_candidate(tree, batch, C, stop_rows=stop)
             if got is None:
-                assert full[1][0] >= stop
+                assert full.num_rows >= stop
                 seen["abandoned"] += 1
             else:
-                assert np.array_equal(got[0], full[0])
+                assert np.array_equal(got.row_of, full.row_of)
         split = unit_place(tree, batch, C, split=True)
-        assert unit_place(tree, batch, C, split=True, stop_rows=split[1][0]) is None
-        assert int(row_costs(tree, full[0], full[1][0]).sum()) == full[1][1]
+        assert unit_place(tree, batch, C, split=True, stop_rows=split.num_rows) is None
+        assert int(row_costs(tree, full.row_of, full.num_rows).sum()) == full.packed_tokens
     assert seen["abandoned"] >= 50
 
 

@@ -27,7 +27,7 @@ from treepack.service.planner import (
     plan_batch,
     validate_plan,
 )
-from treepack.service.planner.placement import row_costs
+from treepack.service.planner.rows import row_costs
 
 TREE_FIELDS = ("parent", "start", "length", "source", "sharers", "depth", "leaf_of", "path_ptr", "path_nodes")
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.messages import PackRequest
 from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
+from treepack.proto.batch import PackInput, normalize_batch
 from treepack.proto.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
-from treepack.proto.batch import normalize_batch
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 
@@ -97,8 +97,8 @@ def _cases():
 @pytest.mark.parametrize("name,kwargs", list(_cases()))
 def test_msgpack_body_is_packb_of_the_message(name, kwargs):
     for dedup in (True, False):
-        body = encode_pack_body(**kwargs, dedup=dedup, tags=None)
-        assert body == encode_body(encode_pack_request(**kwargs, dedup=dedup), "msgpack"), name
+        body = encode_pack_body(PackInput.of(**kwargs, tags=None), dedup=dedup)
+        assert body == encode_body(encode_pack_request(PackInput.of(**kwargs), dedup=dedup), "msgpack"), name
     msg = parse_message(PackRequest, decode_body(body, "msgpack"))
     if name != "empty-sequence":
         req = decode_pack_request(msg)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 ROOT = Path(os.environ.get("TREEPACK_RINGS_ROOT", Path(__file__).resolve().parents[2]))
 FOLDERS = {"proto": "treepack.proto", "service": "treepack.service", "client": "treepack.client", "trainer_plugin": "treepack.trainer"}
-HISTORY = "treepack.service.history"
 
 
 def _under(name: str, pkg: str) -> bool:
@@ -29,14 +28,12 @@ def allowed(importer: str, target: str) -> bool:
         return _under(target, "treepack.proto")
     if _under(importer, "treepack.service.planner"):
         return _under(target, "treepack.proto") or _under(target, "treepack.service.planner")
-    if importer == HISTORY:  # the shape store, shared with the embedded client
-        return _under(target, "treepack.proto")
     if _under(importer, "treepack.service.cli") or importer == "treepack.service.__main__":
         return _under(target, "treepack.proto") or _under(target, "treepack.service")
     if _under(importer, "treepack.service"):
         return _under(target, "treepack.proto") or (_under(target, "treepack.service") and not _under(target, "treepack.service.cli"))
     if importer == "treepack.client.embedded":
-        return any(_under(target, p) for p in ("treepack.proto", "treepack.client", "treepack.service.planner", HISTORY))
+        return any(_under(target, p) for p in ("treepack.proto", "treepack.client", "treepack.service.planner"))
     if _under(importer, "treepack.client"):
         return _under(target, "treepack.proto") or _under(target, "treepack.client")
     if _under(importer, "treepack.trainer"):

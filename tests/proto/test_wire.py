@@ -17,9 +17,9 @@ from treepack.proto.codec import decode_body, encode_body, parse_message, respon
 from treepack.proto.errors import DecodeError, InputTypeError, RequestError, UnsupportedMediaTypeError
 from treepack.proto.messages import PackRequest
 from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
+from treepack.proto.batch import PackInput, normalize_batch
 from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_request
 from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
-from treepack.proto.batch import normalize_batch
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
@@ -150,8 +150,8 @@ def test_pack_request_round_trip(fmt):
 def test_dedup_sends_each_group_prompt_once_and_rebuilds_the_same_batch():
     w = curriculum(16)
     kw = dict(sequences=w.sequences, trainable=w.trainable, groups=w.groups, seq_len=w.seq_len)
-    plain = encode_body(encode_pack_request(**kw, dedup=False), "msgpack")
-    small = encode_body(encode_pack_request(**kw), "msgpack")
+    plain = encode_body(encode_pack_request(PackInput.of(**kw), dedup=False), "msgpack")
+    small = encode_body(encode_pack_request(PackInput.of(**kw)), "msgpack")
     assert len(small) < 0.6 * len(plain)
     got, _ = _decoded(parse_message(PackRequest, decode_body(small, "msgpack")))
     _same_batch(got, normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups))
@@ -197,7 +197,8 @@ def test_random_batches_survive_the_wire(lens, fmt, mode, with_keys, grouped, de
     keys = [rng.integers(0, 2, n).astype(np.uint64) for n in lens] if with_keys else None
     groups = [int(g) for g in rng.integers(0, 3, len(lens))] if grouped else None
     # dedup with min_prefix=1: prefix references (chains of them without groups) on tiny data
-    msg = encode_pack_request(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2, fmt=fmt, dedup=dedup, min_prefix=1)
+    request = PackInput.of(seqs, seq_len=64, trainable=trainable, keys=keys, groups=groups, min_shared_len=2)
+    msg = encode_pack_request(request, fmt=fmt, dedup=dedup, min_prefix=1)
     body = encode_body(msg, fmt)
     msg = parse_message(PackRequest, decode_body(body, fmt))
     got, opts = _decoded(msg)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers.trees import plan_result
-from treepack.service.history import HistoryRecorder, HistoryStore
+from treepack.proto.history import HistoryStore
+from treepack.service.recorder import HistoryRecorder
 from treepack.proto.batch import normalize_batch
 from treepack.service.planner import plan_batch
 from treepack.proto.shape import BatchShape

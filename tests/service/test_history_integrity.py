@@ -10,7 +10,7 @@ import msgpack
 from helpers.service import pack_body, small_batch
 
 from treepack.service import Settings, create_app
-from treepack.service.history import HistoryDamaged, HistoryStore
+from treepack.proto.history import HistoryDamaged, HistoryStore
 
 MP = {"content-type": "application/msgpack", "accept": "application/json"}
 WHATIF = msgpack.packb({"version": 1, "seq_len": 512, "trials": 2, "compositions": [{"groups": 1}]})

@@ -138,7 +138,7 @@ def _materialize(msg: dict) -> dict:
 def _base_whatif() -> dict:
     plan_input = small_batch()
     from treepack.service.planner.api import plan_request
-    from treepack.proto.batch_wire import PackInput
+    from treepack.proto.batch import PackInput
     from treepack.proto.options import PlanOptions
 
     opts = PlanOptions(seq_len=512, min_shared_len=8)

@@ -1,5 +1,9 @@
 """The shape history: an embedded SQLite store of recorded batch shapes.
 
+The file both planners write: the sidecar (through :class:`~treepack.service.recorder.HistoryRecorder`)
+and the embedded client (``Packer(history_path=...)``), so it lives in the contract;
+it needs nothing of treepack beyond the shape codec.
+
 One table, one row per batch: summary columns (time, seq_len, counts, rows, savings,
 groups per tag) plus the shape itself as a msgpack blob (``BatchShapeMessage``, no
 tokens). Durability:
@@ -20,10 +24,6 @@ tokens). Durability:
   counted (:attr:`HistoryStore.undecodable`), never blamed on a request.
 - :meth:`HistoryStore.checkpoint` (at shutdown, and in :meth:`HistoryStore.close`) folds
   the WAL into the database file, so the file alone is complete after a clean stop.
-
-:class:`HistoryRecorder` writes from one background thread so a pack response never
-waits for hashing or the disk; :meth:`HistoryRecorder.flush` lets readers see every
-earlier write.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import logging
 import sqlite3
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,11 +41,10 @@ import msgpack
 from treepack.proto.codec import parse_message
 from treepack.proto.errors import TreepackError
 from treepack.proto.messages import BatchShapeMessage
-from treepack.proto.plan import PlanStats
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
 
-__all__ = ["HistoryStore", "HistoryRecorder", "HistoryDamaged", "SCHEMA_VERSION", "empty_summary", "move_aside"]
+__all__ = ["HistoryStore", "HistoryDamaged", "SCHEMA_VERSION", "empty_summary", "move_aside"]
 
 log = logging.getLogger("treepack.history")
 
@@ -340,68 +338,6 @@ def _decode_row(bid: int, blob: Any) -> BatchShape | None:
     except (TreepackError, ValueError, TypeError, msgpack.UnpackException) as exc:
         log.warning("history row %d skipped: it does not decode (%s)", bid, _one_line(exc))
         return None
-
-
-class HistoryRecorder:
-    """Records shapes from one background thread, dropping work beyond ``max_pending``.
-
-    Counters (read by the metrics): ``recorded``, ``skipped`` (backlog full), ``failed``.
-    """
-
-    def __init__(self, store: HistoryStore, *, max_pending: int = 32) -> None:
-        self.store = store
-        self.max_pending = max_pending
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="treepack-history")
-        self._lock = threading.Lock()
-        self._pending = 0
-        self.recorded = 0
-        self.skipped = 0
-        self.failed = 0
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    def _write(self, make_shape: Callable[[], BatchShape], stats: PlanStats) -> None:
-        try:
-            shape = make_shape()
-            self.store.record(shape, rows=stats.rows, packed_tokens=stats.packed_tokens, saved_fraction=stats.saved_fraction)
-            self.recorded += 1
-        except Exception:
-            self.failed += 1
-            log.exception("could not record a batch shape")
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def submit(self, make_shape: Callable[[], BatchShape] | None, stats: PlanStats) -> bool:
-        """Queue a planned batch's shape for recording.
-
-        Args:
-            make_shape: computes the shape on the writer thread (the planner's
-                ``fingerprint.shape_job``); None when there is nothing to record.
-            stats: the plan's figures, recorded beside the shape.
-
-        Returns:
-            True if queued; False if the backlog is full or there was nothing to record.
-        """
-        if make_shape is None:
-            return False
-        with self._lock:
-            if self._pending >= self.max_pending:
-                self.skipped += 1
-                return False
-            self._pending += 1
-        self._executor.submit(self._write, make_shape, stats)
-        return True
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Block until every earlier submission is written (the writer is FIFO)."""
-        self._executor.submit(lambda: None).result(timeout)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self.store.close()
 
 
 def empty_summary() -> dict[str, Any]:
