@@ -10,10 +10,10 @@ What changes against ``trl.GRPOTrainer`` (1.16) is mainly one method, the one TR
 every per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in
 the loss, the old policy and the reference in scoring), plus ``_prepare_inputs`` (the
 shuffle below). It reads TRL's padded
-``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
+``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.planning.bridge`), plans them once
 per call (a prompt's completions share its tokens in one tree), splits the plan's rows
 into as many chunks as TRL's own ``batch_size`` chunking would make
-(:mod:`treepack.trainer.data.microbatch`), runs the model on the rows through TRL's own
+(:mod:`treepack.trainer.planning.microbatch`), runs the model on the rows through TRL's own
 fused LM head (``fused_lm_head=True`` with pre-shifted ``shift_labels``: the same
 temperature, entropy, soft-capping, fp32 head and chunking as stock), and scatters the
 results back to TRL's ``[B, C]``. TRL's loss code (every ``loss_type``), generation,
@@ -25,7 +25,7 @@ accumulation above 1 that changes which completions each micro-batch holds, henc
 per-micro-batch normalisations and metrics: a different (equally valid) run, not stock's.
 
 Before the first packed step of a model the trainers run what ``packed_forward`` runs:
-``check_model``, the dropout / patch refusals (:mod:`treepack.trainer.hf.guards`) and the
+``check_model`` (with the dropout / patch refusals of :mod:`treepack.trainer.hf.guards`) and the
 probe (:mod:`treepack.trainer.hf.probe`, once per setup; ``PackingConfig(verify=False)``
 skips it).
 
@@ -35,7 +35,7 @@ switched, so ``generate()`` between steps runs the stock model and activation ch
 replays the packed layers in backward.
 
 :class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
-call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.data.bridge.from_labeled`).
+call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.planning.bridge.from_labeled`).
 
 Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
 ``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
@@ -55,20 +55,19 @@ from trl.trainer import grpo_trainer as _grpo
 from trl.trainer.utils import FusedCausalLMOutput
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
+from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
 from treepack.trainer.data.materialize import materialize
-from treepack.trainer.data.microbatch import plan_microbatches
+from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.planner import PlannerArg
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention, verify_model
-from treepack.trainer.hf.guards import refuse_guards
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
 
-SUPPORTED_TRL = (">=1.16", "<1.17")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +81,9 @@ class PackingConfig:
         backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
             ``flash``.
         placement: the planner's placement (``auto`` ...).
-        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        planner: as :func:`~treepack.trainer.planning.planner.obtain_plan`: a
+            ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
+            a plan function, a sidecar URL, or None (embedded).
         max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
         keep_groups: shuffle whole prompt groups into the micro-batches, so each prompt's
             completions share it in one micro-batch (more sharing). Off by default: it
@@ -99,7 +100,7 @@ class PackingConfig:
     min_shared_len: int = 16
     backend: str = "sdpa"
     placement: str = "auto"
-    planner: Any = None
+    planner: PlannerArg = None
     max_seq_len: int = 8192
     keep_groups: bool = False
     verify: bool = True
@@ -115,7 +116,7 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
 
     A tree (one prompt and its group's completions) needs at most prompt + all its
     completions tokens; L is that for the largest group (without groups, as from
-    :func:`~treepack.trainer.data.bridge.from_labeled`: all tokens of the batch), capped at
+    :func:`~treepack.trainer.planning.bridge.from_labeled`: all tokens of the batch), capped at
     ``max_seq_len`` but never below the longest sequence, rounded up to 128 (``flex``'s
     block) or 16.
 
@@ -194,8 +195,7 @@ class _PackedRows:
         backend = self.packing.backend
         hf = unwrap_model(model)
         # What packed_forward refuses is refused here too, before the first step computes anything.
-        check_model(hf, backend=backend, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width)
-        refuse_guards(hf, allow_dropout=self.packing.allow_dropout)
+        check_model(hf, backend=backend, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
         enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})

@@ -39,7 +39,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
 from treepack.trainer.hf.context import BATCH_KWARG, current_packed, use_packed
 
-__all__ = ["install_dispatch", "uninstall_dispatch", "HOOKS_ATTR"]
+__all__ = ["install_dispatch", "HOOKS_ATTR"]
 
 # Where a hooked module keeps its hook handles and its stack of saved implementations
 # (in its __dict__, outside nn.Module's registries, like the layer patches' stock forwards).
@@ -168,21 +168,4 @@ def install_dispatch(model: torch.nn.Module) -> int:
             post = mod.register_forward_hook(_leave, with_kwargs=True, always_call=True)
             mod.__dict__[HOOKS_ATTR] = (pre, post)
         n += 1
-    return n
-
-
-def uninstall_dispatch(model: torch.nn.Module) -> int:
-    """Remove the hooks of :func:`install_dispatch`; returns how many modules were unhooked."""
-    n = 0
-    for mod in model.modules():
-        handles = mod.__dict__.pop(HOOKS_ATTR, None)
-        if handles is not None:
-            for h in handles:
-                h.remove()
-            mod.__dict__.pop(_SAVED_ATTR, None)
-            mod.__dict__.pop(_CONFIGS_ATTR, None)
-            n += 1
-        fn = mod.__dict__.get("_gradient_checkpointing_func")
-        if getattr(fn, _REPLAY_MARK, False):
-            mod.__dict__["_gradient_checkpointing_func"] = fn.__wrapped__
     return n

@@ -1,8 +1,8 @@
-"""Refusals a structural walk of the layer classes misses: dropout while training, patched forwards, hooks.
+"""Refusals a walk of the layer classes misses: dropout while training, patched forwards, hooks.
 
-:func:`~treepack.trainer.hf.support.check_model` judges each module by its class. Two
-things change what runs without changing a class, and each is refused here before any
-compute, naming the module, its class and why:
+:func:`~treepack.trainer.hf.support.check_model` judges each module by its class, and adds
+these refusals. Two things change what runs without changing a class, and each is refused
+before any compute, naming the module, its class and why:
 
 - **dropout while training** (:func:`dropout_refusals`): on packed rows all sharers of a
   prefix get one dropout mask between them, where each sequence alone draws its own, so
@@ -30,9 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from treepack.proto.errors import UnsupportedModelError
-
-__all__ = ["dropout_refusals", "patch_refusals", "refuse_guards", "KNOWN_CODE", "DROPOUT_NAME"]
+__all__ = ["dropout_refusals", "patch_refusals", "KNOWN_CODE", "DROPOUT_NAME"]
 
 KNOWN_CODE = ("torch", "transformers", "peft", "accelerate", "trl", "treepack")
 DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_rate|drop_prob", re.I)
@@ -117,7 +115,8 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
             out.append((path, type(mod).__name__, f"dropout p={mod.p} while training: every sharer of a packed prefix would get the same mask{hint}"))
             continue
         for name, v in vars(mod).items():
-            if DROPOUT_NAME.search(name) and _rate(v) > 0 and not name.startswith("_"):
+            # attention_dropout is check_model's own refusal (the attention kernels run none).
+            if DROPOUT_NAME.search(name) and _rate(v) > 0 and not name.startswith("_") and name != "attention_dropout":
                 out.append((path, type(mod).__name__, f"functional dropout {name}={v} while training: every sharer of a packed prefix would get the same mask{hint}"))
     src = None
     for where, cfg in _configs(model):
@@ -163,21 +162,3 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
                 out.append((path, cls.__name__, f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row"))
     return out
 
-
-def refuse_guards(model: torch.nn.Module, *, allow_dropout: bool = False) -> None:
-    """Raise :class:`~treepack.proto.errors.UnsupportedModelError` for :func:`dropout_refusals` and :func:`patch_refusals`.
-
-    Raises:
-        UnsupportedModelError: naming each refused path, class and reason (before any compute).
-    """
-    found = dropout_refusals(model, allow_dropout=allow_dropout) + patch_refusals(model)
-    if not found:
-        return
-    shown = "; ".join(f"{p or '<model>'} ({c}): {r}" for p, c, r in found[:6])
-    more = f" (+{len(found) - 6} more)" if len(found) > 6 else ""
-    raise UnsupportedModelError(
-        f"{type(model).__name__} cannot run tree-packed exactly: {shown}{more}",
-        path=f"$.model.{found[0][0]}" if found[0][0] else "$.model",
-        rule="unsupported_model",
-        refusals=tuple(found),
-    )
