@@ -26,7 +26,7 @@ from helpers.families import model_support, oracle, window_case
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
-from treepack.trainer import materialize, naive_varlen_attention
+from treepack.trainer import check_model, materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
 
 ms = model_support()
@@ -174,6 +174,8 @@ def test_hooks_from_unknown_code_are_refused(case, kind):
 def test_dropout_while_training_is_refused(case, model_type, field, match):
     model = ms.build_causal_lm(model_type, **{field: 0.1})
     model.train()
+    with pytest.raises(UnsupportedModelError, match=match):
+        check_model(model)  # at check time, by its own name
     with pytest.raises(UnsupportedModelError, match=match):
         packed_forward(model, case[1])
     model.eval()
