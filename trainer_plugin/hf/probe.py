@@ -38,7 +38,6 @@ forked: the caller's random draws are unchanged by the probe.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import weakref
