@@ -186,8 +186,11 @@ def test_subclass_of_a_patched_layer_that_overrides_forward_is_refused(case):
         packed_forward(model, case["batch"])
 
 
-def test_patch_layers_false_is_refused_for_hybrids(case):
-    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == "qwen3_next"))
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba", "jamba", "lfm2", "kimi_linear"])
+def test_patch_layers_false_is_refused_for_hybrids(case, model_type):
+    """Kinds found by exact class (GDN) and by structure (Mamba2, Mamba, short conv, KDA) alike:
+    without their tree forwards the stock mixer would scan the whole row."""
+    model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == model_type))
     with pytest.raises(UnsupportedModelError, match=r"patch_layers=False"):
         packed_forward(model, case["batch"], patch_layers=False)
 
