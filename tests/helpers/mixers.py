@@ -18,6 +18,7 @@ from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.layers import unpatch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 VOCAB = 97
 
@@ -107,7 +108,7 @@ def leaf_gradient_leaks(model, plan, batch, embed: torch.nn.Module) -> tuple[int
         p = int(seg.parent[p])
     seg_ids = torch.from_numpy(plan.segment_ids())
     embeds = []
-    hook = embed.register_forward_hook(lambda m, i, o: embeds.append(o))
+    hook = embed.register_forward_hook(trust_hook(lambda m, i, o: embeds.append(o)))
     try:
         lp = packed_logprobs(model, batch)
     finally:

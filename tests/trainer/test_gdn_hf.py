@@ -23,6 +23,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.layers import patch_layers, unpatch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 VOCAB = 97
 # Dimensions both tiny hybrids share: layers 0, 1, 3 Gated DeltaNet, layer 2 full attention.
@@ -127,7 +128,7 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
         p = int(seg.parent[p])
     seg_ids = torch.from_numpy(plan.segment_ids())
     embeds = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: embeds.append(o))
+    hook = model.model.embed_tokens.register_forward_hook(trust_hook(lambda m, i, o: embeds.append(o)))
     try:
         lp = _packed_logprobs(model, batch)
     finally:
@@ -193,7 +194,7 @@ def test_activation_checkpointing_replays_the_tree_layers(case):
     patch_layers(model)
     params = list(model.parameters())
     calls = []
-    hooks = [layer.linear_attn.register_forward_hook(lambda *a: calls.append(1)) for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    hooks = [layer.linear_attn.register_forward_hook(trust_hook(lambda *a: calls.append(1))) for layer in model.model.layers if hasattr(layer, "linear_attn")]
 
     def grads():
         lp = torch.log_softmax(packed_forward(model, batch).float(), -1)

@@ -17,8 +17,10 @@ before any compute, naming the module, its class and why:
 - **patched forwards and hooks** (:func:`patch_refusals`): a ``forward`` set on an
   instance, a library class whose ``forward`` was replaced (a monkeypatch), and forward
   or pre-forward hooks (per module or global), unless their code comes from a known
-  library (torch, transformers, PEFT, accelerate, TRL, treepack): such code may mix
-  positions of the row (a ``cumsum``, a ``roll``) and treepack cannot read it.
+  library (torch, transformers, PEFT, accelerate, TRL, treepack) or marked with
+  :func:`trust_hook` (the caller states it works per position; the probe still checks):
+  such code may mix positions of the row (a ``cumsum``, a ``roll``) and treepack cannot
+  read it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["dropout_refusals", "patch_refusals", "KNOWN_CODE", "DROPOUT_NAME"]
+__all__ = ["dropout_refusals", "patch_refusals", "trust_hook", "KNOWN_CODE", "DROPOUT_NAME"]
 
 KNOWN_CODE = ("torch", "transformers", "peft", "accelerate", "trl", "treepack")
 DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_rate|drop_prob", re.I)
@@ -40,7 +42,20 @@ _NOT_A_RATE = re.compile(r"classifier|summary|^use_|_type$", re.I)
 Triple = tuple[str, str, str]
 
 
+_TRUSTED = "_treepack_trusted"
+
+
+def trust_hook(fn: Any) -> Any:
+    """Mark a hook (or forward) as the caller's statement that it works per position (it
+    reads or records values, it does not mix tokens); :func:`patch_refusals` then accepts it.
+    The run-time probe still checks the model with it. Returns ``fn``."""
+    setattr(getattr(fn, "__func__", fn), _TRUSTED, True)
+    return fn
+
+
 def _known(fn: Any) -> bool:
+    if getattr(getattr(fn, "__func__", fn), _TRUSTED, False):
+        return True
     mod = _code_module(fn)
     return mod is not None and mod.split(".")[0] in KNOWN_CODE
 
