@@ -114,7 +114,7 @@ def leaf_gradient_leaks(model, plan, batch, embed: torch.nn.Module) -> tuple[int
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[0])
+    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
     on_chain = torch.from_numpy(np.isin(plan.segment_ids(), sorted(chain)))
     per_pos = grad.abs().sum(-1)
     return int(torch.count_nonzero(per_pos[~on_chain])), int(on_chain.sum()) - int(torch.count_nonzero(per_pos[on_chain]))

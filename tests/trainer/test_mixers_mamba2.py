@@ -158,7 +158,7 @@ def test_activation_checkpointing_replays_the_tree_mixers(case):
     hooks = [m.register_forward_hook(trust_hook(lambda *a: calls.append(1))) for m in model.modules() if mixer_kind(m) == "mamba2"]
 
     def grads():
-        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
+        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa", verify=False).float(), -1)  # counts calls; checks exactness itself
         loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
         return torch.autograd.grad(loss, params, allow_unused=True)
 

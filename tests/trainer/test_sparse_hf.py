@@ -164,7 +164,7 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[0])
+    (grad,) = torch.autograd.grad(lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
     per_pos = grad.abs().sum(-1)
     assert torch.count_nonzero(per_pos[~on_chain]) == 0, "gradient reached a sibling, another tree or padding"
     assert torch.count_nonzero(per_pos[on_leaf]) == int(on_leaf.sum())
