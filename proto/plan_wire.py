@@ -40,7 +40,7 @@ ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
     ("ranks", "row_cost"): (_F8, 1),
     ("ranks", "rank_cost"): (_F8, 1),
 }
-_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f != "timings_ms")
+_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f not in ("timings_ms", "predicted_ms"))
 
 
 _SECTIONS: dict[str, tuple[tuple[str, str, int], ...]] = {
@@ -79,6 +79,7 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
             **{f: getattr(st, f) for f in _STATS},
             "saved_fraction": float(st.saved_fraction),
             "timings_ms": {k: float(v) for k, v in st.timings_ms.items()},
+            "predicted_ms": None if st.predicted_ms is None else float(st.predicted_ms),
         },
         "overflow": [{"index": e.index, "length": e.length, "action": e.action} for e in plan.overflow],
     }
@@ -112,7 +113,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         raise RequestError("conv_context must have conv_width - 1 columns", path="$.gdn.levels", rule="shape")
     ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
     st = msg.stats
-    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms))
+    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms)
     options = PlanOptions(
         seq_len=msg.seq_len,
         min_shared_len=msg.min_shared_len,
@@ -193,12 +194,16 @@ def check_plan_structure(plan: Plan) -> None:
     _in(seg.row_len, 0, c + 1, "$.segments.row_len")
     _in(plan.seq_lens, 0, 2**48, "$.seq_lens")
     _in(seg.seq_start, 0, 2**48, "$.segments.seq_start")
+    # A segment reads its source's positions seq_start .. seq_start + length - 1: past the
+    # source's length the trainer's flat gathers would read the next sequence's payloads.
+    _need(bool(np.all(seg.seq_start + seg.length <= plan.seq_lens[seg.seq])), "segments run past their source sequence's seq_lens", "$.segments.seq_start")
     _in(plan.row_of, -1, r, "$.row_of")
     _need(bool(np.all((plan.first_trainable >= 0) & (plan.first_trainable <= plan.seq_lens))), "first_trainable outside [0, seq_lens]", "$.first_trainable")
     att = plan.attention
     _need(att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g, f"attention tables for {g} segments", "$.attention.anc_ptr")
     _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
     _in(att.anc_segs, 0, g, "$.attention.anc_segs")
+    prev = 0
     for d, lv in enumerate(plan.gdn.levels):
         n = int(lv.segs.shape[0])
         where = f"$.gdn.levels[{d}]"
@@ -206,6 +211,10 @@ def check_plan_structure(plan: Plan) -> None:
         _need(lv.cu_seqlens.shape[0] == n + 1, f"cu_seqlens for {n} segments", f"{where}.cu_seqlens")
         _in(lv.segs, 0, g, f"{where}.segs")
         _in(lv.conv_context, -1, r * c, f"{where}.conv_context")
+        _in(lv.parent, -1, g, f"{where}.parent")
+        _in(lv.parent_slot, -1, prev, f"{where}.parent_slot")  # a slot of the previous level
+        _csr(lv.cu_seqlens, int(seg.length[lv.segs].sum()), f"{where}.cu_seqlens")
+        prev = n
     rk = plan.ranks
     _need(rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks, f"rank tables for {rk.num_ranks} ranks", "$.ranks.rank_rows")
     _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")
@@ -270,7 +279,7 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
                     _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
     if a.ranks.num_ranks != b.ranks.num_ranks:
         out.append(f"ranks.num_ranks: {a.ranks.num_ranks} != {b.ranks.num_ranks}")
-    for f in _STATS + (("timings_ms",) if timings else ()):
+    for f in _STATS + ("predicted_ms",) + (("timings_ms",) if timings else ()):
         if getattr(a.stats, f) != getattr(b.stats, f):
             out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")
     if tuple(a.overflow) != tuple(b.overflow):
