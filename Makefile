@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test bench venv clean venv-triton test-triton gpu-check
+.PHONY: demo test bench venv clean venv-triton test-triton venv-verl test-verl gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,26 @@ venv-triton: $(TBIN)/python
 test-triton: venv-triton
 	TRITON_INTERPRET=1 $(TBIN)/python -m pytest -q -p no:cacheprovider tests/triton_interp
 
+# A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
+# verl on CPU (tests/verl). verl pinned to the release the engine was checked against; no
+# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's). Never in
+# .venv: a missing verl there skips tests/verl, here (CI=1) it fails.
+VVENV ?= .venv-verl
+VBIN := $(VVENV)/bin
+VPIP := $(VBIN)/python -m pip -q --disable-pip-version-check
+VERL_PKGS := verl==0.9.1 fastapi uvicorn
+
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+
+venv-verl: $(VBIN)/python
+	$(VPIP) install torch==2.13.0
+	$(VPIP) install $(VERL_PKGS) torch==2.13.0
+	$(VPIP) install -e ".[trainer,test]" torch==2.13.0
+
+test-verl: venv-verl
+	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl
+
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
 # (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).
 gpu-check:
@@ -57,4 +77,4 @@ bench: venv
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) $(TVENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis
