@@ -48,7 +48,7 @@ from cases import KERNELS, make_inputs, run_case  # noqa: E402
 from helpers.trees import tree_plan  # noqa: E402
 
 from treepack.service.planner import plan_batch  # noqa: E402
-from treepack.trainer.kernels.gdn import gdn_schedule  # noqa: E402
+from treepack.trainer.kernels.tree_scan import tree_schedule  # noqa: E402
 from treepack.trainer.kernels import gpu  # noqa: E402
 
 #: relative tolerance per dtype (outputs and gradients vs the fp64 reference)
@@ -140,7 +140,7 @@ def kernels(args) -> dict:
     from gpu_gdn import rollout_tree
 
     seqs, _, plan = tree_plan(0, trees=2, depth=3, max_len=140)
-    tree = (plan, gdn_schedule(plan, device=args.device))
+    tree = (plan, tree_schedule(plan, device=args.device))
     if args.cpu_smoke:
         roll = rollout_tree(0, tasks=1, system=20, prompt=(5, 15), fan=(2, 2), turn=(3, 10), leaf=(2, 8))
         seq_len = 256
@@ -150,7 +150,7 @@ def kernels(args) -> dict:
     big = {}
     for name, kw in (("tree", dict(min_shared_len=64)), ("unpacked", dict(placement="no_share"))):
         p = plan_batch(roll, seq_len=seq_len, conv_width=4, **kw)
-        big[name] = (p, gdn_schedule(p, device=args.device))
+        big[name] = (p, tree_schedule(p, device=args.device))
     avail = gpu.available()
     res: dict = {}
     for kernel, kname in KERNELS.items():

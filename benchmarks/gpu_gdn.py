@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.service.planner import plan_batch
-from treepack.trainer.kernels.gdn import gdn_schedule, select_kernel, tree_causal_conv1d, tree_gated_delta_rule
-from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref
+from treepack.trainer.kernels.tree_scan import tree_schedule
+from treepack.trainer.kernels.gdn import select_kernel, tree_causal_conv1d, tree_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule
 
 SHAPES = {
     "gpu": dict(Hk=16, Hv=32, K=128, V=128, W=4),
@@ -134,7 +135,7 @@ def _check_kernel(kernel, device: str, dtype: torch.dtype) -> float:
     gg = -0.2 * torch.rand(1, T, H, generator=g)
     beta = torch.rand(1, T, H, generator=g)
     h0 = torch.randn(len(lens), H, K, K, generator=g) * 0.1
-    ref, ref_h = chunk_gated_delta_rule_ref(q, k, v, gg, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    ref, ref_h = torch_chunk_gated_delta_rule(q, k, v, gg, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     out, ht = kernel(dev(q), dev(k), dev(v), gg.to(device), dev(beta), initial_state=h0.to(device), output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.to(device))
     return max(float((out.float().cpu() - ref).abs().max()), float((ht.float().cpu() - ref_h).abs().max()))
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     tree_plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=64, conv_width=s["W"])
     flat_plan = plan_batch(seqs, seq_len=seq_len, placement="no_share", conv_width=s["W"])
-    tree_sched, flat_sched = gdn_schedule(tree_plan, device=device), gdn_schedule(flat_plan, device=device)
+    tree_sched, flat_sched = tree_schedule(tree_plan, device=device), tree_schedule(flat_plan, device=device)
     plan_ms = (time.perf_counter() - t0) * 1e3
     seg = tree_plan.segments
     info = dict(
@@ -192,8 +193,8 @@ def run(args: argparse.Namespace) -> dict:
         plan_and_schedule_ms=round(plan_ms, 1),
     )
 
-    kernel = chunk_gated_delta_rule_ref if smoke else select_kernel(torch.zeros(1, device=device, dtype=dtype))
-    if not smoke and kernel is chunk_gated_delta_rule_ref:
+    kernel = torch_chunk_gated_delta_rule if smoke else select_kernel(torch.zeros(1, device=device, dtype=dtype))
+    if not smoke and kernel is torch_chunk_gated_delta_rule:
         sys.exit("flash-linear-attention is not importable: install it (or carry its wheels) for the GPU benchmark")
     info["kernel_max_abs_diff_vs_reference"] = _check_kernel(kernel, device, dtype)
 

@@ -195,9 +195,9 @@ def _with_patches(model: torch.nn.Module) -> torch.nn.Module:
     top-k ties by the key's position on unpacked calls too (SPEC section 7), so the unpacked
     reference uses the same rule as the packed run. Without it, HF's arbitrary tie order (ReLU
     scores are often exactly 0) makes the reference differ from itself under any packing."""
-    from treepack.trainer.hf.hybrid import patch_hybrid_layers
+    from treepack.trainer.hf.layers import patch_layers
 
-    patch_hybrid_layers(model)
+    patch_layers(model)
     return model
 
 

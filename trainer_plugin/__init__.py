@@ -4,12 +4,14 @@ Layers, each importing only the ones above it in this list:
 
 - :mod:`treepack.trainer.kernels`: tree masks, :func:`tree_attention` (``sdpa`` |
   ``flex`` | ``flash``), Gated DeltaNet and sparse top-k attention, each with its reference;
-- :mod:`treepack.trainer.data`: :func:`materialize` -> :class:`PackedBatch` (``input_ids``,
-  ``position_ids``, ``subtree_end``, ``targets``, ``loss_mask``, payloads, masks, varlen
-  metadata);
+- :mod:`treepack.trainer.planning` (before the plan): padded batches -> sequences, routing
+  keys, the planning call (:func:`~treepack.trainer.planning.obtain_plan`), micro-batches;
+- :mod:`treepack.trainer.data` (after the plan): :func:`materialize` -> :class:`PackedBatch`
+  (``input_ids``, ``position_ids``, ``subtree_end``, ``targets``, ``loss_mask``, payloads,
+  masks, varlen metadata, the tree schedule);
 - :mod:`treepack.trainer.hf`: HF transformers (:func:`packed_forward`, the registered
-  attention implementation, layer patches; layers find the batch through
-  :mod:`treepack.trainer.hf.context`);
+  attention implementation, the layer registry :mod:`treepack.trainer.hf.layers`; layers
+  find the batch through :mod:`treepack.trainer.hf.context`);
 - :mod:`treepack.trainer.losses`: SFT, GRPO/PPO-clip and CISPO losses on packed rows;
 - :mod:`treepack.trainer.distributed`: rank 0 plans (through :mod:`treepack.client`), every
   rank materializes its rows;

@@ -39,32 +39,9 @@ from treepack.proto.plan import Plan
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.planning.planner import PlannerArg, obtain_plan
 
 __all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"]
-
-
-def obtain_plan(sequences: Sequence[Any], *, planner: Any = None, **plan_kwargs: Any) -> Plan:
-    """Ask ``planner`` for a plan.
-
-    Args:
-        sequences: the batch.
-        planner: a ``Packer`` (anything with ``.pack``), a sidecar URL (``str``), a
-            callable with ``Packer.pack``'s signature, or None for an embedded ``Packer()``.
-        **plan_kwargs: ``Packer.pack``'s options (``seq_len``, ``trainable``, ...).
-
-    Raises:
-        InputTypeError: a planner of another kind.
-    """
-    if planner is None or isinstance(planner, str):
-        from treepack.client import Packer
-
-        with Packer(planner) as packer:
-            return packer.pack(sequences, **plan_kwargs)
-    if hasattr(planner, "pack"):
-        return planner.pack(sequences, **plan_kwargs)
-    if callable(planner):
-        return planner(sequences, **plan_kwargs)
-    raise InputTypeError(f"planner must have .pack(...) or be callable, got {type(planner).__name__}", path="$.planner", rule="type")
 
 
 def encode_plan(plan: Plan, extra: dict[str, np.ndarray] | None = None) -> bytes:
@@ -187,7 +164,7 @@ def plan_and_broadcast(
     *,
     trainable: Sequence[Any] | None = None,
     groups: Sequence[Any] | None = None,
-    planner: Any = None,
+    planner: PlannerArg = None,
     src: int = 0,
     group: Any = None,
     **plan_kwargs: Any,

@@ -10,10 +10,10 @@ What changes against ``trl.GRPOTrainer`` (1.16) is mainly one method, the one TR
 every per-token log-probability with (``_get_per_token_logps_and_entropies``: the policy in
 the loss, the old policy and the reference in scoring), plus ``_prepare_inputs`` (the
 shuffle below). It reads TRL's padded
-``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.data.bridge`), plans them once
+``[B, P + C]`` batch as sequences (:mod:`treepack.trainer.planning.bridge`), plans them once
 per call (a prompt's completions share its tokens in one tree), splits the plan's rows
 into as many chunks as TRL's own ``batch_size`` chunking would make
-(:mod:`treepack.trainer.data.microbatch`), runs the model on the rows through TRL's own
+(:mod:`treepack.trainer.planning.microbatch`), runs the model on the rows through TRL's own
 fused LM head (``fused_lm_head=True`` with pre-shifted ``shift_labels``: the same
 temperature, entropy, soft-capping, fp32 head and chunking as stock), and scatters the
 results back to TRL's ``[B, C]``. TRL's loss code (every ``loss_type``), generation,
@@ -27,7 +27,7 @@ switched, so ``generate()`` between steps runs the stock model and activation ch
 replays the packed layers in backward.
 
 :class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
-call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.data.bridge.from_labeled`).
+call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.planning.bridge.from_labeled`).
 
 Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
 ``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
@@ -47,16 +47,16 @@ from trl.trainer import grpo_trainer as _grpo
 from trl.trainer.utils import FusedCausalLMOutput
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.data.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
+from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
 from treepack.trainer.data.materialize import materialize
-from treepack.trainer.data.microbatch import plan_microbatches
+from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.planner import PlannerArg
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len", "SUPPORTED_TRL"]
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
 
-SUPPORTED_TRL = (">=1.16", "<1.17")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,7 +70,9 @@ class PackingConfig:
         backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
             ``flash``.
         placement: the planner's placement (``auto`` ...).
-        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        planner: as :func:`~treepack.trainer.planning.planner.obtain_plan`: a
+            ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
+            a plan function, a sidecar URL, or None (embedded).
         max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
         keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
     """
@@ -79,7 +81,7 @@ class PackingConfig:
     min_shared_len: int = 16
     backend: str = "sdpa"
     placement: str = "auto"
-    planner: Any = None
+    planner: PlannerArg = None
     max_seq_len: int = 8192
     keep_groups: bool = True
 
@@ -93,7 +95,7 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
 
     A tree (one prompt and its group's completions) needs at most prompt + all its
     completions tokens; L is that for the largest group (without groups, as from
-    :func:`~treepack.trainer.data.bridge.from_labeled`: all tokens of the batch), capped at
+    :func:`~treepack.trainer.planning.bridge.from_labeled`: all tokens of the batch), capped at
     ``max_seq_len`` but never below the longest sequence, rounded up to 128 (``flex``'s
     block) or 16.
 

@@ -15,8 +15,8 @@ import torch
 
 from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
-from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf.hybrid import unpatch_hybrid_layers
+from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf.layers import unpatch_layers
 
 VOCAB = 97
 
@@ -55,10 +55,7 @@ def unpacked_logprobs(model, seqs):
 
 
 def packed_logprobs(model, batch, patch_layers=True):
-    try:
-        return torch.log_softmax(packed_forward(model, batch, backend="sdpa", patch_layers=patch_layers).float(), -1)
-    finally:
-        disable_tree_attention(model, "eager")
+    return torch.log_softmax(packed_forward(model, batch, backend="sdpa", patch_layers=patch_layers).float(), -1)
 
 
 def max_logprob_diff(batch, lp_packed, ref) -> float:
@@ -71,7 +68,7 @@ def max_logprob_diff(batch, lp_packed, ref) -> float:
 
 def linear_scan_diff(model, batch, ref) -> float:
     """Negative control: the packed rows with the mixers left stock (each row one scan)."""
-    unpatch_hybrid_layers(model)
+    unpatch_layers(model)
     with torch.no_grad():
         scan = packed_logprobs(model, batch, patch_layers=False)
     return max_logprob_diff(batch, scan, ref)

@@ -16,14 +16,14 @@ import torch
 
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
+from treepack.trainer.kernels.tree_scan import tree_schedule
 from treepack.trainer.kernels.gdn import (
-    gdn_schedule,
     naive_tree_causal_conv1d,
     naive_tree_gated_delta_rule,
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
-from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 
 F64 = torch.float64
 
@@ -55,7 +55,7 @@ def test_chunk_kernel_equals_recurrence(lens, Hk, Hv, K, V, h0, l2):
     xs = _inputs(int(cu[-1]), Hk, Hv, K, V, grad=True)
     init = torch.randn(len(lens), Hv, K, V, dtype=F64, requires_grad=True) if h0 else None
     kw = dict(initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, scale=0.3)
-    o1, f1 = chunk_gated_delta_rule_ref(*xs, **kw)
+    o1, f1 = torch_chunk_gated_delta_rule(*xs, **kw)
     o2, f2 = naive_recurrent_gated_delta_rule(*xs, **kw)
     torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(f1, f2, rtol=1e-10, atol=1e-10)
@@ -72,7 +72,7 @@ def test_chunk_kernel_equals_hf_qwen3_next_fallback():
 
     q, k, v, g, beta = _inputs(150, 2, 4, 8, 8, dtype=torch.float32)
     h0 = torch.randn(1, 4, 8, 8)
-    ours, f_ours = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, f_ours = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     hf, f_hf = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(f_ours, f_hf, rtol=1e-5, atol=1e-5)
@@ -81,11 +81,11 @@ def test_chunk_kernel_equals_hf_qwen3_next_fallback():
 def test_kernel_rejects_bad_shapes():
     q, k, v, g, beta = _inputs(10, 2, 4, 8, 8)
     with pytest.raises(RequestError, match=r"v must be \[B, T, Hv, V\]"):
-        chunk_gated_delta_rule_ref(q, k, v[:, :, :3], g, beta)
+        torch_chunk_gated_delta_rule(q, k, v[:, :, :3], g, beta)
     with pytest.raises(RequestError, match="cu_seqlens must rise from 0 to T=10"):
-        chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9]))
+        torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9]))
     with pytest.raises(RequestError, match="initial_state"):
-        chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 8, 8))
+        torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 8, 8))
 
 
 PLANS = [(0, 2, 4), (100, 4, 6), (200, 2, 4)]  # (seed, min_shared_len, conv width W)
@@ -95,7 +95,7 @@ PLANS = [(0, 2, 4), (100, 4, 6), (200, 2, 4)]  # (seed, min_shared_len, conv wid
 def planned(request):
     seed, msl, W = request.param
     seqs, _, plan = tree_plan(seed, min_shared_len=msl, conv_width=W)
-    return seqs, plan, gdn_schedule(plan)
+    return seqs, plan, tree_schedule(plan)
 
 
 def _flat_inputs(plan, Hk=2, Hv=4, K=8, V=6, seed=1, grad=True):
@@ -139,7 +139,7 @@ def _unpacked_layer(xs, conv_in, w, plan):
         xi = torch.nn.functional.pad(conv_in[t].T[None], (W - 1, 0))
         c = torch.nn.functional.silu(torch.nn.functional.conv1d(xi, w[:, None, :], groups=w.shape[0]))[0].T
         q, k, v, g, beta = (x[t][None] for x in xs)
-        o, _ = chunk_gated_delta_rule_ref(q, k + c[:, None, :], v, g, beta, use_qk_l2norm_in_kernel=True)
+        o, _ = torch_chunk_gated_delta_rule(q, k + c[:, None, :], v, g, beta, use_qk_l2norm_in_kernel=True)
         outs.append(o[0])
     return outs
 
@@ -177,7 +177,7 @@ def test_tree_equals_unpacked_and_linear_scan_does_not(planned):
     xi = torch.nn.functional.pad(conv_in.detach().reshape(plan.num_rows, C, K).transpose(1, 2), (sched.conv_width - 1, 0))
     c = torch.nn.functional.silu(torch.nn.functional.conv1d(xi, w.detach()[:, None, :], groups=K)).transpose(1, 2).reshape(N, K)
     cu = torch.arange(plan.num_rows + 1, dtype=torch.int32) * C
-    scan, _ = chunk_gated_delta_rule_ref(q[None], (k + c[:, None, :])[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    scan, _ = torch_chunk_gated_delta_rule(q[None], (k + c[:, None, :])[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     worst = max(float((scan[0][t] - o.detach()).abs().max()) for t, o in zip(idx, ref))
     assert worst > 1e-2, f"a linear scan of the row matched the unpacked run (max diff {worst})"
 
@@ -221,7 +221,7 @@ def test_schedule_for_a_subset_of_rows(planned):
     _, plan, sched = planned
     C = plan.seq_len
     rows = np.array([plan.num_rows - 1, -1, 0])
-    sub = gdn_schedule(plan, rows=rows)
+    sub = tree_schedule(plan, rows=rows)
     xs = _flat_inputs(plan, grad=False)
     full = tree_gated_delta_rule(*xs, sched, use_qk_l2norm_in_kernel=True).reshape(plan.num_rows, C, -1)
 
@@ -248,4 +248,4 @@ def test_tree_ops_reject_bad_input(planned):
     with pytest.raises(RequestError, match="q must be"):
         tree_gated_delta_rule(xs[0][:-1], *xs[1:], sched)
     with pytest.raises(RequestError, match="rows must be distinct"):
-        gdn_schedule(plan, rows=[0, 0])
+        tree_schedule(plan, rows=[0, 0])

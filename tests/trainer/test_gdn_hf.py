@@ -21,8 +21,8 @@ from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, 
 from helpers.trainer_cases import unchecked_packed_logits
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
-from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf.hybrid import patch_hybrid_layers, unpatch_hybrid_layers
+from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf.layers import patch_layers, unpatch_layers
 
 VOCAB = 97
 # Dimensions both tiny hybrids share: layers 0, 1, 3 Gated DeltaNet, layer 2 full attention.
@@ -94,11 +94,10 @@ def test_packed_logprobs_equal_unpacked_and_linear_scan_does_not(case):
     seqs, _, plan, model, batch = case
     with torch.no_grad():
         ref = _unpacked(model, seqs)
-        unpatch_hybrid_layers(model)
+        unpatch_layers(model)
         scan = torch.log_softmax(unchecked_packed_logits(model, batch).float(), -1)  # GDN layers stock: each row one linear scan
         tree = _packed_logprobs(model, batch)  # packed_forward patches the GDN layers itself
-        assert patch_hybrid_layers(model) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.3.linear_attn"]
-    disable_tree_attention(model, "eager")
+        assert patch_layers(model) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.3.linear_attn"]
     assert not tree.isnan().any()
     assert_close("packed logprobs", ref, per_sequence_logprobs(batch, tree), atol=1e-5)
     assert_not_close("a linear scan of the row", ref, per_sequence_logprobs(batch, scan), atol=1e-3)
@@ -106,10 +105,9 @@ def test_packed_logprobs_equal_unpacked_and_linear_scan_does_not(case):
 
 def test_packed_gradients_equal_unpacked(case):
     seqs, trainable, plan, model, batch = case
-    patch_hybrid_layers(model)
+    patch_layers(model)
     ref = _unpacked(model, seqs)
     lp = _packed_logprobs(model, batch)
-    disable_tree_attention(model, "eager")
     loss, loss_ref = scored_loss_pair(seqs, trainable, ref, batch, lp)
     assert_close("loss", loss_ref, loss, atol=1e-5, ratio=1e-5)
     got, want = param_grads(model, loss, loss_ref)
@@ -119,7 +117,7 @@ def test_packed_gradients_equal_unpacked(case):
 
 def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     _, _, plan, model, batch = case
-    patch_hybrid_layers(model)
+    patch_layers(model)
     seg = plan.segments
     has_child = set(seg.parent[seg.parent >= 0].tolist())
     leaf = next(s for s in range(seg.num_segments) if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2)
@@ -134,7 +132,6 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
         lp = _packed_logprobs(model, batch)
     finally:
         hook.remove()
-        disable_tree_attention(model, "eager")
     on_leaf = seg_ids == leaf
     (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[0])
     on_chain = torch.zeros_like(on_leaf)
@@ -148,10 +145,20 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
 def test_conv_width_mismatch_is_a_clear_error(case):
     seqs, trainable, plan, model, batch = case
     other = tiny_qwen3_next(plan.gdn.conv_width + 1)
-    patch_hybrid_layers(other)
+    patch_layers(other)
     # Refused by the support check before any layer runs (UnsupportedModelError is a RequestError).
     with pytest.raises(RequestError, match=r"causal conv has kernel \d+ but the plan was made with conv_width=\d+"):
         packed_forward(other, batch)
+
+
+def test_a_conv_narrower_than_the_plan_is_exact(case):
+    """The plan's conv context covers any kernel up to its conv_width: a narrower GDN conv is exact too."""
+    seqs, trainable, plan, model, batch = case
+    narrow = tiny_qwen3_next(plan.gdn.conv_width - 2)
+    with torch.no_grad():
+        ref = _unpacked(narrow, seqs)
+        tree = _packed_logprobs(narrow, batch)
+    assert_close("packed logprobs", ref, per_sequence_logprobs(batch, tree), atol=1e-5)
 
 
 def test_qwen3_5_packed_logprobs_equal_unpacked():
@@ -173,18 +180,17 @@ def test_qwen3_5_packed_logprobs_equal_unpacked():
     model.set_attn_implementation("eager")
     seqs, trainable, plan = tree_plan(0, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
     batch = materialize(plan, seqs, trainable=trainable)
-    assert len(patch_hybrid_layers(model)) == 3
+    assert len(patch_layers(model)) == 3
     with torch.no_grad():
         ref = _unpacked(model, seqs)
         tree = _packed_logprobs(model, batch)
-    disable_tree_attention(model, "eager")
     assert_close("packed logprobs", ref, per_sequence_logprobs(batch, tree), atol=1e-5)
 
 
 def test_activation_checkpointing_replays_the_tree_layers(case):
     """Recomputation in backward (outside packed_forward) still runs the tree GDN: same gradients."""
     _, _, plan, model, batch = case
-    patch_hybrid_layers(model)
+    patch_layers(model)
     params = list(model.parameters())
     calls = []
     hooks = [layer.linear_attn.register_forward_hook(lambda *a: calls.append(1)) for layer in model.model.layers if hasattr(layer, "linear_attn")]
@@ -206,7 +212,6 @@ def test_activation_checkpointing_replays_the_tree_layers(case):
         model.eval()
         for h in hooks:
             h.remove()
-        disable_tree_attention(model, "eager")
     assert len(calls) == 3 * n_plain, "the GDN layers were not recomputed in backward"
     for a, b in zip(plain, ckpt):
         if a is not None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treepack.trainer.hf.dsa as dsa
+import treepack.trainer.hf.layers.dsa as dsa
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
-from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf.hybrid import patch_hybrid_layers
+from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf.layers import patch_layers
 
 VOCAB = 97
 TOPK = 8
@@ -39,7 +39,7 @@ def tiny_glm_moe_dsa(seed: int = 0):
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM(cfg).float().eval()
     model.set_attn_implementation("eager")
-    assert len(patch_hybrid_layers(model)) == 4 + 2  # four attention layers, two indexers
+    assert len(patch_layers(model)) == 4 + 2  # four attention layers, two indexers
     return model
 
 
@@ -49,11 +49,8 @@ def _alone(model, seqs, grad=False):
 
 
 def _packed(model, batch, grad=False):
-    try:
-        with torch.set_grad_enabled(grad):
-            return torch.log_softmax(packed_forward(model, batch, backend="sdpa"), -1)
-    finally:
-        disable_tree_attention(model, "eager")
+    with torch.set_grad_enabled(grad):
+        return torch.log_softmax(packed_forward(model, batch, backend="sdpa"), -1)
 
 
 @pytest.fixture(scope="module")

@@ -60,11 +60,11 @@ def test_wrappers_with_stock_stand_ins_match_the_tree_oracle(kernel):
     import torch
 
     from helpers.trees import tree_plan
-    from treepack.trainer.kernels.gdn import gdn_schedule
+    from treepack.trainer.kernels.tree_scan import tree_schedule
 
     cases = _cases()
     _, _, plan = tree_plan(0, trees=2, depth=3, max_len=140)
-    sched = gdn_schedule(plan)
+    sched = tree_schedule(plan)
     toks, params = cases.make_inputs(kernel, sched.num_positions, torch.float64, torch.Generator().manual_seed(3))
     real = torch.from_numpy(plan.segment_ids().reshape(-1) >= 0)
     ref = cases.run_case(kernel, plan, sched, toks, params, mode="reference")

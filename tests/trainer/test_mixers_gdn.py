@@ -12,9 +12,9 @@ import math
 import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf.hybrid import patch_hybrid_layers
-from treepack.trainer.hf.mixer_kinds import forward_fingerprint
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers, unhandled_reason
+from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.layers.stock import forward_fingerprint
+from treepack.trainer.hf.layers import is_handled, mixer_kind, unhandled_reason
 
 GDN_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 
@@ -44,7 +44,7 @@ def test_olmo_hybrid_oracle():
     _long_memory(model)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "gdn_olmo"]
     assert len(mixers) == 2 and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\nolmo_hybrid: {figures}")
     assert_oracle(figures)
@@ -75,7 +75,7 @@ def test_renamed_qwen3_next_gdn_subclass_is_patched_and_exact():
 
     model = _qwen3_next_with(lambda: type("AcmeLinearMixer", (Qwen3NextGatedDeltaNet,), {}))
     assert mixer_kind(model.model.layers[0].linear_attn) == "gdn" and is_handled(model.model.layers[0].linear_attn)
-    assert patch_hybrid_layers(model) == ["model.layers.0.linear_attn"]
+    assert patch_layers(model) == ["model.layers.0.linear_attn"]
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\nrenamed qwen3_next gdn: {figures}")
     assert_oracle(figures)
@@ -92,7 +92,7 @@ def test_gdn_subclass_that_changes_forward_is_refused():
     layer = model.model.layers[0].linear_attn
     assert mixer_kind(layer) == "gdn" and not is_handled(layer)
     assert "not the code of a stock gdn layer" in unhandled_reason(layer)
-    assert patch_hybrid_layers(model) == []
+    assert patch_layers(model) == []
 
 
 def test_stock_copies_share_oneforward_fingerprint():

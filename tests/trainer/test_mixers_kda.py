@@ -13,8 +13,8 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
-from treepack.trainer.kernels.kda import chunk_kda_ref, naive_recurrent_kda, tree_kda
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+from treepack.trainer.kernels.kda import torch_chunk_kda, naive_recurrent_kda, tree_kda
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 
 F64 = torch.float64
@@ -39,7 +39,7 @@ def test_kda_chunked_equals_naive_with_gradients(B, T, chunk, cu, h0, HV):
         kw["cu_seqlens"] = torch.tensor(cu)
     if h0:
         kw["initial_state"] = torch.randn(n, HV, 4, 3, dtype=F64, requires_grad=True)
-    o1, s1 = chunk_kda_ref(*xs, **kw)
+    o1, s1 = torch_chunk_kda(*xs, **kw)
     o2, s2 = naive_recurrent_kda(*xs, **kw)
     torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s1, s2, rtol=1e-10, atol=1e-10)
@@ -54,7 +54,7 @@ def test_kda_equals_hf_slow_paths():
 
     xs = _inputs(2, 75, dtype=torch.float32)
     h0 = torch.randn(2, 2, 4, 3)
-    o, s = chunk_kda_ref(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = torch_chunk_kda(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for hf in (chunk_kimi_delta_attention, recurrent_kimi_delta_attention):
         o_hf, s_hf = hf(*xs[:3], g=xs[3], beta=xs[4], initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
@@ -98,7 +98,7 @@ def test_kimi_linear_oracle():
                 m.forget_gate.dt_bias.uniform_(-3.0, -1.0)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "kda"]
     assert len(mixers) == 2 and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\nkimi_linear: {figures}")
     assert_oracle(figures)

@@ -14,8 +14,8 @@ import torch
 from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d
-from treepack.trainer.kernels.mamba2 import naive_ssd_scan, ssd_chunk_scan_ref, tree_ssd_scan
-from treepack.trainer.kernels.short_conv import causal_conv1d_ref, naive_causal_conv1d
+from treepack.trainer.kernels.mamba2 import naive_ssd_scan, torch_ssd_chunk_scan, tree_ssd_scan
+from treepack.trainer.kernels.short_conv import torch_causal_conv1d, naive_causal_conv1d
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_conv, tree_schedule
 
 F64 = torch.float64
@@ -49,7 +49,7 @@ def test_ssd_chunked_equals_naive_with_gradients(b, L, chunk, cu, h0):
         kw["cu_seqlens"] = torch.tensor(cu)
     if h0:
         kw["initial_states"] = torch.randn(n, 4, 3, 5, dtype=F64, requires_grad=True)
-    y1, s1 = ssd_chunk_scan_ref(*xs.values(), chunk, **kw)
+    y1, s1 = torch_ssd_chunk_scan(*xs.values(), chunk, **kw)
     y2, s2 = naive_ssd_scan(*xs.values(), chunk, **kw)
     torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s1, s2, rtol=1e-10, atol=1e-10)
@@ -65,8 +65,8 @@ def test_ssd_seq_idx_equals_cu_seqlens():
     xs, kw = _ssd_inputs(1, 30)
     cu = torch.tensor([0, 4, 17, 30])
     seq_idx = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])[None]
-    a = ssd_chunk_scan_ref(*xs.values(), 8, **kw, cu_seqlens=cu, return_varlen_states=True)
-    c = ssd_chunk_scan_ref(*xs.values(), 8, **kw, seq_idx=seq_idx, return_varlen_states=True)
+    a = torch_ssd_chunk_scan(*xs.values(), 8, **kw, cu_seqlens=cu, return_varlen_states=True)
+    c = torch_ssd_chunk_scan(*xs.values(), 8, **kw, seq_idx=seq_idx, return_varlen_states=True)
     for u, v in zip(a, c):
         torch.testing.assert_close(u, v, rtol=0, atol=0)
 
@@ -78,7 +78,7 @@ def test_ssd_equals_hf_torch_path(chunk):
     xs, kw = _ssd_inputs(2, 41, dtype=torch.float32)
     del kw["z"]  # HF's torch path ignores z (its layers gate in the norm)
     h0 = torch.randn(2, 4, 3, 5)
-    y, fin = ssd_chunk_scan_ref(*xs.values(), chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True)
+    y, fin = torch_ssd_chunk_scan(*xs.values(), chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True)
     y_hf, fin_hf = mamba2_chunk_scan(*xs.values(), chunk_size=chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True)
     torch.testing.assert_close(y, y_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fin, fin_hf, rtol=1e-5, atol=1e-5)
@@ -92,15 +92,15 @@ def test_causal_conv_equals_naive_and_hf(W):
     x, w, b = torch.randn(2, 6, 30, generator=g, dtype=F64), torch.randn(6, W, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
     seq_idx = torch.tensor([[0] * 1 + [1] * 12 + [2] * 17, [0] * 30])
     for act in (None, "silu"):
-        torch.testing.assert_close(causal_conv1d_ref(x, w, b, seq_idx=seq_idx, activation=act), naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(causal_conv1d_ref(x, w, b, activation=act), causal_conv1d_fn(x, w, b, activation=act), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch_causal_conv1d(x, w, b, activation=act), causal_conv1d_fn(x, w, b, activation=act), rtol=1e-12, atol=1e-12)
     h0 = torch.randn(2, 6, W - 1, dtype=F64)
-    y1, f1 = causal_conv1d_ref(x, w, b, initial_states=h0, return_final_states=True)
+    y1, f1 = torch_causal_conv1d(x, w, b, initial_states=h0, return_final_states=True)
     y2, f2 = naive_causal_conv1d(x, w, b, initial_states=h0, return_final_states=True)
     torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(f1, x[:, :, -(W - 1) :], rtol=0, atol=0)
     with pytest.raises(RequestError, match="activation"):
-        causal_conv1d_ref(x, w, b, activation="gelu")
+        torch_causal_conv1d(x, w, b, activation="gelu")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
-from treepack.trainer.kernels.mamba import naive_selective_scan, selective_scan_ref, tree_selective_scan
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+from treepack.trainer.kernels.mamba import naive_selective_scan, torch_selective_scan, tree_selective_scan
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 
 F64 = torch.float64
@@ -35,7 +35,7 @@ def test_selective_scan_chunked_equals_naive_with_gradients(L, groups):
     args, kw = _inputs(2, 6, L, groups=groups)
     for t in args + list(kw.values()):
         t.requires_grad_(True)
-    y1, h1 = selective_scan_ref(*args, **kw, delta_softplus=True, return_last_state=True)
+    y1, h1 = torch_selective_scan(*args, **kw, delta_softplus=True, return_last_state=True)
     y2, h2 = naive_selective_scan(*args, **kw, delta_softplus=True, return_last_state=True)
     torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(h1, h2, rtol=1e-10, atol=1e-10)
@@ -49,7 +49,7 @@ def test_selective_scan_equals_hf_slow_path():
     from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
     args, kw = _inputs(2, 6, 29, dtype=torch.float32)
-    y, h = selective_scan_ref(*args, **kw, delta_softplus=True, return_last_state=True)
+    y, h = torch_selective_scan(*args, **kw, delta_softplus=True, return_last_state=True)
     y_hf, h_hf = mamba_selective_scan(*args, **kw, delta_softplus=True, return_last_state=True)
     torch.testing.assert_close(y, y_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, h_hf, rtol=1e-5, atol=1e-5)
@@ -103,7 +103,7 @@ def test_jamba_oracle():
                 m.dt_proj.bias.uniform_(-3.0, -1.0)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "mamba"]
     assert len(mixers) == 2 and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, mixer_case(conv_width=4), model.get_input_embeddings())
     print(f"\njamba: {figures}")
     assert_oracle(figures)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 
 CHUNK = 16
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=CHUNK)
@@ -123,7 +123,7 @@ def test_mamba2_family_oracle(name, case):
     model, n_mixers = _build(name)
     mixers = [n for n, m in model.named_modules() if mixer_kind(m) == "mamba2"]
     assert len(mixers) == n_mixers and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, case, model.get_input_embeddings())
     print(f"\n{name}: {figures}")
     assert_oracle(figures)
@@ -147,11 +147,11 @@ def test_subclass_with_another_forward_is_not_handled():
 
 def test_activation_checkpointing_replays_the_tree_mixers(case):
     """Recomputation in backward (outside packed_forward) still runs the tree scan: same gradients."""
-    from treepack.trainer.hf import disable_tree_attention, packed_forward
+    from treepack.trainer.hf import packed_forward
 
     _, _, _, batch = case
     model, _ = _build("bamba")
-    patch_mixer_layers(model)
+    patch_layers(model)
     params = list(model.parameters())
     calls = []
     hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in model.modules() if mixer_kind(m) == "mamba2"]
@@ -170,7 +170,6 @@ def test_activation_checkpointing_replays_the_tree_mixers(case):
     finally:
         model.activation_checkpointing_disable()
         model.eval()
-        disable_tree_attention(model, "eager")
         for h in hooks:
             h.remove()
     assert len(calls) == 3 * n_plain, "the mixers were not recomputed in backward"

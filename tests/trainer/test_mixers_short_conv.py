@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf.mixers import is_handled, mixer_kind, patch_mixer_layers
-from treepack.trainer.kernels.short_conv import gated_short_conv_ref
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+from treepack.trainer.kernels.short_conv import torch_gated_short_conv
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08)
 
@@ -49,7 +49,7 @@ def test_gated_short_conv_equals_hf_layer():
     with torch.no_grad():
         stock = layer(h)
         BCx = layer.in_proj(h).transpose(1, 2)
-        ours = layer.out_proj(gated_short_conv_ref(BCx, layer.conv.weight.squeeze(1), layer.conv.bias).transpose(1, 2))
+        ours = layer.out_proj(torch_gated_short_conv(BCx, layer.conv.weight.squeeze(1), layer.conv.bias).transpose(1, 2))
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
@@ -63,7 +63,7 @@ def test_short_conv_family_oracle(name, case):
     model, n = _build(name)
     mixers = [q for q, m in model.named_modules() if mixer_kind(m) == "short_conv"]
     assert len(mixers) == n and all(is_handled(m) for m in model.modules() if mixer_kind(m))
-    assert patch_mixer_layers(model) == mixers
+    assert patch_layers(model) == mixers
     figures = run_oracle(model, case, model.get_input_embeddings())
     print(f"\n{name}: {figures}")
     assert_oracle(figures)

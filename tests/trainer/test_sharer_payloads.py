@@ -21,10 +21,10 @@ from helpers.trainer_cases import VOCAB, plan_of, reference_logprobs, shared_tra
 from treepack.proto.errors import RequestError
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.data import routing_keys
+from treepack.trainer.planning import routing_keys
 from treepack.trainer.data.materialize import PayloadMismatchError
-from treepack.trainer.data.routing import naive_routing_keys
-from treepack.trainer.hf import disable_tree_attention, packed_forward
+from treepack.trainer.planning.routing import naive_routing_keys
+from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import (
     cispo_loss,
     naive_cispo_loss,
@@ -154,12 +154,9 @@ def test_model_oracle_with_per_sharer_payloads():
     params = [q for q in model.parameters()]
     want = torch.autograd.grad(ref, params)
     for backend in ("sdpa", "flash"):
-        try:
-            lp = batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention))
-            loss = ppo_clip_loss(lp, batch, advantages="adv", old_logprobs="old", **kw)
-            got = torch.autograd.grad(loss, params)
-        finally:
-            disable_tree_attention(model)
+        lp = batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention))
+        loss = ppo_clip_loss(lp, batch, advantages="adv", old_logprobs="old", **kw)
+        got = torch.autograd.grad(loss, params)
         assert_close(f"{backend} loss", ref.detach().double(), loss.detach().double(), atol=1e-7, ratio=1e-6)
         assert_close(f"{backend} grads", list(want), list(got), ratio=1e-4)
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treepack.trainer.hf.dsa as dsa
+import treepack.trainer.hf.layers.dsa as dsa
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
-from treepack.trainer.hf import disable_tree_attention, packed_forward
-from treepack.trainer.hf.hybrid import patch_hybrid_layers
+from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf.layers import patch_layers
 
 VOCAB = 97
 TOPK = 8
@@ -55,7 +55,7 @@ def tiny_deepseek_v32(seed: int = 0):
     torch.manual_seed(seed)
     model = DeepseekV32ForCausalLM(cfg).float().eval()
     model.set_attn_implementation("eager")
-    patch_hybrid_layers(model)
+    patch_layers(model)
     return model
 
 
@@ -64,10 +64,7 @@ def _unpacked(model, seqs):
 
 
 def _packed(model, batch):
-    try:
-        return torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
-    finally:
-        disable_tree_attention(model, "eager")
+    return torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +186,10 @@ def test_unpatched_sparse_layer_is_refused_not_run_dense(case):
     """Without the DSA patch the stock layer would hand top-k indices to the tree attention
     function, which would ignore them: the support check refuses before any compute."""
     from treepack.proto.errors import UnsupportedModelError
-    from treepack.trainer.hf.hybrid import unpatch_hybrid_layers
+    from treepack.trainer.hf.layers import unpatch_layers
 
     seqs, _, plan, model, batch, _ = case
-    assert unpatch_hybrid_layers(model) > 0
+    assert unpatch_layers(model) > 0
     try:
         with torch.no_grad(), pytest.raises(UnsupportedModelError) as info:
             packed_forward(model, batch, backend="sdpa", patch_layers=False)
@@ -201,5 +198,4 @@ def test_unpatched_sparse_layer_is_refused_not_run_dense(case):
             lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
         assert not lp.isnan().any()
     finally:
-        disable_tree_attention(model, "eager")
-        patch_hybrid_layers(model)
+        patch_layers(model)

@@ -17,9 +17,16 @@ SURFACE = {
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
-        "disable_tree_attention", "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model", "check_model", "SupportReport",
+        "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model", "check_model", "SupportReport",
     ],
-    "treepack.trainer.data": ["materialize", "PackedBatch", "routing_keys", "PaddedSequences", "from_padded", "from_labeled", "MicroBatches", "plan_microbatches"],
+    "treepack.trainer.data": ["materialize", "PackedBatch"],
+    "treepack.trainer.planning": [
+        "PaddedSequences", "from_padded", "from_labeled", "routing_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan",
+    ],
+    "treepack.trainer.hf.layers": [
+        "TreeLayer", "LayerSpec", "registered", "register", "unregister", "kind_named", "layer_by_class", "layer_of", "mixer_kind", "stock_layer",
+        "unhandled_reason", "is_handled", "handled_layer", "patch_layers", "unpatch_layers",
+    ],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],
 }  # fmt: skip
 

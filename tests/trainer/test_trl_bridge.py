@@ -9,8 +9,8 @@ import torch
 from treepack.client import Packer
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
-from treepack.trainer.data.bridge import from_padded
-from treepack.trainer.data.microbatch import plan_microbatches, split_rows
+from treepack.trainer.planning.bridge import from_padded
+from treepack.trainer.planning.microbatch import plan_microbatches, split_rows
 
 
 def _padded(seqs_p, seqs_c, *, prompt_side="left", completion_side="right"):

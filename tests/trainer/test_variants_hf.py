@@ -17,7 +17,7 @@ import treepack.trainer.hf.attention as hf_attention
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_plan
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.hf import disable_tree_attention, packed_forward
+from treepack.trainer.hf import packed_forward
 
 VOCAB = 97
 CHUNK = 16
@@ -77,11 +77,8 @@ def _alone(model, seqs, grad=False):
 
 
 def _packed(model, batch, backend, grad=False):
-    try:
-        with torch.set_grad_enabled(grad):
-            return torch.log_softmax(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention), -1)
-    finally:
-        disable_tree_attention(model, "eager")
+    with torch.set_grad_enabled(grad):
+        return torch.log_softmax(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention), -1)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash", "flex"])

@@ -23,7 +23,7 @@ import torch
 from cases import make_inputs, run_case
 from helpers.trees import tree_plan
 
-from treepack.trainer.kernels.gdn import gdn_schedule
+from treepack.trainer.kernels.tree_scan import tree_schedule
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests: run `make test-triton` (TRITON_INTERPRET=1 in .venv-triton)")
 
@@ -38,7 +38,7 @@ KERNELS = ("gdn", "kda", "mamba2", "short_conv_fla")
 def tree():
     seqs, _, plan = tree_plan(0, trees=2, depth=3, max_len=140)
     assert int(plan.segments.depth.max()) >= 3
-    return plan, gdn_schedule(plan)
+    return plan, tree_schedule(plan)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ Two payload alignments:
   source sequence. A shared token enters the forward once, so every sharer must hold the
   same value there: materialization checks it (each sequence reads its own values back,
   one gather) and raises :class:`PayloadMismatchError` naming the sequences otherwise.
-  Plan with ``keys`` from :func:`~treepack.trainer.data.routing.routing_keys` so that
+  Plan with ``keys`` from :func:`~treepack.trainer.planning.routing.routing_keys` so that
   the planner never shares tokens whose routing differs.
 
 Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
@@ -162,7 +162,7 @@ class PayloadMismatchError(RequestError):
     the shared position once, so packing it is exact only when every sharer holds the
     same value there; otherwise materialization refuses, naming the payload, both
     sequences and the position. Plan with keys from
-    :func:`~treepack.trainer.data.routing.routing_keys` so the planner never shares such
+    :func:`~treepack.trainer.planning.routing.routing_keys` so the planner never shares such
     tokens.
 
     Attributes:
@@ -198,7 +198,7 @@ def _check_token_payload(name: str, cat: torch.Tensor, packed_flat: torch.Tensor
     raise PayloadMismatchError(
         f"input_payloads.{name}: sequences {s} and {o} share token {p} (row position {int(seq_flat[c])}) but their "
         f"values differ; a token-aligned payload enters the shared position once. Plan with keys that separate "
-        f"them (treepack.trainer.data.routing.routing_keys for MoE routing replay)",
+        f"them (treepack.trainer.planning.routing.routing_keys for MoE routing replay)",
         path=f"$.input_payloads.{name}[{s}]",
         sequences=(s, o),
     )

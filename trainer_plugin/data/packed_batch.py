@@ -22,6 +22,7 @@ from treepack.proto.plan import Plan
 from treepack.trainer.data.advice import warn_dense_mask
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
+from treepack.trainer.kernels.tree_scan import TreeSchedule, conv_width_refusal, tree_schedule
 
 __all__ = ["PackedBatch"]
 
@@ -161,6 +162,26 @@ class PackedBatch:
         if key not in self._cache:
             self._cache[key] = varlen_meta(self.plan, self.rows, self.device, chunk_size=chunk_size)
         return self._cache[key]
+
+    def tree_schedule(self, kernel_width: int | None = None, who: str = "a layer") -> TreeSchedule:
+        """The rows' :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule` (built on first use, cached).
+
+        Every recurrent / conv layer of a model reads this one schedule.
+
+        Args:
+            kernel_width: the causal conv width of the layer asking (None: no conv); the
+                rule is :func:`~treepack.trainer.kernels.tree_scan.conv_width_refusal`.
+            who: names the layer in the error.
+
+        Raises:
+            RequestError: when ``kernel_width`` is wider than the plan's ``conv_width``.
+        """
+        reason = None if kernel_width is None else conv_width_refusal(kernel_width, self.plan.gdn.conv_width)
+        if reason is not None:
+            raise RequestError(f"{who}: {reason}", path="$.plan.gdn.conv_width", rule="conv_width")
+        if "tree_schedule" not in self._cache:
+            self._cache["tree_schedule"] = tree_schedule(self.plan, device=self.device, rows=self.rows)
+        return self._cache["tree_schedule"]
 
     def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
         K, L = self.num_rows, self.seq_len

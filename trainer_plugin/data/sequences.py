@@ -17,7 +17,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
 
 __all__ = [
-    "normalize_trainable", "scored_counts", "group_codes", "plan_trainable", "plan_groups", "check_count", "check_rows", "concat_arrays",
+    "normalize_trainable", "group_codes", "plan_trainable", "plan_groups", "check_count", "check_rows", "concat_arrays",
 ]  # fmt: skip
 
 
@@ -70,19 +70,6 @@ def normalize_trainable(trainable: Sequence[Any] | None, plan: Plan) -> Callable
         return arr[:n].astype(bool)
 
     return flags
-
-
-def scored_counts(flags: Callable[[int], np.ndarray], plan: Plan, trainable: Sequence[Any] | None = None) -> np.ndarray:
-    """[S] int64 scored positions of every sequence (trainable tokens at index >= 1).
-
-    Prompt lengths (the common case) are counted without building flag arrays.
-    """
-    if trainable is None:
-        return np.zeros(plan.num_sequences, dtype=np.int64)
-    if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in trainable):
-        p = np.maximum(np.asarray(trainable, dtype=np.int64), 1)
-        return np.maximum(plan.seq_lens - p, 0)
-    return np.array([int(flags(s)[1:].sum()) for s in range(plan.num_sequences)], dtype=np.int64)
 
 
 def check_count(sequences: Any, S: int) -> None:

@@ -6,15 +6,13 @@
 - :mod:`~treepack.trainer.hf.attention`: the registered ``"treepack"`` attention
   implementation;
 - :mod:`~treepack.trainer.hf.context`: how a layer finds the packed batch it runs on;
-- :mod:`~treepack.trainer.hf.hybrid` and :mod:`~treepack.trainer.hf.dsa`: layer patches
-  for Gated DeltaNet hybrids and DeepSeek-V3.2 sparse attention;
+- :mod:`~treepack.trainer.hf.layers`: the layer registry, one module per layer kind (Gated
+  DeltaNet, KDA, Mamba2, Mamba, short conv, DeepSeek-V3.2 sparse attention, ...): how each
+  is recognised, runs on tree rows and refuses;
 - :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
   every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
 - :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
   that take one;
-- :mod:`~treepack.trainer.hf.mixers` and :mod:`~treepack.trainer.hf.mixer_kinds`: the
-  recurrent / conv mixers (Mamba2, Mamba, KDA, short conv, GDN variants) found by
-  mechanism, and their tree forwards;
 - :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
   transforms, for the chunked head.
 
@@ -22,7 +20,7 @@ transformers itself is imported only when a model is first prepared (``register_
 """
 
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
-from treepack.trainer.hf.forward import disable_tree_attention, enable_tree_attention, packed, packed_forward
+from treepack.trainer.hf.forward import enable_tree_attention, packed, packed_forward
 from treepack.trainer.hf.head import OutputHead, output_head
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.hf.support import SupportReport, check_model
@@ -32,7 +30,6 @@ __all__ = [
     "register_tree_attention",
     "treepack_attention",
     "enable_tree_attention",
-    "disable_tree_attention",
     "packed_forward",
     "packed",
     "output_head",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 if TYPE_CHECKING:
     from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["PackedContext", "use_packed", "current_packed", "resolve_packed", "BATCH_KWARG"]
+__all__ = ["PackedContext", "use_packed", "current_packed", "resolve_packed", "packed_context", "BATCH_KWARG"]
 
 BATCH_KWARG = "treepack_context"
 
@@ -87,3 +87,12 @@ def resolve_packed(kwargs: Mapping[str, Any] | None = None, *, who: str = "a tre
             "(or inside treepack.trainer.hf.context.use_packed)"
         )
     return ctx
+
+
+def packed_context(kwargs: Mapping[str, Any]) -> PackedContext | None:
+    """The packed context of a layer call (``kwargs[BATCH_KWARG]``, else the context variable), or None.
+
+    A patched layer runs its stock forward when this is None (an unpacked call).
+    """
+    ctx = kwargs.get(BATCH_KWARG)
+    return ctx if ctx is not None else _CURRENT.get()

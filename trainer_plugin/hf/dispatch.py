@@ -27,7 +27,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
 from treepack.trainer.hf.context import BATCH_KWARG
 
-__all__ = ["install_dispatch", "uninstall_dispatch", "HOOKS_ATTR"]
+__all__ = ["install_dispatch", "HOOKS_ATTR"]
 
 # Where a hooked module keeps its hook handles and its stack of saved implementations
 # (in its __dict__, outside nn.Module's registries, like the layer patches' stock forwards).
@@ -103,15 +103,3 @@ def install_dispatch(model: torch.nn.Module) -> int:
         n += 1
     return n
 
-
-def uninstall_dispatch(model: torch.nn.Module) -> int:
-    """Remove the hooks of :func:`install_dispatch`; returns how many modules were unhooked."""
-    n = 0
-    for mod in model.modules():
-        handles = mod.__dict__.pop(HOOKS_ATTR, None)
-        if handles is not None:
-            for h in handles:
-                h.remove()
-            mod.__dict__.pop(_SAVED_ATTR, None)
-            n += 1
-    return n

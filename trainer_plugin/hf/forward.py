@@ -35,33 +35,30 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.layers import patch_layers as patch_layers_of
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["enable_tree_attention", "disable_tree_attention", "packed_forward", "packed", "OUTPUTS"]
+__all__ = ["enable_tree_attention", "packed_forward", "packed", "OUTPUTS"]
 
 OUTPUTS = ("logits", "hidden")
-
-# output="hidden" returns the states before the head; output_head(model) applies the model's
-# final logit transforms (soft-cap, logit_scale, logits_scaling), so check_model allows them.
-HIDDEN_APPLIES_LOGIT_TRANSFORMS = True
 
 
 def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
     """Prepare ``model`` for packed calls (idempotent); returns its attention implementation.
 
     Installs the per-call dispatch hooks (:func:`~treepack.trainer.hf.dispatch.install_dispatch`)
-    and, with ``patch_layers``, the tree forwards of recurrent / conv mixers (GDN, Mamba2,
-    Mamba, KDA, short conv: :mod:`treepack.trainer.hf.mixers`) and DeepSeek-V3.2 sparse
-    attention layers (:func:`treepack.trainer.hf.hybrid.patch_hybrid_layers`). Neither changes
-    an unpacked call; the model's ``attn_implementation`` stays what it was.
+    and, with ``patch_layers``, the tree forwards of every layer kind of the registry (GDN,
+    Mamba2, Mamba, KDA, short conv, DeepSeek-V3.2 sparse attention:
+    :func:`treepack.trainer.hf.layers.patch_layers`). Neither changes an unpacked call; the
+    model's ``attn_implementation`` stays what it was, so nothing needs switching back.
 
     Args:
         model: the HF model, possibly wrapped.
-        patch_layers: also patch mixer / DSA layers (without the patches those layers would
-            scan each row as one sequence).
+        patch_layers: also patch the registry's layers (without the patches those layers
+            would scan each row as one sequence).
 
     Returns:
         The model's (unchanged) ``config._attn_implementation``.
@@ -69,20 +66,8 @@ def enable_tree_attention(model: Any, *, patch_layers: bool = True) -> str:
     hf = unwrap_model(model)
     install_dispatch(hf)
     if patch_layers:
-        from treepack.trainer.hf.hybrid import patch_hybrid_layers
-
-        patch_hybrid_layers(hf)
+        patch_layers_of(hf)
     return hf.config._attn_implementation
-
-
-def disable_tree_attention(model: Any, implementation: str | None = None) -> None:
-    """Set ``model``'s attention implementation (kept for older callers; no longer needed).
-
-    ``packed_forward`` leaves the model's implementation as it found it, so there is nothing
-    to switch back. With ``implementation`` this is ``set_attn_implementation(implementation)``.
-    """
-    if implementation is not None:
-        unwrap_model(model).set_attn_implementation(implementation)
 
 
 def _check_args(backend: str, output: str) -> None:
@@ -124,7 +109,7 @@ def packed_forward(
         output: ``logits``, or ``hidden`` for the base model's final hidden states (the head
             runs on no position); then :meth:`PackedBatch.target_logprobs_from_hidden` with
             :func:`~treepack.trainer.hf.head.output_head` never materializes [K, L, vocab].
-        patch_layers: patch GDN / DSA layers for tree rows (see :func:`enable_tree_attention`);
+        patch_layers: patch the registry's layers for tree rows (see :func:`enable_tree_attention`);
             False only to run their stock forward on purpose (a negative control).
         **kwargs: passed to ``model(...)``.
 
@@ -133,7 +118,7 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=HIDDEN_APPLIES_LOGIT_TRANSFORMS, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, **kwargs)
+    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, **kwargs)
     enable_tree_attention(hf, patch_layers=patch_layers)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
     inputs = dict(

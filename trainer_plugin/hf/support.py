@@ -10,15 +10,15 @@ only by class name:
 - attention: a layer whose ``forward`` dispatches through HF's ``AttentionInterface``
   (``ALL_ATTENTION_FUNCTIONS``) runs the tree attention; one that does not (its own
   softmax, ALiBi) is refused, as are the variants the kernels do not run (attention sinks,
-  chunked attention, attention dropout while training), each until the kernel takes it
-  (probed from :func:`~treepack.trainer.kernels.attention.tree_attention`'s signature);
+  attention dropout while training);
 - recurrent / state-space / convolutional layers: state-space parameters (``A_log``,
   ``dt_bias``, ``D``, RWKV's ``time_decay`` ...), convolutions with a kernel wider than one
   over time (the depthwise causal ``Conv1d`` of Mamba, GDN and short-conv layers), torch's
-  RNNs, and class names of known mixer kinds. Such a layer is handled only by a patch that
-  runs it on the tree (:mod:`treepack.trainer.hf.hybrid`; the recurrent-mixer patches of
-  :mod:`treepack.trainer.hf.mixer_kinds` ``is_handled``: the stock forward's code, whatever
-  the class is called); a subclass with a forward of its own is refused;
+  RNNs, and class names of known mixer kinds. Such a layer is handled only by a kind of the
+  layer registry (:mod:`treepack.trainer.hf.layers`): by exact class name, or by mechanism
+  when its forward is the code of the kind's stock layer, whatever the class is called; a
+  subclass with a forward of its own is refused, as is a conv wider than the plan's
+  ``conv_width`` (:func:`~treepack.trainer.kernels.tree_scan.conv_width_refusal`);
 - ``config.layer_types``: a layer of a type that is neither attention nor per-token work
   (MLP / MoE) must contain a handled mixer;
 - length-dependent RoPE (``dynamic`` NTK, ``longrope``): HF picks the scaling from the
@@ -31,8 +31,8 @@ only by class name:
   it differs from the unpacked batch's; refused;
 - logit post-processing (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``):
   applied by the model for ``output="logits"``; refused for ``output="hidden"`` unless the
-  caller applies them (``hidden_applies_logit_transforms=True``, passed by
-  ``packed_forward`` from ``treepack.trainer.hf.forward.HIDDEN_APPLIES_LOGIT_TRANSFORMS``).
+  caller applies them (``hidden_applies_logit_transforms=True``, which ``packed_forward``
+  passes: :func:`~treepack.trainer.hf.head.output_head` applies them).
 
 Modules from torch and transformers that work per token (linear layers, norms, embeddings,
 MLPs, MoE routers, rotary tables) pass; a module whose ``forward`` is defined elsewhere
@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
-from treepack.trainer.hf.hybrid import _patches
-from treepack.trainer.hf.mixer_kinds import is_handled, mixer_kind
+from treepack.trainer.hf.layers import handled_layer, is_handled, mixer_kind, registered
+from treepack.trainer.kernels.tree_scan import conv_width_refusal
 
-__all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES", "kernel_supports"]
+__all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES"]
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global_attention", "local_attention", "chunked_attention"})
 # Layer types that hold only per-token work (an MLP or MoE block: Nemotron-H's "mlp" / "moe").
@@ -95,13 +95,6 @@ class SupportReport:
     refusals: list[Refusal] = field(default_factory=list)
 
 
-def kernel_supports(name: str) -> bool:
-    """True when :func:`~treepack.trainer.kernels.attention.tree_attention` takes keyword ``name`` (e.g. ``sinks``)."""
-    from treepack.trainer.kernels.attention import tree_attention
-
-    return name in inspect.signature(tree_attention).parameters
-
-
 @functools.lru_cache(maxsize=None)
 def _dispatches_attention(cls: type) -> bool:
     """True when ``cls.forward`` calls HF's attention interface (so the tree attention runs it)."""
@@ -123,8 +116,9 @@ def _is_known(cls: type) -> bool:
     return cls.__module__.startswith(_KNOWN_PREFIXES) or cls.__module__ == "torch"
 
 
-def _patched_classes() -> dict[str, Any]:
-    return _patches()
+def _patched_classes() -> frozenset[str]:
+    """The class names the registry's kinds patch by exact name."""
+    return frozenset(c for layer in registered() for c in layer.classes)
 
 
 def _conv_reason(mod: torch.nn.Module) -> str | None:
@@ -161,8 +155,6 @@ def _attention_refusals(mod: torch.nn.Module, config: Any) -> list[str]:
     out = []
     if getattr(mod, "is_causal", True) is False:
         out.append("bidirectional attention (is_causal=False): tree attention is causal")
-    if getattr(mod, "sinks", None) is not None and not kernel_supports("sinks"):
-        out.append("attention sinks (s_aux) are not run by tree attention yet")
     drop = getattr(mod, "attention_dropout", 0.0)
     if mod.training and isinstance(drop, (int, float)) and drop > 0:
         out.append(f"attention dropout {drop} while training; set attention_dropout=0 or call model.eval()")
@@ -177,8 +169,6 @@ def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwarg
         kind = str(rope.get("rope_type", rope.get("type", "default")))
         if kind in _LENGTH_DEPENDENT_ROPE or "dynamic" in kind:
             out.append(Refusal("config.rope_parameters", name, f"length-dependent RoPE {kind!r}: HF scales it by the longest position of the whole packed call, so sequences would change each other's rotary embedding"))
-    if getattr(config, "attention_chunk_size", None) and not kernel_supports("chunk_size"):
-        out.append(Refusal("config.attention_chunk_size", name, f"chunked attention (chunks of {config.attention_chunk_size}) is not run by tree attention yet"))
     floor_scale = getattr(config, "floor_scale", None)
     if getattr(config, "attn_temperature_tuning", False) and floor_scale and row_len is not None and row_len >= floor_scale:
         # Llama4 scales NoPE queries by log1p(floor((i + 1) / floor_scale)) of the ROW index i, not
@@ -280,16 +270,17 @@ def _position_refusals(model: Any) -> list[Refusal]:
 
 
 def _conv_width_refusals(model: Any, report: SupportReport, conv_width: int) -> list[Refusal]:
-    """Handled mixers whose causal conv is wider than the plan's ``conv_width`` (their tree conv
+    """Handled layers whose causal conv is wider than the plan's ``conv_width`` (their tree conv
     would need more context than the plan's conv metadata holds)."""
     out = []
     for path, how in report.handled.items():
         if how == "tree_attention":
             continue
         mod = model.get_submodule(path)
-        widths = [m.kernel_size[0] for m in mod.modules() if isinstance(m, torch.nn.Conv1d)]
-        if widths and max(widths) > conv_width:
-            out.append(Refusal(path, type(mod).__name__, f"its causal conv has kernel {max(widths)} but the plan was made with conv_width={conv_width}; plan with conv_width >= {max(widths)}"))
+        layer = handled_layer(mod)
+        reason = None if layer is None or layer.conv_width is None else conv_width_refusal(layer.conv_width(mod), conv_width)
+        if reason is not None:
+            out.append(Refusal(path, type(mod).__name__, reason))
     return out
 
 
@@ -352,7 +343,8 @@ def check_model(
         model: an HF causal LM (or its base model).
         backend: ``sdpa`` | ``flex`` | ``flash`` (all run the same layer set).
         output: ``logits`` or ``hidden`` (see :func:`~treepack.trainer.hf.packed_forward`).
-        patch_layers: whether the GDN / DSA patches will be installed.
+        patch_layers: whether the layer patches (:func:`~treepack.trainer.hf.layers.patch_layers`)
+            will be installed.
         hidden_applies_logit_transforms: the caller's ``output="hidden"`` path applies the
             model's final logit transforms (then they are not refused).
         raise_error: raise on refusals (default); False returns the report to inspect.

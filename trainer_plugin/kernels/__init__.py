@@ -1,5 +1,10 @@
 """Kernels on tree rows, each fast path with its slow, loop-based reference beside it.
 
+Names: ``naive_*`` is a loop-based reference with the fast path's signature (tests compare
+the two); ``torch_*`` is a pure-torch implementation of a GPU kernel's contract (the CPU
+path of a ``select_*`` dispatch point, e.g. :func:`~treepack.trainer.kernels.mamba.torch_selective_scan`
+for mamba_ssm's ``selective_scan_fn``); ``tree_*`` runs on tree rows.
+
 - :mod:`~treepack.trainer.kernels.masks`: the tree mask (dense, FlexAttention BlockMask,
   varlen ancestor metadata), built from arrays (``subtree_end``, positions, segment tables);
 - :mod:`~treepack.trainer.kernels.attention`: :func:`tree_attention` (sdpa | flex | flash);

@@ -2,7 +2,7 @@
 
 A recurrent layer has no mask: tree packing is exact only if every segment starts from
 the state its sequence would have there. GDN runs on the one tree-scan mechanism of
-:mod:`treepack.trainer.kernels.tree_scan` (the schedule, :data:`GdnSchedule`, is its
+:mod:`treepack.trainer.kernels.tree_scan` (its schedule is a
 :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule`); per depth level:
 
 - the short causal conv (:func:`tree_causal_conv1d`): one varlen conv call over the
@@ -14,7 +14,7 @@ the state its sequence would have there. GDN runs on the one tree-scan mechanism
   the previous level (roots start from zeros); the backward index-adds every child's state
   gradient into its parent. flash-linear-attention's ``chunk_gated_delta_rule`` on CUDA
   (bf16/fp16), the pure-torch
-  :func:`~treepack.trainer.kernels.gdn_ref.chunk_gated_delta_rule_ref` elsewhere.
+  :func:`~treepack.trainer.kernels.gdn_ref.torch_chunk_gated_delta_rule` elsewhere.
 
 Tensors are flat over rows: position ``row * seq_len + i`` (N = R * C). Outputs start as
 NaN and only real tokens are written; padding gets zeros (a pad token is a sequence of its
@@ -33,13 +33,10 @@ import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
-from treepack.trainer.kernels.gdn_ref import chunk_gated_delta_rule_ref, naive_recurrent_gated_delta_rule
-from treepack.trainer.kernels.tree_scan import TreeLevel, TreeSchedule, tree_conv, tree_scan, tree_schedule
+from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_scan
 
 __all__ = [
-    "GdnLevelIndex",
-    "GdnSchedule",
-    "gdn_schedule",
     "tree_causal_conv1d",
     "naive_tree_causal_conv1d",
     "tree_gated_delta_rule",
@@ -48,12 +45,6 @@ __all__ = [
 ]
 
 Kernel = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
-
-
-# The schedule is the one tree-scan mechanism's (kept under the GDN names for callers).
-GdnLevelIndex = TreeLevel
-GdnSchedule = TreeSchedule
-gdn_schedule = tree_schedule
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -69,8 +60,7 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, n: int, width: int) -> No
         raise RequestError(f"x must be [N, D] with N = rows * seq_len = {n}, got {tuple(x.shape)}", path="$.x", rule="shape")
     if weight.shape != (x.shape[1], width):
         raise RequestError(
-            f"weight must be [D, W] = {(x.shape[1], width)} (W = the plan's conv_width), got {tuple(weight.shape)}; "
-            "plan with conv_width equal to the layer's conv kernel size",
+            f"weight must be [D, W] = {(x.shape[1], width)}, got {tuple(weight.shape)}",
             path="$.weight",
             rule="shape",
         )
@@ -80,7 +70,7 @@ def tree_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    schedule: GdnSchedule,
+    schedule: TreeSchedule,
     activation: str | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv of width W along every token's ancestor chain (:func:`~treepack.trainer.kernels.tree_scan.tree_conv`).
@@ -90,7 +80,7 @@ def tree_causal_conv1d(
         weight: [D, W] per-channel taps, oldest input first (``nn.Conv1d.weight[:, 0]``),
             W at most the plan's ``conv_width``.
         bias: [D] or None.
-        schedule: from :func:`gdn_schedule`.
+        schedule: from :func:`~treepack.trainer.kernels.tree_scan.tree_schedule`.
         activation: None, ``silu`` or ``swish`` (applied after the bias).
 
     Returns:
@@ -147,7 +137,7 @@ def select_kernel(q: torch.Tensor) -> Kernel:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError:
-            return chunk_gated_delta_rule_ref
+            return torch_chunk_gated_delta_rule
 
         def fla_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
             # Grouped values: repeat q/k heads ourselves (as HF's fallback does), so the
@@ -165,7 +155,7 @@ def select_kernel(q: torch.Tensor) -> Kernel:
             )
 
         return fla_kernel
-    return chunk_gated_delta_rule_ref
+    return torch_chunk_gated_delta_rule
 
 
 def _check_flat(q, k, v, g, beta, n: int) -> None:
@@ -182,7 +172,7 @@ def tree_gated_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    schedule: GdnSchedule,
+    schedule: TreeSchedule,
     *,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -192,7 +182,7 @@ def tree_gated_delta_rule(
 
     Args:
         q, k: [N, Hk, K] flat row tokens. v: [N, Hv, V]. g, beta: [N, Hv].
-        schedule: from :func:`gdn_schedule`.
+        schedule: from :func:`~treepack.trainer.kernels.tree_scan.tree_schedule`.
         scale, use_qk_l2norm_in_kernel: as fla's ``chunk_gated_delta_rule``.
         kernel: a function with fla's signature; default :func:`select_kernel`.
 

@@ -12,7 +12,7 @@ scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens``)
 
 - :func:`naive_recurrent_gated_delta_rule`: the recurrence above, one token at a time, one
   sequence at a time. Slow and obviously right.
-- :func:`chunk_gated_delta_rule_ref`: the chunked (WY / UT-transform) form used by fla and
+- :func:`torch_chunk_gated_delta_rule`: the chunked (WY / UT-transform) form used by fla and
   HF's ``torch_chunk_gated_delta_rule``, vectorized over every chunk of every sequence; the
   only loop runs over chunk index within a sequence. This is the CPU path of
   :mod:`treepack.trainer.kernels.gdn`.
@@ -30,7 +30,7 @@ import torch
 
 from treepack.proto.errors import InputTypeError, RequestError
 
-__all__ = ["l2norm", "naive_recurrent_gated_delta_rule", "chunk_gated_delta_rule_ref", "check_gdn_inputs"]
+__all__ = ["l2norm", "naive_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule", "check_gdn_inputs"]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -109,7 +109,7 @@ def naive_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule token by token (reference for :func:`chunk_gated_delta_rule_ref`).
+    """The gated delta rule token by token (reference for :func:`torch_chunk_gated_delta_rule`).
 
     Args:
         q, k: [B, T, Hk, K]; with ``cu_seqlens`` B is 1 and the sequences are concatenated.
@@ -142,7 +142,7 @@ def naive_recurrent_gated_delta_rule(
     return o.reshape(out_shape).to(out_dtype), final
 
 
-def chunk_gated_delta_rule_ref(
+def torch_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -123,7 +123,7 @@ def available() -> dict[str, str | None]:
 
 
 def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
-    """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.chunk_gated_delta_rule_ref``.
+    """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.torch_chunk_gated_delta_rule``.
 
     Grouped values (fewer q/k heads than v heads) are expanded here, as HF's fallback does,
     so the head mapping does not depend on the installed fla version. Usable as the
@@ -339,7 +339,7 @@ def scan_tree(level_fn: Callable, schedule, tensors: tuple[torch.Tensor, ...], *
 
     Args:
         level_fn: a wrapper of this module (or a reference with the same contract).
-        schedule: a ``GdnSchedule`` (levels with ``token_idx``, ``cu_seqlens``,
+        schedule: a ``TreeSchedule`` (levels with ``token_idx``, ``cu_seqlens``,
             ``parent_slot``; ``pad_idx``; ``num_positions``).
         tensors: per-token inputs, flat over rows ([N, ...] each, N = rows * seq_len),
             passed to ``level_fn`` positionally as [1, T_l, ...].
@@ -368,7 +368,7 @@ def tree_short_conv(x, weight, bias, schedule, activation=None, backend="auto", 
 
     Args:
         x: [N, Dc] flat row inputs. weight: [Dc, W]. bias: [Dc] or None.
-        schedule: a ``GdnSchedule`` whose ``conv_window`` gives each token's W inputs.
+        schedule: a ``TreeSchedule`` whose ``conv_window`` gives each token's W inputs.
         backend, kernel: as :func:`short_conv_level`.
 
     Returns:

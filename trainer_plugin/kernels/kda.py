@@ -7,7 +7,7 @@ KDA is the gated delta rule with a per-channel decay: per head, state ``S`` [K, 
     o_t = scale * S^T q_t
 
 - :func:`naive_recurrent_kda`: the recurrence above, token by token, sequence by sequence.
-- :func:`chunk_kda_ref`: the chunked (UT-transform) form of fla and HF's
+- :func:`torch_chunk_kda`: the chunked (UT-transform) form of fla and HF's
   ``chunk_kimi_delta_attention``, vectorized over every chunk of every sequence (each
   sequence chunked from its own first token); the only loop runs over chunk index.
 
@@ -28,7 +28,7 @@ from treepack.trainer.kernels.gpu import kda_level
 from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["select_kda", "chunk_kda_ref", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]
+__all__ = ["select_kda", "torch_chunk_kda", "naive_recurrent_kda", "tree_kda", "check_kda_inputs"]
 
 
 def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
 
 
 def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
-    """KDA token by token (reference for :func:`chunk_kda_ref`; ``chunk_size`` unused)."""
+    """KDA token by token (reference for :func:`torch_chunk_kda`; ``chunk_size`` unused)."""
     cu = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     out_shape, out_dtype = v.shape, q.dtype
     q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
@@ -88,7 +88,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     return o.reshape(out_shape).to(out_dtype), final
 
 
-def chunk_kda_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
     """Chunked KDA, vectorized over all chunks (same contract as :func:`naive_recurrent_kda`).
 
     Inside a chunk with per-channel cumulative log decay ``c`` [L, K] and ``A[i, j] = beta_i
@@ -190,8 +190,8 @@ def select_kda(x: torch.Tensor):
 
     CUDA bf16/fp16 with fla importable: :func:`~treepack.trainer.kernels.gpu.kda_level`
     (fla's kernels reject fp32, so fp32 stays on the reference, as for GDN); else
-    :func:`chunk_kda_ref`.
+    :func:`torch_chunk_kda`.
     """
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gpu_kernel_available("fla.chunk_kda"):
         return kda_level
-    return chunk_kda_ref
+    return torch_chunk_kda

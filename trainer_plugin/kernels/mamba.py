@@ -7,7 +7,7 @@ Per channel d (state size N) and token t::
     y_t  =  C_t . h + D_d u_t,   then  y_t * silu(z_t)  when z is given
 
 - :func:`naive_selective_scan`: the recurrence above, token by token.
-- :func:`selective_scan_ref`: chunked (log-space cumulative decays inside a chunk of
+- :func:`torch_selective_scan`: chunked (log-space cumulative decays inside a chunk of
   ``CHUNK`` tokens, a state scan across chunks), vectorized over channels and batch.
 
 Both take ``u, delta [B, D, L], A [D, N], B, C [B, N, L] (or [B, G, N, L]), D [D], z [B, D, L],
@@ -31,7 +31,7 @@ from treepack.trainer.kernels.gpu_varlen import selective_scan_with_state
 from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["select_selective_scan", "selective_scan_ref", "naive_selective_scan", "tree_selective_scan", "CHUNK"]
+__all__ = ["select_selective_scan", "torch_selective_scan", "naive_selective_scan", "tree_selective_scan", "CHUNK"]
 
 CHUNK = 8
 
@@ -70,7 +70,7 @@ def _finish(y, u, D, z, out_dtype):
 
 
 def naive_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
-    """The selective scan token by token (reference for :func:`selective_scan_ref`)."""
+    """The selective scan token by token (reference for :func:`torch_selective_scan`)."""
     uf, dt, Af, Bf, Cf, _ = _prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     b, Dd, L = u.shape
     h = uf.new_zeros(b, Dd, A.shape[1])
@@ -83,7 +83,7 @@ def naive_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     return (y, h) if return_last_state else y
 
 
-def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
+def torch_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
     """The chunked selective scan (same contract as :func:`naive_selective_scan`).
 
     Inside a chunk with ``a_t = cumsum(dt A)``: ``h_t = exp(a_t) h0 + sum_{s<=t} exp(a_t - a_s)
@@ -176,8 +176,8 @@ def select_selective_scan(x: torch.Tensor):
     CUDA with mamba_ssm importable:
     :func:`~treepack.trainer.kernels.gpu_varlen.selective_scan_with_state` (the CUDA
     kernel's own last state carries no gradient, and :func:`tree_selective_scan` forks the
-    children from it); else :func:`selective_scan_ref`.
+    children from it); else :func:`torch_selective_scan`.
     """
     if x.is_cuda and gpu_kernel_available("mamba_ssm.selective_scan_fn"):
         return selective_scan_with_state
-    return selective_scan_ref
+    return torch_selective_scan

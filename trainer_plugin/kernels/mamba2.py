@@ -11,7 +11,7 @@ chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_
 return_final_states, return_varlen_states``):
 
 - :func:`naive_ssd_scan`: the recurrence above, token by token, sequence by sequence.
-- :func:`ssd_chunk_scan_ref`: the chunked SSD form (intra-chunk quadratic, inter-chunk
+- :func:`torch_ssd_chunk_scan`: the chunked SSD form (intra-chunk quadratic, inter-chunk
   state scan) of HF's ``torch_forward`` and mamba_ssm's kernels, vectorized over every
   chunk of every sequence; the only loop runs over chunk index within a sequence. Every
   sequence is chunked from its own first token (the CPU path of
@@ -40,7 +40,7 @@ from treepack.trainer.kernels.gpu_varlen import mamba_chunk_scan_varlen
 from treepack.trainer.kernels.short_conv import gpu_kernel_available
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_scan
 
-__all__ = ["select_ssd", "ssd_chunk_scan_ref", "naive_ssd_scan", "check_ssd_inputs", "tree_ssd_scan"]
+__all__ = ["select_ssd", "torch_ssd_chunk_scan", "naive_ssd_scan", "check_ssd_inputs", "tree_ssd_scan"]
 
 
 def check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens) -> torch.Tensor:
@@ -118,7 +118,7 @@ def naive_ssd_scan(
     x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, return_varlen_states=False,
 ):
-    """The SSD recurrence token by token (reference for :func:`ssd_chunk_scan_ref`).
+    """The SSD recurrence token by token (reference for :func:`torch_ssd_chunk_scan`).
 
     Args:
         x: [B, L, H, P]. dt: [B, L, H]. A: [H] (negative). B, C: [B, L, G, N], H % G == 0.
@@ -149,7 +149,7 @@ def naive_ssd_scan(
     return _returns(_finish(y, xf, D, z, shape, x.dtype), fin, cu, b, return_final_states, return_varlen_states)
 
 
-def ssd_chunk_scan_ref(
+def torch_ssd_chunk_scan(
     x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, return_varlen_states=False,
 ):
@@ -258,8 +258,8 @@ def select_ssd(x: torch.Tensor):
 
     CUDA with mamba_ssm importable:
     :func:`~treepack.trainer.kernels.gpu_varlen.mamba_chunk_scan_varlen` (per-sequence
-    initial states, differentiable varlen states); else :func:`ssd_chunk_scan_ref`.
+    initial states, differentiable varlen states); else :func:`torch_ssd_chunk_scan`.
     """
     if x.is_cuda and gpu_kernel_available("mamba_ssm.mamba_chunk_scan_combined"):
         return mamba_chunk_scan_varlen
-    return ssd_chunk_scan_ref
+    return torch_ssd_chunk_scan

@@ -7,12 +7,12 @@ sum_j weight[d, j] * x[d, t - (W-1) + j]``, inputs before a sequence's start bei
 varlen convention: the sequence number of every column) no window reaches into another
 sequence.
 
-- :func:`causal_conv1d_ref`: vectorized, W shifted multiply-adds (the CPU path of
+- :func:`torch_causal_conv1d`: vectorized, W shifted multiply-adds (the CPU path of
   :func:`~treepack.trainer.kernels.tree_scan.tree_conv`).
 - :func:`naive_causal_conv1d`: one output at a time, walking back along the sequence.
 
 Both compute in at least fp32 (fp64 stays fp64) and differentiate with respect to every
-input. :func:`gated_short_conv_ref` is LFM2's operator (``C * conv(B * x)``) on ``[B, D, L]``.
+input. :func:`torch_gated_short_conv` is LFM2's operator (``C * conv(B * x)``) on ``[B, D, L]``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.kernels.gpu import load_kernel
 from treepack.trainer.kernels.gpu_varlen import causal_conv1d_varlen
 
-__all__ = ["select_causal_conv1d", "gpu_kernel_available", "causal_conv1d_ref", "naive_causal_conv1d", "gated_short_conv_ref", "check_conv_args"]
+__all__ = ["select_causal_conv1d", "gpu_kernel_available", "torch_causal_conv1d", "naive_causal_conv1d", "torch_gated_short_conv", "check_conv_args"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -68,7 +68,7 @@ def _prepare(x, weight, bias, seq_idx, initial_states, activation):
     return torch.cat([front, x.to(dt)], dim=-1), weight.to(dt), dt
 
 
-def causal_conv1d_ref(
+def torch_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -117,7 +117,7 @@ def naive_causal_conv1d(
     return_final_states: bool = False,
     activation: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Reference for :func:`causal_conv1d_ref`: every output from its own window, token by token."""
+    """Reference for :func:`torch_causal_conv1d`: every output from its own window, token by token."""
     xp, w, dt = _prepare(x, weight, bias, seq_idx, initial_states, activation)
     Bsz, D, L = x.shape
     W = weight.shape[1]
@@ -137,18 +137,18 @@ def naive_causal_conv1d(
     return (y, xp[:, :, xp.shape[-1] - (W - 1) :]) if return_final_states else y
 
 
-def gated_short_conv_ref(BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+def torch_gated_short_conv(BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """LFM2's gated short convolution: ``C * conv(B * x)`` with ``B, C, x = BCx.chunk(3, dim=1)``.
 
     Args:
         BCx: [B, 3D, L] the in-projection, channels first.
-        weight: [D, W]; bias: [D] or None; seq_idx: as :func:`causal_conv1d_ref`.
+        weight: [D, W]; bias: [D] or None; seq_idx: as :func:`torch_causal_conv1d`.
 
     Returns:
         [B, D, L].
     """
     Bg, Cg, x = BCx.chunk(3, dim=-2)
-    return Cg * causal_conv1d_ref(Bg * x, weight, bias, seq_idx=seq_idx)
+    return Cg * torch_causal_conv1d(Bg * x, weight, bias, seq_idx=seq_idx)
 
 
 def gpu_kernel_available(*names: str) -> bool:
@@ -167,8 +167,8 @@ def select_causal_conv1d(x: torch.Tensor):
 
     CUDA with causal-conv1d (or fla's Triton conv) importable:
     :func:`~treepack.trainer.kernels.gpu_varlen.causal_conv1d_varlen`; else
-    :func:`causal_conv1d_ref`.
+    :func:`torch_causal_conv1d`.
     """
     if x.is_cuda and gpu_kernel_available("causal_conv1d.causal_conv1d_fn", "fla.causal_conv1d"):
         return causal_conv1d_varlen
-    return causal_conv1d_ref
+    return torch_causal_conv1d

@@ -42,7 +42,7 @@ from treepack.proto.plan import Plan
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 from treepack.trainer.kernels.short_conv import check_conv_args, select_causal_conv1d
 
-__all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
+__all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "conv_width_refusal", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
 
 ConvFn = Callable[..., torch.Tensor]
 LevelStep = Callable[[list, "torch.Tensor | None", "TreeLevel"], tuple[torch.Tensor, torch.Tensor]]
@@ -162,6 +162,19 @@ def _level(depth: int, tok: np.ndarray, lens: np.ndarray, parent_slot: np.ndarra
         conv_seq_idx=index_tensor(np.repeat(np.arange(n), ext_lens), device, torch.int32),
         conv_keep=index_tensor(keep, device),
     )
+
+
+def conv_width_refusal(kernel: int, conv_width: int) -> str | None:
+    """Why a causal conv of width ``kernel`` cannot run on a schedule built for ``conv_width``, or None.
+
+    The one conv-width rule: the schedule carries ``conv_width - 1`` ancestor positions of
+    context per segment, so any kernel up to ``conv_width`` wide is exact (a narrower one
+    reads the last ``kernel - 1`` of them); a wider one would need context the plan did
+    not keep.
+    """
+    if kernel <= conv_width:
+        return None
+    return f"its causal conv has kernel {kernel} but the plan was made with conv_width={conv_width}; plan with conv_width >= {kernel}"
 
 
 def tree_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.ndarray | None = None) -> TreeSchedule:

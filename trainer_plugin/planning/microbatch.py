@@ -24,8 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treepack.proto.errors import InputTypeError, RequestError
+from treepack.proto.errors import RequestError
 from treepack.proto.plan import Plan
+from treepack.trainer.planning.planner import PlannerArg, obtain_plan
 
 __all__ = ["MicroBatches", "split_rows", "plan_microbatches"]
 
@@ -86,7 +87,7 @@ def plan_microbatches(
     sequences: Sequence[Any],
     *,
     num_microbatches: int,
-    planner: Any = None,
+    planner: PlannerArg = None,
     **plan_kwargs: Any,
 ) -> MicroBatches:
     """Plan a whole generation batch once and deal its rows to ranks and micro-batches.
@@ -94,8 +95,8 @@ def plan_microbatches(
     Args:
         sequences: every sequence of the generation batch (token id arrays).
         num_microbatches: M, micro-batches per rank (gradient accumulation steps).
-        planner: a ``Packer`` (anything with ``.pack``), a sidecar URL, a callable with
-            ``Packer.pack``'s signature, or None for an embedded ``Packer()``.
+        planner: as :func:`~treepack.trainer.planning.planner.obtain_plan` (None: an
+            embedded ``Packer()``).
         **plan_kwargs: ``Packer.pack``'s arguments: ``seq_len`` (required),
             ``trainable``, ``groups``, ``num_ranks``, ``min_shared_len``, ...
 
@@ -103,17 +104,6 @@ def plan_microbatches(
         The :class:`MicroBatches`.
     """
     t0 = time.perf_counter()
-    if planner is None or isinstance(planner, str):
-        # The embedded planner loads only when asked for (as in distributed.obtain_plan).
-        from treepack.client import Packer
-
-        with Packer(planner) as packer:
-            plan = packer.pack(sequences, **plan_kwargs)
-    elif hasattr(planner, "pack"):
-        plan = planner.pack(sequences, **plan_kwargs)
-    elif callable(planner):
-        plan = planner(sequences, **plan_kwargs)
-    else:
-        raise InputTypeError(f"planner must have .pack(...) or be callable, got {type(planner).__name__}", path="$.planner", rule="type")
+    plan = obtain_plan(sequences, planner=planner, **plan_kwargs)
     ms = (time.perf_counter() - t0) * 1e3
     return MicroBatches(plan=plan, rows=split_rows(plan, num_microbatches), plan_ms=ms)

@@ -1,9 +1,9 @@
-"""Stock HF DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (DSA) on tree rows.
+"""Stock HF DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (DSA) on tree rows: the kinds ``dsa``, ``glm_dsa``, ``dsa_indexer``.
 
 HF's ``DeepseekV32Attention`` is MLA (low-rank q and kv, a shared RoPE key) plus a
 lightning indexer that picks ``index_topk`` keys per query; the eager path folds the picks
 into a dense [L, L] mask. On tree rows the patched forward (:func:`dsa_forward`, installed
-by :func:`~treepack.trainer.hf.hybrid.patch_hybrid_layers`) keeps every projection of the
+by :func:`~treepack.trainer.hf.layers.patch_layers`) keeps every projection of the
 stock layer and replaces the selection and the attention:
 
 - indexer scores exactly as the stock indexer (no gradient, as in HF), then
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.hf.context import BATCH_KWARG, current_packed
+from treepack.trainer.hf.context import packed_context
+from treepack.trainer.hf.layers.spec import STOCK_ATTR, TreeLayer
 from treepack.trainer.kernels.sparse import indexer_scores, sparse_attention, tree_topk
 
 __all__ = [
@@ -49,15 +50,15 @@ __all__ = [
     "dsa_forward",
     "glm_dsa_forward",
     "position_tiebreak_indexer_forward",
-    "packed_context",
-    "STOCK_ATTR",
+    "LAYERS",
+    "DSA",
+    "GLM_DSA",
+    "DSA_INDEXER",
 ]
 
 # Indexer class -> the RoPE function of its modeling module. Only the indexers of the DSA
-# layers that hybrid.patch_hybrid_layers patches are listed: no other class reaches here.
+# layers patched here are listed: no other class reaches here.
 _INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
-# Where a patched module keeps its bound stock forward (in its __dict__, outside nn.Module's registries).
-STOCK_ATTR = "_treepack_stock_forward"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +72,6 @@ class TreeSelection:
 
     idx: torch.Tensor
     valid: torch.Tensor
-
-
-def packed_context(kwargs: dict[str, Any]) -> Any:
-    """The active packed context of a layer call (``treepack_context`` kwarg, else the context variable), or None."""
-    ctx = kwargs.get(BATCH_KWARG)
-    return ctx if ctx is not None else current_packed()
 
 
 def _modeling(module: torch.nn.Module) -> types.ModuleType:
@@ -241,3 +236,11 @@ def glm_dsa_forward(
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
     out, sel = dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch, shared=prev_topk_indices)
     return out, None, sel
+
+
+# Patched by exact class name: their forwards read the batch's ancestor masks, not a schedule.
+DSA = TreeLayer(kind="dsa", classes=("DeepseekV32Attention",), patch=dsa_forward)
+GLM_DSA = TreeLayer(kind="glm_dsa", classes=("GlmMoeDsaAttention",), patch=glm_dsa_forward)
+# The indexers of patched DSA layers break ties by position on unpacked calls too.
+DSA_INDEXER = TreeLayer(kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward)
+LAYERS = (DSA, GLM_DSA, DSA_INDEXER)

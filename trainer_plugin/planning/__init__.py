@@ -1,0 +1,21 @@
+"""Before the plan: the trainer's batches as planner inputs, and the planning call.
+
+- :mod:`~treepack.trainer.planning.bridge`: HF/TRL padded ``[B, T]`` batches <-> sequences,
+  trainable flags and groups (:func:`from_padded`, :func:`from_labeled`);
+- :mod:`~treepack.trainer.planning.routing`: :func:`routing_keys`, planner keys from MoE
+  routing-replay arrays (so the planner never shares a token whose routing differs);
+- :mod:`~treepack.trainer.planning.planner`: :func:`obtain_plan`, the one resolution of a
+  ``planner`` argument (:class:`Planner`, a function, a sidecar URL or None);
+- :mod:`~treepack.trainer.planning.microbatch`: plan a whole generation batch once, deal its
+  rows to ranks and micro-batches (:func:`plan_microbatches`).
+
+What runs after the plan (:func:`~treepack.trainer.data.materialize` ->
+:class:`~treepack.trainer.data.PackedBatch`) is :mod:`treepack.trainer.data`.
+"""
+
+from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded
+from treepack.trainer.planning.microbatch import MicroBatches, plan_microbatches
+from treepack.trainer.planning.planner import Planner, PlanFunction, obtain_plan
+from treepack.trainer.planning.routing import routing_keys
+
+__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan"]
