@@ -48,12 +48,9 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.data.bridge import prompt_groups
-from treepack.trainer.data.materialize import materialize
-from treepack.trainer.data.microbatch import plan_microbatches
-from treepack.trainer.hf.forward import packed_forward
-from treepack.trainer.hf.head import output_head
-from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer.planning import plan_microbatches
+from treepack.trainer.planning.bridge import prompt_groups
 
 __all__ = ["VerlPacking", "TreepackFSDPEngine", "SUPPORTED_VERL"]
 
