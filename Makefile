@@ -49,12 +49,14 @@ test-triton: venv-triton
 
 # A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
 # verl on CPU (tests/verl). verl pinned to the release the engine was checked against; no
-# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's). Never in
-# .venv: a missing verl there skips tests/verl, here (CI=1) it fails.
+# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no
+# extras at all: the tests drive the engine, not the Ray workers (whose module would also
+# want uvicorn and fastapi). Measured: about 1.9 GB, 13 min on a loaded 2-core machine.
+# Never in .venv: the main run does not collect tests/verl; here (CI=1) a missing verl fails.
 VVENV ?= .venv-verl
 VBIN := $(VVENV)/bin
 VPIP := $(VBIN)/python -m pip -q --disable-pip-version-check
-VERL_PKGS := verl==0.9.1 fastapi uvicorn
+VERL_PKGS := verl==0.9.1
 
 $(VBIN)/python:
 	$(PY) -m venv $(VVENV)

@@ -30,9 +30,9 @@ def model_dir() -> str:
     return d
 
 
-def build(cls: type, *, grad_ckpt: bool = False) -> FSDPEngineWithLMHead:
-    """An initialized engine of class ``cls``: FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
-    mc = HFModelConfig(path=model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt)
+def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSDPEngineWithLMHead:
+    """An initialized engine of class ``cls`` (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
+    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt)
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, dtype="float32", model_dtype="fp32", mixed_precision=fp32, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2, max_token_len_per_gpu=160, infer_max_token_len_per_gpu=160)
     oc = FSDPOptimizerConfig(lr=1.0, optimizer="SGD", clip_grad=1e9, weight_decay=0.0, total_training_steps=10)
@@ -41,28 +41,28 @@ def build(cls: type, *, grad_ckpt: bool = False) -> FSDPEngineWithLMHead:
     return eng
 
 
-def grpo_batch(*, groups: int = 2, n: int = 4, seed: int = 0) -> TensorDict:
+def grpo_batch(*, groups: int = 2, n: int = 4, seed: int = 0, P: int = 28, R: int = 8, vocab: int = VOCAB) -> TensorDict:
     """A padded GRPO batch (``groups`` prompts x ``n`` responses) as verl's trainer holds it.
 
-    Prompts (18-28 tokens) are left-padded, responses (2-8 tokens) right-padded; one response
-    token in five is masked out of the loss (a tool token), as multi-turn batches have.
+    Prompts (``P - 10`` to ``P`` tokens) are left-padded, responses (2 to ``R`` tokens)
+    right-padded; one response token in five is masked out of the loss (a tool token), as
+    multi-turn batches have.
     """
     g = torch.Generator().manual_seed(seed)
-    P, R = 28, 8
     B = groups * n
     prompts = torch.zeros(B, P, dtype=torch.long)
     pmask = torch.zeros(B, P, dtype=torch.long)
     responses = torch.zeros(B, R, dtype=torch.long)
     rmask = torch.zeros(B, R, dtype=torch.long)
     for i in range(groups):
-        plen = int(torch.randint(18, P + 1, (1,), generator=g))
-        prompt = torch.randint(1, VOCAB, (plen,), generator=g)
+        plen = int(torch.randint(P - 10, P + 1, (1,), generator=g))
+        prompt = torch.randint(1, vocab, (plen,), generator=g)
         for j in range(n):
             b = i * n + j
             prompts[b, P - plen :] = prompt
             pmask[b, P - plen :] = 1
             rlen = int(torch.randint(2, R + 1, (1,), generator=g))
-            responses[b, :rlen] = torch.randint(1, VOCAB, (rlen,), generator=g)
+            responses[b, :rlen] = torch.randint(1, vocab, (rlen,), generator=g)
             rmask[b, :rlen] = 1
     attention_mask = torch.cat([pmask, rmask], 1)
     response_mask = rmask * (torch.rand(B, R, generator=g) > 0.2).long()
@@ -83,9 +83,9 @@ def grpo_batch(*, groups: int = 2, n: int = 4, seed: int = 0) -> TensorDict:
     return left_right_2_no_padding(td)
 
 
-def flags(td: TensorDict, *, dynamic: bool, rmpad: bool, temperature: float = 1.0, **extra) -> TensorDict:
+def flags(td: TensorDict, *, dynamic: bool, rmpad: bool, temperature: float = 1.0, micro: int = 4, **extra) -> TensorDict:
     """The engine keys verl's worker injects (micro-batching, remove-padding, temperature)."""
-    tu.assign_non_tensor(td, use_remove_padding=rmpad, use_dynamic_bsz=dynamic, max_token_len_per_gpu=160, micro_batch_size_per_gpu=4, use_fused_kernels=False, temperature=temperature, **extra)
+    tu.assign_non_tensor(td, use_remove_padding=rmpad, use_dynamic_bsz=dynamic, max_token_len_per_gpu=160, micro_batch_size_per_gpu=micro, use_fused_kernels=False, temperature=temperature, **extra)
     return td
 
 

@@ -77,4 +77,8 @@ def test_negative_control_other_batch_differs(engines):
     ref, _ = _update(stock, flags(grpo_batch(seed=2), dynamic=False, rmpad=True, global_batch_size=8), "token-mean")
     got, _ = _update(tree, flags(grpo_batch(seed=3), dynamic=False, rmpad=True, global_batch_size=8), "token-mean")
     assert_not_close("update of another batch", ref, got, atol=1e-4)
+    # The loss_agg_mode parametrization exercises different losses (seq-mean-token-sum
+    # weights the sequences differently from token-mean on this batch).
+    other, _ = _update(stock, flags(grpo_batch(seed=2), dynamic=False, rmpad=True, global_batch_size=8), "seq-mean-token-sum")
+    assert_not_close("token-mean vs seq-mean-token-sum update", ref, other, atol=1e-4)
 
