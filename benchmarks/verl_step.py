@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--padded", action="store_true", help="stock with use_remove_padding=False ([B, T] rows) instead of verl's default remove-padding")
     a = ap.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -49,7 +50,7 @@ def main() -> None:
     cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 32, num_key_value_heads=max(1, a.hidden // 64), max_position_embeddings=4096)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     n = 8
-    batch = lambda: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=True, micro=n, global_batch_size=a.groups * n)  # noqa: E731
+    batch = lambda: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=not a.padded, micro=n, global_batch_size=a.groups * n)  # noqa: E731
     times: dict[str, list[float]] = {}
     saved = []
     for name, cls in (("stock", FSDPEngineWithLMHead), ("treepack", TreepackFSDPEngine)):
@@ -70,7 +71,7 @@ def main() -> None:
     cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
     print("| shape | stock | treepack | stock / treepack | token ratio |")
     print("| --- | --- | --- | --- | --- |")
-    print(f"| {a.groups}x{n}, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden} | {cell('stock')} | {cell('treepack')} | {med['stock'] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
+    print(f"| {'padded' if a.padded else 'remove-padding'}, {a.groups}x{n}, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden} | {cell('stock')} | {cell('treepack')} | {med['stock'] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
 
 
 if __name__ == "__main__":
