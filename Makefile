@@ -4,7 +4,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test bench venv clean venv-triton test-triton venv-verl test-verl gpu-check
+# The tests' torch. `pip install torch==2.13.0` installs whatever the configured indexes
+# serve for it: from PyPI on Linux x86-64 that is the CUDA build (several GB with its
+# nvidia-* wheels), on macOS and Windows the CPU build; a machine whose pip is set up with
+# local wheels (find-links) gets those. The tests need only CPU: pick the CPU build with
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (or a CUDA one, e.g. .../whl/cu128; any torch 2.13.0 already in the venv is kept).
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+
+.PHONY: demo test bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,16 +25,21 @@ venv: $(BIN)/python
 demo: venv
 	$(PIP) install -e .
 	$(BIN)/treepack demo
+	@echo
+	@echo "The treepack command is in $(BIN)/ (or: source $(BIN)/activate). Next:"
+	@echo "  $(BIN)/pip install matplotlib                       # for --png (the plot extra)"
+	@echo "  $(BIN)/treepack demo --groups 96 --png rows.png     # draws the rows"
+	@echo "  $(BIN)/treepack plan examples/batch.jsonl --seq-len 512"
 
-# Set up everything the tests need (CPU torch pinned: never a multi-GB CUDA build) and run them.
+# Set up everything the tests need (torch 2.13.0: see TORCH above) and run them.
 test: venv
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[service,client,trainer,trl,plot,test]" torch==2.13.0
+	$(PIP) install $(TORCH_PIP)
+	$(PIP) install -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
 	$(BIN)/python -m pytest -q
 
 # A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).
 # Never in .venv: transformers picks flash-linear-attention whenever it imports, and its
-# kernels fail on CPU there. CPU torch pinned as above; mamba_ssm and causal-conv1d
+# kernels fail on CPU there. torch as above, and checked to be a CPU build; mamba_ssm and causal-conv1d
 # without their CUDA builds (their setup.py would otherwise ask nvcc or download a
 # CUDA wheel): what they bring here is their Python + Triton code.
 TVENV ?= .venv-triton
@@ -36,7 +51,7 @@ $(TBIN)/python:
 	$(PY) -m venv $(TVENV)
 
 venv-triton: $(TBIN)/python
-	$(TPIP) install torch==2.13.0
+	$(TPIP) install $(TORCH_PIP)
 	$(TPIP) install $(TRITON_PKGS) wheel packaging ninja
 	$(TPIP) install -e ".[trainer,test]"
 	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
@@ -62,21 +77,41 @@ $(VBIN)/python:
 	$(PY) -m venv $(VVENV)
 
 venv-verl: $(VBIN)/python
-	$(VPIP) install torch==2.13.0
-	$(VPIP) install $(VERL_PKGS) torch==2.13.0
-	$(VPIP) install -e ".[trainer,test]" torch==2.13.0
+	$(VPIP) install $(TORCH_PIP)
+	$(VPIP) install $(VERL_PKGS) $(TORCH)
+	$(VPIP) install -e ".[trainer,test]" $(TORCH)
 
 test-verl: venv-verl
 	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl
 
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
 # (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).
+# GPU_PY: an interpreter whose torch has CUDA and which has treepack installed (docs/gpu.md);
+# default: $(BIN)/python when that exists, else python3. It is checked before anything runs.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
-	$(PY) benchmarks/gpu_check.py $(if $(REPORT),--json $(REPORT),)
+	@$(GPU_PY) -c "import torch, treepack.trainer" 2>/dev/null || { echo "make gpu-check: $(GPU_PY) cannot import torch and treepack.trainer: set GPU_PY to the python of a CUDA environment with treepack installed (docs/gpu.md)" >&2; exit 2; }
+	$(GPU_PY) benchmarks/gpu_check.py $(if $(REPORT),--json $(REPORT),)
+
+# The distributions (sdist and wheel, in dist/), as `pip install .` would build them.
+dist: venv
+	$(PIP) install build
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+# The wheel in a fresh venv of its own, with the trainer extra and torch as above: the demo
+# runs and the trainer imports (what `pip install ".[trainer]"` gives a training environment).
+WVENV ?= .venv-wheel
+wheel-check: dist
+	rm -rf $(WVENV) && $(PY) -m venv $(WVENV)
+	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile $(TORCH_PIP)
+	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile "$$(ls dist/treepack-*.whl)[trainer]" $(TORCH)
+	cd $(WVENV) && bin/treepack demo --groups 96
+	cd $(WVENV) && bin/python -c "import treepack.trainer, torch; print('treepack.trainer imports with torch', torch.__version__)"
 
 bench: venv
 	$(PIP) install -e .
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) $(TVENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis

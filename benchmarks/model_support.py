@@ -258,17 +258,35 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
-    """(status, detail) of one architecture: ``unbuildable`` | ``stock_fails`` | ``refused`` | ``pass`` | ``WRONG``.
+#: What each status of the automatic sweep (``--auto``) means.
+SWEEP_STATUSES = {
+    "pass": "treepack ran it packed and its logprobs equal each sequence run alone (forward, sdpa)",
+    "refused": "check_model refuses it before any compute, naming the module and why",
+    "stock_fails": "the stock model fails unpacked on the tiny config the sweep builds, so there is nothing to compare with",
+    "unbuildable": "no tiny model can be built from its shrunken default config",
+    "WRONG": "accepted but packed differs from unpacked: a bug (never expected)",
+}
 
-    ``unbuildable``: no tiny model from the shrunken default config; ``stock_fails``: the
-    stock model fails unpacked on it (nothing to compare with). ``WRONG`` (accepted by the
-    check but off the oracle) must never happen.
+
+def sweep_overrides(model_type: str) -> dict[str, Any]:
+    """The config overrides of the first exact :data:`FAMILIES` row of ``model_type`` ({} if none).
+
+    A shrunken default config is not always a valid model (DeepSeek-V3's MLA and router
+    groups need consistent sizes); the table's rows say which sizes make one.
+    """
+    return next((dict(f.overrides) for f in FAMILIES if f.model_type == model_type and f.refused is None), {})
+
+
+def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
+    """(status, detail) of one architecture: one of :data:`SWEEP_STATUSES`.
+
+    The tiny model is the shrunken default config with :func:`sweep_overrides`, so every
+    model type of the README table is swept as the table's row builds it.
     """
     from treepack.trainer.hf import check_model
 
     try:
-        model = _with_patches(build_causal_lm(model_type))
+        model = _with_patches(build_causal_lm(model_type, **sweep_overrides(model_type)))
         model.set_attn_implementation("eager")
     except Exception as e:  # noqa: BLE001 - any failure to build is listed, not hidden
         return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -332,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     if args.auto:
+        for status, meaning in SWEEP_STATUSES.items():
+            print(f"# {status}: {meaning}")
         for t in causal_lm_types():
             print(t, *sweep_one(t), sep="\t", flush=True)
     table = render_table({row.name: status_of(row) for row in FAMILIES})

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from treepack.proto.buffers import Format, decode_buffer, encode_buffer
+from treepack.proto.buffers import Format, decode_buffer, encode_request_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
 from treepack.proto.messages import PackRequest
@@ -231,15 +231,15 @@ def encode_pack_request(request: PackInput, *, fmt: Format = "msgpack", dedup: b
             The server rebuilds the same sequences; the plan does not change.
 
     Returns:
-        The message as a dict of buffers (byte views for msgpack, lists for JSON).
+        The message as a dict of buffers (byte views for msgpack, base64 strings for JSON).
         :func:`encode_pack_body` writes the msgpack body without building it.
     """
     fields = _request_fields(request, dedup=dedup, min_prefix=min_prefix)
     for k, v in fields.items():
         if isinstance(v, Column):
-            fields[k] = encode_buffer(v.concat(), v.dtype, fmt)
+            fields[k] = encode_request_buffer(v.concat(), v.dtype, fmt)
         elif isinstance(v, np.ndarray):
-            fields[k] = encode_buffer(v, v.dtype.str, fmt)
+            fields[k] = encode_request_buffer(v, v.dtype.str, fmt)
     return fields
 
 

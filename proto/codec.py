@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, TypeVar
 
 import msgpack
@@ -135,7 +136,19 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = True) -> Any:
+def whole_number(text: str) -> int | float:
+    """A JSON number literal with a fraction or exponent: an int when its value is whole
+    (``2.0``, ``1e3``: JSON has one number type), exactly; else a float."""
+    try:
+        d = Decimal(text)
+    except InvalidOperation:  # pragma: no cover - the scanner only passes number literals
+        return float(text)
+    if d.is_finite() and d == d.to_integral_value() and abs(d) < 2**64:
+        return int(d)
+    return float(text)
+
+
+def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = True, whole_floats: bool = False) -> Any:
     """Parse a request or response body.
 
     Args:
@@ -144,6 +157,8 @@ def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = Tru
         unique_keys: refuse a map that names a key twice (requests: no silent
             last-wins); the client reads its own server's answers with False (the check
             costs a Python call per map, and a plan has dozens).
+        whole_floats: JSON number literals with a whole value (``2.0``) become ints
+            (:func:`whole_number`; requests: JSON does not tell 2.0 from 2).
 
     Raises:
         DecodeError: the bytes are not one complete msgpack object / JSON document.
@@ -162,7 +177,7 @@ def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = Tru
             # Truncated data, bad type bytes, non-string map keys, invalid UTF-8 strings.
             raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="msgpack") from None
     try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=hook)
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=hook, parse_float=whole_number if whole_floats else None)
     except _DuplicateKey as exc:
         raise DecodeError(f"malformed JSON: {exc}", path="$", rule="duplicate_key") from None
     except UnicodeDecodeError as exc:

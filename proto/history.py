@@ -14,22 +14,33 @@ tokens). Durability:
 - Retention is enforced inside the inserting transaction: at most ``max_batches`` rows,
   at most ``max_bytes`` of shape blobs (the newest batch always stays) and none older than
   ``max_age_s``.
-- ``PRAGMA user_version`` marks the schema; a file from an unknown version is refused
-  rather than misread.
-- Integrity: opening runs ``PRAGMA quick_check``; a file that is not a database, fails the
-  check or has another schema raises :class:`HistoryDamaged`, one line naming the file and
-  the cause (:func:`move_aside` is the recovery: rename it and start fresh). A database
+- ``PRAGMA user_version`` marks the schema and ``PRAGMA application_id`` the file as a
+  treepack history; a file from an unknown version, another application's database (its
+  own tables, or another application id) or a zero-length file is refused rather than
+  misread or silently started afresh.
+- Each row carries a checksum of its shape (BLAKE2b-128 of the blob); a row whose shape
+  no longer matches it, or does not decode, is skipped and counted
+  (:attr:`HistoryStore.undecodable`, found at open and as rows are read), never blamed on
+  a request.
+- Integrity: opening runs ``PRAGMA quick_check`` and the checksums; a file that is not a
+  database, fails the check, is empty, foreign or has another schema raises
+  :class:`HistoryDamaged`, one line naming the file and the cause, with a short
+  path-free :attr:`HistoryDamaged.reason` for unauthenticated readers
+  (:func:`move_aside` is the recovery: rename it and start fresh). A path that cannot be
+  created or written raises :class:`HistoryPathError` instead (moving nothing aside
+  helps; :func:`history_path_problem` finds it before a server starts). A database
   error later marks the store damaged (:attr:`HistoryStore.damaged`, for readiness) and
-  raises :class:`HistoryDamaged` too. A row whose shape does not decode is skipped and
-  counted (:attr:`HistoryStore.undecodable`), never blamed on a request.
+  raises :class:`HistoryDamaged` too.
 - :meth:`HistoryStore.checkpoint` (at shutdown, and in :meth:`HistoryStore.close`) folds
   the WAL into the database file, so the file alone is complete after a clean stop.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -44,11 +55,22 @@ from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
 
-__all__ = ["HistoryStore", "HistoryDamaged", "SCHEMA_VERSION", "empty_summary", "move_aside"]
+__all__ = [
+    "HistoryStore",
+    "HistoryDamaged",
+    "HistoryPathError",
+    "SCHEMA_VERSION",
+    "APPLICATION_ID",
+    "empty_summary",
+    "move_aside",
+    "history_path_problem",
+    "shape_checksum",
+]
 
 log = logging.getLogger("treepack.history")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a checksum per row
+APPLICATION_ID = 0x74706B68  # "tpkh": this file is a treepack history
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -62,7 +84,8 @@ CREATE TABLE IF NOT EXISTS batches (
     packed_tokens INTEGER NOT NULL,
     saved_fraction REAL NOT NULL,
     tags TEXT NOT NULL,
-    shape BLOB NOT NULL
+    shape BLOB NOT NULL,
+    checksum BLOB
 );
 CREATE INDEX IF NOT EXISTS batches_created ON batches (created);
 """
@@ -80,8 +103,54 @@ def _groups_per_tag(shape: BatchShape) -> dict[str, int]:
     return out
 
 
+def shape_checksum(blob: bytes) -> bytes:
+    """The checksum stored beside a shape blob (BLAKE2b, 16 bytes)."""
+    return hashlib.blake2b(blob, digest_size=16).digest()
+
+
 class HistoryDamaged(RuntimeError):
-    """The history database cannot be used; the message names the file and the cause in one line."""
+    """The history database cannot be used; the message names the file and the cause in one line.
+
+    Attributes:
+        reason: the cause alone, short and without the path (for unauthenticated readers).
+    """
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = _clip(reason if reason is not None else message)
+
+
+class HistoryPathError(RuntimeError):
+    """The history path cannot be created or written: one line naming it and what to do."""
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def history_path_problem(path: str | Path) -> str | None:
+    """Why a history file cannot be created or written at ``path`` (one line, with what to do), or None.
+
+    Checks the folder (created if missing) and the file's permissions; it opens no database.
+    """
+    p = Path(path)
+    advice = (
+        "make that folder writable by this user, set TREEPACK_HISTORY_PATH (--history-path) to a writable file, "
+        "or run without a history (--no-history)"
+    )
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the folder of the history database {p}: {exc.strerror or exc}; {advice}"
+    if p.exists():
+        if p.is_dir():
+            return f"the history path {p} is a folder; set TREEPACK_HISTORY_PATH (--history-path) to a file in it"
+        if not os.access(p, os.R_OK | os.W_OK):
+            return f"cannot read and write the history database {p} (permission denied); {advice}"
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        return f"cannot create the history database {p} (its folder is not writable; SQLite also writes -wal/-shm files there); {advice}"
+    return None
 
 
 def move_aside(path: str | Path) -> Path | None:
@@ -125,44 +194,79 @@ class HistoryStore:
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self.damaged: str | None = None
-        self.undecodable = 0
+        self.damaged_reason: str | None = None
+        self._bad: set[int] = set()
         self._lock = threading.Lock()
         self._decoded: dict[int, BatchShape] = {}
         where = self.path or ":memory:"
+        if self.path is not None:
+            problem = history_path_problem(self.path)
+            if problem is not None:
+                raise HistoryPathError(problem)
+            if Path(self.path).exists() and Path(self.path).stat().st_size == 0:
+                raise HistoryDamaged(f"history database {where} is an empty (zero-length) file, not a history", "an empty (zero-length) file")
         try:
-            if self.path is not None:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(where, check_same_thread=False, isolation_level=None, timeout=30.0)
         except (OSError, sqlite3.Error) as exc:
-            raise HistoryDamaged(f"history database {where}: cannot open: {_one_line(exc)}") from None
+            raise HistoryDamaged(f"history database {where}: cannot open: {_one_line(exc)}", f"cannot open: {_one_line(exc)}") from None
+        self._conn.create_function("treepack_checksum", 1, _checksum_or_none, deterministic=True)
         try:
             self._open()
         except (sqlite3.Error, HistoryDamaged) as exc:
             self._conn.close()
             if isinstance(exc, HistoryDamaged):
                 raise
-            raise HistoryDamaged(f"history database {where}: {_one_line(exc)}") from None
+            raise HistoryDamaged(f"history database {where}: {_one_line(exc)}", _one_line(exc)) from None
+
+    @property
+    def undecodable(self) -> int:
+        """Stored shapes skipped: they fail their checksum or do not decode."""
+        return len(self._bad)
 
     def _open(self) -> None:
         with self._lock:
             c = self._conn
+            check = c.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                cause = f"integrity check failed: {_one_line(Exception(check[0][0]))}"
+                raise HistoryDamaged(f"history database {self.path}: {cause}", cause)
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            app_id = c.execute("PRAGMA application_id").fetchone()[0]
+            tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+            foreign = sorted(tables - {"batches"}) if version == 0 else []
+            if app_id not in (0, APPLICATION_ID) or foreign:
+                held = f" (it holds tables {', '.join(foreign[:4])})" if foreign else f" (application id {app_id:#x})"
+                raise HistoryDamaged(f"history database {self.path} is another application's database{held}", "another application's database")
+            if version not in (0, 1, SCHEMA_VERSION):
+                cause = f"schema version {version}; this build reads {SCHEMA_VERSION}"
+                raise HistoryDamaged(f"history database {self.path} has {cause}", cause)
+            # Only now the file is written to (a refused file is left exactly as it was).
             if self.path is not None:
                 c.execute("PRAGMA journal_mode=WAL")
             c.execute("PRAGMA synchronous=NORMAL")
-            check = c.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:
-                raise HistoryDamaged(f"history database {self.path}: integrity check failed: {_one_line(Exception(check[0][0]))}")
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                raise HistoryDamaged(f"history database {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
             c.executescript(_SCHEMA)
+            if "checksum" not in {r[1] for r in c.execute("PRAGMA table_info(batches)")}:
+                # A file of schema 1: add the checksums, trusting the rows as they are.
+                c.execute("ALTER TABLE batches ADD COLUMN checksum BLOB")
+                c.execute("UPDATE batches SET checksum = treepack_checksum(shape)")
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            c.execute(f"PRAGMA application_id={APPLICATION_ID}")
+            bad = c.execute("SELECT id FROM batches WHERE checksum IS NULL OR checksum IS NOT treepack_checksum(shape)").fetchall()
+            for (bid,) in bad:
+                self._skip(bid, "its shape does not match its checksum")
+
+    def _skip(self, bid: int, why: str) -> None:
+        """Count a stored row as skipped (once) and log why."""
+        if bid not in self._bad:
+            self._bad.add(bid)
+            log.warning("history row %d skipped: %s", bid, why)
 
     def _failed(self, exc: sqlite3.Error) -> HistoryDamaged:
         """Mark the store damaged after a database error (readiness reports it)."""
         self.damaged = f"history database {self.path or ':memory:'}: {_one_line(exc)}"
+        self.damaged_reason = _clip(_one_line(exc))
         log.error("%s", self.damaged)
-        return HistoryDamaged(self.damaged)
+        return HistoryDamaged(self.damaged, self.damaged_reason)
 
     def record(self, shape: BatchShape, *, rows: int, packed_tokens: int, saved_fraction: float, created: float | None = None) -> int:
         """Store one batch's shape and apply retention, in one transaction.
@@ -185,6 +289,7 @@ class HistoryStore:
             float(saved_fraction),
             json.dumps(per_tag, sort_keys=True),
             blob,
+            shape_checksum(blob),
         )
         with self._lock:
             c = self._conn
@@ -193,7 +298,7 @@ class HistoryStore:
                 try:
                     cur = c.execute(
                         "INSERT INTO batches (created, seq_len, min_shared_len, sequences, groups, tokens, rows,"
-                        " packed_tokens, saved_fraction, tags, shape) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        " packed_tokens, saved_fraction, tags, shape, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                         row,
                     )
                     self._prune(now)
@@ -287,33 +392,45 @@ class HistoryStore:
 
         def read(c: sqlite3.Connection) -> tuple[list[int], list[Any]]:
             ids = [r[0] for r in c.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))]
-            missing = [i for i in ids if i not in self._decoded]
+            missing = [i for i in ids if i not in self._decoded and i not in self._bad]
             rows = []
             for k in range(0, len(missing), 500):  # stay under SQLite's bound-parameter limit
                 part = missing[k : k + 500]
-                rows += c.execute(f"SELECT id, shape FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
+                rows += c.execute(f"SELECT id, shape, checksum FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
             return ids, rows
 
         ids, rows = self._query(read)
         fresh = {}
-        for bid, blob in rows:
+        for bid, blob, checksum in rows:
+            if _checksum_or_none(blob) != checksum:
+                self._skip(bid, "its shape does not match its checksum")
+                continue
             shape = _decode_row(bid, blob)
             if shape is None:
-                self.undecodable += 1
+                self._skip(bid, "its shape does not decode")
             else:
                 fresh[bid] = shape
         known = {**self._decoded, **fresh}
         self._decoded = {i: known[i] for i in ids if i in known}
         return [self._decoded[i] for i in reversed(ids) if i in self._decoded]
 
-    def check(self) -> str:
-        """``"ok"`` when the database answers a query, else why not (readiness)."""
+    def check(self, *, detail: bool = False) -> str:
+        """``"ok"`` when the database answers a query, else why not (readiness).
+
+        Skipped rows are reported after the ``ok`` (``"ok; 2 stored shapes skipped ..."``).
+
+        Args:
+            detail: name the file (for authenticated readers); else the short reason only.
+        """
         if self.damaged is not None:
-            return f"damaged: {self.damaged}"
+            return f"damaged: {self.damaged if detail else self.damaged_reason}"
         try:
             self._query(lambda c: c.execute("SELECT 1 FROM batches LIMIT 1").fetchall())
         except HistoryDamaged as exc:
-            return f"damaged: {exc}"
+            return f"damaged: {exc if detail else exc.reason}"
+        if self._bad:
+            n = len(self._bad)
+            return f"ok; {n} stored shape{'s' * (n > 1)} skipped (failed the checksum or did not decode)"
         return "ok"
 
     def checkpoint(self) -> None:
@@ -331,12 +448,16 @@ class HistoryStore:
             self._conn.close()
 
 
+def _checksum_or_none(blob: Any) -> bytes | None:
+    return shape_checksum(bytes(blob)) if isinstance(blob, (bytes, bytearray, memoryview)) else None
+
+
 def _decode_row(bid: int, blob: Any) -> BatchShape | None:
     """A stored shape, or None (logged) when the row does not decode or is inconsistent."""
     try:
         return shape_from_wire(parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False)), f"history[{bid}]")
     except (TreepackError, ValueError, TypeError, msgpack.UnpackException) as exc:
-        log.warning("history row %d skipped: it does not decode (%s)", bid, _one_line(exc))
+        log.warning("history row %d does not decode (%s)", bid, _one_line(exc))
         return None
 
 

@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 _INT64 = (-(2**63), 2**63 - 1)
+_INT64_MIN = _INT64[0]
 
 
 def _check_buffer(value: Any) -> Any:
@@ -80,6 +81,33 @@ Buffer = Annotated[
         }
     ),
 ]
+
+_ITEM_SCHEMA = {
+    "<u4": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+    "<i8": {"type": "integer", "minimum": _INT64_MIN, "maximum": 2**63 - 1},
+    "<u8": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+    "|u1": {"type": "integer", "minimum": 0, "maximum": 1},
+}
+
+
+def _typed_buffer(dtype: str, *, min_items: int = 0, item_min: int | None = None) -> Any:
+    """A request's buffer field of one dtype: its schema states the item type and range the
+    server checks (a list of other numbers is refused), so a schema-valid list is accepted."""
+    listed: dict[str, Any] = {"type": "array", "items": {**_ITEM_SCHEMA[dtype], **({} if item_min is None else {"minimum": item_min})}}
+    text: dict[str, Any] = {"type": "string", "contentEncoding": "base64", "description": f"{dtype} items, little-endian, base64 (JSON); msgpack sends a bin"}
+    if min_items:
+        listed["minItems"] = min_items
+        text["minLength"] = 4 * ((min_items * int(dtype[-1]) + 2) // 3)
+    return Annotated[Any, PlainValidator(_check_buffer), WithJsonSchema({"anyOf": [text, listed]})]
+
+
+TokensBuffer = _typed_buffer("<u4")
+OffsetsBuffer = _typed_buffer("<i8", min_items=1)
+I8Buffer = _typed_buffer("<i8")
+U8Buffer = _typed_buffer("<u8")
+FlagsBuffer = _typed_buffer("|u1")
+RunLenBuffer = _typed_buffer("<i8", item_min=1)
+CountBuffer = _typed_buffer("<i8", item_min=0)
 
 Version = Annotated[Literal[1], Field(description=f"wire version; this build speaks {WIRE_VERSION}")]
 SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="row capacity C in tokens")]
@@ -128,17 +156,17 @@ class PackRequest(_Model):
 
     version: Version
     seq_len: SeqLenOption
-    tokens: Buffer = Field(description="<u4 [T]: all token ids, sequence after sequence")
-    offsets: Buffer = Field(description="<i8 [S+1]: sequence i is tokens[offsets[i]:offsets[i+1]]; 0 first, T last, non-decreasing")
-    trainable: Optional[Buffer] = Field(None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens")
-    prompt_lens: Optional[Buffer] = Field(None, description="<i8 [S]: tokens prompt_lens[i].. of sequence i are trainable; exclusive with trainable")
-    keys: Optional[Buffer] = Field(None, description="<u8 [T]: per-token keys that must also match to share (default all 0)")
-    prefix_src: Optional[Buffer] = Field(
+    tokens: TokensBuffer = Field(description="<u4 [T]: all token ids, sequence after sequence")
+    offsets: OffsetsBuffer = Field(description="<i8 [S+1]: sequence i is tokens[offsets[i]:offsets[i+1]]; 0 first, T last, non-decreasing")
+    trainable: Optional[FlagsBuffer] = Field(None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens")
+    prompt_lens: Optional[CountBuffer] = Field(None, description="<i8 [S]: tokens prompt_lens[i].. of sequence i are trainable; exclusive with trainable")
+    keys: Optional[U8Buffer] = Field(None, description="<u8 [T]: per-token keys that must also match to share (default all 0)")
+    prefix_src: Optional[I8Buffer] = Field(
         None,
         description="<i8 [S]: sequence i starts with the first prefix_len[i] tokens of sequence prefix_src[i] (< i; -1: none), "
         "then its own tokens; with prefix_len (dedup of shared prompts; trainable and keys still cover every token)",
     )
-    prefix_len: Optional[Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
+    prefix_len: Optional[I8Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
     groups: Optional[list[GroupIdInput]] = Field(None, description="[S] group id (int, string or null) per sequence")
     tags: Optional[list[Tag]] = Field(None, description="[S] task tag per sequence (recorded in history for what-if by tag)")
     min_shared_len: MinSharedOption = 64
@@ -275,16 +303,34 @@ class BatchShapeMessage(_Model):
 
     seq_len: SeqLen
     min_shared_len: MinShared
-    seq_ptr: Buffer = Field(description="<i8 [S+1]")
-    run_hash: Buffer = Field(description="<u8 [P]")
-    run_len: Buffer = Field(description="<i8 [P], each >= 1")
-    first_trainable: Buffer = Field(description="<i8 [S]: index of the first trainable token (= length if none)")
+    seq_ptr: OffsetsBuffer = Field(description="<i8 [S+1]")
+    run_hash: U8Buffer = Field(description="<u8 [P]")
+    run_len: RunLenBuffer = Field(description="<i8 [P], each >= 1")
+    first_trainable: CountBuffer = Field(description="<i8 [S]: index of the first trainable token (= length if none)")
     groups: list[GroupId] = Field(description="[S]")
     tags: Optional[list[Tag]] = Field(None, description="[S]")
 
 
 class Composition(_Model):
     """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["groups"], "properties": {"groups": {"type": "integer"}, "by_tag": {"type": "null"}}},
+                {
+                    "required": ["by_tag"],
+                    "properties": {
+                        "groups": {"type": "null"},
+                        "by_tag": {"type": "object", "minProperties": 1},
+                    },
+                },
+            ]
+        },
+    )
 
     name: Annotated[str, Field(max_length=128)] = ""
     groups: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = None

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from treepack.proto.buffers import Format, decode_buffer, encode_buffer, exact_sum
+from treepack.proto.buffers import Format, decode_buffer, encode_request_buffer, exact_sum
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.shape import BatchShape
@@ -27,10 +27,10 @@ def shape_to_wire(shape: BatchShape, fmt: Format) -> dict[str, Any]:
     return {
         "seq_len": shape.seq_len,
         "min_shared_len": shape.min_shared_len,
-        "seq_ptr": encode_buffer(shape.seq_ptr, "<i8", fmt),
-        "run_hash": encode_buffer(shape.run_hash, "<u8", fmt),
-        "run_len": encode_buffer(shape.run_len, "<i8", fmt),
-        "first_trainable": encode_buffer(shape.first_trainable, "<i8", fmt),
+        "seq_ptr": encode_request_buffer(shape.seq_ptr, "<i8", fmt),
+        "run_hash": encode_request_buffer(shape.run_hash, "<u8", fmt),
+        "run_len": encode_request_buffer(shape.run_len, "<i8", fmt),
+        "first_trainable": encode_request_buffer(shape.first_trainable, "<i8", fmt),
         "groups": list(shape.groups),
         "tags": None if shape.tags is None else list(shape.tags),
     }

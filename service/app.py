@@ -116,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_api_route("/docs", _offline_docs, methods=["GET"], include_in_schema=False)
     app.state.service = svc
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
-    install_openapi(app, description=DESCRIPTION, bearer=settings.token is not None)
+    install_openapi(app, description=DESCRIPTION, bearer=settings.token is not None, settings=settings)
     app.add_exception_handler(TreepackError, on_treepack_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

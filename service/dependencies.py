@@ -5,13 +5,14 @@ the thread pool), evaluated in the order a route declares them: a route's
 ``dependencies=[Depends(authorize)]`` first, then its parameters. The pack and what-if
 routes declare ``negotiate`` before ``read_body``, so a request is refused for its token
 (401), then for its formats (415), then for its encoding (415), its size (413) and the
-intake budget (503), before any byte of a large body is read or decoded. Every refusal is raised as the project's exception; the app's
+intake budget (503, charged as the bytes arrive), before any byte is decoded. Every refusal is raised as the project's exception; the app's
 one exception handler turns it into the JSON error body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import time
 from typing import AsyncIterator, NamedTuple
@@ -106,30 +107,7 @@ def _announced(request: Request, limit: int) -> int | None:
     return n
 
 
-async def _read_exactly(chunks: AsyncIterator[bytes], n: int, deadline: float, timeout_s: float) -> bytes | bytearray:
-    """The body of announced size ``n``: the first chunk itself when it is the whole body
-    (no copy), else the chunks copied into one buffer of ``n`` bytes as they arrive."""
-    longer = DecodeError(f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header")
-    first = await _next_chunk(chunks, deadline, timeout_s) or b""
-    if len(first) > n:
-        raise longer
-    if len(first) == n:
-        if await _next_chunk(chunks, deadline, timeout_s) is not None:
-            raise longer
-        return first
-    buf, got = bytearray(n), len(first)
-    buf[:got] = first
-    while (chunk := await _next_chunk(chunks, deadline, timeout_s)) is not None:
-        if got + len(chunk) > n:
-            raise longer
-        buf[got : got + len(chunk)] = chunk
-        got += len(chunk)
-    if got != n:
-        raise DecodeError(f"the body ended after {got} of its {n} bytes", path="Content-Length", rule="header")
-    return buf
-
-
-async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float) -> bytes | None:
+async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float, *, first: bool = False) -> bytes | None:
     """The next non-empty chunk, None at the end; :class:`BodyTimeoutError` past ``deadline``."""
     while True:
         try:
@@ -137,24 +115,30 @@ async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: 
         except StopAsyncIteration:
             return None
         except (asyncio.TimeoutError, TimeoutError):
+            if first:
+                raise BodyTimeoutError(
+                    f"no byte of the body arrived within {timeout_s:g} s (body_first_byte_s)", path="$", rule="body_first_byte"
+                ) from None
             raise BodyTimeoutError(f"the body did not arrive within {timeout_s:g} s", path="$", rule="body_timeout") from None
         if chunk:
             return chunk
 
 
 async def read_body(request: Request) -> AsyncIterator[bytes | bytearray]:
-    """The request body, admitted and bounded before it is read (a dependency with cleanup).
+    """The request body, admitted and bounded as it is read (a dependency with cleanup).
 
     Order: the encoding (415 unless identity), the announced size (413 over
-    ``max_body_bytes``), admission (503 + Retry-After when the announced bytes would
-    pass ``intake_budget_bytes`` of bodies in flight), then the bytes, into one buffer of
-    the announced size, within ``body_timeout_s`` (408). The reservation is held until
-    the answer is sent, so bodies waiting for a planner count too. A chunked body (no
-    Content-Length) reserves its bytes as they arrive.
+    ``max_body_bytes``), then the bytes: the first within ``body_first_byte_s``, all
+    within ``body_timeout_s`` (408), each chunk charged to the intake budget as it
+    arrives (503 + Retry-After when it would pass ``intake_budget_bytes``; small bodies
+    also have ``intake_reserve_bytes``). Announced bytes that never arrive cost nothing.
+    The charge is held until the answer is sent, so bodies waiting for a planner count
+    too. With an ``Idempotency-Key``, a SHA-256 of every byte is taken as the chunks
+    arrive (``request.state.body_digest``): a replay is only ever of the same bytes.
 
     Yields:
-        The body: one buffer (the single chunk it came in, or a ``bytearray`` of the
-        announced size the chunks were copied into).
+        The body: one buffer (the single chunk it came in, or a ``bytearray`` the chunks
+        were appended to).
 
     Raises:
         UnsupportedMediaTypeError, DecodeError, PayloadTooLargeError, OverloadedError,
@@ -164,22 +148,42 @@ async def read_body(request: Request) -> AsyncIterator[bytes | bytearray]:
     settings, intake = svc.settings, svc.intake
     limit, timeout_s = settings.max_body_bytes, settings.body_timeout_s
     n = _announced(request, limit)
-    deadline = time.monotonic() + timeout_s
+    small = n is not None and n <= settings.small_body_bytes
+    digest = hashlib.sha256() if "idempotency-key" in request.headers else None
+    start = time.monotonic()
+    deadline = start + timeout_s
+    first_by = min(deadline, start + settings.body_first_byte_s)
     reserved = 0
     try:
-        if n is not None:
-            intake.acquire(n)
-            reserved = n
-            yield await _read_exactly(aiter(request.stream()), n, deadline, timeout_s)
-            return
-        parts = bytearray()
         chunks = aiter(request.stream())
-        while (chunk := await _next_chunk(chunks, deadline, timeout_s)) is not None:
-            if len(parts) + len(chunk) > limit:
-                raise PayloadTooLargeError(f"body over the limit of {limit} bytes", path="$", rule="max_body_bytes")
-            intake.acquire(len(chunk))
+        body: bytes | bytearray = b""
+        got = 0
+        while True:
+            if got == 0:
+                chunk = await _next_chunk(chunks, first_by, settings.body_first_byte_s, first=True)
+            else:
+                chunk = await _next_chunk(chunks, deadline, timeout_s)
+            if chunk is None:
+                break
+            if got + len(chunk) > (limit if n is None else n):
+                if n is None:
+                    raise PayloadTooLargeError(f"body over the limit of {limit} bytes", path="$", rule="max_body_bytes")
+                raise DecodeError(f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header")
+            intake.acquire(len(chunk), held=reserved, small=small)
             reserved += len(chunk)
-            parts += chunk
-        yield parts
+            if digest is not None:
+                digest.update(chunk)
+            if got == 0:
+                body = chunk  # the whole body, when it came in one chunk: no copy
+            else:
+                if not isinstance(body, bytearray):
+                    body = bytearray(body)
+                body += chunk
+            got += len(chunk)
+        if n is not None and got != n:
+            raise DecodeError(f"the body ended after {got} of its {n} bytes", path="Content-Length", rule="header")
+        if digest is not None:
+            request.state.body_digest = digest.digest()
+        yield body
     finally:
         intake.release(reserved)

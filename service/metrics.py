@@ -16,8 +16,8 @@ Exported (``GET /metrics``, text format):
 - ``treepack_history_recorded_total``, ``treepack_history_skipped_total``,
   ``treepack_history_failed_total``, ``treepack_history_pending``: the shape recorder.
 - ``treepack_whatif_trials_total``: planner runs made by what-if requests.
-- ``treepack_history_undecodable_total``: stored shapes skipped because they do not
-  decode; ``treepack_history_damaged``: 1 while the history is damaged (``/readyz``
+- ``treepack_history_undecodable_total``: stored shapes skipped because they fail their
+  checksum or do not decode; ``treepack_history_damaged``: 1 while the history is damaged (``/readyz``
   says why).
 - ``treepack_intake_bytes``: bytes of request bodies being read or held for planning;
   ``treepack_intake_refused_total``: bodies refused with 503 before they were read.
@@ -68,7 +68,7 @@ class _StateCollector(Collector):
         if svc is None:
             return
         store = svc.store
-        yield CounterMetricFamily("treepack_history_undecodable", "stored shapes skipped: they do not decode", value=store.undecodable if store else 0)
+        yield CounterMetricFamily("treepack_history_undecodable", "stored shapes skipped: they fail their checksum or do not decode", value=store.undecodable if store else 0)
         yield GaugeMetricFamily("treepack_history_damaged", "1 while the history is damaged", value=int(svc.history_damage() is not None))
         yield GaugeMetricFamily("treepack_intake_bytes", "bytes of request bodies being read or held", value=svc.intake.in_flight)
         yield CounterMetricFamily("treepack_intake_refused", "bodies refused with 503 before reading", value=svc.intake.rejected)

@@ -3,8 +3,9 @@
 Each operation's request body and 200 response name the message models of
 :mod:`treepack.proto.messages` under both media types; every documented error status
 names :class:`~treepack.proto.messages.ErrorBody`. The model schemas go into
-``components/schemas`` exactly as pydantic writes them, so the OpenAPI document, the JSON
-Schema files under ``proto/`` and the validators are one schema.
+``components/schemas`` as pydantic writes them, so the OpenAPI document, the JSON Schema
+files under ``proto/`` and the validators are one schema; the running settings' limits
+(what-if trials, sequences per list) are written into them too.
 """
 
 from __future__ import annotations
@@ -119,8 +120,27 @@ def body_spec(
     return spec
 
 
-def install_openapi(app: FastAPI, *, description: str, bearer: bool) -> None:
-    """Make ``app.openapi()`` return the document with the message schemas (built once)."""
+def _apply_limits(schemas: dict[str, Any], settings: Any) -> None:
+    """State the running service's limits in the message schemas (a schema-valid request
+    then passes them): what-if trials, sequences per list, compositions per request."""
+    whatif = schemas.get("WhatIfRequest", {}).get("properties", {})
+    if "trials" in whatif:
+        whatif["trials"]["maximum"] = min(whatif["trials"].get("maximum", settings.whatif_max_trials), settings.whatif_max_trials)
+    if "compositions" in whatif:
+        whatif["compositions"]["maxItems"] = min(whatif["compositions"].get("maxItems", 64), settings.whatif_max_trials)
+    pack = schemas.get("PackRequest", {}).get("properties", {})
+    for name in ("groups", "tags"):
+        for option in pack.get(name, {}).get("anyOf", []):
+            if option.get("type") == "array":
+                option["maxItems"] = settings.max_sequences
+
+
+def install_openapi(app: FastAPI, *, description: str, bearer: bool, settings: Any = None) -> None:
+    """Make ``app.openapi()`` return the document with the message schemas (built once).
+
+    Args:
+        settings: the running :class:`~.settings.Settings`, whose limits the schemas state.
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -128,6 +148,8 @@ def install_openapi(app: FastAPI, *, description: str, bearer: bool) -> None:
         doc = get_openapi(title=app.title, version=app.version, description=description, routes=app.routes)
         _, defs = models_json_schema([(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}")
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        if settings is not None:
+            _apply_limits(doc["components"]["schemas"], settings)
         if bearer:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for path, ops in doc.get("paths", {}).items():

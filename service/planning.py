@@ -3,7 +3,8 @@
 :class:`PlanningService` holds one instance's parts (settings, planner pool, history,
 metrics). :meth:`PlanningService.pack` and :meth:`PlanningService.whatif` take the raw body
 and return the raw answer; the routes run them on a planner worker thread (decoding a
-large body is CPU work too). Errors are raised as the project's exceptions; the app maps
+large body is CPU work too). Bodies are decoded within a bound of their size
+(:mod:`treepack.proto.bounded`), and decoding counts against the request's deadline. Errors are raised as the project's exceptions; the app maps
 them to HTTP in one place.
 """
 
@@ -16,7 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from treepack.proto import WIRE_VERSION
-from treepack.proto.codec import Format, decode_body, encode_body, parse_message
+from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
+from treepack.proto.codec import Format, encode_body, parse_message
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
 from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
@@ -90,11 +92,12 @@ class PlanningService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
-        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s)
+        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s, reserve=settings.intake_reserve_bytes)
         self.replay = ReplayCache(max_bytes=settings.idempotency_cache_bytes, ttl_s=settings.idempotency_ttl_s)
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
         self.history_problem: str | None = None
+        self.history_problem_reason: str | None = None
         if settings.history_enabled:
             self.store = self._open_history()
             if self.store is not None:
@@ -105,7 +108,11 @@ class PlanningService:
         self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
 
     def _open_history(self) -> HistoryStore | None:
-        """The store; a damaged file is moved aside (``history_recover``) or leaves the history off."""
+        """The store; a damaged file is moved aside (``history_recover``) or leaves the history off.
+
+        Raises:
+            HistoryPathError: the path cannot be created or written (moving nothing aside helps).
+        """
         s = self.settings
 
         def open_store() -> HistoryStore:
@@ -116,11 +123,21 @@ class PlanningService:
         except HistoryDamaged as exc:
             if s.history_recover and s.history_path is not None:
                 moved = move_aside(s.history_path)
-                log.error("%s; moved it to %s and started a fresh history (history_recover)", exc, moved)
-                return open_store()
-            self.history_problem = f"{exc} (the history is off; restart with TREEPACK_HISTORY_RECOVER=true to move the file aside)"
-            log.error("%s", self.history_problem)
+                if moved is not None:
+                    log.error("%s; moved it to %s and started a fresh history (history_recover)", exc, moved)
+                    try:
+                        return open_store()
+                    except HistoryDamaged as again:
+                        exc = again
+                self._history_off(exc, "moving it aside did not help; see the server log")
+                return None
+            self._history_off(exc, "restart with TREEPACK_HISTORY_RECOVER=true to move the file aside")
             return None
+
+    def _history_off(self, exc: HistoryDamaged, advice: str) -> None:
+        self.history_problem = f"{exc} (the history is off; {advice})"
+        self.history_problem_reason = f"{exc.reason} (the history is off; {advice})"
+        log.error("%s", self.history_problem)
 
     def history_damage(self) -> str | None:
         if self.history_problem is not None:
@@ -132,7 +149,7 @@ class PlanningService:
         if check is not None:
             check()  # it may have waited in the queue past its deadline
         t0 = time.perf_counter()
-        msg = parse_message(PackRequest, decode_body(body, fmt_in))
+        msg = parse_message(PackRequest, decode_request(body, fmt_in, PACK_SPEC, check=check))
         # Options (422) before size limits (413); plan_request's check is then a no-op.
         check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         request = decode_pack_request(msg, self.limits)
@@ -150,11 +167,11 @@ class PlanningService:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread).
 
         Refused before any trial (413) when its work (:func:`whatif_work`) passes
-        ``whatif_max_work``; ``check`` stops it between trials (deadline, disconnect).
+        ``whatif_max_work`` (default 4 x ``max_tokens``); ``check`` stops it between trials (deadline, disconnect).
         """
         if check is not None:
             check()
-        msg = parse_message(WhatIfRequest, decode_body(body, fmt_in))
+        msg = parse_message(WhatIfRequest, decode_request(body, fmt_in, WHATIF_SPEC, check=check))
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
         options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
@@ -171,9 +188,11 @@ class PlanningService:
         comps = [composition_from_wire(c) for c in msg.compositions]
         pool = build_pool(shapes)
         work = whatif_work(pool, comps, msg.trials)
-        if work > self.settings.whatif_max_work:
+        limit = self.settings.whatif_work_limit
+        if work > limit:
+            setting = "whatif_max_work" if self.settings.whatif_max_work is not None else "whatif_max_work, unset: 4 x max_tokens"
             raise PayloadTooLargeError(
-                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {self.settings.whatif_max_work}",
+                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {limit} ({setting})",
                 path="$.trials",
                 rule="max_work",
             )
@@ -236,16 +255,20 @@ class PlanningService:
             self._refuse_if_damaged()
             raise
 
-    def ready_checks(self) -> dict[str, str]:
-        """Readiness: each part answers (``"ok"``) or says why not."""
+    def ready_checks(self, *, detail: bool = False) -> dict[str, str]:
+        """Readiness: each part answers (``"ok"``, maybe with a note after ``"ok; "``) or says why not.
+
+        Args:
+            detail: name files (for an authenticated reader); else short reasons, no paths.
+        """
         checks = {"planner": "ok"}
         if self.history_problem is not None:
-            checks["history"] = f"damaged: {self.history_problem}"
+            checks["history"] = f"damaged: {self.history_problem if detail else self.history_problem_reason}"
         elif self.store is not None:
             try:
-                checks["history"] = self.store.check()
+                checks["history"] = self.store.check(detail=detail)
             except Exception as exc:  # any database failure means not ready
-                checks["history"] = f"error: {exc}"
+                checks["history"] = f"error: {exc}" if detail else f"error: {type(exc).__name__}"
         return checks
 
     def flush(self, timeout: float | None = 60.0) -> None:

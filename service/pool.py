@@ -11,7 +11,7 @@ planner calls it between phases and trials, and it raises
 its client went away (:meth:`Ticket.cancel`), so abandoned work stops within one phase.
 
 :class:`IntakeBudget` is the admission of request bodies: the bytes of bodies being read
-at once, counted by their announced size before the first byte is read.
+or held at once, charged as they arrive.
 """
 
 from __future__ import annotations
@@ -58,28 +58,37 @@ class Ticket:
 
 
 class IntakeBudget:
-    """Bytes of request bodies being read at once, bounded (module docstring).
+    """Bytes of request bodies being read or held at once, bounded (module docstring).
+
+    Bytes are charged as they arrive, so a client that announces a large body and sends
+    nothing holds nothing. Small bodies may also use ``reserve`` bytes beyond the budget,
+    so large uploads cannot starve a small pack.
 
     Args:
         budget: the bound in bytes.
+        reserve: extra room for small bodies.
         retry_after_s: advised back-off carried by the 503.
     """
 
-    def __init__(self, budget: int, retry_after_s: float = 1.0) -> None:
+    def __init__(self, budget: int, retry_after_s: float = 1.0, *, reserve: int = 0) -> None:
         self.budget = budget
+        self.reserve = reserve
         self.retry_after_s = retry_after_s
         self.in_flight = 0
         self.rejected = 0
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> None:
-        """Reserve ``nbytes``, or raise :class:`OverloadedError` (503) when the budget would pass.
+    def acquire(self, nbytes: int, *, held: int = 0, small: bool = False) -> None:
+        """Charge ``nbytes`` more to a body that already holds ``held``, or raise
+        :class:`OverloadedError` (503) when the budget (plus the reserve, for a small
+        body) would pass.
 
-        A body larger than the whole budget is still admitted when nothing else is being
-        read (``max_body_bytes`` is its bound), so a budget below it never locks a size out.
+        A body larger than the whole budget is still admitted when no other body holds
+        bytes (``max_body_bytes`` is its bound), so a budget below it never locks a size out.
         """
         with self._lock:
-            if self.in_flight and self.in_flight + nbytes > self.budget:
+            limit = self.budget + (self.reserve if small else 0)
+            if self.in_flight > held and self.in_flight + nbytes > limit:
                 self.rejected += 1
                 raise OverloadedError(
                     f"{self.in_flight} bytes of request bodies are being read (budget {self.budget}); retry later",

@@ -8,6 +8,11 @@ headers are not complete ``header_timeout_s`` after it opened (or after its prev
 answer). Request line and headers are bounded by ``max_header_bytes``: the h11 protocol
 by uvicorn's own ``h11_max_incomplete_event_size``, the httptools one here.
 
+``/healthz`` and ``/readyz`` are answered even when ``max_connections`` (uvicorn's
+``limit_concurrency``) is reached, by the httptools protocol (the default: httptools is a
+dependency of the service): the probes are cheap, and a flood of idle connections must not
+fail them.
+
 The classes are module-level (uvicorn pickles its config for worker processes); they read
 ``header_timeout_s`` and ``max_header_bytes`` from the environment once per process, as
 :func:`treepack.service.serve.run_serve` exports every setting there.
@@ -22,6 +27,9 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["GuardedH11Protocol", "guarded_protocol"]
+
+
+_PROBES = (b"/healthz", b"/readyz")
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,6 +115,18 @@ if HttpToolsProtocol is not None:
         def on_header(self, name: bytes, value: bytes) -> None:
             self._count(len(name) + len(value) + 4)
             super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            # The probes are answered even at the connection limit: a flood of idle
+            # connections must not make a liveness probe restart a working sidecar.
+            if self.url.split(b"?", 1)[0] in _PROBES:
+                limit, self.limit_concurrency = self.limit_concurrency, None
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.limit_concurrency = limit
+            else:
+                super().on_headers_complete()
 
     __all__.append("GuardedHttpToolsProtocol")
 

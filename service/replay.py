@@ -4,7 +4,8 @@ A client that lost the answer to a pack (the connection dropped mid-response) ca
 whether the server planned and recorded the batch. With a key, it may send the request
 again: while the first is still running the retry waits for it, and once it has answered
 the retry gets the same bytes; either way the batch is planned and recorded once. The
-same key with a different body (or another response format) is a 409.
+same key with a different body (any byte of it: the whole body is hashed as it is read) or
+another response format is a 409.
 
 Answers are kept for ``ttl_s`` seconds and within ``max_bytes`` in all (oldest go first);
 a failed first attempt is not kept, so its retry plans afresh.
@@ -23,7 +24,7 @@ from fastapi.responses import Response
 
 from treepack.proto.errors import ConflictError
 
-__all__ = ["ReplayCache"]
+__all__ = ["ReplayCache", "request_digest"]
 
 
 @dataclass(slots=True)
@@ -34,21 +35,10 @@ class _Entry:
     nbytes: int = field(default=0)
 
 
-_SAMPLE = 64 << 10
-
-
-def _fingerprint(body: bytes | bytearray, fmt: str) -> bytes:
-    """A cheap fingerprint of a request (its length, format and first and last 64 KiB).
-
-    Keys are random per request (the client makes a UUID); the fingerprint only catches a
-    client that reuses one for another body, so hashing every byte of a large body (ms
-    per MB) is not worth it.
-    """
-    view = memoryview(body)
-    h = hashlib.blake2b(f"{fmt}:{len(body)}:".encode(), digest_size=16)
-    h.update(view[:_SAMPLE])
-    h.update(view[-_SAMPLE:])
-    return h.digest()
+def request_digest(body_digest: bytes, fmt: str) -> bytes:
+    """What a replay must match: the SHA-256 of every byte of the body (taken while it was
+    read) and the response format."""
+    return hashlib.sha256(fmt.encode() + b":" + body_digest).digest()
 
 
 class ReplayCache:
@@ -75,15 +65,21 @@ class ReplayCache:
             else:
                 break
 
-    async def run(self, key: str, body: bytes | bytearray, fmt: str, work: Callable[[], Awaitable[Response]]) -> Response:
+    async def run(self, key: str, body_digest: bytes, fmt: str, work: Callable[[], Awaitable[Response]]) -> Response:
         """The answer for ``key``: ``work()``'s, computed once per key and body.
+
+        Args:
+            key: the Idempotency-Key.
+            body_digest: the SHA-256 of the whole body.
+            fmt: the response format.
+            work: computes the answer.
 
         Raises:
             ConflictError: the key was used for another body or response format.
         """
         now = time.monotonic()
         self._evict(now)
-        digest = _fingerprint(body, fmt)
+        digest = request_digest(body_digest, fmt)
         entry = self._entries.get(key)
         if entry is not None and entry.digest != digest:
             raise ConflictError(
@@ -93,7 +89,7 @@ class ReplayCache:
             try:
                 resp = await asyncio.shield(entry.future)
             except Exception:  # the first attempt failed or was abandoned: plan afresh
-                return await self.run(key, body, fmt, work)
+                return await self.run(key, body_digest, fmt, work)
             self.replayed += 1
             return Response(resp.body, status_code=resp.status_code, media_type=resp.media_type, headers={"idempotent-replay": "true"})
         entry = _Entry(digest=digest, created=now, future=asyncio.get_running_loop().create_future())

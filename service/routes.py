@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from treepack.proto import WIRE_VERSION
 from treepack.proto import messages as m
 from treepack.proto.codec import Format, content_type, encode_body
+from treepack.proto.errors import AuthError
 from treepack.service.dependencies import Formats, accept_format, authorize, idempotency_key, negotiate, read_body, service
 from treepack.service.openapi import body_spec
 from treepack.service.planning import PlanningService
@@ -80,7 +81,7 @@ async def pack(
     key = idempotency_key(request)
     if key is None:
         return await _plan_in_pool(request, svc, svc.pack, formats, body)
-    return await svc.replay.run(key, body, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
+    return await svc.replay.run(key, request.state.body_digest, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
 
 
 @router.post("/v1/whatif", dependencies=AUTH, openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"))
@@ -105,10 +106,21 @@ async def healthz() -> JSONResponse:
 
 
 @router.get("/readyz", openapi_extra=_ready_spec())
-async def readyz(svc: PlanningService = Depends(service)) -> JSONResponse:
-    """Readiness: the planner and the history database answer (a damaged history says why; packs are still served)."""
-    checks = await asyncio.to_thread(svc.ready_checks)
-    ok = all(v == "ok" for v in checks.values())
+async def readyz(request: Request, svc: PlanningService = Depends(service)) -> JSONResponse:
+    """Readiness: the planner and the history database answer (a damaged history says why; packs are still served).
+
+    The reasons are short and name no file; a request with the service's bearer token
+    gets them in full.
+    """
+    detail = False
+    if svc.settings.token is not None:
+        try:
+            await authorize(request)
+            detail = True
+        except AuthError:
+            pass
+    checks = await asyncio.to_thread(svc.ready_checks, detail=detail)
+    ok = all(v == "ok" or v.startswith("ok; ") for v in checks.values())
     body: dict[str, Any] = {"version": WIRE_VERSION, "status": "ready" if ok else "not_ready", "checks": checks}
     return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -118,6 +118,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"treepack serve needs the service extra: pip install 'treepack[service]' ({exc})", file=sys.stderr)
         return 2
+    if settings.history_enabled and settings.history_path is not None:
+        from treepack.proto.history import history_path_problem
+
+        problem = history_path_problem(settings.history_path)
+        if problem is not None:  # one line that says what to do, not a worker's traceback
+            print(f"treepack serve: {problem}", file=sys.stderr)
+            return 2
     if settings.host not in _LOOPBACK and settings.token is None:
         print(f"treepack serve: warning: binding {settings.host} without a bearer token (set TREEPACK_TOKEN)", file=sys.stderr)
     _export(settings)

@@ -35,13 +35,22 @@ class Settings(BaseSettings):
         max_tokens: tokens per request (and per what-if trial) above this get 413.
         max_concurrent_plans: planner worker threads.
         whatif_max_work: tokens a what-if may plan in all: the sum over compositions of
-            trials x the most tokens one trial can draw; above it, 413 before any trial.
+            trials x the most tokens one trial can draw (inline shapes counted in full);
+            above it, 413 before any trial. Unset (the default): 4 x ``max_tokens``, so a
+            what-if never plans more than four of the largest packs allowed.
         request_timeout_s: wall-clock deadline of a pack or what-if (from admission);
             past it the planner stops between phases or trials and the answer is 504.
             Work for a client that disconnected is stopped the same way.
-        intake_budget_bytes: bytes of request bodies being read at once (their announced
-            sizes); a body that would pass it gets 503 + Retry-After before it is read.
+        intake_budget_bytes: bytes of request bodies being read or held at once, charged
+            as they arrive (not as announced); a body whose bytes would pass it gets 503 +
+            Retry-After, at once if the budget is already spent.
+        intake_reserve_bytes: room kept beyond the budget for small bodies (announced
+            sizes up to 1 MiB, or up to this if smaller): large uploads cannot starve a
+            small pack.
         body_timeout_s: a request body must arrive within this many seconds (else 408).
+        body_first_byte_s: a body announced by ``Content-Length`` must start arriving
+            within this many seconds (else 408): a client that announces a large body and
+            sends nothing is cut early.
         header_timeout_s: a connection must send a request's headers within this many
             seconds of opening (or of its previous answer), else it is closed.
         max_header_bytes: request line and headers larger than this close the
@@ -88,10 +97,12 @@ class Settings(BaseSettings):
     max_tokens: int = Field(64 * 2**20, ge=1)
     max_concurrent_plans: int = Field(2, ge=1, le=256)
     max_queue: int = Field(8, ge=0, le=10_000)
-    whatif_max_work: int = Field(2**30, ge=1)
+    whatif_max_work: Optional[int] = Field(None, ge=1)
     request_timeout_s: float = Field(120.0, gt=0, le=86_400)
     intake_budget_bytes: int = Field(512 * 2**20, ge=1)
+    intake_reserve_bytes: int = Field(32 * 2**20, ge=0)
     body_timeout_s: float = Field(60.0, gt=0, le=3600)
+    body_first_byte_s: float = Field(5.0, gt=0, le=3600)
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
     max_header_bytes: int = Field(64 * 2**10, ge=1024)
     idempotency_cache_bytes: int = Field(32 * 2**20, ge=0)
@@ -110,6 +121,16 @@ class Settings(BaseSettings):
     malloc_keep_mb: int = Field(256, ge=0, le=2047)
     log_level: str = "info"
     docs: Literal["offline", "swagger", "off"] = "offline"
+
+    @property
+    def whatif_work_limit(self) -> int:
+        """``whatif_max_work``, or 4 x ``max_tokens`` when unset."""
+        return self.whatif_max_work if self.whatif_max_work is not None else 4 * self.max_tokens
+
+    @property
+    def small_body_bytes(self) -> int:
+        """Bodies announced at most this large may use ``intake_reserve_bytes``."""
+        return min(1 << 20, self.intake_reserve_bytes)
 
     @model_validator(mode="after")
     def _clean_token(self) -> "Settings":

@@ -8,6 +8,8 @@ Each command registers itself (``add_*_parser``) from its own module: :mod:`.dem
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Sequence
 
@@ -15,7 +17,7 @@ from treepack.service.cli.bench import add_bench_parser
 from treepack.service.cli.demo import add_demo_parser
 from treepack.service.cli.plan import add_plan_parser
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "plain_text"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,19 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
         from treepack.service.serve import add_serve_parser
     except ImportError as exc:  # planner-only install: say what to install, do not break demo/plan
         missing = exc.name or str(exc)
-        srv = sub.add_parser("serve", help="the HTTP sidecar (needs: pip install 'treepack[service]')")
+        srv = sub.add_parser("serve", help="the HTTP sidecar (needs the service extra: pip install -e '.[service]' in the clone)")
         srv.set_defaults(func=lambda _args: _missing_service(missing))
     else:
         add_serve_parser(sub)
+    for p in [ap, *sub.choices.values()]:  # descriptions come from docstrings: print them plain
+        p.description = plain_text(p.description)
     return ap
 
 
+def plain_text(text: str | None) -> str | None:
+    """Docstring reST as plain terminal text: ``:class:`~.settings.Settings` `` -> ``Settings``, ````x```` -> ``x``."""
+    if text is None:
+        return None
+    text = re.sub(r":[a-z]+:`~?\.?([^`]*?)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return text.replace("``", "")
+
+
 def _missing_service(missing: str) -> int:
-    print(f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install 'treepack[service]'", file=sys.stderr)
+    print(f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install -e '.[service]' in the clone", file=sys.stderr)
     return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``treepack`` with ``argv`` (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `treepack ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

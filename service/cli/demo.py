@@ -7,9 +7,11 @@ then how many fewer rows ``auto`` needs than plain packing. ``--png`` draws the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from typing import Any
 
-from treepack.service.cli.report import draw_rows, plans_table
+from treepack.service.cli.report import PLOT_HINT, draw_rows, plans_table
 from treepack.service.cli.workloads import curriculum, golden_example
 from treepack.service.planner import plan_batch
 from treepack.proto.options import PLACEMENTS
@@ -18,9 +20,12 @@ __all__ = ["run_demo", "add_demo_parser"]
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Print both batches' tables (and draw them with ``--png``); returns 0."""
+    """Print both batches' tables (and draw them with ``--png``); 0, or 2 when ``--png`` cannot draw."""
+    if args.png and importlib.util.find_spec("matplotlib") is None:  # say so before any work
+        print(f"treepack demo: error: --png needs matplotlib, which is not installed: {PLOT_HINT}", file=sys.stderr)
+        return 2
     gold = golden_example()
-    print("Golden example (SPEC section 4): 32 sequences, 4 groups, C = 131,072")
+    print("Golden example: 32 sequences, 4 groups, C = 131,072")
     plans = [(p, plan_batch(**gold.plan_kwargs(), placement=p)) for p in PLACEMENTS]
     print(plans_table([("golden", p) for _, p in plans]))
     for name, p in plans:

@@ -1,8 +1,11 @@
 """``treepack plan FILE --seq-len N``: plan a JSONL batch on the embedded planner.
 
-The input: one sequence per line, ``{"tokens": [...], "trainable": [0/1, ...]}`` or
-``{"tokens": [...], "prompt_len": n}``, optional ``"group"``; blank lines are skipped;
-``-`` reads stdin. Errors name the line (``line 3.trainable``), not the sequence index.
+The input: one sequence per line, ``{"tokens": [...], "trainable": [0/1, ...]}``,
+``{"tokens": [...], "trainable": true|false}`` or ``{"tokens": [...], "prompt_len": n}``,
+optional ``"group"``; blank lines are skipped; ``-`` reads stdin. A line that gives neither
+``prompt_len`` nor ``trainable`` is an error unless ``--no-trainable`` or ``--all-trainable``
+says what it means. Errors name the file, the line and the element (``line 3.tokens[7]``),
+not the sequence index, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -24,37 +27,72 @@ __all__ = ["read_jsonl", "run_plan", "add_plan_parser"]
 
 _FIELDS = {"tokens", "trainable", "prompt_len", "group"}
 
+#: ``--no-trainable`` / ``--all-trainable``: what a line that says nothing about training means.
+_DEFAULTS = {None: None, "none": False, "all": True}
 
-def _trainable_of(obj: dict[str, Any], where: str, length: int) -> tuple[Any, bool]:
-    """(the line's trainable flags or prompt length, whether the line gave one)."""
+
+def _tokens_of(obj: dict[str, Any], where: str) -> np.ndarray:
+    """The line's token ids; errors name the element (``line 3.tokens[7]``)."""
+    if "tokens" not in obj:
+        raise RequestError('"tokens" is missing', path=f"{where}.tokens", rule="missing")
+    toks = obj["tokens"]
+    if not isinstance(toks, list):
+        raise RequestError(f'"tokens" must be a list of integers, got {type(toks).__name__}', path=f"{where}.tokens", rule="type")
+    for i, t in enumerate(toks):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RequestError(f"expected an integer token id, got {t!r}", path=f"{where}.tokens[{i}]", rule="type")
+        if not 0 <= t < 2**32:
+            raise RequestError(f"token id must be in [0, 2**32), got {t}", path=f"{where}.tokens[{i}]", rule="range")
+    return np.asarray(toks, dtype=np.int64) if toks else np.zeros(0, dtype=np.int64)
+
+
+def _trainable_of(obj: dict[str, Any], where: str, length: int, default: bool | None) -> Any:
+    """The line's trainable flags or prompt length (``prompt_len == length``: nothing trainable)."""
     if "trainable" in obj and "prompt_len" in obj:
         raise RequestError('give "trainable" or "prompt_len", not both', path=where, rule="exclusive")
     if "trainable" in obj:
         tr = obj["trainable"]
-        if not isinstance(tr, list) or not all(t in (0, 1) for t in tr):
-            raise RequestError('"trainable" must be a list of 0/1', path=f"{where}.trainable", rule="type")
-        return np.asarray(tr, dtype=bool), True
+        if isinstance(tr, bool):  # the whole sequence, said explicitly
+            return np.full(length, tr, dtype=bool)
+        if not isinstance(tr, list):
+            raise RequestError(f'"trainable" must be a list of 0/1 or true/false, got {type(tr).__name__}', path=f"{where}.trainable", rule="type")
+        for i, t in enumerate(tr):
+            if t not in (0, 1) or isinstance(t, float):
+                raise RequestError(f"expected 0 or 1, got {t!r}", path=f"{where}.trainable[{i}]", rule="type")
+        return np.asarray(tr, dtype=bool)
     if "prompt_len" in obj:
         p = obj["prompt_len"]
         if not isinstance(p, int) or isinstance(p, bool):
-            raise RequestError('"prompt_len" must be an integer', path=f"{where}.prompt_len", rule="type")
-        return p, True
-    return length, False  # nothing trainable
+            raise RequestError(f'"prompt_len" must be an integer, got {p!r}', path=f"{where}.prompt_len", rule="type")
+        return p
+    if default is None:
+        raise RequestError(
+            'give "prompt_len" or "trainable" (a 0/1 list, or true/false for the whole sequence), '
+            "or pass --no-trainable / --all-trainable for lines that give neither",
+            path=f"{where}.trainable",
+            rule="missing",
+        )
+    return np.full(length, default, dtype=bool)
 
 
-def read_jsonl(lines: Iterable[str]) -> tuple[list[np.ndarray], list[Any] | None, list[Any] | None]:
+def read_jsonl(lines: Iterable[str], default_trainable: bool | None = None) -> tuple[list[np.ndarray], list[Any], list[Any] | None]:
     """Parse the ``treepack plan`` input format.
 
+    Args:
+        lines: the file's lines (blank ones are skipped).
+        default_trainable: the trainable flag of every token of a line that gives neither
+            ``prompt_len`` nor ``trainable``; None (default) makes such a line an error.
+
     Returns:
-        (token arrays, trainable per sequence or None if no line gives any, groups or None).
+        (token arrays, trainable per sequence, groups or None when no line gives one).
 
     Raises:
-        RequestError: naming the line for malformed JSON or fields.
+        RequestError: naming the line (and the element) for malformed JSON or fields.
     """
     seqs: list[np.ndarray] = []
     trainable: list[Any] = []
     groups: list[Any] = []
-    any_train = any_group = False
+    any_group = False
     for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
@@ -68,34 +106,38 @@ def read_jsonl(lines: Iterable[str]) -> tuple[list[np.ndarray], list[Any] | None
         unknown = set(obj) - _FIELDS
         if unknown:
             raise RequestError(f"unknown field(s) {sorted(unknown)}", path=where, rule="unknown_field")
-        toks = obj.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise RequestError('"tokens" must be a list of integers', path=f"{where}.tokens", rule="type")
-        seqs.append(np.asarray(toks, dtype=np.int64) if toks else np.zeros(0, dtype=np.int64))
-        flags, given = _trainable_of(obj, where, len(toks))
-        trainable.append(flags)
-        any_train |= given
+        toks = _tokens_of(obj, where)
+        seqs.append(toks)
+        trainable.append(_trainable_of(obj, where, len(toks), default_trainable))
         groups.append(obj.get("group"))
         any_group |= obj.get("group") is not None
-    return seqs, (trainable if any_train else None), (groups if any_group else None)
+    return seqs, trainable, (groups if any_group else None)
 
 
 def _line_of(path: str, line_numbers: list[int]) -> str:
     """The planner's ``$.sequences[i]...`` as the input line it came from."""
     m = re.match(r"\$\.sequences\[(\d+)\](.*)", path)
     if m and int(m.group(1)) < len(line_numbers):
-        return f"line {line_numbers[int(m.group(1))]}{m.group(2)}"
+        rest = m.group(2)
+        return f"line {line_numbers[int(m.group(1))]}{'.tokens' if rest.startswith('[') else ''}{rest}"
     return path
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the file, print the tables (or ``--json``); 2 on bad input, naming the line."""
-    src = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
-    with src:
-        raw = src.read().splitlines()
+    try:
+        if args.file == "-":
+            raw = sys.stdin.read().splitlines()
+        else:
+            with open(args.file, encoding="utf-8") as src:
+                raw = src.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"treepack plan: error: cannot read {args.file}: {reason}", file=sys.stderr)
+        return 2
     line_numbers = [i for i, ln in enumerate(raw, start=1) if ln.strip()]
     try:
-        seqs, trainable, groups = read_jsonl(raw)
+        seqs, trainable, groups = read_jsonl(raw, _DEFAULTS[args.default_trainable])
         plan = plan_batch(
             seqs,
             seq_len=args.seq_len,
@@ -107,7 +149,8 @@ def run_plan(args: argparse.Namespace) -> int:
             on_overflow=args.on_overflow,
         )
     except RequestError as exc:
-        print(f"treepack plan: error: {exc.message} - at {_line_of(exc.path, line_numbers)} [{exc.rule}]", file=sys.stderr)
+        where = "" if args.file == "-" else f"{args.file}, "
+        print(f"treepack plan: error: {exc.message} - at {where}{_line_of(exc.path, line_numbers)} [{exc.rule}]", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan_summary(plan)))
@@ -130,5 +173,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-ranks", type=int, default=1)
     p.add_argument("--on-overflow", default="error", choices=("error", "truncate", "drop"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    dflt = p.add_mutually_exclusive_group()
+    dflt.add_argument(
+        "--no-trainable", dest="default_trainable", action="store_const", const="none",
+        help="a line without prompt_len or trainable has no trainable token (default: such a line is an error)",
+    )
+    dflt.add_argument(
+        "--all-trainable", dest="default_trainable", action="store_const", const="all",
+        help="a line without prompt_len or trainable is trainable throughout",
+    )
     p.set_defaults(func=run_plan)
     return p

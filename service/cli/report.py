@@ -11,7 +11,10 @@ import numpy as np
 
 from treepack.proto.plan import Plan
 
-__all__ = ["plan_summary", "format_table", "plans_table", "rows_table", "draw_rows"]
+__all__ = ["plan_summary", "format_table", "plans_table", "rows_table", "draw_rows", "PLOT_HINT"]
+
+#: How to get the drawing's one dependency, from a clone (no package index serves treepack).
+PLOT_HINT = "pip install matplotlib (the 'plot' extra)"
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -106,7 +109,7 @@ def draw_rows(plan: Plan, path: str, *, groups: Sequence[Any] | None = None, tit
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch, Rectangle
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("drawing needs matplotlib: pip install 'treepack[plot]'") from exc
+        raise ImportError(f"drawing needs matplotlib: {PLOT_HINT}") from exc
 
     seg = plan.segments
     shown = min(plan.num_rows, max_rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from helpers.trainer_cases import unchecked_packed_logits
 from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
@@ -70,7 +71,7 @@ def linear_scan_diff(model, batch, ref) -> float:
     """Negative control: the packed rows with the mixers left stock (each row one scan)."""
     unpatch_layers(model)
     with torch.no_grad():
-        scan = packed_logprobs(model, batch, patch_layers=False)
+        scan = torch.log_softmax(unchecked_packed_logits(model, batch).float(), -1)
     return max_logprob_diff(batch, scan, ref)
 
 

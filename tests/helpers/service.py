@@ -74,8 +74,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None, startup_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start ``python -m treepack.service`` on 127.0.0.1 (a free port) and wait for /readyz.
+def running_server(
+    *flags: str, env: dict[str, str] | None = None, startup_s: float = 60.0, ready_status: int = 200
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start ``python -m treepack.service`` on 127.0.0.1 (a free port) and wait for /readyz
+    to answer ``ready_status`` (503: a server started with a damaged history).
 
     Yields:
         (base URL, the process). The process is terminated (SIGTERM, then SIGKILL) on exit.
@@ -93,7 +96,7 @@ def running_server(*flags: str, env: dict[str, str] | None = None, startup_s: fl
                 out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{out}")
             try:
-                if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(url + "/readyz", timeout=1.0).status_code == ready_status:
                     break
             except httpx.HTTPError:
                 pass
@@ -119,3 +122,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+async def asgi_request(app: Any, path: str, headers: dict[str, str], receive: Any) -> tuple[int, dict[str, str], bytes]:
+    """Run one POST through the raw ASGI app with a ``receive`` the test controls; (status, headers, body)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    out: dict = {"status": None, "headers": {}, "body": b""}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return out["status"], out["headers"], out["body"]

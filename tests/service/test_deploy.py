@@ -13,7 +13,7 @@ from pathlib import PurePosixPath
 
 import pytest
 import yaml
-from helpers.deploy import compose, container_env, dockerfile, pod, probe_url, served_paths
+from helpers.deploy import compose, container_env, dockerfile, pod, probe_commands, probe_url, served_paths
 from helpers.service import REPO
 
 from treepack.service.serve import add_serve_arguments
@@ -75,7 +75,8 @@ def test_compose():
     job = cfg["scrape_configs"][0]
     assert job["metrics_path"] in ROUTES
     assert job["static_configs"][0]["targets"] == [f"treepack:{container_port}"]
-    assert prom["depends_on"]["treepack"]["condition"] == "service_healthy"
+    # Monitoring starts whatever treepack's health: a damaged history must be visible in it.
+    assert prom["depends_on"]["treepack"]["condition"] == "service_started"
 
 
 def test_k8s_sidecar():
@@ -88,9 +89,9 @@ def test_k8s_sidecar():
     assert env["TREEPACK_HOST"] == "127.0.0.1"
     port = env["TREEPACK_PORT"]
     assert container_env(trainer)["TREEPACK_URL"] == f"http://127.0.0.1:{port}"
-    for probe, route in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+    for probe, route in (("startupProbe", "/healthz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         cmd = side[probe]["exec"]["command"]
-        assert f"127.0.0.1:{port}" in " ".join(cmd) and probe_url(cmd) == route and route in ROUTES
+        assert "os.environ.get('TREEPACK_PORT'" in " ".join(cmd) and probe_url(cmd) == route and route in ROUTES
     for c in (side, trainer):
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     mounts = {m["name"]: m["mountPath"] for m in side["volumeMounts"]}
@@ -101,6 +102,25 @@ def test_k8s_sidecar():
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     p.parse_args(side["args"])
+
+
+def test_the_probes_agree():
+    """One liveness command everywhere (image, compose, pod startup and liveness); readiness
+    is the same command on /readyz, and only Kubernetes asks it (a damaged history turns
+    /readyz to 503 while packs are still served: no reason to restart or to hold back)."""
+    probes = dict(probe_commands())
+    alive = probes["dockerfile"]
+    assert probe_url(alive) == "/healthz"
+    for where in ("compose", "startupProbe", "livenessProbe"):
+        assert probes[where] == alive, where
+    assert probes["readinessProbe"] == [c.replace("/healthz", "/readyz") for c in alive]
+
+
+def test_dockerignore_keeps_the_build_context_small():
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    assert {".git", ".venv*", "tests", "**/__pycache__"} <= ignored
+    copied = {v.split()[0] for k, v in dockerfile() if k == "COPY" and "--from" not in v}
+    assert not any(c.rstrip("/") in ignored for c in copied)  # nothing the image copies is ignored
 
 
 def test_packer_from_env(monkeypatch):
@@ -114,6 +134,6 @@ def test_packer_from_env(monkeypatch):
     p.close()
 
 
-@pytest.mark.parametrize("path", ["deploy/Dockerfile", "docker-compose.yml", "deploy/k8s/trainer-with-treepack.yaml", "deploy/prometheus.yml"])
+@pytest.mark.parametrize("path", [".dockerignore", "deploy/Dockerfile", "docker-compose.yml", "deploy/k8s/trainer-with-treepack.yaml", "deploy/prometheus.yml"])
 def test_files_exist(path):
     assert (REPO / path).is_file()

@@ -13,7 +13,7 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import pack_body, small_batch
+from helpers.service import asgi_request, pack_body, small_batch
 from pydantic import ValidationError
 
 from treepack.client import AsyncPacker
@@ -41,26 +41,6 @@ def _busy_whatif(trials: int = 100_000) -> bytes:
 
 def _settings(**kw) -> Settings:
     return Settings(history_enabled=False, whatif_max_trials=1_000_000, whatif_max_work=2**62, **kw)
-
-
-async def _asgi(app, path: str, headers: dict[str, str], receive) -> tuple[int, dict[str, str], bytes]:
-    """Run one HTTP request through the raw ASGI app; (status, headers, body)."""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    out: dict = {"status": None, "headers": {}, "body": b""}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    await app(scope, receive, send)
-    return out["status"], out["headers"], out["body"]
 
 
 async def _wait_idle(pool, limit_s: float) -> float:
@@ -101,7 +81,7 @@ async def test_work_for_a_client_that_went_away_is_cancelled():
 
     pool = app.state.service.pool
     try:
-        task = asyncio.create_task(_asgi(app, "/v1/whatif", {**MP, "content-length": str(len(body))}, receive))
+        task = asyncio.create_task(asgi_request(app, "/v1/whatif", {**MP, "content-length": str(len(body))}, receive))
         await asyncio.sleep(0.2)
         assert pool.admitted == 1  # it is planning
         idle_after = await _wait_idle(pool, 10.0)
@@ -112,8 +92,8 @@ async def test_work_for_a_client_that_went_away_is_cancelled():
         app.state.service.close()
 
 
-async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
-    app = create_app(_settings(intake_budget_bytes=100_000, max_body_bytes=200_000, retry_after_s=2))
+async def test_bodies_past_the_intake_budget_get_503():
+    app = create_app(_settings(intake_budget_bytes=100_000, intake_reserve_bytes=0, max_body_bytes=200_000, retry_after_s=2))
     release = asyncio.Event()
     first_calls = 0
 
@@ -121,26 +101,21 @@ async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
         nonlocal first_calls
         first_calls += 1
         if first_calls == 1:
-            return {"type": "http.request", "body": b"\x00" * 1000, "more_body": True}
+            return {"type": "http.request", "body": b"\x00" * 90_000, "more_body": True}
         if first_calls == 2:
             await release.wait()
-            return {"type": "http.request", "body": b"\x00" * 79_000, "more_body": False}
+            return {"type": "http.request", "body": b"\x00" * 5_000, "more_body": False}
         await asyncio.sleep(3600)  # the client stays until the answer
 
-    second_reads = 0
-
-    async def never_read():
-        nonlocal second_reads
-        second_reads += 1
+    async def second():
         return {"type": "http.request", "body": b"\x00" * 50_000, "more_body": False}
 
     try:
-        first = asyncio.create_task(_asgi(app, "/v1/pack", {**MP, "content-length": "80000"}, slow_upload))
+        first = asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": "95000"}, slow_upload))
         await asyncio.sleep(0.1)
-        assert app.state.service.intake.in_flight == 80_000  # reserved by its announced size
-        status, headers, body = await _asgi(app, "/v1/pack", {**MP, "content-length": "50000"}, never_read)
+        assert app.state.service.intake.in_flight == 90_000  # charged as the bytes arrived
+        status, headers, body = await asgi_request(app, "/v1/pack", {**MP, "content-length": "50000"}, second)
         assert status == 503 and headers["retry-after"] == "2" and b"intake_budget" in body
-        assert second_reads == 0  # refused before one byte was read
         release.set()
         status, _, _ = await asyncio.wait_for(first, 5)
         assert status == 400  # zeros are no msgpack map: the point is that it was read and answered
@@ -148,6 +123,7 @@ async def test_bodies_past_the_intake_budget_get_503_before_they_are_read():
         # A body alone may use the whole budget: one over it still gets in when nothing else is read.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
             assert (await c.post("/v1/pack", content=pack_body(small_batch()), headers=MP)).status_code == 200
+            assert (await c.post("/v1/pack", content=b"\x00" * 150_000, headers=MP)).status_code == 400
     finally:
         app.state.service.close()
 
@@ -165,7 +141,7 @@ async def test_a_stalled_body_gets_408():
 
     try:
         t0 = time.monotonic()
-        status, _, body = await asyncio.wait_for(_asgi(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10)
+        status, _, body = await asyncio.wait_for(asgi_request(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10)
         assert status == 408 and b"body_timeout" in body and time.monotonic() - t0 < 3
         assert app.state.service.intake.in_flight == 0
     finally:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 
 import httpx
 import msgpack
+import pytest
 from helpers.service import pack_body, small_batch
 
 from treepack.service import Settings, create_app
-from treepack.proto.history import HistoryDamaged, HistoryStore
+from treepack.proto.history import HistoryDamaged, HistoryPathError, HistoryStore, history_path_problem
 
 MP = {"content-type": "application/msgpack", "accept": "application/json"}
 WHATIF = msgpack.packb({"version": 1, "seq_len": 512, "trials": 2, "compositions": [{"groups": 1}]})
@@ -35,26 +37,14 @@ async def test_a_non_database_file_leaves_packs_served_and_readyz_not_ready(tmp_
         app.state.service.close()
     assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
     reason = ready.json()["checks"]["history"]
-    assert reason.startswith("damaged:") and str(path) in reason and "not a database" in reason and "\n" not in reason
+    # Unauthenticated readers get the cause, short and without the path.
+    assert reason.startswith("damaged:") and str(path) not in reason and "not a database" in reason and "\n" not in reason
+    assert len(ready.text) < 400
     assert "TREEPACK_HISTORY_RECOVER" in reason
     assert pack.status_code == 200 and pack.json()["recorded"] is False
     for r in (hist, whatif):
         assert r.status_code == 503 and r.json()["error"] == "unavailable" and r.json()["rule"] == "history_damaged", r.text
     assert "treepack_history_damaged 1.0" in metrics
-
-
-async def test_the_recovery_flag_moves_the_damaged_file_aside(tmp_path):
-    path = tmp_path / "history.sqlite3"
-    path.write_bytes(b"garbage" * 1000)
-    app = create_app(Settings(history_path=str(path), history_recover=True))
-    try:
-        async with _client(app) as c:
-            assert (await c.get("/readyz")).status_code == 200
-            assert (await c.post("/v1/pack", content=pack_body(small_batch()), headers=MP)).json()["recorded"] is True
-    finally:
-        app.state.service.close()
-    aside = [p for p in tmp_path.iterdir() if ".damaged-" in p.name]
-    assert len(aside) == 1 and aside[0].read_bytes() == b"garbage" * 1000
 
 
 def test_startup_errors_name_the_file_in_one_line(tmp_path):
@@ -129,3 +119,149 @@ async def test_after_a_clean_stop_the_database_file_alone_is_complete(tmp_path):
         raw.close()
     finally:
         app.state.service.close()
+
+
+async def test_a_shape_changed_in_place_fails_its_checksum_and_is_skipped_never_blamed_on_the_request(tmp_path):
+    path = tmp_path / "history.sqlite3"
+    app = create_app(Settings(history_path=str(path)))
+    try:
+        async with _client(app) as c:
+            for seed in range(3):
+                assert (await c.post("/v1/pack", content=pack_body(small_batch(seed)), headers=MP)).status_code == 200
+    finally:
+        app.state.service.close()
+    raw = sqlite3.connect(path)
+    first = raw.execute("SELECT id, shape FROM batches ORDER BY id LIMIT 1").fetchone()
+    shape = msgpack.unpackb(first[1], raw=False)
+    shape["seq_len"] = 100_000  # still a valid shape: only the checksum tells
+    raw.execute("UPDATE batches SET shape = ? WHERE id = ?", (msgpack.packb(shape), first[0]))
+    raw.commit()
+    raw.close()
+    app = create_app(Settings(history_path=str(path)))
+    try:
+        async with _client(app) as c:
+            ready = await c.get("/readyz")
+            r = await c.post("/v1/whatif", content=WHATIF, headers=MP)
+            metrics = (await c.get("/metrics")).text
+    finally:
+        app.state.service.close()
+    assert ready.status_code == 200 and "1 stored shape skipped" in ready.json()["checks"]["history"], ready.text
+    assert r.status_code == 200 and r.json()["pool"]["batches"] == 2, r.text
+    assert "treepack_history_undecodable_total 1.0" in metrics
+
+
+def _foreign(path) -> None:
+    raw = sqlite3.connect(path)
+    raw.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY, total REAL)")
+    raw.execute("INSERT INTO invoices (total) VALUES (12.5)")
+    raw.commit()
+    raw.close()
+
+
+def _newer(path) -> None:
+    HistoryStore(path).close()
+    raw = sqlite3.connect(path)
+    raw.execute("PRAGMA user_version=99")
+    raw.commit()
+    raw.close()
+
+
+@pytest.mark.parametrize(
+    "make, cause",
+    [
+        (lambda p: p.write_bytes(b""), "empty (zero-length)"),
+        (_foreign, "another application's database"),
+        (lambda p: p.write_bytes(b"garbage" * 1000), "not a database"),
+        (_newer, "schema version 99"),
+    ],
+    ids=["zero-length", "foreign", "garbage", "newer schema"],
+)
+async def test_every_damaged_file_is_reported_and_the_recover_flag_fixes_it(tmp_path, make, cause):
+    path = tmp_path / "history.sqlite3"
+    make(path)
+    before = path.read_bytes()
+    app = create_app(Settings(history_path=str(path)))
+    try:
+        async with _client(app) as c:
+            ready = await c.get("/readyz")
+    finally:
+        app.state.service.close()
+    assert ready.status_code == 503 and cause in ready.json()["checks"]["history"], ready.text
+    assert "TREEPACK_HISTORY_RECOVER" in ready.json()["checks"]["history"]
+    assert path.read_bytes() == before  # reported, not started afresh over it
+    app = create_app(Settings(history_path=str(path), history_recover=True))
+    try:
+        async with _client(app) as c:
+            assert (await c.get("/readyz")).status_code == 200
+            assert (await c.post("/v1/pack", content=pack_body(small_batch()), headers=MP)).json()["recorded"] is True
+    finally:
+        app.state.service.close()
+    aside = [p for p in tmp_path.iterdir() if ".damaged-" in p.name and not p.name.endswith(("-wal", "-shm"))]
+    assert len(aside) == 1 and aside[0].read_bytes() == before
+
+
+async def test_readyz_with_the_token_names_the_file(tmp_path):
+    path = tmp_path / "history.sqlite3"
+    path.write_bytes(b"garbage" * 1000)
+    app = create_app(Settings(history_path=str(path), token="s3cret"))
+    try:
+        async with _client(app) as c:
+            anonymous = await c.get("/readyz")
+            wrong = await c.get("/readyz", headers={"authorization": "Bearer nope"})
+            owner = await c.get("/readyz", headers={"authorization": "Bearer s3cret"})
+    finally:
+        app.state.service.close()
+    assert str(path) not in anonymous.text and str(path) not in wrong.text and str(path) in owner.text
+    assert anonymous.status_code == wrong.status_code == owner.status_code == 503
+
+
+def test_an_uncreatable_history_path_is_a_one_line_error_saying_what_to_do(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        path = locked / "sub" / "history.sqlite3"
+        with pytest.raises(HistoryPathError) as info:
+            create_app(Settings(history_path=str(path), history_recover=True))
+        msg = str(info.value)
+        assert "\n" not in msg and str(path) in msg and "--no-history" in msg and "TREEPACK_HISTORY_PATH" in msg
+        assert "RECOVER" not in msg
+        assert history_path_problem(path) == msg
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_history_path_under_a_file_is_a_one_line_error_for_any_user(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    path = blocker / "history.sqlite3"
+    with pytest.raises(HistoryPathError) as info:
+        create_app(Settings(history_path=str(path), history_recover=True))
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and "--no-history" in msg and "RECOVER" not in msg
+
+
+def test_a_history_path_that_is_a_folder_is_a_one_line_error(tmp_path):
+    with pytest.raises(HistoryPathError, match="is a folder"):
+        create_app(Settings(history_path=str(tmp_path)))
+
+
+def test_a_schema_one_file_gets_its_checksums(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    store.close()
+    raw = sqlite3.connect(path)
+    raw.execute("ALTER TABLE batches DROP COLUMN checksum")
+    raw.execute("PRAGMA user_version=1")
+    raw.execute("PRAGMA application_id=0")
+    raw.commit()
+    raw.close()
+    store = HistoryStore(path)
+    try:
+        assert store.check() == "ok"
+        cols = {r[1] for r in store._conn.execute("PRAGMA table_info(batches)")}
+        assert "checksum" in cols
+    finally:
+        store.close()

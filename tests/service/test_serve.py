@@ -60,3 +60,11 @@ def test_cli_hook():
 
 def test_malloc_keep_flag():
     assert settings_from_args(_parse("--malloc-keep-mb", "0")).malloc_keep_mb == 0
+
+
+def test_an_uncreatable_history_path_stops_startup_with_one_line(tmp_path, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    assert run_serve(_parse("--history-path", str(blocker / "history.sqlite3"), "--port", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treepack serve: ") and "\n" not in err and "--no-history" in err and "Traceback" not in err

@@ -177,6 +177,7 @@ _TESTED_ELSEWHERE = {
     "bug": "500, no request can provoke it",
     "intake_budget": "503, test_hardening.py (bodies in flight)",
     "body_timeout": "408, test_hardening.py (a stalled body)",
+    "body_first_byte": "408, test_hardening_intake.py (an announced body that never starts)",
     "idempotency": "409, test_hardening.py (a key reused)",
     "deadline": "504, test_hardening.py (a what-if past its deadline)",
     "cancelled": "no answer (the client left), test_hardening.py",

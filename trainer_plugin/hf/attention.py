@@ -66,7 +66,7 @@ def treepack_attention(
         # silently ignored. Patched DSA layers never get here.
         raise RequestError(
             f"{type(module).__name__} passes sparse top-k indices; its layer must be patched for tree rows "
-            "(packed_forward(..., patch_layers=True) or treepack.trainer.hf.hybrid.patch_hybrid_layers)",
+            "(packed_forward(..., patch_layers=True) or treepack.trainer.hf.layers.patch_layers)",
             path="$.model",
             rule="unpatched_sparse_layer",
         )

@@ -220,7 +220,10 @@ def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportRepor
             report.handled[path] = f"patch:{cls.__name__}"
         return True
     if is_handled(mod):
-        report.handled[path] = f"mixer:{mixer_kind(mod)}"
+        if not patch_layers:
+            report.refusals.append(Refusal(path, cls.__name__, f"its tree forward ({mixer_kind(mod)}) is off (patch_layers=False): the stock forward scans the whole row"))
+        else:
+            report.handled[path] = f"mixer:{mixer_kind(mod)}"
         return True
     patched_base = next((b.__name__ for b in cls.__mro__[1:] if b.__name__ in patches), None)
     if patched_base is not None:
