@@ -82,10 +82,35 @@ def shrink_config(config: Any) -> Any:
         for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
             if k in keys and isinstance(getattr(cfg, k, None), int):
                 setattr(cfg, k, n)
+        _agree(cfg, keys)
         for k in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
             if k in keys and isinstance(getattr(cfg, k, None), float):
                 setattr(cfg, k, 0.0)
     return config
+
+
+def _agree(cfg: Any, keys: set[str]) -> None:
+    """Sizes that must agree with the ones :data:`SIZES` set (HF checks or derives them)."""
+    if "kv_lora_rank" in keys and "num_key_value_heads" in keys:
+        # MLA (DeepSeek-V2/V3, MiniCPM3, Kimi, GLM-4-MoE-Lite ...): one latent K/V per query head.
+        cfg.num_key_value_heads = cfg.num_attention_heads
+    if isinstance(getattr(cfg, "rotary_dim", None), int):  # GPT-J, CodeGen: a rotary part of the 8-dim head
+        cfg.rotary_dim = 4
+    if "num_experts_per_tok" in keys and cfg.num_experts_per_tok is None and getattr(cfg, "n_routed_experts", None):
+        cfg.num_experts_per_tok = 2  # DeepSeek-V2 leaves it unset (dense) while it builds routed experts
+    model_type = getattr(cfg, "model_type", "")
+    if model_type == "mamba2":  # heads x head_dim == expand x hidden
+        cfg.head_dim = cfg.expand * cfg.hidden_size // cfg.num_heads
+    if model_type == "xlstm":  # its width and depth under other names
+        cfg.embedding_dim = cfg.hidden_size
+        cfg.num_blocks = 2
+    if model_type == "zamba2":  # derived from hidden_size in the config's __init__
+        cfg.attention_hidden_size = 2 * cfg.hidden_size
+        cfg.attention_head_dim = 2 * cfg.hidden_size // cfg.num_attention_heads
+        cfg.mamba_headdim = cfg.mamba_expand * cfg.hidden_size // cfg.n_mamba_heads
+        cfg.kv_channels = cfg.hidden_size // cfg.num_attention_heads
+        cfg.num_query_groups = cfg.num_attention_heads
+        cfg.hybrid_layer_ids = [i for i, t in enumerate(cfg.layers_block_type) if t == "hybrid"]
 
 
 def build_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -101,6 +126,8 @@ def build_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.n
         raise ValueError(f"{n} parameters after shrinking (over {MAX_PARAMS}): a size this helper does not shrink")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if hasattr(model, "set_default_language") and getattr(config, "languages", None):
+        model.set_default_language(config.languages[0])  # X-MOD: one language adapter for every call
     return model.float().eval()
 
 
@@ -277,30 +304,42 @@ def sweep_overrides(model_type: str) -> dict[str, Any]:
     return next((dict(f.overrides) for f in FAMILIES if f.model_type == model_type and f.refused is None), {})
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
     """(status, detail) of one architecture: one of :data:`SWEEP_STATUSES`.
 
     The tiny model is the shrunken default config with :func:`sweep_overrides`, so every
-    model type of the README table is swept as the table's row builds it.
+    model type of the README table is swept as the table's row builds it. Only building
+    the stock model and running it alone, before any treepack patch, are guarded
+    (``unbuildable``, ``stock_fails``): whatever treepack's own code raises (layer patches,
+    the check, the packed forward) propagates, except a refusal
+    (:class:`UnsupportedModelError`, status ``refused``).
     """
+    from treepack.proto.errors import UnsupportedModelError
+    from treepack.proto.options import PlanOptions
     from treepack.trainer.hf import check_model
 
     try:
-        model = _with_patches(build_causal_lm(model_type, **sweep_overrides(model_type)))
+        model = build_causal_lm(model_type, **sweep_overrides(model_type))
         model.set_attn_implementation("eager")
-    except Exception as e:  # noqa: BLE001 - any failure to build is listed, not hidden
-        return "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    from treepack.proto.options import PlanOptions
-
+    except Exception as e:  # noqa: BLE001 - building the stock model only: listed, not hidden
+        return "unbuildable", _first_line(e)
+    try:
+        with torch.no_grad():
+            unpacked_logprobs(model, small_case()["sequences"][:1])
+    except Exception as e:  # noqa: BLE001 - the stock model alone, before any patch
+        return "stock_fails", _first_line(e)
+    try:
+        _with_patches(model)
+    except UnsupportedModelError as e:
+        return "refused", e.refusals[0][2] if getattr(e, "refusals", None) else str(e)
     # What packed_forward checks for forward_oracle's plan: its row length and conv width.
     report = check_model(model, raise_error=False, row_len=small_case()["seq_len"], conv_width=PlanOptions(seq_len=small_case()["seq_len"]).conv_width)
     if report.refusals:
         return "refused", report.refusals[0].reason
-    try:
-        with torch.no_grad():
-            unpacked_logprobs(model, small_case()["sequences"][:1])
-    except Exception as e:  # noqa: BLE001
-        return "stock_fails", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     err = forward_oracle(model)
     return ("pass" if err <= tol else "WRONG"), f"max logprob error {err:.2g}"
 

@@ -193,12 +193,16 @@ def check_plan_structure(plan: Plan) -> None:
     _in(seg.row_len, 0, c + 1, "$.segments.row_len")
     _in(plan.seq_lens, 0, 2**48, "$.seq_lens")
     _in(seg.seq_start, 0, 2**48, "$.segments.seq_start")
+    # A segment reads its source's positions seq_start .. seq_start + length - 1: past the
+    # source's length the trainer's flat gathers would read the next sequence's payloads.
+    _need(bool(np.all(seg.seq_start + seg.length <= plan.seq_lens[seg.seq])), "segments run past their source sequence's seq_lens", "$.segments.seq_start")
     _in(plan.row_of, -1, r, "$.row_of")
     _need(bool(np.all((plan.first_trainable >= 0) & (plan.first_trainable <= plan.seq_lens))), "first_trainable outside [0, seq_lens]", "$.first_trainable")
     att = plan.attention
     _need(att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g, f"attention tables for {g} segments", "$.attention.anc_ptr")
     _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
     _in(att.anc_segs, 0, g, "$.attention.anc_segs")
+    prev = 0
     for d, lv in enumerate(plan.gdn.levels):
         n = int(lv.segs.shape[0])
         where = f"$.gdn.levels[{d}]"
@@ -206,6 +210,10 @@ def check_plan_structure(plan: Plan) -> None:
         _need(lv.cu_seqlens.shape[0] == n + 1, f"cu_seqlens for {n} segments", f"{where}.cu_seqlens")
         _in(lv.segs, 0, g, f"{where}.segs")
         _in(lv.conv_context, -1, r * c, f"{where}.conv_context")
+        _in(lv.parent, -1, g, f"{where}.parent")
+        _in(lv.parent_slot, -1, prev, f"{where}.parent_slot")  # a slot of the previous level
+        _csr(lv.cu_seqlens, int(seg.length[lv.segs].sum()), f"{where}.cu_seqlens")
+        prev = n
     rk = plan.ranks
     _need(rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks, f"rank tables for {rk.num_ranks} ranks", "$.ranks.rank_rows")
     _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")

@@ -61,6 +61,15 @@ def _validate_every_plan(monkeypatch):
 def pytest_terminal_summary(terminalreporter):
     if VALIDATED["plans"]:
         terminalreporter.write_line(f"validate_plan ran on {VALIDATED['plans']} plans made by the tests")
+    # Every skip, counted by reason, on one line: a skip is a test that did not run.
+    reasons: Counter = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(rep, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[":".join(reason.removeprefix("Skipped: ").split(":")[:2])] += 1
+    if reasons:
+        summary = "; ".join(f"{n} x {r}" for r, n in reasons.most_common())
+        terminalreporter.write_line(f"skipped {sum(reasons.values())} tests: {summary}")
 
 
 @pytest.fixture(scope="session")

@@ -152,7 +152,13 @@ def naive_place(tree: Tree, batch: SequenceBatch, seq_len: int, placement: str) 
     held: list[set[int]] = []
     room: list[int] = []
     if placement == "bfd":
-        order = bfd_order(batch)
+        # SPEC section 4 written out (not bfd_order): groups by their largest leaf,
+        # descending, ties in group order (first appearance); input order inside a group.
+        groups: dict[int, list[int]] = {}
+        for s in np.flatnonzero(batch.kept).tolist():
+            groups.setdefault(int(batch.group_codes[s]), []).append(s)
+        ranked = sorted(groups.items(), key=lambda kv: (-max(lens[s] for s in kv[1]), kv[0]))
+        order = [s for _, members in ranked for s in members]
     elif placement == "in_order":
         order = np.flatnonzero(batch.kept).tolist()
     else:

@@ -376,7 +376,8 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
 
 
 def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
-    """Reference builder: SPEC section 2 rule 4, literally, on Python lists.
+    """Reference builder: SPEC section 2 rules 2 and 4, literally, on Python lists (no helper
+    of the fast builder: the shareable prefix and the sharing rule are written out here).
 
     ``node(S, start)``: find the common run of S from ``start`` (within everyone's
     shareable prefix); if it is at least ``min_shared_len`` long, it becomes an internal
@@ -388,9 +389,21 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
     msl = _min_shared_len(min_shared_len)
     saving = _min_shared_saving(min_shared_saving)
     n = batch.num_sequences
-    sh = (batch.lens if share_trainable else batch.shareable_lens()).tolist()
     trains = [batch.trainable_of(s).tolist() for s in range(n)]
     lens = batch.lens.tolist()
+
+    def shareable(s: int) -> int:
+        # Rule 2, from the flags (not the fast path's helper): up to the first scored
+        # position, which is the one before the first trainable token.
+        if share_trainable or True not in trains[s]:
+            return lens[s]
+        return max(trains[s].index(True) - 1, 0)
+
+    def shared(run: int, count: int) -> bool:
+        # Rule 4 (and sharing by saving), written out here rather than calling shares_run.
+        return run >= msl or (saving > 0 and run > 0 and (count - 1) * run >= saving)
+
+    sh = [shareable(s) for s in range(n)]
     toks = [t.tolist() for t in batch.tokens]
     keys = [None] * n if batch.keys is None else [None if k is None else k.tolist() for k in batch.keys]
 
@@ -431,7 +444,7 @@ def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_tr
             return [(S, start, 0, 0)]
         run = common_run(S, start)
         keep = kept_run(S, start, run)
-        if shares_run(keep, len(S), msl, saving):
+        if shared(keep, len(S)):
             return [(S, start, keep, run)]
         return [item for part in split(S, start + run) for item in expand(part, start)]
 

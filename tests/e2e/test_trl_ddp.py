@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.extras import require
+
 from helpers.service import free_port
 
-pytest.importorskip("trl")
+require("trl")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = """

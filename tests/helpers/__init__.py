@@ -5,4 +5,5 @@
 - :mod:`helpers.trees`: deep random trees, tree plans and the scored-loss gradient oracle.
 - :mod:`helpers.trainer_cases`: trainer batches, tiny HF models, per-sequence references.
 - :mod:`helpers.tolerance`: ``assert_close`` (fla style), the one tolerance helper.
+- :mod:`helpers.extras`: optional test dependencies (skipped on a partial install, required under CI).
 """

@@ -178,3 +178,28 @@ def run_sft(trainer_cls: type, *, workdir: str, steps: int = 3, **config: Any) -
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history}
+
+
+def group_shuffle_reference(batch: dict[str, Any]) -> dict[str, Any]:
+    """The keep-groups shuffle written from its rule, loop by loop (the tests' reference).
+
+    One ``torch.randperm(B)`` (TRL's draw), then the prompt groups (rows with the same
+    unpadded prompt ids) in the order their first row lands in the draw, each group's rows
+    in drawn order. Tensors and lists are permuted; None and 0-dim tensors kept.
+    """
+    B = len(next(v for v in batch.values() if v is not None))
+    perm = torch.randperm(B).tolist()
+    rows: dict[tuple, list[int]] = {}
+    for i in perm:
+        key = tuple(batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist())
+        rows.setdefault(key, []).append(i)
+    order = [i for group in rows.values() for i in group]
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            out[k] = v
+        elif isinstance(v, torch.Tensor):
+            out[k] = v[torch.tensor(order)]
+        else:
+            out[k] = [v[i] for i in order]
+    return out

@@ -217,9 +217,13 @@ def test_lower_bound_never_exceeds_optimum():
         assert bound <= opt <= auto
         seen["opt>1"] += opt > 1
         seen["tight"] += bound == opt
+        seen["examples"] += 1
 
     check()
     assert seen["opt>1"] >= 10
+    # Tightness is measured, so it is asserted: a weaker bound (even 0) falls below this floor
+    # (73 of 80 replayed examples are tight; Hypothesis draws are not pinned across versions).
+    assert seen["tight"] >= 0.85 * seen["examples"], seen
 
 
 def test_sorted_row_indexes_equal_naive(monkeypatch):

@@ -178,3 +178,57 @@ def test_loss_argument_errors():
         ppo_clip_loss(lp, batch, advantages=1.0, kl_coef=0.1)
     with pytest.raises(ValueError, match=r"logprobs must have shape"):
         sft_loss(torch.zeros(3), batch)
+
+
+def _with_unscored_group(c):
+    """``c`` plus a group "Z" whose sequences have no scored entry (one never trainable, one
+    trainable only at token 0, which nothing predicts), and an ungrouped unscored sequence."""
+    rng = np.random.default_rng(99)
+    extra = [rng.integers(0, VOCAB, 11), rng.integers(0, VOCAB, 7), rng.integers(0, VOCAB, 5)]
+    flags = [np.zeros(11, bool), np.eye(1, 7, 0, dtype=bool)[0], np.zeros(5, bool)]
+    return dict(c, sequences=c["sequences"] + extra, trainable=c["trainable"] + flags, groups=c["groups"] + ["Z", "Z", None])
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_group_with_no_scored_token_changes_no_loss(norm):
+    """Sequences and groups with no scored entry contribute nothing and are not counted.
+
+    The logits are a function of (input token, position) only, so every scored entry has
+    the same log-probability in both packings; the losses with and without the unscored
+    group must be equal (not halved or diluted), and the packed loss equals the naive one.
+    """
+    from helpers.trainer_cases import mixed_batch
+
+    base = mixed_batch()
+    big = _with_unscored_group(base)
+    g = torch.Generator().manual_seed(5)
+    E = torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64)
+    F = torch.randn(64, VOCAB, generator=g, dtype=torch.float64)
+    got = {}
+    for name, c in (("base", base), ("big", big)):
+        plan = plan_of(c)
+        S = len(c["sequences"])
+        assert name == "base" or len(set(c["groups"][-3:-1])) == 1 and c["groups"][-3] not in base["groups"]
+        batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
+        adv = torch.full((S,), 100.0, dtype=torch.float64)  # the unscored sequences' must weigh nothing
+        adv[: len(base["sequences"])] = torch.linspace(-1, 1, len(base["sequences"]), dtype=torch.float64)
+        old = torch.full((S,), -4.0, dtype=torch.float64)
+        logits = E[batch.input_ids] + F[batch.position_ids]
+        lp = batch.target_logprobs(logits)
+        losses = (
+            sft_loss(lp, batch, normalization=norm),
+            ppo_clip_loss(lp, batch, advantages=adv, old_logprobs=old, normalization=norm),
+            cispo_loss(lp, batch, advantages=adv, old_logprobs=old, normalization=norm),
+        )
+        flags = trainable_flags(c)
+        lps = _unpacked_logprobs(batch, logits, c["sequences"])
+        naive = (
+            naive_sft_loss(lps, flags, groups=c["groups"], normalization=norm),
+            naive_ppo_clip_loss(lps, flags, advantages=adv, old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])], groups=c["groups"], normalization=norm),
+            naive_cispo_loss(lps, flags, advantages=adv, old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])], groups=c["groups"], normalization=norm),
+        )
+        for a, b in zip(losses, naive):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (name, norm, float(a), float(b))
+        got[name] = torch.stack(losses)
+    assert float(got["base"].abs().min()) > 1e-3
+    assert torch.allclose(got["big"], got["base"], rtol=1e-10, atol=1e-12), (norm, got)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.extras import require
 from helpers.tolerance import assert_close
 from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 from treepack.proto.errors import RequestError
@@ -13,7 +14,7 @@ from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.head import output_head
 from treepack.trainer.hf.wrapped import unwrap_model
 
-peft = pytest.importorskip("peft")
+peft = require("peft")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_lora_every_output_mode_equals_each_sequence_alone(case, output):
 
 
 def test_accelerate_prepared_model(case):
-    accelerate = pytest.importorskip("accelerate")
+    accelerate = require("accelerate")
     _, batch = case
     bare = tiny_model("qwen3")
     want = packed_forward(bare, batch).detach()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.extras import require
 from treepack.client import Packer
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
@@ -119,8 +120,33 @@ def test_microbatches_equal_counts_every_row_once():
         split_rows(mb.plan, 0)
 
 
+def test_group_shuffle_order_is_the_seeded_draw():
+    """Interleaved prompts: the order is the groups' first landing in TRL's draw, rows in drawn order.
+
+    The expected order is the loop-based reference; an order by group id (or any order that
+    ignores the draw) fails, and the chosen seed's draw is checked to differ from both.
+    """
+    require("trl")
+    from helpers.tiny_trl import group_shuffle_reference
+
+    from treepack.trainer.trl import _shuffle_keeping_groups
+
+    prompts = [[5, 6, 7], [8, 9], [3, 4, 5, 6], [7]] * 4  # rows of a group are not adjacent
+    pid, pm, cid, cm = _padded(prompts, [[1, 2]] * 16)
+    batch = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm, "idx": torch.arange(16), "names": list("abcdefghijklmnop")}
+    for seed in (3, 11):
+        torch.manual_seed(seed)
+        want = group_shuffle_reference(batch)["idx"].tolist()
+        torch.manual_seed(seed)
+        got = _shuffle_keeping_groups(batch)
+        assert got["idx"].tolist() == want, (seed, got["idx"].tolist(), want)
+        assert got["names"] == [batch["names"][i] for i in want]
+        by_id = sorted(want, key=lambda i: (i % 4, want.index(i)))
+        assert want != by_id and [i % 4 for i in want] != sorted(i % 4 for i in want), "the draw must not coincide with the id order"
+
+
 def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
-    pytest.importorskip("trl")
+    require("trl")
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from treepack.trainer.trl import _shuffle_keeping_groups

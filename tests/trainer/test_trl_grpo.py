@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-trl = pytest.importorskip("trl")
-pytest.importorskip("peft")
+from helpers.extras import require
+
+trl = require("trl")
+require("peft")
 
 from helpers.tiny_trl import run_grpo, tiny_tokenizer  # noqa: E402
 
@@ -73,3 +75,29 @@ def test_packing_config_is_checked_and_seq_len_is_used(tmp_path):
     res = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "p"), steps=1, trainer_kwargs={"packing": PackingConfig(seq_len=128)})
     rows = [h["treepack/rows"] for h in res["logs"] if "treepack/rows" in h]
     assert rows == [1.0]  # 8 sequences of <= 26 tokens, two prompts of 20: one 128-token row
+
+
+def test_several_micro_batches_per_generation_match_stock(tmp_path, monkeypatch):
+    """steps_per_generation=2: each generation (16 completions) trains over two optimizer steps,
+    8 rows each, so the shuffle's order decides what each step sees.
+
+    With TRL's shuffle (``keep_groups=False``) the packed trainer equals stock TRL; with
+    ``keep_groups=True`` it equals stock TRL whose shuffle is the group-keeping rule written
+    from scratch (:func:`helpers.tiny_trl.group_shuffle_reference`), and the two stock runs
+    differ (the order matters here, so the comparison is not vacuous).
+    """
+    from helpers.tiny_trl import group_shuffle_reference
+    from trl.trainer import grpo_trainer
+
+    config = dict(steps=3, steps_per_generation=2, beta=0.05, loss_type="grpo")
+    stock = run_grpo(trl.GRPOTrainer, workdir=str(tmp_path / "stock"), **config)
+    packed = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "packed"), trainer_kwargs={"packing": PackingConfig(keep_groups=False)}, **config)
+    assert len(stock["loss"]) == 3 and packed["completions"] == stock["completions"]
+    assert packed["loss"] == pytest.approx(stock["loss"], **TOL) and packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
+
+    grouped = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "grouped"), trainer_kwargs={"packing": PackingConfig(keep_groups=True)}, **config)
+    monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", group_shuffle_reference)
+    stock_grouped = run_grpo(trl.GRPOTrainer, workdir=str(tmp_path / "stock_grouped"), **config)
+    assert grouped["completions"] == stock_grouped["completions"]
+    assert grouped["loss"] == pytest.approx(stock_grouped["loss"], **TOL) and grouped["grad_norm"] == pytest.approx(stock_grouped["grad_norm"], **TOL)
+    assert stock_grouped["loss"] != pytest.approx(stock["loss"], **TOL), "the shuffle's order changed nothing: the test cannot see it"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-trl = pytest.importorskip("trl")
+from helpers.extras import require
+
+trl = require("trl")
 
 from helpers.tiny_trl import run_sft  # noqa: E402
 
