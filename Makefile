@@ -63,11 +63,11 @@ test-triton: venv-triton
 	TRITON_INTERPRET=1 $(TBIN)/python -m pytest -q -p no:cacheprovider tests/triton_interp
 
 # A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
-# verl on CPU (tests/verl). verl pinned to the release the engine was checked against; no
+# verl on CPU (tests/verl_engine). verl pinned to the release the engine was checked against; no
 # TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no
 # extras at all: the tests drive the engine, not the Ray workers (whose module would also
 # want uvicorn and fastapi). Measured: about 1.9 GB, 13 min on a loaded 2-core machine.
-# Never in .venv: the main run does not collect tests/verl; here (CI=1) a missing verl fails.
+# Never in .venv: the main run does not collect tests/verl_engine; here (CI=1) a missing verl fails.
 VVENV ?= .venv-verl
 VBIN := $(VVENV)/bin
 VPIP := $(VBIN)/python -m pip -q --disable-pip-version-check
@@ -82,7 +82,7 @@ venv-verl: $(VBIN)/python
 	$(VPIP) install -e ".[trainer,test]" $(TORCH)
 
 test-verl: venv-verl
-	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl
+	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl_engine
 
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
 # (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).

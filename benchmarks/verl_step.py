@@ -1,7 +1,7 @@
 """Wall time of one verl policy update (``train_batch``), stock engine vs ``TreepackFSDPEngine`` (CPU).
 
 verl 0.9.1's ``FSDPEngineWithLMHead`` and the treepack engine, FSDP2 on one CPU gloo rank
-(the test suite's CPU shim, ``tests/verl/cpu_shim.py``), fp32, a random Qwen2, one GRPO
+(the test suite's CPU shim, ``tests/verl_engine/cpu_shim.py``), fp32, a random Qwen2, one GRPO
 mini-batch: G prompts of about P tokens, 8 responses each of at most R tokens, micro-batches
 of one group (8 sequences). Both engines start from the same checkpoint; each update is
 undone before the next repeat. Prints a markdown row: median times (min-max), the ratio, and
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests", "verl")]
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests", "verl_engine")]
 
 import cpu_shim  # noqa: E402
 

@@ -21,7 +21,7 @@ except ImportError:
         raise
     pytest.skip("verl is not installed: run `make test-verl` (.venv-verl)", allow_module_level=True)
 
-import cpu_shim  # noqa: E402  (tests/verl is on sys.path through rootdir-relative conftest import)
+import cpu_shim  # noqa: E402  (tests/verl_engine is on sys.path through rootdir-relative conftest import)
 
 cpu_shim.install(init_file=tempfile.mktemp(prefix="treepack-verl-gloo-"))
 
