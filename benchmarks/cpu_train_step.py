@@ -11,7 +11,9 @@ tokens (token mean), backward. Variants, all in the same run:
 - ``unpacked``: every sequence alone (stock HF SDPA, causal), batched by equal length
   (no padding: the golden example's groups have equal lengths), the baseline;
 - ``tree / varlen``: the tree-packed rows, attention over gathered ancestor keys per
-  segment (the FlashAttention path, with the pure-torch varlen kernel on CPU);
+  segment (the FlashAttention path; on CPU ``--varlen batched``, the default, runs
+  ``treepack.trainer.kernels.varlen.varlen_attention``, one batched SDPA per bucket of
+  similar lengths, and ``--varlen naive`` the loop reference);
 - ``tree / sdpa``: the tree-packed rows, SDPA with the dense [L, L] tree mask (attention
   cost is the full L^2 of each row, whatever the sharing);
 - ``no_share / varlen``: classic sequence packing of the same sequences (no tree).
@@ -40,6 +42,7 @@ from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize, naive_varlen_attention  # noqa: E402
+from treepack.trainer.kernels.varlen import varlen_attention  # noqa: E402
 from treepack.trainer.hf import packed_forward  # noqa: E402
 from treepack.trainer.losses import sft_loss  # noqa: E402
 
@@ -83,27 +86,33 @@ def unpacked_step(model, case) -> torch.Tensor:
     return loss
 
 
-def packed_step(model, batch, backend: str) -> torch.Tensor:
-    logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention)
+VARLEN = {"batched": varlen_attention, "naive": naive_varlen_attention}
+
+
+def packed_step(model, batch, backend: str, varlen: str = "batched") -> torch.Tensor:
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=VARLEN[varlen])
     loss = sft_loss(batch.target_logprobs(logits), batch, normalization="token")
     loss.backward()
     return loss.detach()
 
 
-def timed(fn, model, repeats: int) -> tuple[float, torch.Tensor, dict]:
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, model, repeats: int, now=time.perf_counter) -> tuple[float, torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = fn()  # warm-up (and the values to check)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times), loss, grads
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str]) -> dict:
+def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched", clock: str = "wall") -> dict:
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers)
     kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
@@ -112,12 +121,13 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         validate_plan(p, case["sequences"], trainable=case["trainable"])
     batches = {k: materialize(p, case["sequences"], trainable=case["trainable"], groups=case["groups"]) for k, p in plans.items()}
     unpacked_tokens = sum(len(s) for s in case["sequences"])
-    t_base, base_loss, base_grads = timed(lambda: unpacked_step(model, case), model, repeats)
+    now = CLOCK[clock]
+    t_base, base_loss, base_grads = timed(lambda: unpacked_step(model, case), model, repeats, now)
     rows = [dict(variant="unpacked", rows=len(case["sequences"]), tokens=unpacked_tokens, time_s=t_base, loss=float(base_loss), max_grad_rel=0.0)]
     for name in variants:
         layout, backend = name.split("/")
         batch = batches[layout]
-        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend), model, repeats)
+        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats, now)
         rel = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in base_grads.items())
         rows.append(dict(variant=f"{layout} / {backend}", rows=batch.num_rows, tokens=int(plans[layout].stats.packed_tokens), time_s=t, loss=float(loss), max_grad_rel=rel))
     for r in rows:
@@ -129,6 +139,8 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         seq_len=case["seq_len"],
         model=dict(hidden=hidden, layers=layers, vocab=vocab),
         repeats=repeats,
+        varlen=varlen,
+        clock=clock,
         results=rows,
     )
 
@@ -140,14 +152,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--varlen", choices=sorted(VARLEN), default="batched", help="CPU varlen kernel of the varlen variants")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="cpu: process CPU time (for a machine shared with other work; use --threads 1)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.scale, args.hidden, args.layers, args.vocab, args.repeats = 512, 32, 1, 128, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
-    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants)
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}")
+    out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen, args.clock)
+    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel, {args.clock} clock")
     report(out, args.json)
     return out
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto.batch import PackInput
+from treepack.proto.cost import CostModel
 from treepack.proto.history import HistoryStore, empty_summary
 from treepack.proto.plan import Plan
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
@@ -28,17 +29,20 @@ class EmbeddedBackend:
     Args:
         history_path: optional SQLite file for a local shape history (see module docstring).
         history_max_batches: its retention by count.
+        cost_model: plan with this :class:`~treepack.proto.cost.CostModel` (predicted
+            step times; ``auto`` by time), as a sidecar with ``cost_model_path`` does.
     """
 
-    def __init__(self, history_path: str | None = None, *, history_max_batches: int = 1000) -> None:
+    def __init__(self, history_path: str | None = None, *, history_max_batches: int = 1000, cost_model: CostModel | None = None) -> None:
         self._store = None
+        self._cost = cost_model
         self._max_batches = history_max_batches
         if history_path is not None:
             self._store = HistoryStore(history_path, max_batches=history_max_batches)
 
     def pack(self, request: PackInput) -> Plan:
         """``plan_batch``; records the batch's shape when a history is set."""
-        result = plan_request(request)
+        result = plan_request(request, cost_model=self._cost)
         if self._store is not None and request.record:
             job = shape_job(result, request.tags)
             if job is not None:
@@ -51,7 +55,7 @@ class EmbeddedBackend:
         shapes = query.shapes
         if shapes is None:
             shapes = [] if self._store is None else self._store.shapes(query.history_batches)
-        return whatif(list(shapes), list(query.compositions), query.options, trials=query.trials, seed=query.seed, max_rows=query.max_rows)
+        return whatif(list(shapes), list(query.compositions), query.options, trials=query.trials, seed=query.seed, max_rows=query.max_rows, cost_model=self._cost)
 
     def history(self) -> dict[str, Any]:
         summary = empty_summary() if self._store is None else self._store.summary()

@@ -21,6 +21,8 @@ from typing import Any, Sequence, TypeVar
 from treepack.client.protocols import AsyncBackend, Backend, InThread
 from treepack.proto.batch import PackInput
 from treepack.proto.codec import Format
+from treepack.proto.cost import CostModel
+from treepack.proto.errors import InputTypeError
 from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
 from treepack.proto.whatif import CompositionLike, WhatIfQuery, WhatIfResult, as_composition
@@ -50,14 +52,21 @@ class _Packers:
         dedup: bool = True,
         total_timeout: float | None = None,
         idempotent: bool = True,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.url = url
         if url is None:
             from treepack.client.embedded import EmbeddedBackend
 
-            embedded = EmbeddedBackend(history_path)
+            embedded = EmbeddedBackend(history_path, cost_model=cost_model)
             self._b = InThread(embedded) if self._asynchronous else embedded
             return
+        if cost_model is not None:
+            raise InputTypeError(
+                "cost_model is for the embedded packer; a sidecar uses its own cost file (its cost_model_path setting)",
+                path="$.cost_model",
+                rule="embedded_only",
+            )
         from treepack.client.http import AsyncHttpBackend, HttpBackend, RetryPolicy
 
         policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
@@ -92,6 +101,10 @@ class Packer(_Packers):
         history_path: embedded only: a local SQLite shape history for what-if.
         dedup: HTTP only: send a sequence's prefix shared with its group's first sequence
             as a reference, not again (about half the bytes for GRPO groups; same plan).
+        cost_model: embedded only: a :class:`~treepack.proto.cost.CostModel`: plans carry
+            ``stats.predicted_ms``, ``placement="auto"`` picks tree or plain packing by
+            predicted time, what-if results carry ``step_ms`` (a sidecar does the same
+            with its ``cost_model_path`` setting).
     """
 
     _b: Backend

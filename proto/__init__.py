@@ -16,6 +16,8 @@ else of treepack.
 - :mod:`~treepack.proto.index` — shared numpy index helpers.
 - ``batch_columns``, ``batch_wire``, ``plan_wire``, ``shape_wire``, ``whatif_wire`` — every
   message codec.
+- :mod:`~treepack.proto.cost` — :class:`CostModel`: a plan's predicted step time (numbers
+  only; its coefficients measured by ``treepack.trainer.calibrate``), its JSON file.
 - :mod:`~treepack.proto.errors` — the one error hierarchy and its HTTP statuses.
 - :mod:`~treepack.proto.messages` — pydantic v2 models of every message on the wire.
 - :mod:`~treepack.proto.buffers` — how arrays travel: typed little-endian buffers.
@@ -28,11 +30,13 @@ that receives another version answers :class:`~treepack.proto.errors.Unsupported
 """
 
 from treepack.proto.batch import PackInput, SequenceBatch
+from treepack.proto.cost import CostModel, load_cost_model
 from treepack.proto.errors import (
     AuthError,
     BodyTimeoutError,
     CapacityError,
     ConflictError,
+    CostModelError,
     DeadlineError,
     DecodeError,
     InputTypeError,
@@ -42,6 +46,7 @@ from treepack.proto.errors import (
     ServerError,
     TransportError,
     TreepackError,
+    TreepackWarning,
     UnavailableError,
     UnsupportedMediaTypeError,
     UnsupportedModelError,
@@ -58,4 +63,5 @@ __all__ = [
     "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError", "PayloadTooLargeError",
     "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError", "UnsupportedModelError",
     "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
+    "CostModel", "load_cost_model", "CostModelError", "TreepackWarning",
 ]  # fmt: skip

@@ -22,10 +22,13 @@ Hierarchy::
     |   +-- UnsupportedMediaTypeError      415  wrong Content-Type / Accept
     |   +-- UnsupportedVersionError        422  wire version this build does not speak
     |   +-- UnsupportedModelError          422  a model layer has no tree-exact path (trainer)
+    |   +-- CostModelError                 422  a cost model or cost file that cannot be used
     +-- AuthError                          401  missing or wrong bearer token
     +-- OverloadedError                    503  the planner queue is full (retry later)
     +-- ServerError                        500  a bug on the server side
     +-- TransportError                     ---  the client could not reach the server
+
+    TreepackWarning (UserWarning)                a choice that works but wastes compute or memory
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "UnsupportedMediaTypeError",
     "UnsupportedVersionError",
     "UnsupportedModelError",
+    "CostModelError",
     "AuthError",
     "OverloadedError",
     "ServerError",
@@ -53,6 +57,7 @@ __all__ = [
     "HTTP_STATUS",
     "http_status",
     "error_from_payload",
+    "TreepackWarning",
 ]
 
 
@@ -147,6 +152,13 @@ class UnsupportedModelError(RequestError):
         self.refusals = tuple(refusals)
 
 
+class CostModelError(RequestError):
+    """A cost model or cost file that cannot be used (HTTP 422): not a cost model, another
+    version, or a field that breaks its rule (:mod:`treepack.proto.cost`)."""
+
+    kind = "cost_model_error"
+
+
 class AuthError(TreepackError):
     """Missing or wrong bearer token (HTTP 401)."""
 
@@ -201,6 +213,7 @@ HTTP_STATUS: dict[type[TreepackError], int] = {
     InputTypeError: 422,
     UnsupportedVersionError: 422,
     UnsupportedModelError: 422,
+    CostModelError: 422,
     RequestError: 422,
     OverloadedError: 503,
     DeadlineError: 504,
@@ -221,6 +234,7 @@ _BY_KIND: dict[str, type[TreepackError]] = {
         UnsupportedMediaTypeError,
         UnsupportedVersionError,
         UnsupportedModelError,
+        CostModelError,
         AuthError,
         OverloadedError,
         ServerError,
@@ -267,3 +281,12 @@ def error_from_payload(payload: dict, status: int) -> TreepackError:
             retry_after = 1.0
         return cls(message, path=path, rule=rule, retry_after=retry_after)
     return cls(message, path=path, rule=rule)
+
+
+class TreepackWarning(UserWarning):
+    """A batch, plan or backend choice that works but wastes compute or memory.
+
+    The trainer's advice (``treepack.trainer.TreepackWarning`` is this class) and the
+    planner's cost warnings (:class:`treepack.proto.cost.CostWarning`) share it, so one
+    ``warnings.filterwarnings("ignore", category=TreepackWarning)`` silences all of them.
+    """

@@ -250,6 +250,7 @@ class StatsMessage(_Model):
     padding_tokens: Count
     saved_fraction: float
     timings_ms: dict[str, float]
+    predicted_ms: Optional[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = None
 
 
 class OverflowMessage(_Model):
@@ -390,6 +391,7 @@ class WhatIfResultMessage(_Model):
     max_rows: Optional[Count]
     p_rows_over: Optional[float] = Field(description="fraction of trials with rows > max_rows")
     row_counts: list[Count] = Field(description="rows of each trial, in trial order")
+    step_ms: Optional[Distribution] = Field(None, description="predicted step time over the trials, ms (with a cost model)")
 
 
 class PoolMessage(_Model):

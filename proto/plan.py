@@ -153,6 +153,8 @@ class PlanStats:
         saved_fraction: 1 - packed_tokens / unpacked_tokens.
         timings_ms: planner phases (``normalize``, ``tree``, ``placement``, ``layout``,
             ``metadata``, ``total``), milliseconds.
+        predicted_ms: the step time a cost model predicts for the plan
+            (:meth:`treepack.proto.cost.CostModel.predict_ms`), None when planned without one.
     """
 
     sequences: int
@@ -165,6 +167,7 @@ class PlanStats:
     padding_tokens: int
     saved_fraction: float
     timings_ms: dict[str, float] = field(default_factory=dict)
+    predicted_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -40,7 +40,7 @@ ARRAYS: dict[tuple[str, str], tuple[str, int]] = {
     ("ranks", "row_cost"): (_F8, 1),
     ("ranks", "rank_cost"): (_F8, 1),
 }
-_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f != "timings_ms")
+_STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f not in ("timings_ms", "predicted_ms"))
 
 
 _SECTIONS: dict[str, tuple[tuple[str, str, int], ...]] = {
@@ -79,6 +79,7 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
             **{f: getattr(st, f) for f in _STATS},
             "saved_fraction": float(st.saved_fraction),
             "timings_ms": {k: float(v) for k, v in st.timings_ms.items()},
+            "predicted_ms": None if st.predicted_ms is None else float(st.predicted_ms),
         },
         "overflow": [{"index": e.index, "length": e.length, "action": e.action} for e in plan.overflow],
     }
@@ -112,7 +113,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         raise RequestError("conv_context must have conv_width - 1 columns", path="$.gdn.levels", rule="shape")
     ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
     st = msg.stats
-    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms))
+    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms)
     options = PlanOptions(
         seq_len=msg.seq_len,
         min_shared_len=msg.min_shared_len,
@@ -278,7 +279,7 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
                     _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
     if a.ranks.num_ranks != b.ranks.num_ranks:
         out.append(f"ranks.num_ranks: {a.ranks.num_ranks} != {b.ranks.num_ranks}")
-    for f in _STATS + (("timings_ms",) if timings else ()):
+    for f in _STATS + ("predicted_ms",) + (("timings_ms",) if timings else ()):
         if getattr(a.stats, f) != getattr(b.stats, f):
             out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")
     if tuple(a.overflow) != tuple(b.overflow):

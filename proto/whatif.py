@@ -133,6 +133,8 @@ class WhatIfResult:
         max_rows: the threshold asked about, or None.
         p_rows_over: fraction of trials needing more than ``max_rows`` rows (None without one).
         row_counts: [trials] int64 rows of each trial.
+        step_ms: predicted step time over the trials, ms, when a cost model was given
+            (:mod:`treepack.proto.cost`), else None.
     """
 
     name: str
@@ -146,3 +148,4 @@ class WhatIfResult:
     max_rows: int | None
     p_rows_over: float | None
     row_counts: np.ndarray
+    step_ms: Distribution | None = None

@@ -55,6 +55,7 @@ def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
         "max_rows": r.max_rows,
         "p_rows_over": r.p_rows_over,
         "row_counts": r.row_counts.tolist(),
+        "step_ms": None if r.step_ms is None else _dist_to_wire(r.step_ms),
     }
 
 
@@ -75,4 +76,5 @@ def whatif_result_from_wire(r: WhatIfResultMessage) -> WhatIfResult:
         max_rows=r.max_rows,
         p_rows_over=r.p_rows_over,
         row_counts=np.asarray(r.row_counts, dtype=np.int64),
+        step_ms=None if r.step_ms is None else _dist_from_wire(r.step_ms),
     )

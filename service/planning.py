@@ -19,6 +19,7 @@ import numpy as np
 from treepack.proto import WIRE_VERSION
 from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
 from treepack.proto.codec import Format, encode_body, parse_message
+from treepack.proto.cost import load_cost_model
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
 from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.messages import PackRequest, WhatIfRequest
@@ -106,6 +107,7 @@ class PlanningService:
                 log.warning("the shape history is kept in memory; set TREEPACK_HISTORY_PATH to keep it across restarts")
         self.metrics = ServiceMetrics(self.pool, self.recorder, self)
         self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
+        self.cost_model = None if settings.cost_model_path is None else load_cost_model(settings.cost_model_path)
 
     def _open_history(self) -> HistoryStore | None:
         """The store; a damaged file is moved aside (``history_recover``) or leaves the history off.
@@ -154,7 +156,7 @@ class PlanningService:
         check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         request = decode_pack_request(msg, self.limits)
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
-        result = plan_request(request, check=check)
+        result = plan_request(request, check=check, cost_model=self.cost_model)
         plan = result.plan
         recorded = bool(request.record and self.recorder is not None and self.recorder.submit(shape_job(result, request.tags), plan.stats))
         self.metrics.observe_plan(plan)
@@ -205,6 +207,7 @@ class PlanningService:
             max_rows=msg.max_rows,
             max_tokens=self.settings.max_tokens,
             check=check,
+            cost_model=self.cost_model,
         )
         self.metrics.whatif_trials.inc(runs)
         out = {

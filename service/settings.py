@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         history_max_pending: shapes waiting for the history writer; beyond, a batch is
             not recorded (counted in ``treepack_history_skipped_total``), never delayed.
         whatif_max_trials: trials x compositions per what-if request above this get 413.
+        cost_model_path: a cost file (``treepack.trainer.calibrate(...).save(path)``): every
+            plan then carries ``stats.predicted_ms``, ``placement="auto"`` picks tree or
+            plain packing by predicted time, and what-if answers carry ``step_ms``. A file
+            that cannot be read stops the service at startup, naming the file and field.
         malloc_keep_mb: freed memory the server process keeps for reuse instead of
             returning it to the OS (glibc only; 0 keeps the allocator's defaults): large
             requests then reuse warm pages (:mod:`treepack.service.malloc`).
@@ -118,6 +122,7 @@ class Settings(BaseSettings):
     history_max_age_s: Optional[float] = Field(7 * 24 * 3600.0, gt=0)
     history_max_pending: int = Field(32, ge=1)
     whatif_max_trials: int = Field(2000, ge=1)
+    cost_model_path: Optional[str] = None
     malloc_keep_mb: int = Field(256, ge=0, le=2047)
     log_level: str = "info"
     docs: Literal["offline", "swagger", "off"] = "offline"

@@ -14,6 +14,7 @@ PUBLIC = [
             "WhatIfQuery", "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError",
             "PayloadTooLargeError", "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError",
             "UnsupportedModelError", "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
+            "CostModel", "load_cost_model", "CostModelError", "TreepackWarning",
         },
         id="proto",
     ),  # fmt: skip
@@ -34,6 +35,7 @@ PUBLIC = [
         {
             "BACKENDS", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
             "resolve_packed", "tree_attention", "use_packed", "packed_forward", "packed", "output_head", "TreepackWarning", "check_model",
+            "calibrate", "time_step",
         },
         id="trainer",
     ),  # fmt: skip

@@ -15,6 +15,8 @@ Layers, each importing only the ones above it in this list:
 - :mod:`treepack.trainer.losses`: SFT, GRPO/PPO-clip and CISPO losses on packed rows;
 - :mod:`treepack.trainer.distributed`: rank 0 plans (through :mod:`treepack.client`), every
   rank materializes its rows;
+- :mod:`treepack.trainer.cost`: :func:`calibrate` measures a model's step-time cost model
+  (:class:`~treepack.proto.cost.CostModel`) on this device;
 - :mod:`treepack.trainer.trl` (extra ``trl``, imported only on request):
   ``TreepackGRPOTrainer`` / ``TreepackSFTTrainer``, TRL's trainers on tree rows.
 
@@ -22,6 +24,7 @@ GPU packages (flash-attn, flash-linear-attention, triton) are imported only insi
 functions that use them; transformers only when a model is first prepared for packed calls.
 """
 
+from treepack.trainer.cost import calibrate, time_step
 from treepack.trainer.data.advice import TreepackWarning
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch
@@ -46,4 +49,6 @@ __all__ = [
     "use_packed",
     "current_packed",
     "resolve_packed",
+    "calibrate",
+    "time_step",
 ]

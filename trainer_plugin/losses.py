@@ -69,14 +69,16 @@ def _weights_from_counts(counts: torch.Tensor, groups: torch.Tensor, normalizati
         return torch.full_like(c, 1.0 / float(normalization))
     if normalization == "sum":
         return torch.ones_like(c)
+    # Every count stays on the device (no .item(): on a GPU each one would stall the stream).
     if normalization == "token":
-        return torch.full_like(c, 1.0 / max(float(c.sum()), 1.0))
+        return torch.ones_like(c) / c.sum().clamp(min=1.0)
     if normalization == "sequence":
-        nz = max(int((c > 0).sum()), 1)
+        nz = (c > 0).sum().clamp(min=1)
         return torch.where(c > 0, 1.0 / (c.clamp(min=1) * nz), torch.zeros_like(c))
     if normalization == "group":
-        ng = torch.zeros(int(groups.max()) + 1 if groups.numel() else 0, dtype=torch.float64, device=c.device).index_add(0, groups, c)
-        nz = max(int((ng > 0).sum()), 1)
+        # Group codes are dense, below the number of sequences: S bins always suffice.
+        ng = torch.zeros(c.shape[0], dtype=torch.float64, device=c.device).index_add(0, groups, c)
+        nz = (ng > 0).sum().clamp(min=1)
         mine = ng[groups]
         return torch.where(mine > 0, 1.0 / (mine.clamp(min=1) * nz), torch.zeros_like(c))
     raise RequestError(f"normalization must be one of {NORMALIZATIONS} or a positive number, got {normalization!r}", path="$.normalization", rule="enum")

@@ -75,6 +75,10 @@ class PackingConfig:
             a plan function, a sidecar URL, or None (embedded).
         max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
         keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
+        cost_model: a :class:`~treepack.proto.cost.CostModel` (``treepack.trainer.calibrate``)
+            for the embedded planner: ``placement="auto"`` then packs each micro-batch as a
+            tree or plainly, whichever is predicted faster (a sidecar ``planner`` uses its
+            own ``cost_model_path``; giving both is refused).
     """
 
     seq_len: int | None = None
@@ -84,10 +88,26 @@ class PackingConfig:
     planner: PlannerArg = None
     max_seq_len: int = 8192
     keep_groups: bool = True
+    cost_model: Any = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+        if self.cost_model is not None and self.planner is not None:
+            raise RequestError(
+                "give cost_model (embedded planner) or planner, not both: a sidecar uses its own cost_model_path, a Packer its own cost_model",
+                path="$.packing.cost_model",
+                rule="exclusive",
+            )
+
+    def make_planner(self) -> Any:
+        """The planner to hand to ``plan_microbatches``: ``planner``, or an embedded
+        ``Packer(cost_model=...)`` when a cost model is given."""
+        if self.cost_model is None:
+            return self.planner
+        from treepack.client import Packer
+
+        return Packer(cost_model=self.cost_model)
 
 
 def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
@@ -147,12 +167,13 @@ class _PackedRows:
 
     def _init_packing(self, packing: PackingConfig | None) -> None:
         self.packing = PackingConfig() if packing is None else packing
+        self._planner = self.packing.make_planner()
 
     def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None) -> Any:
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
-            planner=self.packing.planner,
+            planner=self._planner,
             seq_len=choose_seq_len(padded, self.packing),
             trainable=padded.trainable,
             groups=groups,

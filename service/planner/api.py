@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from treepack.proto.batch import PackInput, SequenceBatch
+from treepack.proto.cost import CostModel
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan, PlanStats
 from treepack.service.planner.bounds import lower_bound_rows
+from treepack.service.planner.by_time import choose_by_time, with_prediction
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
@@ -35,7 +37,7 @@ class PlanResult:
     tree: Tree
 
 
-def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, **kwargs: Any) -> Plan:
+def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, *, cost_model: CostModel | None = None, **kwargs: Any) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
     Args:
@@ -44,6 +46,9 @@ def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, **k
             keywords instead (``seq_len=``, ``min_shared_len=64``, ``placement="auto"``
             (``bfd``, ``in_order``, ``no_share``), ``num_ranks=1``, ``conv_width=4``,
             ``share_trainable=False``, ``on_overflow="error"`` (``truncate``, ``drop``)).
+        cost_model: a :class:`~treepack.proto.cost.CostModel`: the plan's predicted step
+            time goes in ``stats.predicted_ms``, and ``placement="auto"`` picks the tree
+            or plain packing by it (:mod:`~.by_time`).
         **kwargs: the option keywords, and the rest of the batch as
             :class:`~treepack.proto.batch.PackInput` names it: ``trainable`` (None, or per
             sequence a bool array or a prompt length), ``groups`` (per sequence an int/str
@@ -57,22 +62,22 @@ def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, **k
     Raises:
         RequestError: (or a subclass) for any invalid argument, naming it.
     """
-    return plan_request(PackInput.of(sequences, options, **kwargs)).plan
+    return plan_request(PackInput.of(sequences, options, **kwargs), cost_model=cost_model).plan
 
 
-def plan_request(request: PackInput, *, check: Callable[[], None] | None = None) -> PlanResult:
+def plan_request(request: PackInput, *, check: Callable[[], None] | None = None, cost_model: CostModel | None = None) -> PlanResult:
     """Check the options, normalize the batch with them, plan it (the sidecar's path too).
 
-    ``check`` is as for :func:`plan_with_tree`.
+    ``check`` and ``cost_model`` are as for :func:`plan_with_tree`.
     """
     t0 = time.perf_counter()
     opts = check_options(request.options)
-    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check)
+    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check, cost_model=cost_model)
 
 
-def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, **option_kwargs: Any) -> Plan:
+def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, *, cost_model: CostModel | None = None, **option_kwargs: Any) -> Plan:
     """:func:`plan_batch` on an already normalized :class:`SequenceBatch`."""
-    return plan_with_tree(batch, check_options(as_options(options, option_kwargs))).plan
+    return plan_with_tree(batch, check_options(as_options(options, option_kwargs)), cost_model=cost_model).plan
 
 
 def _no_check() -> None:
@@ -80,7 +85,12 @@ def _no_check() -> None:
 
 
 def plan_with_tree(
-    batch: SequenceBatch, options: PlanOptions, *, t0: float | None = None, check: Callable[[], None] | None = None
+    batch: SequenceBatch,
+    options: PlanOptions,
+    *,
+    t0: float | None = None,
+    check: Callable[[], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> PlanResult:
     """Plan a normalized batch with options as returned by :func:`~.options.check_options`.
 
@@ -90,10 +100,18 @@ def plan_with_tree(
         t0: when the request started (``perf_counter``), for the ``normalize`` timing.
         check: called between phases; it raises to stop the work (the sidecar's
             deadline and cancellation), or None.
+        cost_model: predicts the step time (``stats.predicted_ms``); with
+            ``placement="auto"`` the fastest of the candidates of :mod:`~.by_time` wins.
 
     Returns:
         The plan and its tree.
     """
+    if cost_model is not None:
+        if options.placement == "auto":
+            # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
+            return choose_by_time(batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check))
+        res = plan_with_tree(batch, options, t0=t0, check=check)
+        return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
     t0 = time.perf_counter() if t0 is None else t0
     check = check or _no_check
     seq_len = options.seq_len

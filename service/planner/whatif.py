@@ -26,11 +26,13 @@ Sampling rules:
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from treepack.proto.cost import CostModel, CostWarning
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
 from treepack.proto.batch import PackInput
 from treepack.proto.options import PlanOptions, as_options
@@ -171,6 +173,7 @@ def whatif(
     max_rows: int | None = None,
     max_tokens: int | None = None,
     check: Callable[[], None] | None = None,
+    cost_model: CostModel | None = None,
     **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
@@ -189,6 +192,9 @@ def whatif(
         max_tokens: refuse trials with more tokens than this (the service's limit).
         check: called before every trial and between its planning phases; it raises to
             stop the work (the sidecar's deadline and cancellation), or None.
+        cost_model: a :class:`~treepack.proto.cost.CostModel`: every trial is planned with
+            it (as ``/v1/pack`` would: ``auto`` picks tree or plain packing by time) and the
+            results carry ``step_ms``, the predicted step time over the trials.
 
     Returns:
         One :class:`WhatIfResult` per composition, in order.
@@ -215,7 +221,7 @@ def whatif(
     for i, comp in enumerate(compositions):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
-    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check) for i, comp in enumerate(compositions)]
+    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check, cost_model) for i, comp in enumerate(compositions)]
 
 
 def _trials(
@@ -228,9 +234,11 @@ def _trials(
     max_rows: int | None,
     max_tokens: int | None,
     check: Callable[[], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> WhatIfResult:
     """Plan ``trials`` sampled batches of one composition and summarize them."""
     rows = np.zeros(trials, dtype=np.int64)
+    step_ms = np.zeros(trials, dtype=np.float64)
     packed = np.zeros(trials, dtype=np.int64)
     unpacked = np.zeros(trials, dtype=np.int64)
     saved = np.zeros(trials, dtype=np.float64)
@@ -243,8 +251,12 @@ def _trials(
             if total > max_tokens:
                 raise PayloadTooLargeError(f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens")
         trial = PackInput(**synthesize(pool, units), options=opts)
-        st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check).plan.stats
+        with warnings.catch_warnings():
+            # A trial's plan is never run: whether its tree pays is in step_ms, not a warning.
+            warnings.simplefilter("ignore", CostWarning)
+            st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check, cost_model=cost_model).plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
+        step_ms[t] = 0.0 if st.predicted_ms is None else st.predicted_ms
     return WhatIfResult(
         name=comp.name,
         groups=comp.total_groups,
@@ -257,6 +269,7 @@ def _trials(
         max_rows=max_rows,
         p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
         row_counts=rows,
+        step_ms=None if cost_model is None else Distribution.of(step_ms),
     )
 
 

@@ -31,3 +31,11 @@ def test_cpu_train_step_smoke():
     assert base["variant"] == "unpacked" and len(out["results"]) == 4
     for r in out["results"][1:]:
         assert abs(r["loss"] - base["loss"]) <= 1e-5 * abs(base["loss"]) and r["max_grad_rel"] <= 1e-4
+
+
+def test_cost_model_smoke():
+    (out,) = _load("cost_model").main(["--smoke"])
+    assert out["model"] == "qwen3" and out["fit"]["batches"] == 24
+    assert {r["batch"] for r in out["results"]} == {"golden", "medium", "none"}
+    assert all(r["measured_ms"] > 0 and math.isfinite(r["error"]) for r in out["results"])
+    assert [c["batch"] for c in out["choices"]] == ["golden", "medium", "none"]

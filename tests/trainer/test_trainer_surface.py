@@ -14,6 +14,7 @@ SURFACE = {
     "treepack.trainer": [
         "materialize", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
         "PackedContext", "use_packed", "current_packed", "resolve_packed", "packed", "output_head", "TreepackWarning", "check_model",
+        "calibrate", "time_step",
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",

@@ -21,6 +21,7 @@ import warnings
 
 import numpy as np
 
+from treepack.proto.errors import TreepackWarning
 from treepack.proto.plan import Plan
 
 __all__ = [
@@ -38,10 +39,6 @@ DENSE_MASK_WARN_BYTES = 1 << 30
 
 HIDDEN_SHARING_WARN_FRACTION = 0.05
 """Warn when sharing hidden by ``min_shared_len`` holds at least this fraction of the tokens."""
-
-
-class TreepackWarning(UserWarning):
-    """A batch or backend choice that works but wastes compute or memory."""
 
 
 def warn_no_sharing(plan: Plan) -> bool:

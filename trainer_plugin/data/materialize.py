@@ -339,7 +339,7 @@ def materialize(
     loss_mask[score_flat_t] = True
     index = dict(entry_src=entry_src, score_flat=score_flat_t, tok_flat=tok_flat, gather_src=gather_src, seq_flat=seq_flat)
     packed, entries = _payloads(plan, ix, payloads, input_payloads, index, (K, C), dev)
-    return PackedBatch(
+    batch = PackedBatch(
         plan=plan,
         rows=rows_arr,
         input_ids=input_ids.view(K, C),
@@ -361,6 +361,11 @@ def materialize(
         groups=t(codes),
         device=dev,
     )
+    # What the losses read, prepared here so that the forward and backward never wait on
+    # the device: the scored positions from the host's index, the largest target now.
+    batch._cache["loss_positions"] = t(np.unique(score_flat))
+    batch._cache["max_target"] = int(score_target.max()) if score_target.numel() else -1
+    return batch
 
 
 def _check_shared_targets(score_flat: np.ndarray, score_target: torch.Tensor, score_seq: np.ndarray) -> None:

@@ -82,6 +82,9 @@ def _mask(batch: PackedBatch, backend: str) -> Any:
         return batch.dense_mask()
     if backend == "flex":
         return batch.block_mask()
+    # No mask for varlen kernels; their metadata is built (and on the device) now, before
+    # the first layer runs, not inside layer 0's attention mid-forward.
+    batch.varlen_meta()
     return None
 
 

@@ -1,0 +1,112 @@
+"""A cost model in the planner's what-if and in the sidecar (``cost_model_path``): predicted
+step times next to rows, from fixed coefficients (no timing)."""
+
+from __future__ import annotations
+
+import httpx
+import msgpack
+import pytest
+
+from helpers.trees import plan_result
+from treepack.proto.batch import PackInput
+from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.codec import encode_body
+from treepack.proto.cost import CostModel, CostModelError, cost_terms
+from treepack.proto.whatif import Composition
+from treepack.service import Settings, create_app
+from treepack.service.cli.workloads import agentic
+from treepack.service.planner import plan_batch
+from treepack.service.planner.fingerprint import shape_of
+from treepack.service.planner.whatif import whatif
+
+COST = CostModel(backend="flash", coefficients={t: 0.0 for t in cost_terms("flash")} | {"step": 2.0, "positions": 1e-3, "segments": 0.1, "attention_pairs": 1e-7})
+
+
+def _shapes(n: int = 4):
+    w = agentic(4 * n, seq_len=8192, seed=1, rollouts=2)
+    per = len(w.sequences) // n
+    out = []
+    for i in range(n):
+        sl = slice(i * per, (i + 1) * per)
+        res = plan_result(w.sequences[sl], trainable=w.trainable[sl], groups=w.groups[sl], seq_len=8192)
+        out.append(shape_of(res.batch, res.tree, seq_len=8192))
+    return out
+
+
+def test_whatif_predicts_step_time_next_to_rows():
+    shapes = _shapes()
+    comps = [Composition(name="small", groups=4), Composition(name="large", groups=12)]
+    with_cost = whatif(shapes, comps, seq_len=8192, trials=4, seed=0, cost_model=COST)
+    plain = whatif(shapes, comps, seq_len=8192, trials=4, seed=0)
+    assert [r.step_ms for r in plain] == [None, None]
+    small, large = with_cost
+    for r in with_cost:
+        assert 0 < r.step_ms.min <= r.step_ms.p50 <= r.step_ms.p90 <= r.step_ms.max
+        assert r.step_ms.min >= COST.coefficients["step"]
+    # More groups, more time; and the time follows the rows (positions dominate here).
+    assert large.step_ms.mean > small.step_ms.mean
+    assert large.rows.mean > small.rows.mean
+
+
+def test_whatif_step_time_is_the_pack_prediction():
+    # One composition that takes a whole recorded batch: the trial is that batch's plan.
+    w = agentic(8, seq_len=8192, seed=3, rollouts=2)
+    res = plan_result(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192)
+    got = whatif([shape_of(res.batch, res.tree, seq_len=8192)], [Composition(groups=len(set(w.groups)))], seq_len=8192, trials=1, cost_model=COST)[0]
+    packed = plan_batch(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, cost_model=COST)
+    assert got.rows.mean == packed.num_rows
+    assert got.step_ms.mean == pytest.approx(packed.stats.predicted_ms, rel=1e-9)
+
+
+@pytest.fixture
+def cost_file(tmp_path):
+    path = tmp_path / "cost.json"
+    COST.save(path)
+    return str(path)
+
+
+async def test_sidecar_with_a_cost_file(cost_file):
+    app = create_app(Settings(cost_model_path=cost_file, history_max_batches=100))
+    w = agentic(8, seq_len=8192, seed=1, rollouts=2)
+    body = encode_pack_request(PackInput.of(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.post("/v1/pack", content=encode_body(body, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            assert r.status_code == 200, r.text
+            stats = msgpack.unpackb(r.content)["plan"]["stats"]
+            local = plan_batch(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, cost_model=COST)
+            assert stats["predicted_ms"] == pytest.approx(local.stats.predicted_ms)
+            q = {"version": 1, "seq_len": 8192, "compositions": [{"groups": 4}], "trials": 3}
+            r = await c.post("/v1/whatif", content=encode_body(q, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            assert r.status_code == 200, r.text
+            step = msgpack.unpackb(r.content)["results"][0]["step_ms"]
+            assert 0 < step["mean"] <= step["max"] and step["p90"] >= step["p50"]
+    finally:
+        app.state.service.close()
+    # Negative control: without a cost file there is no prediction.
+    app = create_app(Settings(history_enabled=False))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.post("/v1/pack", content=encode_body(body, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            assert msgpack.unpackb(r.content)["plan"]["stats"]["predicted_ms"] is None
+    finally:
+        app.state.service.close()
+
+
+def test_sidecar_refuses_a_bad_cost_file_at_startup(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "treepack-cost-model", "version": 7}')
+    with pytest.raises(CostModelError, match="bad.json.*version 7"):
+        create_app(Settings(cost_model_path=str(bad)))
+
+
+def test_embedded_packer_with_a_cost_model():
+    from treepack.client import Packer
+    from treepack.proto.errors import InputTypeError
+
+    w = agentic(4, seq_len=8192, seed=2, rollouts=2)
+    with Packer(cost_model=COST) as p:
+        plan = p.pack(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, record=False)
+    assert plan.stats.predicted_ms == pytest.approx(COST.predict_ms(plan)) and "by time" in plan.strategy
+    with pytest.raises(InputTypeError, match="sidecar uses its own cost file"):
+        Packer("http://127.0.0.1:1", cost_model=COST)
