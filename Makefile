@@ -14,7 +14,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
 
-.PHONY: demo test bench venv clean venv-triton test-triton gpu-check dist wheel-check
+.PHONY: demo test bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,28 @@ venv-triton: $(TBIN)/python
 test-triton: venv-triton
 	TRITON_INTERPRET=1 $(TBIN)/python -m pytest -q -p no:cacheprovider tests/triton_interp
 
+# A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
+# verl on CPU (tests/verl_engine). verl pinned to the release the engine was checked against; no
+# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no
+# extras at all: the tests drive the engine, not the Ray workers (whose module would also
+# want uvicorn and fastapi). Measured: about 1.9 GB, 13 min on a loaded 2-core machine.
+# Never in .venv: the main run does not collect tests/verl_engine; here (CI=1) a missing verl fails.
+VVENV ?= .venv-verl
+VBIN := $(VVENV)/bin
+VPIP := $(VBIN)/python -m pip -q --disable-pip-version-check
+VERL_PKGS := verl==0.9.1
+
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+
+venv-verl: $(VBIN)/python
+	$(VPIP) install $(TORCH_PIP)
+	$(VPIP) install $(VERL_PKGS) $(TORCH)
+	$(VPIP) install -e ".[trainer,test]" $(TORCH)
+
+test-verl: venv-verl
+	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl_engine
+
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
 # (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).
 # GPU_PY: an interpreter whose torch has CUDA and which has treepack installed (docs/gpu.md);
@@ -92,4 +114,4 @@ bench: venv
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) $(TVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -32,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,7 +135,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
         r["time_ratio"] = r["time_s"] / t_base
         r["token_ratio"] = r["tokens"] / unpacked_tokens
     return dict(
-        machine=f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        machine=machine(),
         scale=scale,
         seq_len=case["seq_len"],
         model=dict(hidden=hidden, layers=layers, vocab=vocab),
@@ -145,8 +146,14 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def machine() -> str:
+    """The machine line of a CPU benchmark's output."""
+    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def workload_args(description: str, argv: list[str] | None, extra: Any = None) -> argparse.Namespace:
+    """The workload options every CPU training benchmark takes (``--smoke``: tiny and fast)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--scale", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -157,9 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="cpu: process CPU time (for a machine shared with other work; use --threads 1)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.scale, args.hidden, args.layers, args.vocab, args.repeats = 512, 32, 1, 128, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = workload_args(__doc__.splitlines()[0], argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]

@@ -25,6 +25,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VALIDATED: Counter = Counter()
 
+_VERL_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_engine")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/verl_engine runs in its own venv (``make test-verl``): collected only when named."""
+    if str(collection_path) != _VERL_TESTS:
+        return None
+    named = any(os.path.abspath(str(a).split("::")[0]).startswith(_VERL_TESTS) for a in config.args)
+    return None if named else True
+
 
 @pytest.fixture(autouse=True)
 def _validate_every_plan(monkeypatch):

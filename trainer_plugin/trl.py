@@ -17,9 +17,17 @@ into as many chunks as TRL's own ``batch_size`` chunking would make
 fused LM head (``fused_lm_head=True`` with pre-shifted ``shift_labels``: the same
 temperature, entropy, soft-capping, fp32 head and chunking as stock), and scatters the
 results back to TRL's ``[B, C]``. TRL's loss code (every ``loss_type``), generation,
-rewards and advantages run untouched. The micro-batch split after generation shuffles
-whole prompt groups (the same ``torch.randperm`` draw as stock, so the random stream is
-unchanged) so that each prompt's completions stay in one micro-batch.
+rewards and advantages run untouched, so every step equals stock TRL's. With
+``PackingConfig(keep_groups=True)`` the micro-batch split after generation shuffles whole
+prompt groups instead (the same ``torch.randperm`` draw as stock, so the random stream is
+unchanged), so that each prompt's completions share it in one micro-batch; with gradient
+accumulation above 1 that changes which completions each micro-batch holds, hence TRL's
+per-micro-batch normalisations and metrics: a different (equally valid) run, not stock's.
+
+Before the first packed step of a model the trainers run what ``packed_forward`` runs:
+``check_model`` (with the dropout / patch refusals of :mod:`treepack.trainer.hf.guards`) and the
+probe (:mod:`treepack.trainer.hf.probe`, once per setup; ``PackingConfig(verify=False)``
+skips it).
 
 Packed calls carry the batch as the ``treepack_context`` keyword, which alone selects the tree
 attention (:mod:`treepack.trainer.hf.dispatch`); the model's own implementation is never
@@ -51,8 +59,11 @@ from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.planning.microbatch import plan_microbatches
 from treepack.trainer.planning.planner import PlannerArg
+from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
-from treepack.trainer.hf.forward import enable_tree_attention
+from treepack.trainer.hf.forward import enable_tree_attention, verify_model
+from treepack.trainer.hf.support import check_model
+from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
@@ -74,7 +85,15 @@ class PackingConfig:
             ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
             a plan function, a sidecar URL, or None (embedded).
         max_seq_len: ``seq_len=None`` never picks more than this (unless one sequence is longer).
-        keep_groups: shuffle whole prompt groups into the micro-batches (False: TRL's shuffle).
+        keep_groups: shuffle whole prompt groups into the micro-batches, so each prompt's
+            completions share it in one micro-batch (more sharing). Off by default: it
+            changes which sequences make up each micro-batch, hence TRL's per-micro-batch
+            loss normalisations, entropy quantile and logged metrics whenever gradient
+            accumulation is above 1; False keeps TRL's own shuffle, step for step equal to stock.
+        verify: prove packing exact for the model before its first packed step
+            (:func:`~treepack.trainer.hf.forward.verify_model`, once per setup).
+        allow_dropout: accept dropout outside attention while training (one mask per shared
+            prefix: not exact). Default: refused.
         cost_model: a :class:`~treepack.proto.cost.CostModel` (``treepack.trainer.calibrate``)
             for the embedded planner: ``placement="auto"`` then packs each micro-batch as a
             tree or plainly, whichever is predicted faster (a sidecar ``planner`` uses its
@@ -87,7 +106,9 @@ class PackingConfig:
     placement: str = "auto"
     planner: PlannerArg = None
     max_seq_len: int = 8192
-    keep_groups: bool = True
+    keep_groups: bool = False
+    verify: bool = True
+    allow_dropout: bool = False
     cost_model: Any = None
 
     def __post_init__(self) -> None:
@@ -192,13 +213,19 @@ class _PackedRows:
         Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
         TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
         """
-        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         backend = self.packing.backend
-        ctx = PackedContext(batch=batch, backend=backend, options={})
+        hf = unwrap_model(model)
+        # What packed_forward refuses is refused here too, before the first step computes anything.
+        check_model(hf, backend=backend, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
+        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
-        with use_packed(ctx), self.accelerator.autocast():
-            return model(
+        with self.accelerator.autocast():
+            if self.packing.verify:
+                verify_model(hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
+            with use_packed(ctx):
+                return model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
                 attention_mask=mask,

@@ -18,6 +18,7 @@ from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.layers import unpatch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 VOCAB = 97
 
@@ -107,13 +108,13 @@ def leaf_gradient_leaks(model, plan, batch, embed: torch.nn.Module) -> tuple[int
         p = int(seg.parent[p])
     seg_ids = torch.from_numpy(plan.segment_ids())
     embeds = []
-    hook = embed.register_forward_hook(lambda m, i, o: embeds.append(o))
+    hook = embed.register_forward_hook(trust_hook(lambda m, i, o: embeds.append(o)))
     try:
         lp = packed_logprobs(model, batch)
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[0])
+    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
     on_chain = torch.from_numpy(np.isin(plan.segment_ids(), sorted(chain)))
     per_pos = grad.abs().sum(-1)
     return int(torch.count_nonzero(per_pos[~on_chain])), int(on_chain.sum()) - int(torch.count_nonzero(per_pos[on_chain]))

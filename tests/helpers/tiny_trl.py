@@ -61,7 +61,17 @@ def reward_len(completions: list[str], **kwargs: Any) -> list[float]:
     return [c.count("w1") - 0.1 * len(c.split()) for c in completions]
 
 
-def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_steps: Any = None, workdir: str, model_path: str | None = None, **config: Any) -> dict[str, Any]:
+def run_grpo(
+    trainer_cls: type,
+    *,
+    steps: int = 3,
+    lora: bool = False,
+    between_steps: Any = None,
+    before_train: Any = None,
+    workdir: str,
+    model_path: str | None = None,
+    **config: Any,
+) -> dict[str, Any]:
     """Train ``trainer_cls`` (GRPOTrainer or a subclass) for ``steps`` optimizer steps.
 
     Args:
@@ -69,6 +79,7 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
         steps: optimizer steps (``max_steps``).
         lora: wrap the model in a LoRA adapter (peft).
         between_steps: callable(trainer) run after every optimizer step (a callback).
+        before_train: callable(trainer) run once the trainer is built, before ``train()``.
         workdir: output directory.
         model_path: a saved :func:`tiny_model` (processes of one run share it); default: saved here.
         **config: ``GRPOConfig`` fields over the defaults below.
@@ -137,6 +148,8 @@ def run_grpo(trainer_cls: type, *, steps: int = 3, lora: bool = False, between_s
         callbacks=callbacks,
         **trainer_kwargs,
     )
+    if before_train is not None:
+        before_train(trainer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {

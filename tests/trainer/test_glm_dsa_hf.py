@@ -21,6 +21,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 VOCAB = 97
 TOPK = 8
@@ -118,7 +119,7 @@ def test_ties_straddle_the_topk_boundary(case):
     seqs, _, model, _, _ = case
     caught = []
     attn = model.model.layers[0].self_attn
-    hook = attn.indexer.register_forward_pre_hook(lambda m, a, kw: caught.append(a), with_kwargs=True)
+    hook = attn.indexer.register_forward_pre_hook(trust_hook(lambda m, a, kw: caught.append(a)), with_kwargs=True)
     try:
         with torch.no_grad():
             model(input_ids=torch.as_tensor(max(seqs, key=len), dtype=torch.int64)[None])

@@ -16,6 +16,7 @@ import torch
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 CHUNK = 16
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=CHUNK)
@@ -154,10 +155,10 @@ def test_activation_checkpointing_replays_the_tree_mixers(case):
     patch_layers(model)
     params = list(model.parameters())
     calls = []
-    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in model.modules() if mixer_kind(m) == "mamba2"]
+    hooks = [m.register_forward_hook(trust_hook(lambda *a: calls.append(1))) for m in model.modules() if mixer_kind(m) == "mamba2"]
 
     def grads():
-        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa").float(), -1)
+        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa", verify=False).float(), -1)  # counts calls; checks exactness itself
         loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
         return torch.autograd.grad(loss, params, allow_unused=True)
 

@@ -19,6 +19,7 @@ from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, 
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.guards import trust_hook
 
 VOCAB = 97
 TOPK = 8
@@ -102,7 +103,7 @@ def test_ties_straddle_the_topk_boundary(case):
     seqs, _, plan, model, batch, _ = case
     caught = []
     attn = model.model.layers[0].self_attn
-    hook = attn.indexer.register_forward_pre_hook(lambda m, a, kw: caught.append((a, kw)), with_kwargs=True)
+    hook = attn.indexer.register_forward_pre_hook(trust_hook(lambda m, a, kw: caught.append((a, kw))), with_kwargs=True)
     try:
         with torch.no_grad():
             model(input_ids=torch.as_tensor(seqs[0], dtype=torch.int64)[None])
@@ -157,13 +158,13 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
         on_chain |= seg_ids == p
         p = int(seg.parent[p])
     embeds = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: embeds.append(o))
+    hook = model.model.embed_tokens.register_forward_hook(trust_hook(lambda m, i, o: embeds.append(o)))
     try:
         lp = _packed(model, batch)
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[0])
+    (grad,) = torch.autograd.grad(lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
     per_pos = grad.abs().sum(-1)
     assert torch.count_nonzero(per_pos[~on_chain]) == 0, "gradient reached a sibling, another tree or padding"
     assert torch.count_nonzero(per_pos[on_leaf]) == int(on_leaf.sum())

@@ -12,7 +12,15 @@ Attention variants the layer call carries are run exactly, not dropped:
 - chunked attention: a layer whose ``config.layer_types[layer_idx]`` is
   ``"chunked_attention"`` (Llama4) attends within ``config.attention_chunk_size``
   positions of its own sequence (HF builds that mask only in its own mask function, which
-  the tree mask replaces, so it is read from the config here).
+  the tree mask replaces, so it is read from the config here);
+- sliding windows applied only by HF's mask builders (Qwen2-MoE with
+  ``use_sliding_window``, PhiMoE: their attention passes no ``sliding_window=``): the
+  window is read from the config as HF's builders read it (:func:`mask_builder_window`),
+  per layer from ``config.layer_types`` where the config has them.
+
+The ``attention_mask`` a layer passes must be the tree mask ``packed_forward`` handed the
+model (or None): a mask or bias the model built itself (Doge's learned dynamic mask) would
+be replaced by the tree mask, so such a call is refused at run time, naming the layer.
 
 Under context parallelism (a batch that is one rank's shard of every row, ``batch.cp``)
 attention runs **Ulysses**: query, key and value go from sequence shards of every head to
@@ -30,12 +38,19 @@ from typing import Any
 
 import torch
 
+import functools
+import inspect
+import sys
+
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.kernels.attention import tree_attention
 from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
 from treepack.trainer.hf.context import resolve_packed
 
-__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size"]
+__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION"]
+
+# PackedContext.options key of the mask packed_forward handed the model (None for flash).
+TREE_MASK_OPTION = "tree_mask"
 
 ATTN_IMPLEMENTATION = "treepack"
 
@@ -81,6 +96,17 @@ def treepack_attention(
             rule="unpatched_sparse_layer",
         )
     opts = dict(ctx.options)
+    if TREE_MASK_OPTION in opts and attention_mask is not None and attention_mask is not opts[TREE_MASK_OPTION]:
+        what = f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function a mask or bias "
+            f"that treepack did not build ({what}; e.g. a learned dynamic mask): tree attention would replace it, so the layer is refused",
+            path="$.model",
+            rule="model_built_mask",
+            refusals=(("", type(module).__name__, "attention mask or bias built by the model"),),
+        )
+    if sliding_window is None:
+        sliding_window = mask_builder_window(module)
     if ctx.batch.cp is not None:
         return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
     out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
@@ -154,6 +180,35 @@ def attention_chunk_size(module: torch.nn.Module) -> int | None:
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise RequestError(f"{type(module).__name__} (layer {idx}) is chunked but attention_chunk_size is {c!r}", path="$.model.config.attention_chunk_size", rule="range")
     return c
+
+
+@functools.lru_cache(maxsize=None)
+def _builds_sliding_mask(module_name: str) -> bool:
+    mod = sys.modules.get(module_name)
+    try:
+        return mod is not None and "create_sliding_window_causal_mask" in inspect.getsource(mod)
+    except (OSError, TypeError):
+        return False
+
+
+def mask_builder_window(module: torch.nn.Module) -> int | None:
+    """The sliding window HF's mask builders would give ``module``'s layer, else None.
+
+    With ``config.layer_types``: ``config.sliding_window`` for a ``"sliding_attention"``
+    layer, None for the others. Without: ``config.sliding_window`` (when set, > 0) where
+    the model's code builds sliding-window masks (``create_sliding_window_causal_mask``).
+    """
+    cfg = getattr(module, "config", None)
+    w = getattr(cfg, "sliding_window", None)
+    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        return None
+    types_ = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(types_, (list, tuple)) and types_:
+        if idx is None or not 0 <= idx < len(types_):
+            return None
+        return w if types_[idx] == "sliding_attention" else None
+    return w if _builds_sliding_mask(type(module).__module__) else None
 
 
 def register_tree_attention() -> str:

@@ -26,15 +26,18 @@ Nothing about the model is left switched: after ``packed_forward`` returns, unpa
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
 
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.probe import ProbeReport, dropout_off, verify_packing
 from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_layers_of
 from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
@@ -42,7 +45,7 @@ from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["enable_tree_attention", "packed_forward", "packed", "check_cp_layers", "OUTPUTS"]
+__all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
 OUTPUTS = ("logits", "hidden")
 
@@ -120,9 +123,15 @@ def packed_forward(
     compile: bool | None = None,
     output: str = "logits",
     patch_layers: bool = True,
+    verify: bool = True,
+    allow_dropout: bool = False,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run an HF causal LM on the packed rows, leaving the model as it was.
+
+    The first call for a setup (model, backend, train/eval, gradient checkpointing, dtype,
+    device) first proves packing exact on a small probe batch against every sequence alone,
+    forward and gradients (:mod:`treepack.trainer.hf.probe`); later calls of that setup skip it.
 
     Args:
         model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
@@ -139,22 +148,34 @@ def packed_forward(
             :func:`~treepack.trainer.hf.head.output_head` never materializes [K, L, vocab].
         patch_layers: patch the registry's layers for tree rows (see :func:`enable_tree_attention`);
             False only to run their stock forward on purpose (a negative control).
+        verify: run the probe on the first call of a setup (default). False skips it, for a
+            setup already proven in an earlier run.
+        allow_dropout: accept dropout outside attention while training, knowing that every
+            sharer of a packed prefix then gets one dropout mask (not exact; default False:
+            refused, :mod:`treepack.trainer.hf.guards`).
         **kwargs: passed to ``model(...)``.
 
     Returns:
         [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
+
+    Raises:
+        UnsupportedModelError: :func:`~treepack.trainer.hf.support.check_model` refuses the
+            model, or the probe finds packed and alone differ (naming the first diverging module).
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, **kwargs)
+    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
     if batch.cp is not None:
         check_cp_layers(hf, batch.cp.size)
     enable_tree_attention(hf, patch_layers=patch_layers)
-    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile})
+    if verify:
+        verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+    mask = _mask(batch, backend)
+    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=attention_mask_for(hf, _mask(batch, backend)),
+        attention_mask=attention_mask_for(hf, mask),
         use_cache=False,
         **{BATCH_KWARG: ctx},
         **kwargs,
@@ -163,6 +184,50 @@ def packed_forward(
         if output == "hidden":
             return forward_hidden(model, hf, inputs)
         return forward_logits(model, inputs)
+
+
+def verify_model(
+    hf: Any,
+    *,
+    backend: str = "sdpa",
+    patch_layers: bool = True,
+    conv_width: int = 4,
+    varlen_fn: Callable | None = None,
+    compile: bool | None = None,
+    allow_dropout: bool = False,
+) -> ProbeReport:
+    """Prove packing exact for ``hf`` as it is now (the probe, once per setup; :mod:`treepack.trainer.hf.probe`).
+
+    Args:
+        hf: the unwrapped HF causal LM, in the mode it will train in.
+        backend, patch_layers, varlen_fn, compile: as for :func:`packed_forward`.
+        conv_width: the plan's GDN conv width (the probe plans with it).
+        allow_dropout: the caller accepted dropout (:func:`packed_forward`): the probe runs
+            with every dropout rate at 0, since no shared mask can equal the alone runs.
+
+    Returns:
+        The :class:`~treepack.trainer.hf.probe.ProbeReport` of the setup.
+
+    Raises:
+        UnsupportedModelError: packed and alone differ beyond the measured bound.
+    """
+
+    def plan_and_batch(seqs: list) -> tuple[Any, PackedBatch]:
+        from treepack.client import Packer
+
+        step = 128 if backend == "flex" else 16
+        seq_len = -(-sum(len(s) for s in seqs) // step) * step
+        with Packer() as packer:
+            plan = packer.pack(seqs, seq_len=seq_len, trainable=[1] * len(seqs), min_shared_len=2, share_trainable=True, conv_width=conv_width, record=False)
+        device = next(hf.parameters()).device
+        return plan, materialize(plan, seqs, device=device, trainable=[1] * len(seqs), advise=False)
+
+    def run_packed(b: PackedBatch) -> torch.Tensor:
+        return packed_forward(hf, b, backend=backend, varlen_fn=varlen_fn, compile=compile, patch_layers=patch_layers, verify=False)
+
+    # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
+    with use_packed(None), (dropout_off(hf) if allow_dropout else nullcontext()):
+        return verify_packing(hf, backend=backend, patch_layers=patch_layers, run_packed=run_packed, plan_and_batch=plan_and_batch, extra=("allow_dropout",) if allow_dropout else ())
 
 
 @contextmanager

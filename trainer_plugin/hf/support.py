@@ -34,6 +34,9 @@ only by class name:
   caller applies them (``hidden_applies_logit_transforms=True``, which ``packed_forward``
   passes: :func:`~treepack.trainer.hf.head.output_head` applies them).
 
+Dropout while training (anywhere, by module, attribute or config field) and forwards or
+hooks patched in from unknown code are refused too (:mod:`treepack.trainer.hf.guards`).
+
 Modules from torch and transformers that work per token (linear layers, norms, embeddings,
 MLPs, MoE routers, rotary tables) pass; a module whose ``forward`` is defined elsewhere
 (outside torch, transformers, peft, accelerate, treepack) is refused: its code is unknown.
@@ -50,6 +53,7 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
+from treepack.trainer.hf.guards import dropout_refusals, patch_refusals
 from treepack.trainer.hf.layers import handled_layer, is_handled, mixer_kind, registered
 from treepack.trainer.kernels.tree_scan import conv_width_refusal
 
@@ -338,6 +342,7 @@ def check_model(
     raise_error: bool = True,
     row_len: int | None = None,
     conv_width: int | None = None,
+    allow_dropout: bool = False,
     **kwargs: Any,
 ) -> SupportReport:
     """Check that every token mixer of ``model`` runs tree-exact; refuse before any compute otherwise.
@@ -356,6 +361,8 @@ def check_model(
         conv_width: the plan's ``conv_width``: a handled mixer whose causal conv is wider
             needs more ancestor context than the plan carries, so it is refused here, before
             any layer runs.
+        allow_dropout: accept dropout outside attention while training (one mask per shared
+            prefix, not exact); by default it is refused (:mod:`treepack.trainer.hf.guards`).
         **kwargs: the keyword arguments the model will be called with
             (``output_router_logits`` is checked).
 
@@ -381,6 +388,7 @@ def check_model(
         _layer_type_refusals(model, cfg, report)
     if conv_width is not None:
         report.refusals.extend(_conv_width_refusals(model, report, conv_width))
+    report.refusals.extend(Refusal(*r) for r in dropout_refusals(model, allow_dropout=allow_dropout) + patch_refusals(model))
     if report.refusals and raise_error:
         shown = "; ".join(str(r) for r in report.refusals[:6])
         more = f" (+{len(report.refusals) - 6} more)" if len(report.refusals) > 6 else ""

@@ -1,0 +1,78 @@
+"""Wall time of one verl policy update (``train_batch``), stock engine vs ``TreepackFSDPEngine`` (CPU).
+
+verl 0.9.1's ``FSDPEngineWithLMHead`` and the treepack engine, FSDP2 on one CPU gloo rank
+(the test suite's CPU shim, ``tests/verl_engine/cpu_shim.py``), fp32, a random Qwen2, one GRPO
+mini-batch: G prompts of about P tokens, 8 responses each of at most R tokens, micro-batches
+of one group (8 sequences). Both engines start from the same checkpoint; each update is
+undone before the next repeat. Prints a markdown row: median times (min-max), the ratio, and
+the token ratio (tokens of the sequences / tokens the tree rows hold).
+
+    .venv-verl/bin/python benchmarks/verl_step.py --groups 4 --prompt-len 384 --response-len 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests", "verl_engine")]
+
+import cpu_shim  # noqa: E402
+
+cpu_shim.install(init_file=tempfile.mktemp(prefix="treepack-verl-bench-"))
+
+import torch  # noqa: E402
+from engines import build, flags, grpo_batch, loss_fn, params, restore  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+
+from treepack.trainer.verl import TreepackFSDPEngine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=384)
+    ap.add_argument("--response-len", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--padded", action="store_true", help="stock with use_remove_padding=False ([B, T] rows) instead of verl's default remove-padding")
+    a = ap.parse_args()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="treepack-verl-bench-model-")
+    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 32, num_key_value_heads=max(1, a.hidden // 64), max_position_embeddings=4096)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    n = 8
+    batch = lambda: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=not a.padded, micro=n, global_batch_size=a.groups * n)  # noqa: E731
+    times: dict[str, list[float]] = {}
+    saved = []
+    for name, cls in (("stock", FSDPEngineWithLMHead), ("treepack", TreepackFSDPEngine)):
+        eng = build(cls, path=path)
+        start = params(eng)
+        for _ in range(a.repeats + 1):  # the first run warms up
+            td = batch()
+            t0 = time.perf_counter()
+            with eng.train_mode():
+                out = eng.train_batch(td, loss_function=loss_fn("token-mean"))
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            restore(eng, start)
+            if name == "treepack":
+                saved = out["metrics"]["treepack/saved_fraction"].values
+        times[name] = times[name][1:]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    token_ratio = 1 / (1 - statistics.mean(saved))
+    cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
+    print("| shape | stock | treepack | stock / treepack | token ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {'padded' if a.padded else 'remove-padding'}, {a.groups}x{n}, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden} | {cell('stock')} | {cell('treepack')} | {med['stock'] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

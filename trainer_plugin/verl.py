@@ -1,0 +1,249 @@
+"""verl on tree-packed rows: :class:`TreepackFSDPEngine`, a drop-in for verl's FSDP LM engine.
+
+verl (0.9.1) computes every actor log-probability (old policy, reference, policy update)
+in ``FSDPEngineWithLMHead.forward_step``: the micro-batch arrives jagged (one nested row
+per sequence, prompt then response, ``left_right_2_no_padding``), the model runs on it,
+and the step returns full-sequence jagged ``log_probs`` / ``entropy`` (the value at
+position t belongs to token t + 1) that verl's loss reads back with
+``no_padding_2_padding``. :class:`TreepackFSDPEngine` overrides that one method:
+
+1. the micro-batch's sequences are planned on tree rows (a prompt's responses share its
+   tokens; the planner's groups are the identical prompts);
+2. :func:`~treepack.trainer.data.materialize` builds the rows, the model runs through
+   :func:`~treepack.trainer.packed_forward` with ``output="hidden"`` and the chunked head
+   (:func:`~treepack.trainer.output_head`: never the full ``[tokens, vocab]`` logits), with
+   verl's temperature (logits divided by it) and entropy (of the tempered distribution);
+3. the values land in verl's jagged layout at every response position (0 elsewhere:
+   verl's loss reads only the response), and verl's own ``loss_function`` runs on them.
+
+verl's loss normalisation uses whole-mini-batch counts, so regrouping inside a micro-batch
+leaves gradients unchanged. What a micro-batch saves depends on whole groups arriving in
+it; docs/verl.md lists the verl settings that keep them together.
+
+Refused by name before any compute: Ulysses sequence parallel, fused kernels, per-sample
+temperatures, top-k distillation, ``sum_pi_squared``, multimodal inputs (and 3-D
+position ids), routing replay, position ids other than 0..n-1, batches without prompts
+(SFT).
+
+Logged into verl's metrics per micro-batch: ``treepack/saved_fraction``,
+``treepack/rows``, ``treepack/plan_ms``.
+
+Importing this module imports verl; it is loaded only on request (or by the
+``verl.plugins`` entry point, :mod:`treepack.trainer.verl_plugin`, when switched on).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from treepack.proto.errors import RequestError
+from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer.planning import plan_microbatches
+from treepack.trainer.planning.bridge import prompt_groups
+
+__all__ = ["VerlPacking", "TreepackFSDPEngine", "SUPPORTED_VERL"]
+
+SUPPORTED_VERL = "0.9.1"
+_WHO = "treepack.trainer.verl.TreepackFSDPEngine"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerlPacking:
+    """How :class:`TreepackFSDPEngine` packs a micro-batch.
+
+    Attributes:
+        backend: tree attention backend, ``sdpa`` | ``flex`` | ``flash``.
+        min_shared_len: shortest shared run the planner keeps.
+        max_seq_len: row length cap (never below the longest sequence).
+        planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
+        head_chunk: positions per chunk of the output head.
+    """
+
+    backend: str = "sdpa"
+    min_shared_len: int = 16
+    max_seq_len: int = 8192
+    planner: Any = None
+    head_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+
+    @classmethod
+    def from_env(cls) -> "VerlPacking":
+        """``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` / ``TREEPACK_VERL_MAX_SEQ_LEN`` over the defaults."""
+        env = os.environ
+        return cls(
+            backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
+            min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
+            max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
+        )
+
+
+def _refuse(what: str, why: str) -> RequestError:
+    return RequestError(f"{_WHO}: {what} is not supported ({why})", path=f"$.{what}", rule="unsupported")
+
+
+def _scalar_temperature(t: Any) -> float:
+    """verl's ``temperature`` as one float; a per-sample tensor with differing values is refused."""
+    if isinstance(t, torch.Tensor):
+        flat = t.detach().float().reshape(-1)
+        if flat.numel() == 0 or bool((flat != flat[0]).any()):
+            raise _refuse("temperature", "per-sample temperatures: the chunked head takes one temperature per micro-batch")
+        return float(flat[0])
+    return float(t)
+
+
+def _check_supported(engine: Any, mb: Any) -> None:
+    """Raise before any compute for what the packed forward cannot do exactly."""
+    flag = lambda k: bool(tu.get_non_tensor_data(data=mb, key=k, default=False))  # noqa: E731
+    if getattr(engine, "use_ulysses_sp", False):
+        raise _refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallel splits rows across ranks; tree rows are whole")
+    if flag("use_fused_kernels"):
+        raise _refuse("use_fused_kernels", "verl's fused kernels replace the head; treepack runs its own chunked head")
+    if flag("distillation_use_topk") or flag("distillation_only"):
+        raise _refuse("distillation_use_topk", "top-k distillation needs the full logits")
+    if flag("calculate_sum_pi_squared"):
+        raise _refuse("calculate_sum_pi_squared", "sum_pi_squared needs the full logits")
+    if flag("enable_routing_replay"):
+        raise _refuse("enable_routing_replay", "routing replay arrays are per sequence token, not per tree row")
+    if "multi_modal_inputs" in mb.keys():
+        raise _refuse("multi_modal_inputs", "multimodal inputs are not packed on tree rows")
+    if "prompts" not in mb.keys() or "responses" not in mb.keys():
+        raise _refuse("prompts", "a batch without prompts/responses (SFT) has no prompt to share")
+    if mb["position_ids"].dim() == 3:
+        raise _refuse("position_ids", "3-D (multimodal rope) position ids")
+
+
+def _lengths(mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] sequence lengths, [B] response lengths) of the jagged micro-batch, as verl's loss reads them."""
+    offsets = mb["input_ids"].offsets()
+    seq_lens = offsets.diff()
+    responses = mb["responses"]
+    if responses.is_nested:
+        resp_lens = responses.offsets().diff()
+    else:
+        P = mb["prompts"].shape[1]
+        resp_lens = mb["attention_mask"][:, P:].sum(dim=1)
+    return seq_lens.cpu(), resp_lens.cpu()
+
+
+def _row_len(seq_lens: np.ndarray, prompt_lens: np.ndarray, groups: np.ndarray, packing: VerlPacking) -> int:
+    """Room for the largest group's tree (prompt once, all its responses), capped, never below a sequence."""
+    resp = seq_lens - prompt_lens
+    tree = np.bincount(groups, weights=resp, minlength=1)
+    first = np.unique(groups, return_index=True)[1]
+    tree[groups[first]] += prompt_lens[first]
+    need = max(int(seq_lens.max(initial=1)), min(int(tree.max(initial=1)), packing.max_seq_len))
+    step = 128 if packing.backend == "flex" else 16
+    return -(-need // step) * step
+
+
+class TreepackFSDPEngine(FSDPEngineWithLMHead):
+    """verl's ``FSDPEngineWithLMHead`` with ``forward_step`` on tree-packed rows.
+
+    Constructed exactly as the stock engine (``model_config, engine_config,
+    optimizer_config, checkpoint_config``), so it registers in its place
+    (:func:`treepack.trainer.verl_plugin.register`). ``packing`` (class attribute, a
+    :class:`VerlPacking`) says how to pack; default from the environment.
+    """
+
+    packing: VerlPacking = VerlPacking.from_env()
+
+    def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """verl's ``forward_step`` contract: ``(loss, {"model_output", "loss", "metrics"})``.
+
+        ``model_output["log_probs"]`` (and ``["entropy"]`` when verl asks for it) are jagged
+        like the input ids, the value at position t belonging to token t + 1; only the
+        response positions are filled (0 elsewhere).
+        """
+        _check_supported(self, micro_batch)
+        temperature = _scalar_temperature(micro_batch["temperature"])
+        calc_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+        device_name = get_device_name()
+        micro_batch = micro_batch.to(get_device_id())
+
+        ids = micro_batch["input_ids"]
+        offsets = ids.offsets()
+        seq_lens, resp_lens = _lengths(micro_batch)
+        prompt_lens = (seq_lens - resp_lens).numpy().astype(np.int64)
+        if (prompt_lens <= 0).any():
+            raise _refuse("prompts", "a sequence without prompt tokens")
+        starts = offsets[:-1].cpu().numpy()
+        pos = micro_batch["position_ids"].values().cpu().numpy()
+        if not np.array_equal(pos, np.arange(int(offsets[-1])) - np.repeat(starts, seq_lens.numpy())):
+            raise _refuse("position_ids", "position ids other than 0..n-1 per sequence")
+        flat = ids.values().cpu().numpy()
+        sequences = [flat[a : a + n] for a, n in zip(starts.tolist(), seq_lens.tolist())]
+        groups = prompt_groups([s[:p] for s, p in zip(sequences, prompt_lens.tolist())])
+        packing = self.packing
+        mb = plan_microbatches(
+            sequences,
+            num_microbatches=1,
+            planner=packing.planner,
+            seq_len=_row_len(seq_lens.numpy(), prompt_lens, groups, packing),
+            trainable=prompt_lens.tolist(),
+            groups=groups.tolist(),
+            min_shared_len=packing.min_shared_len,
+        )
+        rows = mb.rows[0, 0]
+        device = ids.values().device
+        batch = materialize(mb.plan, sequences, device=device, trainable=prompt_lens.tolist(), groups=groups.tolist(), rows=rows[rows >= 0])
+
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast = nullcontext() if autocast_dtype == torch.float32 else torch.autocast(device_type=device_name, dtype=autocast_dtype)
+        # FSDP2 reshards the root's own parameters (embeddings, final norm, lm_head) after
+        # its forward; the chunked head (and its first-call probe) run after that forward,
+        # so the root keeps them gathered through the step (resharded here without grad,
+        # by FSDP2's post-backward with it).
+        root = self.module if isinstance(self.module, FSDPModule) else None
+        if root is not None:
+            root.set_reshard_after_forward(False, recurse=False)
+            root.unshard()
+        try:
+            with autocast:
+                hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
+                out = batch.target_logprobs_from_hidden(hidden, output_head(self.module), chunk_size=packing.head_chunk, temperature=temperature, with_entropy=calc_entropy)
+        finally:
+            if root is not None:
+                root.set_reshard_after_forward(bool(self.engine_config.reshard_after_forward), recurse=False)
+                if not torch.is_grad_enabled():
+                    root.reshard()
+        with autocast:
+            lp, ent = out if calc_entropy else (out, None)
+            # Token p of sequence s is predicted at jagged index offsets[s] + p - 1.
+            seq = batch.score_seq.to(device)
+            where = offsets.to(device)[seq] + batch.score_pos.to(device) - 1
+            src = batch.score_flat.to(device)
+            total = int(offsets[-1])
+
+            def jagged(v: torch.Tensor) -> torch.Tensor:
+                vals = v.new_zeros(total).index_put((where,), v.reshape(-1)[src])
+                return torch.nested.nested_tensor_from_jagged(vals, offsets)
+
+            model_output = {"log_probs": jagged(lp)}
+            if calc_entropy:
+                model_output["entropy"] = jagged(ent)
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group())
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss = torch.tensor(1.0, device=device_name)
+                metrics = {}
+        stats = mb.plan.stats
+        metrics = dict(metrics)
+        for k, v in (("saved_fraction", stats.saved_fraction), ("rows", stats.rows), ("plan_ms", mb.plan_ms)):
+            metrics[f"treepack/{k}"] = Metric(value=float(v), aggregation=AggregationType.MEAN)
+        detached = {k: v.detach() for k, v in model_output.items()}
+        return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
