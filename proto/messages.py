@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from treepack.proto.version import WIRE_VERSION
-from treepack.proto.options import MAX_CONV_WIDTH, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
+from treepack.proto.options import MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
 
 __all__ = [
     "Buffer",
@@ -113,6 +113,7 @@ Version = Annotated[Literal[1], Field(description=f"wire version; this build spe
 SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="row capacity C in tokens")]
 MinShared = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="no shared segment shorter than this (SPEC rule 4)")]
 NumRanks = Annotated[int, Field(ge=1, le=MAX_RANKS, description="ranks to deal rows to")]
+CpSize = Annotated[int, Field(ge=1, le=MAX_CP_SIZE, description="context-parallel group size: each row split into this many equal shards")]
 ConvWidth = Annotated[int, Field(ge=1, le=MAX_CONV_WIDTH, description="GDN short-conv width W")]
 Count = Annotated[int, Field(ge=0, le=_INT64[1])]
 
@@ -128,6 +129,7 @@ SeqLenOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN,
 MinSharedOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "default": 64, "description": "no shared segment shorter than this (SPEC rule 4)"})
 PlacementOption = _option({"enum": list(PLACEMENTS), "default": "auto"})
 NumRanksOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"})
+CpSizeOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CP_SIZE, "default": 1, "description": "context-parallel group size: each row split into this many equal, aligned shards (num_ranks is then the data-parallel size)"})
 ConvWidthOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"})
 OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
 SavingOption = _option({"type": "integer", "minimum": 0, "maximum": MAX_SEQ_LEN, "default": 0, "description": "0: off; else also share a run shorter than min_shared_len when (sharers - 1) x length >= this"})
@@ -177,6 +179,7 @@ class PackRequest(_Model):
     share_trainable: ShareOption = False
     min_shared_saving: SavingOption = 0
     repair_ms: RepairOption = REPAIR_MS
+    cp_size: CpSizeOption = 1
     record: bool = Field(True, description="record this batch's shape in the history (false: opt out)")
 
 
@@ -234,6 +237,8 @@ class RanksMessage(_Model):
     """Rows per rank: ``rank_rows`` ``<i8`` [P, K] (-1 = padding row), costs ``<f8``."""
 
     num_ranks: NumRanks
+    cp_size: CpSize = 1
+    shard_len: Optional[Count] = Field(None, description="tokens of each CP rank's shard of a row (seq_len when cp_size is 1)")
     rank_rows: ArrayMessage
     row_cost: ArrayMessage
     rank_cost: ArrayMessage
@@ -362,6 +367,7 @@ class WhatIfRequest(_Model):
     share_trainable: ShareOption = False
     min_shared_saving: SavingOption = 0
     repair_ms: RepairOption = REPAIR_MS
+    cp_size: CpSizeOption = 1
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (default: all retained)"

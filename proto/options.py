@@ -16,13 +16,15 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError
 
-__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
+__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "MAX_CP_SIZE", "CP_ALIGN", "cp_shard_len", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
 
 PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
 ON_OVERFLOW = ("error", "truncate", "drop")
 MAX_SEQ_LEN = 2**31 - 1  # cu_seqlens are int32
 MAX_RANKS = 65536
 MAX_CONV_WIDTH = 64
+MAX_CP_SIZE = 1024
+CP_ALIGN = 16  # under context parallelism, every rank's shard of a row is a multiple of this many tokens
 REPAIR_MS = 10.0  # default budget of auto's repair pass, ms
 MAX_REPAIR_MS = 60_000.0
 
@@ -35,7 +37,12 @@ class PlanOptions:
         seq_len: row capacity C, in [1, MAX_SEQ_LEN] (required).
         min_shared_len: no shared segment shorter than this (rule 4), in [1, MAX_SEQ_LEN].
         placement: one of :data:`PLACEMENTS`.
-        num_ranks: ranks to deal rows to, in [1, MAX_RANKS].
+        num_ranks: ranks to deal rows to, in [1, MAX_RANKS]; with ``cp_size`` > 1 these are
+            the data-parallel ranks (each row then goes to one CP group).
+        cp_size: context-parallel group size, in [1, MAX_CP_SIZE]: every row is split into
+            ``cp_size`` equal contiguous shards of :func:`cp_shard_len` tokens (a multiple
+            of :data:`CP_ALIGN`; the row padded to ``cp_size`` shards), one per rank of its
+            CP group. 1: no split (the row is ``seq_len`` tokens, as without CP).
         conv_width: GDN short-conv width W, in [1, MAX_CONV_WIDTH].
         share_trainable: the generalized sharing mode.
         on_overflow: one of :data:`ON_OVERFLOW`, for sequences longer than ``seq_len``.
@@ -56,6 +63,7 @@ class PlanOptions:
     on_overflow: Any = "error"
     min_shared_saving: Any = 0
     repair_ms: Any = REPAIR_MS
+    cp_size: Any = 1
 
     def to_wire(self) -> dict[str, Any]:
         """The options as message fields (numpy scalars as Python numbers: msgpack cannot
@@ -64,6 +72,16 @@ class PlanOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(PlanOptions))
+
+
+def cp_shard_len(seq_len: int, cp_size: int) -> int:
+    """Tokens of each rank's shard of a row: ``seq_len`` when ``cp_size`` is 1, else
+    ``seq_len / cp_size`` rounded up to a multiple of :data:`CP_ALIGN` (the row is then
+    padded to ``cp_size * cp_shard_len`` tokens)."""
+    if cp_size == 1:
+        return seq_len
+    per = -(-seq_len // cp_size)
+    return -(-per // CP_ALIGN) * CP_ALIGN
 
 
 def _py_scalar(v: Any) -> Any:

@@ -121,19 +121,32 @@ class GdnMeta:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ranks:
-    """Rank assignment.
+    """Rank assignment: rows dealt to the P data-parallel ranks, each row split over a
+    context-parallel (CP) group of ``cp_size`` ranks.
 
     Attributes:
-        num_ranks: P.
+        num_ranks: P, the data-parallel ranks.
         rank_rows: [P, K] int64 rows of each rank, -1 for an empty (padding) row.
         row_cost: [R] float64 estimated cost of each row.
         rank_cost: [P] float64 summed cost per rank.
+        cp_size: ranks of each CP group (1: rows are not split).
+        shard_len: tokens of each CP rank's shard: CP rank k holds row positions
+            ``[k * shard_len, (k + 1) * shard_len)`` of the row padded to
+            ``cp_size * shard_len`` tokens (positions past ``seq_len`` are padding);
+            :func:`~treepack.proto.options.cp_shard_len` (``seq_len`` when ``cp_size`` is 1).
     """
 
     num_ranks: int
     rank_rows: np.ndarray
     row_cost: np.ndarray
     rank_cost: np.ndarray
+    cp_size: int = 1
+    shard_len: int = 0
+
+    @property
+    def padded_len(self) -> int:
+        """Tokens of a row split over its CP group (``cp_size * shard_len``)."""
+        return self.cp_size * self.shard_len
 
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire, exact_sum
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import PlanMessage
-from treepack.proto.options import PlanOptions
+from treepack.proto.options import PlanOptions, cp_shard_len
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
@@ -74,7 +74,7 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
             "conv_width": plan.gdn.conv_width,
             "levels": [{"depth": lv.depth, **_section(lv, "gdn.levels", fmt)} for lv in plan.gdn.levels],
         },
-        "ranks": {"num_ranks": plan.ranks.num_ranks, **_section(plan.ranks, "ranks", fmt)},
+        "ranks": {"num_ranks": plan.ranks.num_ranks, "cp_size": plan.ranks.cp_size, "shard_len": plan.ranks.shard_len, **_section(plan.ranks, "ranks", fmt)},
         "stats": {
             **{f: getattr(st, f) for f in _STATS},
             "saved_fraction": float(st.saved_fraction),
@@ -111,7 +111,14 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         levels.append(GdnLevel(depth=lv.depth, **arrs))
     if any(lv.conv_context.shape[1:] != (max(msg.gdn.conv_width - 1, 0),) for lv in levels):
         raise RequestError("conv_context must have conv_width - 1 columns", path="$.gdn.levels", rule="shape")
-    ranks = Ranks(num_ranks=msg.ranks.num_ranks, **_arrays(msg.ranks, "ranks", "$.ranks"))
+    shard = cp_shard_len(msg.seq_len, msg.ranks.cp_size)
+    if msg.ranks.shard_len is not None and msg.ranks.shard_len != shard:
+        raise RequestError(
+            f"ranks.shard_len {msg.ranks.shard_len} is not the CP shard of seq_len {msg.seq_len} over {msg.ranks.cp_size} ranks ({shard})",
+            path="$.ranks.shard_len",
+            rule="cp_shard",
+        )
+    ranks = Ranks(num_ranks=msg.ranks.num_ranks, cp_size=msg.ranks.cp_size, shard_len=shard, **_arrays(msg.ranks, "ranks", "$.ranks"))
     st = msg.stats
     stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms)
     options = PlanOptions(
@@ -124,6 +131,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         on_overflow=msg.on_overflow,
         min_shared_saving=msg.min_shared_saving,
         repair_ms=msg.repair_ms,
+        cp_size=msg.ranks.cp_size,
     )
     top = _arrays(msg, "", "")
     plan = Plan(
@@ -277,8 +285,9 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
             for (sec, f), _ in ARRAYS.items():
                 if sec == "gdn.levels":
                     _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
-    if a.ranks.num_ranks != b.ranks.num_ranks:
-        out.append(f"ranks.num_ranks: {a.ranks.num_ranks} != {b.ranks.num_ranks}")
+    for f in ("num_ranks", "cp_size", "shard_len"):
+        if getattr(a.ranks, f) != getattr(b.ranks, f):
+            out.append(f"ranks.{f}: {getattr(a.ranks, f)} != {getattr(b.ranks, f)}")
     for f in _STATS + ("predicted_ms",) + (("timings_ms",) if timings else ()):
         if getattr(a.stats, f) != getattr(b.stats, f):
             out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")

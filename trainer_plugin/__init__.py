@@ -33,9 +33,11 @@ from treepack.trainer.hf.forward import packed, packed_forward
 from treepack.trainer.hf.head import output_head
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
+from treepack.trainer.kernels.cp import ContextParallel
 
 __all__ = [
     "materialize",
+    "ContextParallel",
     "PackedBatch",
     "tree_attention",
     "naive_varlen_attention",

@@ -25,6 +25,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "strategy": plan.strategy,
         "seq_len": plan.seq_len,
         "rows": plan.num_rows,
+        "cp_size": plan.ranks.cp_size,
+        "cp_shard_len": plan.ranks.shard_len,
         "row_tokens": plan.row_len.tolist(),
         "packed_tokens": st.packed_tokens,
         "unpacked_tokens": st.unpacked_tokens,

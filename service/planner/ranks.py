@@ -16,6 +16,7 @@ import heapq
 
 import numpy as np
 
+from treepack.proto.options import cp_shard_len
 from treepack.proto.plan import Ranks, Segments
 
 __all__ = ["assign_ranks", "row_cost"]
@@ -29,8 +30,10 @@ def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> n
     return np.bincount(seg.row, weights=per_seg, minlength=num_rows).astype(np.float64)
 
 
-def assign_ranks(seg: Segments, num_rows: int, num_ranks: int) -> Ranks:
-    """Deal rows to ranks (module docstring)."""
+def assign_ranks(seg: Segments, num_rows: int, num_ranks: int, *, seq_len: int = 0, cp_size: int = 1) -> Ranks:
+    """Deal rows to the ``num_ranks`` data-parallel ranks (module docstring); each row is
+    then split over a CP group of ``cp_size`` ranks in shards of
+    :func:`~treepack.proto.options.cp_shard_len` tokens."""
     cost = row_cost(seg, num_rows)
     per = -(-num_rows // num_ranks) if num_rows else 0
     rank_rows = np.full((num_ranks, per), -1, dtype=np.int64)
@@ -48,4 +51,5 @@ def assign_ranks(seg: Segments, num_rows: int, num_ranks: int) -> Ranks:
     for p in range(num_ranks):
         k = fill[p]
         rank_rows[p, :k] = np.sort(rank_rows[p, :k])
-    return Ranks(num_ranks=num_ranks, rank_rows=rank_rows, row_cost=cost, rank_cost=np.asarray(load))
+    shard = cp_shard_len(seq_len, cp_size)
+    return Ranks(num_ranks=num_ranks, rank_rows=rank_rows, row_cost=cost, rank_cost=np.asarray(load), cp_size=cp_size, shard_len=shard)

@@ -30,6 +30,7 @@ import numpy as np
 
 from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.service.planner.metadata import naive_conv_context
+from treepack.proto.options import CP_ALIGN
 from treepack.proto.plan import Plan
 
 __all__ = ["PlanInvariantError", "validate_plan", "naive_tree_mask", "interval_mask"]
@@ -275,6 +276,14 @@ def _check_ranks_and_stats(plan: Plan) -> None:
     _check(rr.shape[0] == plan.ranks.num_ranks, "rank_rows shape")
     got = np.sort(rr[rr >= 0])
     _check(bool(np.array_equal(got, np.arange(R))), "ranks do not hold every row exactly once")
+    # Context parallelism: equal, aligned shards that cover the row.
+    cp, shard = plan.ranks.cp_size, plan.ranks.shard_len
+    _check(cp == plan.options.cp_size, f"ranks.cp_size {cp} != options.cp_size {plan.options.cp_size}")
+    if cp == 1:
+        _check(shard == C, f"shard_len {shard} != seq_len {C} without CP")
+    else:
+        _check(shard % CP_ALIGN == 0, f"CP shard_len {shard} not a multiple of {CP_ALIGN}")
+        _check(C <= cp * shard < C + cp * CP_ALIGN, f"CP shards {cp} x {shard} do not cover seq_len {C} with less than one aligned tile each of padding")
 
     # Stats.
     st = plan.stats

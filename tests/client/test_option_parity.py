@@ -60,6 +60,10 @@ BAD = [
     ("repair_ms", 1e9, RequestError, "range", "repair_ms must be in [0, 60000], got 1000000000.0"),
     ("repair_ms", "5", InputTypeError, "type", "repair_ms must be a number, got str"),
     ("repair_ms", True, InputTypeError, "type", "repair_ms must be a number, got bool"),
+    ("cp_size", 0, RequestError, "range", "cp_size must be in [1, 1024], got 0"),
+    ("cp_size", 1025, RequestError, "range", "cp_size must be in [1, 1024], got 1025"),
+    ("cp_size", "2", InputTypeError, "type", "cp_size must be an int, got str"),
+    ("cp_size", None, InputTypeError, "type", "cp_size must be an int, got NoneType"),
 ]
 IDS = [f"{name}={value!r}" for name, value, *_ in BAD]
 

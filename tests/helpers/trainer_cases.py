@@ -188,3 +188,34 @@ def unchecked_packed_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
             **{BATCH_KWARG: ctx},
         )
     return out.logits
+
+
+def tiny_gpt_oss():
+    """Sliding (window 6) and full layers, both with sinks; sinks drawn large so they matter."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    return model
+
+
+def tiny_llama4():
+    """Three chunked (RoPE) layers of chunk 16 and one full NoPE layer, MoE every other layer."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=16, max_position_embeddings=512, interleave_moe_layer_step=2,
+    )  # fmt: skip
+    assert cfg.layer_types.count("chunked_attention") == 3
+    torch.manual_seed(0)
+    return Llama4ForCausalLM(cfg).float().eval()

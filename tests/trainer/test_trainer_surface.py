@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 SURFACE = {
     "treepack.trainer": [
-        "materialize", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
+        "materialize", "ContextParallel", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
         "PackedContext", "use_packed", "current_packed", "resolve_packed", "packed", "output_head", "TreepackWarning", "check_model",
         "calibrate", "time_step",
     ],

@@ -30,6 +30,7 @@ Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -44,7 +45,7 @@ from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, plan_groups, plan_trainable
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 
-__all__ = ["materialize", "PayloadMismatchError"]
+__all__ = ["materialize", "cp_shard", "PayloadMismatchError"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,6 +269,7 @@ def materialize(
     check_tokens: bool = True,
     allow_empty_loss: bool = False,
     advise: bool = True,
+    cp: Any = None,
 ) -> PackedBatch:
     """Build the packed tensors of ``plan`` (all rows, or the given ``rows``).
 
@@ -295,6 +297,10 @@ def materialize(
         advise: warn (:class:`~treepack.trainer.data.advice.TreepackWarning`) when the plan
             shares nothing, or when ``min_shared_len`` hides sharing (with what a smaller
             value would share); see :mod:`treepack.trainer.data.advice`.
+        cp: a :class:`~treepack.trainer.kernels.cp.ContextParallel` group: this rank's
+            shard of every row (the plan must be made with ``cp_size`` equal to the group's
+            size): ``[K, ranks.shard_len]`` tensors, the shard's scored entries, and the
+            whole batch's normalization counts (see :class:`PackedBatch`).
 
     Returns:
         The :class:`PackedBatch`.
@@ -303,6 +309,19 @@ def materialize(
         RequestError: (or a subclass) for inputs that do not match the plan, naming them.
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
+    if cp is not None and getattr(cp, "size", None) != plan.ranks.cp_size:
+        raise RequestError(
+            f"the plan splits rows over {plan.ranks.cp_size} context-parallel ranks, the group has {getattr(cp, 'size', None)}: "
+            "plan with cp_size equal to the CP group size",
+            path="$.cp",
+            rule="cp_size",
+        )
+    if cp is None and plan.ranks.cp_size > 1:
+        raise RequestError(
+            f"the plan splits rows over {plan.ranks.cp_size} context-parallel ranks: pass cp=ContextParallel(group)",
+            path="$.cp",
+            rule="cp_size",
+        )
     S, C = plan.num_sequences, plan.seq_len
     check_count(sequences, S)
     rows_arr = check_rows(rows, plan)
@@ -339,7 +358,7 @@ def materialize(
     loss_mask[score_flat_t] = True
     index = dict(entry_src=entry_src, score_flat=score_flat_t, tok_flat=tok_flat, gather_src=gather_src, seq_flat=seq_flat)
     packed, entries = _payloads(plan, ix, payloads, input_payloads, index, (K, C), dev)
-    batch = PackedBatch(
+    full = PackedBatch(
         plan=plan,
         rows=rows_arr,
         input_ids=input_ids.view(K, C),
@@ -363,9 +382,61 @@ def materialize(
     )
     # What the losses read, prepared here so that the forward and backward never wait on
     # the device: the scored positions from the host's index, the largest target now.
-    batch._cache["loss_positions"] = t(np.unique(score_flat))
-    batch._cache["max_target"] = int(score_target.max()) if score_target.numel() else -1
-    return batch
+    full._cache["loss_positions"] = t(np.unique(score_flat))
+    full._cache["max_target"] = int(score_target.max()) if score_target.numel() else -1
+    return full if cp is None else cp_shard(full, cp, pad_id)
+
+
+def _fill_of(x: torch.Tensor) -> Any:
+    return float("nan") if x.dtype.is_floating_point else (False if x.dtype == torch.bool else -1)
+
+
+def cp_shard(full: PackedBatch, cp: Any, pad_id: int = 0) -> PackedBatch:
+    """CP rank ``cp.rank``'s shard of a whole-row batch (see :class:`PackedBatch`).
+
+    The rows are padded to ``cp_size * shard_len`` (pad id, position 0, each padding
+    position seeing only itself, nothing scored) and cut at ``[rank * shard_len, (rank + 1) *
+    shard_len)``; the scored entries are those whose position lies in the shard.
+    """
+    plan = full.plan
+    K, C = full.num_rows, plan.seq_len
+    Ls = plan.ranks.shard_len
+    Lp = cp.size * Ls
+    a, b = cp.rank * Ls, (cp.rank + 1) * Ls
+
+    def cut(x: torch.Tensor, fill: Any) -> torch.Tensor:
+        pad = torch.full((K, Lp - C, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+        return torch.cat([x, pad], dim=1)[:, a:b].contiguous()
+
+    se_pad = torch.arange(C + 1, Lp + 1, dtype=torch.int64, device=full.device).repeat(K, 1)
+    subtree_end = torch.cat([full.subtree_end, se_pad], dim=1)[:, a:b].contiguous()
+    col = full.score_flat % C
+    keep = (col >= a) & (col < b)
+    local_flat = (full.score_flat // C) * Ls + (col - a)
+    return PackedBatch(
+        plan=plan,
+        rows=full.rows,
+        input_ids=cut(full.input_ids, int(pad_id)),
+        position_ids=cut(full.position_ids, 0),
+        subtree_end=subtree_end,
+        targets=cut(full.targets, -1),
+        loss_mask=cut(full.loss_mask, False),
+        owner=cut(full.owner, -1),
+        payloads={k: cut(v, _fill_of(v)) for k, v in full.payloads.items()},
+        entry_payloads={k: v[keep] for k, v in full.entry_payloads.items()},
+        local_seqs=full.local_seqs,
+        seq_ptr=full.seq_ptr,
+        seq_flat=full.seq_flat,
+        score_seq=full.score_seq[keep],
+        score_pos=full.score_pos[keep],
+        score_flat=local_flat[keep],
+        score_target=full.score_target[keep],
+        score_counts=full.score_counts,
+        groups=full.groups,
+        device=full.device,
+        cp=cp,
+        cp_full=dataclasses.replace(full, payloads={}, entry_payloads={}),
+    )
 
 
 def _check_shared_targets(score_flat: np.ndarray, score_target: torch.Tensor, score_seq: np.ndarray) -> None:

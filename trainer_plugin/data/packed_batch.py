@@ -6,6 +6,14 @@ rank's share or all), L = ``plan.seq_len``, S sequences of the plan, T scored en
 mode every scored position belongs to exactly one sequence, so T = ``loss_mask.sum()``).
 
 Flat row positions are ``local_row * L + index``.
+
+Under context parallelism (``materialize(..., cp=...)``) a batch holds this rank's shard
+of every row: L is the plan's ``ranks.shard_len`` and CP rank k's column i is row
+position ``k * shard_len + i`` (positions past ``seq_len`` are padding). The per-token
+tensors and the scored entries are the shard's; ``score_counts`` and ``groups`` stay the
+whole batch's, so the losses' normalizations count every rank's entries. ``cp_full`` is
+the whole-row view (same rows, ``seq_len`` long, no payloads) that the whole-row
+attention masks, :meth:`locate` and :meth:`unpack_logprobs` read.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from treepack.proto.errors import RequestError
 from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
 from treepack.trainer.data.advice import warn_dense_mask
+from treepack.trainer.kernels.cp import gather_seq
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 from treepack.trainer.kernels.tree_scan import TreeSchedule, conv_width_refusal, tree_schedule
@@ -58,6 +67,9 @@ class PackedBatch:
         score_counts: [S] int64 scored entries of every sequence of the plan (all ranks).
         groups: [S] int64 dense group code of every sequence.
         device: where the tensors live.
+        cp: the :class:`~treepack.trainer.kernels.cp.ContextParallel` group when this is one
+            rank's shard of the rows, else None.
+        cp_full: under CP, the whole-row view of the same rows (module docstring), else None.
     """
 
     plan: Plan
@@ -80,6 +92,8 @@ class PackedBatch:
     score_counts: torch.Tensor
     groups: torch.Tensor
     device: torch.device
+    cp: Any = None
+    cp_full: "PackedBatch | None" = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -89,8 +103,8 @@ class PackedBatch:
 
     @property
     def seq_len(self) -> int:
-        """L, the row length."""
-        return self.plan.seq_len
+        """L, the row length of this batch's tensors (the plan's ``seq_len``; under CP its ``ranks.shard_len``)."""
+        return int(self.input_ids.shape[1])
 
     @property
     def empty_rows(self) -> np.ndarray:
@@ -122,7 +136,10 @@ class PackedBatch:
         """(local row, [len(s)] int64 row indices of sequence s's tokens, in order).
 
         ``input_ids[row, idx]`` is sequence s and ``position_ids[row, idx]`` is 0..n-1.
+        Under CP the indices are whole-row positions (of :attr:`cp_full`).
         """
+        if self.cp_full is not None:
+            return self.cp_full.locate(s)
         row = self.local_row_of(s)
         k = int(np.searchsorted(self.local_seqs, s))
         flat = self.seq_flat[int(self.seq_ptr[k]) : int(self.seq_ptr[k + 1])]
@@ -143,6 +160,7 @@ class PackedBatch:
 
     def dense_mask(self, sliding_window: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
         """[K, 1, L, L] bool tree mask (the reference); see :func:`~treepack.trainer.kernels.masks.dense_mask`."""
+        self._whole_rows_only("the attention mask")
         key = ("dense", sliding_window, chunk_size)
         if key not in self._cache:
             warn_dense_mask(self.num_rows, self.seq_len)
@@ -151,6 +169,7 @@ class PackedBatch:
 
     def block_mask(self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None) -> Any:
         """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
+        self._whole_rows_only("the attention mask")
         key = ("block", block_size, sliding_window, chunk_size)
         if key not in self._cache:
             self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window, chunk_size=chunk_size)
@@ -158,6 +177,7 @@ class PackedBatch:
 
     def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta:
         """Varlen metadata over gathered ancestor keys; see :func:`~treepack.trainer.kernels.masks.varlen_meta`."""
+        self._whole_rows_only("the attention mask")
         key = ("varlen", chunk_size)
         if key not in self._cache:
             self._cache[key] = varlen_meta(self.plan, self.rows, self.device, chunk_size=chunk_size)
@@ -176,12 +196,19 @@ class PackedBatch:
         Raises:
             RequestError: when ``kernel_width`` is wider than the plan's ``conv_width``.
         """
+        self._whole_rows_only(f"{who}: the tree schedule")
         reason = None if kernel_width is None else conv_width_refusal(kernel_width, self.plan.gdn.conv_width)
         if reason is not None:
             raise RequestError(f"{who}: {reason}", path="$.plan.gdn.conv_width", rule="conv_width")
         if "tree_schedule" not in self._cache:
             self._cache["tree_schedule"] = tree_schedule(self.plan, device=self.device, rows=self.rows)
         return self._cache["tree_schedule"]
+
+    def _whole_rows_only(self, what: str) -> None:
+        # A CP shard holds part of every row: the masks and schedules of whole rows live on
+        # cp_full, read by the CP paths that run whole rows (Ulysses attention).
+        if self.cp is not None:
+            raise RequestError(f"{what} is a whole-row structure; this batch is one context-parallel shard (read batch.cp_full)", path="$.batch.cp", rule="cp_shard")
 
     def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
         K, L = self.num_rows, self.seq_len
@@ -297,7 +324,13 @@ class PackedBatch:
             S entries: for a sequence of these rows a [len(s)] tensor holding the
             log-probability of token i for every trainable i >= 1 and NaN elsewhere;
             None for a sequence not materialized here (dropped, or on another rank).
+            Under CP ``x`` is this rank's shard; the log-probabilities are gathered over the
+            group (one all-gather of [K, L] values), so every rank gets every sequence whole.
         """
+        if self.cp is not None:
+            lp = x if isinstance(x, torch.Tensor) and x.ndim == 2 else self.target_logprobs(x)
+            self._check_rows_tensor(lp, "logprobs")
+            return self.cp_full.unpack_logprobs(gather_seq(lp, self.cp)[:, : self.plan.seq_len])
         lp = self.entry_logprobs(x)
         total = int(self.seq_ptr[-1])
         slot = torch.from_numpy(np.searchsorted(self.local_seqs, self.score_seq.cpu().numpy())).to(lp.device)

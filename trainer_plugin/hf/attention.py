@@ -21,6 +21,15 @@ Attention variants the layer call carries are run exactly, not dropped:
 The ``attention_mask`` a layer passes must be the tree mask ``packed_forward`` handed the
 model (or None): a mask or bias the model built itself (Doge's learned dynamic mask) would
 be replaced by the tree mask, so such a call is refused at run time, naming the layer.
+
+Under context parallelism (a batch that is one rank's shard of every row, ``batch.cp``)
+attention runs **Ulysses**: query, key and value go from sequence shards of every head to
+whole rows of ``H / cp`` heads (one all-to-all each), the tree attention above runs on the
+whole rows (``batch.cp_full``) for those heads, and the output goes back (one all-to-all).
+Every variant above is per head, so it runs as it does on one rank (sinks sliced to the
+rank's heads). With grouped-query attention, key/value heads are replicated to one per
+query head when there are fewer of them than CP ranks' worth; a layer whose query heads do
+not divide by the CP size is refused by name (:class:`~treepack.proto.errors.UnsupportedModelError`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import sys
 
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.kernels.attention import tree_attention
+from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
 from treepack.trainer.hf.context import resolve_packed
 
 __all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION"]
@@ -97,21 +107,62 @@ def treepack_attention(
         )
     if sliding_window is None:
         sliding_window = mask_builder_window(module)
-    out = tree_attention(
+    if ctx.batch.cp is not None:
+        return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
+    out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _tree(module, query, key, value, batch, ctx, opts, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    """[K, H, L, D] tree attention over ``batch``'s whole rows, with the layer's variants."""
+    return tree_attention(
         query,
         key,
         value,
-        ctx.batch,
+        batch,
         backend=ctx.backend,
         scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
         varlen_fn=opts.get("varlen_fn"),
         compile=opts.get("compile"),
-        sinks=kwargs.get("s_aux"),
+        sinks=sinks,
         chunk_size=attention_chunk_size(module),
     )
-    return out.transpose(1, 2).contiguous(), None
+
+
+def ulysses_refusal(num_heads: int, cp_size: int) -> str | None:
+    """Why a layer with ``num_heads`` query heads cannot run Ulysses over ``cp_size`` ranks, or None."""
+    if num_heads % cp_size:
+        return f"{num_heads} query heads do not divide over {cp_size} context-parallel ranks (Ulysses gives each rank H / cp heads)"
+    return None
+
+
+def _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    """Ulysses attention on a CP shard: [K, H, Ls, D] in, [K, Ls, H, D] out (module docstring)."""
+    batch = ctx.batch
+    cp = batch.cp
+    H, Hkv, P = query.shape[1], key.shape[1], cp.size
+    reason = ulysses_refusal(H, P)
+    if reason is not None:
+        name = f"layer {getattr(module, 'layer_idx', '?')}"
+        raise UnsupportedModelError(
+            f"context parallelism: {name} ({type(module).__name__}): {reason}",
+            rule="cp_heads",
+            refusals=((name, type(module).__name__, reason),),
+        )
+    if Hkv % P:
+        # Fewer key/value heads than ranks' worth: one per query head (GQA replicated).
+        key = key.repeat_interleave(H // Hkv, dim=1)
+        value = value.repeat_interleave(H // Hkv, dim=1)
+    q, k, v = (seq_to_heads(x, cp) for x in (query, key, value))
+    C = batch.plan.seq_len
+    heads = slice(cp.rank * (H // P), (cp.rank + 1) * (H // P))
+    out = _tree(module, q[:, :, :C], k[:, :, :C], v[:, :, :C], batch.cp_full, ctx, opts, scaling, sliding_window, softcap, None if sinks is None else sinks[heads])
+    if q.shape[2] > C:
+        # Positions past seq_len are CP padding: nothing attends them and nothing reads them.
+        out = torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - C, out.shape[3])], dim=2)
+    return heads_to_seq(out, cp).transpose(1, 2).contiguous()
 
 
 def attention_chunk_size(module: torch.nn.Module) -> int | None:

@@ -31,20 +31,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from treepack.proto.errors import RequestError
+from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.layer_masks import attention_mask_for
 from treepack.trainer.hf.probe import ProbeReport, dropout_off, verify_packing
-from treepack.trainer.hf.layers import patch_layers as patch_layers_of
+from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_layers_of
+from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
-__all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "OUTPUTS"]
+__all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
 OUTPUTS = ("logits", "hidden")
 
@@ -80,7 +81,29 @@ def _check_args(backend: str, output: str) -> None:
         raise RequestError(f"output must be one of {OUTPUTS}, got {output!r}", path="$.output", rule="enum")
 
 
+def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
+    """Refuse, before compute, every layer of ``model`` that has no context-parallel path.
+
+    Attention runs Ulysses (:mod:`treepack.trainer.hf.attention`); a kind of the layer
+    registry runs under CP only when its ``shard`` slot says how (none does yet).
+
+    Raises:
+        UnsupportedModelError: naming each refused module's path, class and why.
+    """
+    refusals = []
+    for name, mod in model.named_modules():
+        layer = handled_layer(mod)
+        if layer is not None and layer.shard is NOT_SHARDED:
+            why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+            refusals.append((name, type(mod).__name__, why))
+    if refusals:
+        lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
+        raise UnsupportedModelError(f"context parallelism over {cp_size} ranks refused: {lines}", rule="cp_unsupported_layer", refusals=tuple(refusals))
+
+
 def _mask(batch: PackedBatch, backend: str) -> Any:
+    if batch.cp is not None:
+        batch = batch.cp_full  # Ulysses attention runs whole rows
     if backend == "sdpa":
         return batch.dense_mask()
     if backend == "flex":
@@ -114,7 +137,9 @@ def packed_forward(
         model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
             dispatch attention through ``AttentionInterface``; bare or wrapped (DDP, FSDP2,
             PEFT, accelerate, ``torch.compile``): the forward runs through the wrapper.
-        batch: the packed batch.
+        batch: the packed batch; one rank's CP shard (``materialize(..., cp=...)``) runs
+            with the CP collectives inside (attention: Ulysses) and gives this shard's
+            logits [K, shard_len, vocab].
         backend: ``sdpa`` | ``flex`` | ``flash`` (:func:`~treepack.trainer.tree_attention`).
         varlen_fn: ``flash`` backend kernel override (e.g. ``naive_varlen_attention`` on CPU).
         compile: ``flex`` backend: compile ``flex_attention`` (default: on CUDA).
@@ -139,7 +164,9 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
+    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
+    if batch.cp is not None:
+        check_cp_layers(hf, batch.cp.size)
     enable_tree_attention(hf, patch_layers=patch_layers)
     if verify:
         verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)

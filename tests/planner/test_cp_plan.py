@@ -1,0 +1,77 @@
+"""Planning for context parallelism: ``cp_size`` -> equal, aligned shards, recorded in the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers.trainer_cases import mixed_batch, plan_of
+from treepack.proto.codec import decode_body, encode_body
+from treepack.proto.options import CP_ALIGN, cp_shard_len
+from treepack.proto.plan_wire import plan_from_wire, plan_to_wire, plan_differences
+from treepack.proto.errors import RequestError
+from treepack.service.planner import PlanInvariantError, validate_plan
+
+
+@pytest.mark.parametrize("cp,num_ranks", [(1, 1), (2, 1), (2, 2), (4, 1), (3, 2)])
+def test_cp_shards_equal_aligned_and_cover_the_row(cp, num_ranks):
+    c = mixed_batch()
+    plan = plan_of(c, cp_size=cp, num_ranks=num_ranks)
+    rk = plan.ranks
+    assert rk.cp_size == cp == plan.options.cp_size and rk.num_ranks == num_ranks
+    C = plan.seq_len
+    if cp == 1:
+        assert rk.shard_len == C
+    else:
+        assert rk.shard_len % CP_ALIGN == 0 and C <= rk.padded_len < C + cp * CP_ALIGN
+        assert rk.shard_len == cp_shard_len(C, cp)
+    # Rows dealt to the data-parallel ranks, each row once.
+    held = rk.rank_rows[rk.rank_rows >= 0]
+    assert sorted(held.tolist()) == list(range(plan.num_rows))
+
+
+def test_cp_shard_len_examples():
+    assert cp_shard_len(64, 1) == 64
+    assert cp_shard_len(64, 2) == 32
+    assert cp_shard_len(64, 4) == 16
+    assert cp_shard_len(64, 3) == 32  # 22 rounded up to a tile
+    assert cp_shard_len(131072, 8) == 16384
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_cp_plan_wire_round_trip(fmt):
+    plan = plan_of(mixed_batch(), cp_size=4, num_ranks=2)
+    msg = decode_body(encode_body(plan_to_wire(plan, fmt), fmt), fmt)
+    assert msg["ranks"]["cp_size"] == 4 and msg["ranks"]["shard_len"] == plan.ranks.shard_len
+    back = plan_from_wire(msg)
+    assert plan_differences(plan, back) == []
+    assert back.options.cp_size == 4 and back.ranks.shard_len == plan.ranks.shard_len
+    validate_plan(back)
+    msg["ranks"]["shard_len"] += CP_ALIGN
+    with pytest.raises(RequestError, match="shard_len") as e:
+        plan_from_wire(msg)
+    assert e.value.path == "$.ranks.shard_len"
+
+
+def test_validate_plan_refuses_broken_cp_split():
+    plan = plan_of(mixed_batch(), cp_size=2)
+    for bad in (dict(shard_len=plan.ranks.shard_len + 1), dict(shard_len=plan.seq_len), dict(cp_size=1)):
+        broken = dataclasses.replace(plan, ranks=dataclasses.replace(plan.ranks, **bad))
+        with pytest.raises(PlanInvariantError):
+            validate_plan(broken)
+
+
+def test_cli_cp_size(tmp_path):
+    f = tmp_path / "b.jsonl"
+    f.write_text("\n".join(json.dumps({"tokens": list(range(n)), "prompt_len": 4}) for n in (30, 50, 20)) + "\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "treepack.service.cli", "plan", str(f), "--seq-len", "64", "--cp-size", "2", "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    rep = json.loads(out.stdout)
+    assert rep["cp_size"] == 2 and rep["cp_shard_len"] == 32
