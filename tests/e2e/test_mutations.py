@@ -63,7 +63,7 @@ MUTANTS = (
            ("tests/planner/test_validate_forged.py",)),
     Mutant("mask: dense mask off by one (trainer)", "trainer_plugin/kernels/masks.py", r"m = \(idx\[None, None, :\] <= idx\[None, :, None\]\) & \(idx\[None, :, None\] < subtree_end", "(idx[None, :, None] < subtree_end", "(idx[None, :, None] <= subtree_end",
            ("tests/trainer/test_trainer_attention.py", "-k", "dense_reference_matches_naive")),
-    Mutant("loss: groups with no scored token counted", "trainer_plugin/losses.py", r"^\s+nz = max\(int\(\(ng > 0\)\.sum\(\)\), 1\)$", "(ng > 0)", "(ng >= 0)",
+    Mutant("loss: groups with no scored token counted", "trainer_plugin/losses.py", r"^\s+nz = \(ng > 0\)\.sum\(\)\.clamp\(min=1\)$", "(ng > 0)", "(ng >= 0)",
            ("tests/trainer/test_trainer_losses.py", "-k", "no_scored")),
     Mutant("wire: a source index equal to S decodes", "proto/plan_wire.py", r'_in\(seg\.seq, 0, s, "\$\.segments\.seq"\)$', "0, s,", "0, s + 1,",
            ("tests/proto/test_plan_structure.py",)),

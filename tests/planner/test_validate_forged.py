@@ -44,6 +44,15 @@ def _base(share_trainable: bool = False) -> tuple[list[np.ndarray], list[np.ndar
     return seqs, flags, plan
 
 
+def _cp() -> tuple[list[np.ndarray], None, Plan]:
+    """A plan whose rows are split over a context-parallel group of 2 (shards of 64 tokens)."""
+    seqs = tree_sequences(5, trees=3, depth=3, max_len=60)
+    plan = plan_batch(seqs, seq_len=128, min_shared_len=2, cp_size=2)
+    validate_plan(plan, seqs)
+    assert plan.ranks.cp_size == 2 and plan.ranks.shard_len == 64
+    return seqs, None, plan
+
+
 def _twins() -> tuple[list[np.ndarray], None, Plan]:
     """Two trees in one row whose roots have the same length: a child of one can be re-hung
     under the other root with depths, positions and subtree ends unchanged."""
@@ -375,6 +384,28 @@ def f_rank_rows_once(p, *_):
     rr[1, 0] = rr[0, 0]
 
 
+def _replace_ranks(p: Plan, **kw) -> Plan:
+    return dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, **kw))
+
+
+def f_cp_size_options(p, *_):
+    return _replace_ranks(p, cp_size=p.options.cp_size + 1)
+
+
+def f_shard_without_cp(p, *_):
+    return _replace_ranks(p, shard_len=p.seq_len + 16)
+
+
+def f_cp_shard_unaligned(p, *_):
+    assert p.ranks.cp_size > 1, "the forgery needs a CP plan (base='cp')"
+    return _replace_ranks(p, shard_len=p.ranks.shard_len + 1)
+
+
+def f_cp_shards_cover(p, *_):
+    assert p.ranks.cp_size > 1, "the forgery needs a CP plan (base='cp')"
+    return _replace_ranks(p, shard_len=p.ranks.shard_len + 16)  # aligned, but a whole tile of padding per rank too many
+
+
 def f_stats_packed(p, *_):
     return _replace_stats(p, packed_tokens=p.stats.packed_tokens + 1)
 
@@ -569,6 +600,10 @@ CASES: dict[str, Case] = {
     "levels_cover": Case(check=r"^GDN levels do not cover every segment once$", forge=f_levels_cover),
     "rank_rows_shape": Case(check=r"^rank_rows shape$", forge=f_rank_rows_shape),
     "rank_rows_once": Case(check=r"^ranks do not hold every row exactly once$", forge=f_rank_rows_once),
+    "cp_size_options": Case(check=r"^ranks\.cp_size 2 != options\.cp_size 1$", forge=f_cp_size_options),
+    "shard_without_cp": Case(check=r"^shard_len 144 != seq_len 128 without CP$", forge=f_shard_without_cp),
+    "cp_shard_unaligned": Case(check=r"^CP shard_len 65 not a multiple of 16$", forge=f_cp_shard_unaligned, base="cp"),
+    "cp_shards_cover": Case(check=r"^CP shards 2 x 80 do not cover seq_len 128 with less than one aligned tile each of padding$", forge=f_cp_shards_cover, base="cp"),
     "stats_packed": Case(check=r"^stats rows/packed$", forge=f_stats_packed),
     "stats_padding": Case(check=r"^stats padding$", forge=f_stats_padding),
     "stats_unpacked": Case(check=r"^stats unpacked$", forge=f_stats_unpacked),
@@ -598,7 +633,7 @@ CASES: dict[str, Case] = {
 
 @pytest.fixture(scope="module")
 def bases() -> dict[str, tuple]:
-    return {"default": _base(False), "generalized": _base(True), "twins": _twins()}
+    return {"default": _base(False), "generalized": _base(True), "twins": _twins(), "cp": _cp()}
 
 
 def _forge(case: Case, bases: dict[str, tuple]):
