@@ -221,14 +221,20 @@ def _alone_logprobs(hf: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _padded_logprobs(hf: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The same as :func:`_alone_logprobs`, all sequences right-padded into one batch."""
+def _right_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` ids and attention mask of the sequences right-padded into one batch."""
     n = max(s.shape[0] for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.int64, device=seqs[0].device)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, : s.shape[0]] = s
         mask[i, : s.shape[0]] = 1
+    return ids, mask
+
+
+def _padded_logprobs(hf: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same as :func:`_alone_logprobs`, all sequences right-padded into one batch."""
+    ids, mask = _right_padded(seqs)
     _seed()
     logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
     return [_shifted(logits[i, : s.shape[0]], s) for i, s in enumerate(seqs)]
@@ -458,17 +464,12 @@ def _alone_outputs(hf: Any, seqs: list[torch.Tensor]) -> list[dict]:
 
 
 def _padded_outputs(hf: Any, seqs: list[torch.Tensor]) -> tuple[list, list[dict]]:
-    n = max(s.shape[0] for s in seqs)
-    ids = torch.zeros(len(seqs), n, dtype=torch.int64, device=seqs[0].device)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : s.shape[0]] = s
-        mask[i, : s.shape[0]] = 1
+    ids, mask = _right_padded(seqs)
     with _recording(hf) as seen:
         _seed()
         hf(input_ids=ids, attention_mask=mask, use_cache=False)
     calls = _per_call(seen)
-    per = [{k: t[i, : s.shape[0]] for k, t in calls.items() if t.shape[:2] == (len(seqs), n)} for i, s in enumerate(seqs)]
+    per = [{k: t[i, : s.shape[0]] for k, t in calls.items() if t.shape[:2] == ids.shape} for i, s in enumerate(seqs)]
     return list(calls), per
 
 
