@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -16,6 +17,9 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
 VOCAB = 64
+
+# The run's parity table (conftest prints it): (config, log-prob err, entropy err, update err).
+PARITY: list[tuple[str, float, float, float]] = []
 
 
 @functools.cache
@@ -30,13 +34,18 @@ def model_dir() -> str:
     return d
 
 
-def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSDPEngineWithLMHead:
-    """An initialized engine of class ``cls`` (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
-    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt)
+def configs(*, grad_ckpt: bool = False, path: str | None = None, **model: Any) -> dict[str, Any]:
+    """verl's four engine configs (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
+    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt, **model)
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, dtype="float32", model_dtype="fp32", mixed_precision=fp32, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2, max_token_len_per_gpu=160, infer_max_token_len_per_gpu=160)
     oc = FSDPOptimizerConfig(lr=1.0, optimizer="SGD", clip_grad=1e9, weight_decay=0.0, total_training_steps=10)
-    eng = cls(model_config=mc, engine_config=ec, optimizer_config=oc, checkpoint_config=CheckpointConfig())
+    return dict(model_config=mc, engine_config=ec, optimizer_config=oc, checkpoint_config=CheckpointConfig())
+
+
+def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSDPEngineWithLMHead:
+    """An initialized engine of class ``cls`` with :func:`configs`."""
+    eng = cls(**configs(grad_ckpt=grad_ckpt, path=path))
     eng.initialize()
     return eng
 
