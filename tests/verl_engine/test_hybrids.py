@@ -1,6 +1,6 @@
 """Hybrid models through TreepackFSDPEngine against stock verl: a GDN hybrid and a Mamba2 hybrid.
 
-Tiny Qwen3.5 (text: Gated DeltaNet, full attention every 3rd layer) and Bamba (Mamba2 with one
+Tiny Qwen3.5 (text: Gated DeltaNet in 3 of 4 layers, full attention in 1) and Bamba (Mamba2 with one
 attention layer), FSDP2 on one CPU gloo rank. This venv has neither flash-linear-attention nor
 the mamba / causal-conv1d kernels, so stock verl runs transformers' torch fallbacks.
 
