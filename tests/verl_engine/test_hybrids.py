@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -114,3 +117,18 @@ def test_hybrid_update_matches_stock_padded(engines):
     ref, got = _update(stock, rmpad=False), _update(tree, rmpad=True)
     assert_close(f"{name} update", ref, got, ratio=1e-4, nonzero_ref=True)
     PARITY.append((f"{name} update token-mean (vs stock padded)", float("nan"), float("nan"), max((ref[k] - got[k]).abs().max().item() for k in ref)))
+
+
+def test_qwen3_5_vlm_refused_by_name():
+    """Qwen3.5 as verl loads it from a vision-language checkpoint: verl replaces the forwards of
+    transformers' Qwen3.5 classes, and TreepackFSDPEngine refuses that code (and the vision
+    tower) by name before the model runs. Its own process: verl's patches are process-wide."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_5_vlm.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    refused = next((ln for ln in lines if ln.startswith(("REFUSED", "RAN"))), "")
+    assert refused.startswith("REFUSED"), out.stdout[-2000:]
+    assert "Qwen3_5Model.forward replaced by verl.models.transformers.qwen3_5" in refused, refused
+    assert "Qwen3_5VisionAttention" in refused, refused
+    assert "MODEL RAN: False" in lines, out.stdout[-2000:]
