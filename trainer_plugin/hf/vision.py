@@ -51,7 +51,7 @@ VISION_TOWERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Qwen2_5_VLModel": ("visual", ("Qwen2_5_VisionTransformerPretrainedModel",)),
     "Qwen3VLModel": ("visual", ("Qwen3VLVisionModel",)),
     "Qwen3_5Model": ("visual", ("Qwen3_5VisionModel",)),
-    "LlavaModel": ("vision_tower", ("CLIPVisionModel", "SiglipVisionModel")),
+    "LlavaModel": ("vision_tower", ("CLIPVisionModel",)),
 }
 REFUSED_VLMS: dict[str, str] = {
     "Gemma3Model": "Gemma 3's image tokens attend to each other bidirectionally (token_type_ids); the tree mask is causal",
