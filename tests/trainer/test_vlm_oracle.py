@@ -21,7 +21,7 @@ import torch
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.vlm import FAMILIES, IMAGE_TOKEN, image, image_run, join_images, reference_forward, text, tiny_vlm
 from treepack.service.planner import plan_batch, validate_plan
-from treepack.trainer import image_keys, materialize
+from treepack.trainer import image_keys, materialize, naive_varlen_attention
 from treepack.trainer.data.materialize import PayloadMismatchError
 from treepack.trainer.hf import packed_forward, vision_savings
 
@@ -142,6 +142,10 @@ def test_vlm_oracle_logprobs_and_gradients(family):
     # One tower call per distinct image; the unpacked runs called it once per sequence with images.
     assert len(calls) == case["distinct"] == batch.images.num_distinct
     assert n_ref_calls == sum(1 for pv in case["pixel_values"] if pv is not None) == 7
+    if family == "qwen2_5_vl":  # the varlen path (its CPU reference kernel) too
+        lp, grads, _ = packed(model, case, plan_of(case), verify=False, backend="flash", varlen_fn=naive_varlen_attention)
+        assert_close("flash logprobs", ref_lp, lp, atol=LOGPROB_TOL)
+        assert_close("flash grad", ref_grads, grads, atol=floor, ratio=GRAD_RTOL, nonzero_ref=True)
     saved = vision_savings(batch, IMAGE_TOKEN)
     assert saved.images == 9 and saved.distinct_images == 5 and saved.tower_calls_saved == 4
     assert saved.vision_tokens_shared > 0 and saved.vision_tokens == saved.vision_tokens_packed + saved.vision_tokens_shared
