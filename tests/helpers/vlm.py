@@ -21,7 +21,7 @@ VISION_END = 102
 # Text tokens are drawn below this, so they never collide with the special ids above.
 TEXT_VOCAB = 96
 
-QWEN_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 FAMILIES = (*QWEN_FAMILIES, "llava")
 
 
@@ -44,7 +44,11 @@ def tiny_vlm(family: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
-    if family == "qwen2_5_vl":
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)
+        text = _text(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
+    elif family == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8, fullatt_block_indexes=[1], out_hidden_size=32)
         text = _text(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
         model = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))

@@ -15,7 +15,7 @@ number the tokens with 3-D multimodal RoPE positions (``get_rope_index``). On pa
   rows, in row order, as precomputed encoder outputs (``mm_encoder_outputs``), so the
   model's own scatter (and Qwen3-VL's deepstack injection) puts them in place. A feature
   used at several positions receives the sum of their gradients, as in the unpacked sum;
-- **positions**: for models with ``get_rope_index`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) each
+- **positions**: for models with ``get_rope_index`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) each
   sequence's 3-D positions are the model's own ``get_rope_index`` on that sequence alone,
   written to the row positions of its tokens;
 - **exact or refused**: a row position that several sequences share must get the same
@@ -48,6 +48,7 @@ __all__ = ["VISION_TOWERS", "REFUSED_VLMS", "vision_towers", "vision_refusals", 
 # Multimodal base model class -> (its vision tower attribute, tower classes known to mix only
 # within one image). The projector (LLaVA's multi_modal_projector, Qwen's merger) is per token.
 VISION_TOWERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Qwen2VLModel": ("visual", ("Qwen2VisionTransformerPretrainedModel",)),
     "Qwen2_5_VLModel": ("visual", ("Qwen2_5_VisionTransformerPretrainedModel",)),
     "Qwen3VLModel": ("visual", ("Qwen3VLVisionModel",)),
     "Qwen3_5Model": ("visual", ("Qwen3_5VisionModel",)),
