@@ -158,7 +158,7 @@ def hard(seeds: int, node_limit: int) -> dict:
                 bound = lower_bound_rows(tree, C)
                 rec = dict(family=family, size=size, seed=seed, leaves=len(kw["sequences"]), bound=bound, bfd=place_leaves(tree, batch, C, "bfd").num_rows)
                 levels = getattr(repair, "LEVELS", ())
-                for label, budget, lv in (("auto", 10.0, levels), ("auto1000", 1000.0, levels), ("narrow1000", 1000.0, levels[:1])):
+                for label, budget, lv in (("auto", 10.0, levels), ("auto1000", 1000.0, levels), ("narrow1000", 1000.0, tuple(x for x in levels if x[0] <= repair.MAX_ROWS))):
                     saved = levels
                     if levels:
                         repair.LEVELS = lv

@@ -20,7 +20,10 @@ with the lightest rows. Small neighbourhoods of light rows fail where the slack 
 re-packing needs is spread thinly over many rows, or where a row pays for a long chain of
 shared turns (agent trees with deep chains, several trees sharing rows, GRPO groups of
 80+ completions): a wide group gathers that slack, and on a batch of up to 48 rows it is
-the whole batch. A removed row starts again at the first level. A group that ran out of
+the whole batch. The levels run cheap first: 12 and 48 rows with a small node limit
+(:data:`QUICK_LIMIT`: a wide group that fits usually fits quickly), then 12, 24 and 48
+rows with :data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches
+the wide groups. A removed row starts again at the first level. A group that ran out of
 nodes is tried again only under a larger node limit; one refuted never again (until one of
 its rows changes).
 
@@ -48,12 +51,13 @@ from treepack.service.planner.items import Chains, Item
 from treepack.service.planner.rows import row_costs
 from treepack.service.planner.tree import Tree
 
-__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT", "LEVELS"]
+__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT", "QUICK_LIMIT", "LEVELS"]
 
 MAX_ROWS = 12  # largest neighbourhood of the first level: this many rows into one fewer
 LIGHT_ROWS = 8  # light rows tried per round at the first level
-NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the first level
-LEVELS = ((MAX_ROWS, NODE_LIMIT, LIGHT_ROWS), (24, NODE_LIMIT, 2), (48, NODE_LIMIT, 2))
+NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the thorough levels
+QUICK_LIMIT = 500  # ... at the quick levels, tried first
+LEVELS = ((MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS), (48, QUICK_LIMIT, 2), (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS), (24, NODE_LIMIT, 2), (48, NODE_LIMIT, 2))
 """(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
 the ones before it found nothing, and a removed row starts again at the first."""
 
@@ -307,7 +311,7 @@ def repair_rows(
             if time.thread_time() > deadline:
                 out_of_time = True
                 break
-            for group in rows.neighbourhoods(r, size, seq_len, deadline, wide=level > 0):
+            for group in rows.neighbourhoods(r, size, seq_len, deadline, wide=size > MAX_ROWS):
                 key = frozenset(group)
                 if failed.get(key, -1) >= limit:
                     continue
