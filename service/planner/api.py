@@ -103,9 +103,11 @@ def plan_with_tree(
             deadline and cancellation), or None.
         cost_model: predicts the step time (``stats.predicted_ms``); with
             ``placement="auto"`` the fastest of the candidates of :mod:`~.by_time` wins,
-            each with the repair budget the model gives a row (:func:`~.by_time.repair_budget_ms`).
-        repair_ms: the repair pass's budget instead of ``options.repair_ms`` (then also
-            recorded as ``stats.timings_ms["repair_budget"]``); None: the option's.
+            each with the repair budget the model gives a row (:func:`~.by_time.repair_budget_ms`)
+            unless ``repair_ms`` is given.
+        repair_ms: the repair pass's budget instead of ``options.repair_ms`` or the cost
+            model's (then also recorded as ``stats.timings_ms["repair_budget"]``); None: the
+            option's, or with a cost model the one it gives a row.
 
     Returns:
         The plan and its tree.
@@ -113,7 +115,7 @@ def plan_with_tree(
     if cost_model is not None:
         if options.placement == "auto":
             # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
-            budget = repair_budget_ms(cost_model, options)
+            budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
             return choose_by_time(batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget))
         res = plan_with_tree(batch, options, t0=t0, check=check)
         return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
