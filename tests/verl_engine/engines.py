@@ -118,3 +118,27 @@ def restore(eng, saved: dict[str, torch.Tensor]) -> None:
         for k, p in eng.module.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             local.copy_(saved[k])
+
+
+def response_values(eng, td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``infer_batch`` log-probs and entropies at the response-mask positions (read back as verl's trainer does), and the metrics."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    with eng.eval_mode():
+        out = eng.infer_batch(td)
+    mo = out["model_output"]
+    m = td["response_mask"]
+    mask = (m.to_padded_tensor(0) if m.is_nested else m).bool()
+    return no_padding_2_padding(mo["log_probs"], td)[mask], no_padding_2_padding(mo["entropy"], td)[mask], out["metrics"]
+
+
+def update(eng, td: TensorDict, mode: str = "token-mean", *, undo: bool = True) -> dict[str, torch.Tensor]:
+    """The parameter update of one ``train_batch`` (SGD lr 1: the gradient), undone afterwards
+    when ``undo`` (:func:`restore` copies whole tensors: one rank only)."""
+    before = params(eng)
+    with eng.train_mode():
+        eng.train_batch(td, loss_function=loss_fn(mode))
+    after = params(eng)
+    if undo:
+        restore(eng, before)
+    return {k: before[k] - after[k] for k in before}

@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 import torch
-from engines import PARITY, build, flags, grpo_batch, loss_fn, model_dir, params, restore
+from engines import PARITY, build, flags, grpo_batch, model_dir, update
 from helpers.tolerance import assert_close, assert_not_close
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -46,17 +46,10 @@ def two_ranks():
 
 def _one_rank_update(first_half_only: bool) -> dict[str, torch.Tensor]:
     """Stock verl on this process's one rank: the update of the 2-rank batch (or its first half)."""
-    eng = build(FSDPEngineWithLMHead)
     td = grpo_batch(groups=4, n=4, seed=2)
     if first_half_only:
         td = tu.chunk_tensordict(td, 2)[0]
-    td = flags(td, dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=td.batch_size[0])
-    before = params(eng)
-    with eng.train_mode():
-        eng.train_batch(td, loss_function=loss_fn("token-mean"))
-    after = params(eng)
-    restore(eng, before)
-    return {k: before[k] - after[k] for k in before}
+    return update(build(FSDPEngineWithLMHead), flags(td, dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=td.batch_size[0]))
 
 
 def test_two_ranks_infer_and_update_match_stock(two_ranks):

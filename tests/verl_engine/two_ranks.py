@@ -28,10 +28,9 @@ import cpu_shim  # noqa: E402
 cpu_shim.install(rank=RANK, world_size=WORLD, init_file=INIT_FILE)
 
 import torch  # noqa: E402
-from engines import build, flags, grpo_batch, loss_fn, params  # noqa: E402
+from engines import build, flags, grpo_batch, response_values, update  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
-from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 import treepack.service.planner.api as api  # noqa: E402
 from treepack.service.planner.validate import validate_plan  # noqa: E402
@@ -60,21 +59,11 @@ def half(td):
 
 def infer(eng):
     td = flags(half(grpo_batch(groups=4, n=4, seed=1)), dynamic=False, rmpad=True, temperature=0.7, calculate_entropy=True, compute_loss=False)
-    with eng.eval_mode():
-        out = eng.infer_batch(td)
-    mo = out["model_output"]
-    m = td["response_mask"]
-    mask = (m.to_padded_tensor(0) if m.is_nested else m).bool()
-    return no_padding_2_padding(mo["log_probs"], td)[mask], no_padding_2_padding(mo["entropy"], td)[mask], out["metrics"]
+    return response_values(eng, td)
 
 
-def update(eng):
-    td = flags(half(grpo_batch(groups=4, n=4, seed=2)), dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=16)
-    before = params(eng)
-    with eng.train_mode():
-        eng.train_batch(td, loss_function=loss_fn("token-mean"))
-    after = params(eng)
-    return {k: before[k] - after[k] for k in before}
+def update_of(eng):
+    return update(eng, flags(half(grpo_batch(groups=4, n=4, seed=2)), dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=16), undo=False)
 
 
 def main() -> None:
@@ -83,7 +72,7 @@ def main() -> None:
     lp, ent, metrics = infer(tree)
     errs = torch.stack([(lp - lp_ref).abs().max(), (ent - ent_ref).abs().max()])
     saved = torch.tensor(min(metrics["treepack/saved_fraction"].values))
-    ref, got = update(stock), update(tree)
+    ref, got = update_of(stock), update_of(tree)
     # The worst log-prob / entropy error over both ranks, the smallest saving.
     torch.distributed.all_reduce(errs, op=torch.distributed.ReduceOp.MAX)
     torch.distributed.all_reduce(saved, op=torch.distributed.ReduceOp.MIN)
