@@ -44,6 +44,7 @@ from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer.kernels.cp_attention import shard_mask
 
 __all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
@@ -103,6 +104,8 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
 
 def _mask(batch: PackedBatch, backend: str) -> Any:
     if batch.cp is not None:
+        if batch.cp_strategy == "allgather":
+            return shard_mask(batch, backend)  # this shard's queries over the whole key axis
         batch = batch.cp_full  # Ulysses attention runs whole rows
     if backend == "sdpa":
         return batch.dense_mask()

@@ -13,9 +13,9 @@ and ``all_reduce``; gloo on CPU included):
 
 - :func:`seq_to_heads` ``[K, H, Ls, D] -> [K, H/P, P*Ls, D]`` (Ulysses' first all-to-all;
   backward :func:`heads_to_seq`), and :func:`heads_to_seq`, its inverse;
-- :func:`gather_seq` ``[K, Ls, ...] -> [K, P*Ls, ...]`` (all-gather along the row; backward:
-  all-reduce of the gradient, then this rank's slice: every rank may use the whole gathered
-  tensor).
+- :func:`gather_seq` ``[K, Ls, ...] -> [K, P*Ls, ...]`` (all-gather along the row, shards
+  in rank order; backward: reduce-scatter of the gradient, every rank may use the whole
+  gathered tensor; on gloo, which has no reduce-scatter, all-reduce then this rank's slice).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 __all__ = ["ContextParallel", "seq_to_heads", "heads_to_seq", "gather_seq", "CP_STRATEGIES"]
 
-CP_STRATEGIES = ("ulysses",)
+CP_STRATEGIES = ("ulysses", "allgather")
 
 
 class ContextParallel:
@@ -35,9 +35,13 @@ class ContextParallel:
 
     Args:
         group: a ``torch.distributed`` process group (None: the default group).
-        strategy: how attention runs under CP: ``"auto"`` (the one there is: ``ulysses``),
-            or ``"ulysses"`` (each rank runs whole-row tree attention for ``H / size``
-            heads after an all-to-all; layers whose heads do not divide are refused by name).
+        strategy: how attention runs under CP: ``"ulysses"`` (each rank runs whole-row
+            tree attention for ``H / size`` heads after an all-to-all; layers whose heads
+            do not divide are refused by name), ``"allgather"`` (each rank keeps its
+            queries and attends over keys and values gathered from the group), or
+            ``"auto"``: the plan's ``cp_attention``, and where that is ``"auto"`` too, per
+            layer Ulysses where the heads divide by ``size``, else all-gather. A plan
+            made for one strategy is refused with a group asking for the other.
 
     Attributes:
         group: the process group. size: its ranks. rank: this rank's index in it.
@@ -52,7 +56,7 @@ class ContextParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.strategy = "ulysses" if strategy == "auto" else strategy
+        self.strategy = strategy
 
     def __repr__(self) -> str:
         return f"ContextParallel(size={self.size}, rank={self.rank}, strategy={self.strategy!r})"
@@ -116,9 +120,15 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         cp = ctx.cp
+        K, Ls = g.shape[0], g.shape[1] // cp.size
+        if dist.get_backend(cp.group) != "gloo":
+            # Shard j of every row to rank j, summed over the group: one reduce-scatter.
+            send = g.reshape(K, cp.size, Ls, *g.shape[2:]).transpose(0, 1).contiguous()
+            out = send.new_empty(send.shape[1:])
+            dist.reduce_scatter_tensor(out, send, group=cp.group)
+            return out, None
         g = g.contiguous()
         dist.all_reduce(g, group=cp.group)
-        Ls = g.shape[1] // cp.size
         return g[:, cp.rank * Ls : (cp.rank + 1) * Ls].contiguous(), None
 
 
