@@ -244,7 +244,8 @@ def check_plan_structure(plan: Plan) -> None:
     _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")
     _in(rk.rank_rows, -1, r, "$.ranks.rank_rows")
     tiles = (r, rk.padded_len // CP_ALIGN)
-    _need(rk.contiguous or (rk.cp_size > 1 and rk.cp_tiles.shape == tiles), f"cp_tiles of shape {list(tiles)} (one entry per {CP_ALIGN}-token tile of each row)", "$.ranks.cp_tiles")
+    want = f"none or {list(tiles)} (one entry per {CP_ALIGN}-token tile of each row)" if rk.cp_size > 1 else "none without CP"
+    _need(rk.contiguous or (rk.cp_size > 1 and rk.cp_tiles.shape == tiles), f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}", "$.ranks.cp_tiles")
     _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
