@@ -17,7 +17,8 @@ Per CP size (1: no CP) and strategy (Ulysses, all-gather; the all-gather plan de
 
 - peak activation memory of each rank: the process's resident set sampled every 2 ms
   during the step, minus the resident set just before it (model, batch and imports
-  excluded); the figure is the largest rank's, the spread the min..max over repeats;
+  excluded; freed memory is handed back first, ``malloc_trim``, so the growth is the
+  step's own); the figure is the largest rank's, the spread the min..max over repeats;
 - bytes each rank receives per layer, forward + backward, counted at the
   ``torch.distributed`` calls the CP path makes (all-to-all and all-gather: (P-1)/P of the
   output; all-reduce: 2 (P-1)/P of the tensor, a ring; on NCCL the all-gather's backward
@@ -27,6 +28,8 @@ Per CP size (1: no CP) and strategy (Ulysses, all-gather; the all-gather plan de
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -146,8 +149,11 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         batch = materialize(plan, seqs, trainable=[len(s) - 64 for s in seqs], cp=cp, advise=False)
         model = _model(args["hidden"], args["layers"])
         mem, moved = [], []
+        libc = ctypes.CDLL("libc.so.6")
         for _ in range(args["repeats"] + 1):  # the first step warms up
             model.zero_grad(set_to_none=True)
+            gc.collect()
+            libc.malloc_trim(0)  # freed memory back to the system: the step's growth is its own
             with _PeakRss() as rss, _Traffic(world) as traffic:
                 before = rss.now()
                 logits = packed_forward(model, batch, backend="flash", varlen_fn=naive_varlen_attention, verify=False)
