@@ -75,6 +75,8 @@ class PackedBatch:
             rank's shard holds (module docstring), else None.
         cp_strategy: under CP, the attention strategy: ``"ulysses"``, ``"allgather"`` or
             ``"auto"`` (per layer: Ulysses where the heads divide by the CP size), else None.
+        images: the local sequences' images, one per distinct content
+            (:class:`~treepack.trainer.data.images.BatchImages`), or None.
     """
 
     plan: Plan
@@ -101,6 +103,7 @@ class PackedBatch:
     cp_full: "PackedBatch | None" = None
     cp_positions: torch.Tensor | None = None
     cp_strategy: str | None = None
+    images: Any = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
