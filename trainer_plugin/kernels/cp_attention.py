@@ -34,7 +34,7 @@ import torch
 from treepack.proto.index import ragged_arange
 from treepack.trainer.kernels.attention import _flash, _flex, _sdpa
 from treepack.trainer.kernels.cp import gather_seq
-from treepack.trainer.kernels.masks import VarlenMeta, _meta
+from treepack.trainer.kernels.masks import VarlenMeta, _meta, tree_mask_mod
 
 __all__ = ["allgather_attention", "shard_mask", "cp_dense_mask", "cp_block_mask", "cp_varlen_meta", "padded_rows"]
 
@@ -88,17 +88,10 @@ def cp_block_mask(
     """FlexAttention ``BlockMask`` of :func:`cp_dense_mask` (same arguments)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    w = None if sliding_window is None else int(sliding_window)
-    c = None if chunk_size is None else int(chunk_size)
+    on_rows = tree_mask_mod(subtree_end, position_ids, sliding_window, chunk_size)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        i, j = qpos[b, q_idx], kpos[b, kv_idx]
-        ok = (j <= i) & (i < subtree_end[b, j])
-        if w is not None:
-            ok = ok & ((position_ids[b, i] - position_ids[b, j]) < w)
-        if c is not None:
-            ok = ok & ((position_ids[b, i] // c) == (position_ids[b, j] // c))
-        return ok
+        return on_rows(b, h, qpos[b, q_idx], kpos[b, kv_idx])  # the contract on row positions
 
     K, Lq = qpos.shape
     return create_block_mask(mask_mod, K, None, Lq, kpos.shape[1], device=qpos.device, BLOCK_SIZE=block_size)
