@@ -30,8 +30,13 @@ from helpers.trainer_cases import VOCAB, mixed_batch, plan_of
 
 TIMEOUT_S = 300
 # (CP ranks, families): one spawn per group size (process start and imports dominate).
-CASES = [(2, ("qwen3_5", "qwen3_next", "olmo_hybrid")), (2, ("bamba", "jamba", "lfm2", "kimi_linear")), (4, ("qwen3_5", "bamba")), (4, ("jamba", "lfm2", "kimi_linear"))]
-# The layer modules whose shard forwards may gather a mixer tensor whole (gather_seq).
+CASES = [
+    (2, ("qwen3_5", "qwen3_next", "olmo_hybrid")),
+    (2, ("bamba", "jamba", "lfm2", "kimi_linear", "deepseek_v32")),
+    (4, ("qwen3_5", "bamba", "deepseek_v32")),
+    (4, ("jamba", "lfm2", "kimi_linear")),
+]
+# The layer modules whose shard forwards may move tensors with their own seq_to_heads / gather_seq.
 MIXER_MODULES = ("gdn", "gdn_olmo", "kda", "mamba2", "mamba", "short_conv", "dsa")
 
 
@@ -135,7 +140,23 @@ def kimi_linear():
     return KimiLinearForCausalLM(cfg)
 
 
-FAMILIES = {"qwen3_5": qwen3_5, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid, "bamba": bamba, "jamba": jamba, "lfm2": lfm2, "kimi_linear": kimi_linear}
+def deepseek_v32():
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    from treepack.trainer.hf.layers import patch_layers
+
+    cfg = DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=16,
+        index_n_heads=4, initializer_range=0.08, max_position_embeddings=512,
+    )  # fmt: skip
+    model = DeepseekV32ForCausalLM(cfg)
+    patch_layers(model)  # the indexers' position tie-break, as test_sparse_hf
+    return model
+
+
+FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_5": qwen3_5, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid, "bamba": bamba, "jamba": jamba, "lfm2": lfm2, "kimi_linear": kimi_linear}
 # A model each group size must refuse by name: (builder, module class, reason fragment).
 REFUSED = {4: (lambda: qwen3_5(value_heads=6), "Qwen3_5GatedDeltaNet", "6 value heads do not divide over 4")}
 
@@ -147,12 +168,14 @@ def _loss(batch, logits, adv):
 
 
 def _lp_diff(a, b):
+    """Largest |a - b| over the scored positions (inf where one is NaN and the other not: a broken control)."""
     worst = 0.0
     for x, y in zip(a, b):
         if x is None or y is None:
             assert x is None and y is None
             continue
-        assert torch.equal(torch.isnan(x), torch.isnan(y))
+        if not torch.equal(torch.isnan(x), torch.isnan(y)):
+            return float("inf")
         m = ~torch.isnan(x)
         if m.any():
             worst = max(worst, float((x[m] - y[m]).abs().max()))
@@ -164,7 +187,9 @@ def _own_shard_only(cp, shard_len):
 
     Replaces the all-to-all into whole rows of the mixer helpers
     (:mod:`treepack.trainer.kernels.cp`: ``seq_to_heads`` as read by ``rows_of_heads`` and
-    ``tree_conv_heads``; attention imports its own) and the layers' ``gather_seq``.
+    ``tree_conv_heads``; attention imports its own) and the layer modules' own
+    ``seq_to_heads`` and ``gather_seq`` of values (DSA's keys and indexer keys, Mamba's B
+    and C; DSA's gathered picks stay whole, so the control's difference is the missing keys).
     """
     from treepack.trainer.kernels import cp as cpk
 
@@ -174,7 +199,7 @@ def _own_shard_only(cp, shard_len):
         return y * mine.reshape(-1, *(1,) * (y.dim() - dim - 1)).to(y.dtype)
 
     seq_to_heads, gather_seq = cpk.seq_to_heads, cpk.gather_seq
-    return {"seq_to_heads": lambda x, cp_: keep(seq_to_heads(x, cp_), 2), "gather_seq": lambda x, cp_: keep(gather_seq(x, cp_), 1)}
+    return {"seq_to_heads": lambda x, cp_: keep(seq_to_heads(x, cp_), 2), "gather_seq": lambda x, cp_: keep(gather_seq(x, cp_), 1) if x.is_floating_point() else gather_seq(x, cp_)}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -224,7 +249,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     checked += 1
                     rel = max(rel, float((g - q.grad).abs().max()) / scale)
             mods = [importlib.import_module("treepack.trainer.kernels.cp")] + [importlib.import_module(f"treepack.trainer.hf.layers.{m}") for m in MIXER_MODULES]
-            saved = [(mods[0], {"seq_to_heads": mods[0].seq_to_heads})] + [(m, {"gather_seq": m.gather_seq}) for m in mods[1:] if hasattr(m, "gather_seq")]
+            saved = [(mods[0], {"seq_to_heads": mods[0].seq_to_heads})]
+            saved += [(m, {k: getattr(m, k) for k in ("seq_to_heads", "gather_seq") if hasattr(m, k)}) for m in mods[1:]]
             control = _own_shard_only(cp, Ls)
             try:
                 for m, names in saved:
