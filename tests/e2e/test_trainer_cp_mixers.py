@@ -6,8 +6,9 @@ rows of ``H / cp`` heads or channels after an all-to-all, then back), takes its 
 PPO-clip loss (normalized over the whole batch) and backward. The losses summed and the
 gradients summed over the group must equal one process running whole rows (logprobs 1e-5
 absolute, gradients 1e-5 relative to each parameter's largest gradient), for a GDN hybrid
-(Qwen3.5 and Qwen3-Next), Bamba (Mamba2), Jamba (Mamba), LFM2 (short conv), Kimi-Linear
-(KDA) and DeepSeek-V3.2 (DSA and its indexer). Negative control per family: the mixers'
+(Qwen3.5, Qwen3-Next, OLMo-hybrid), Bamba (Mamba2), Jamba (Mamba), LFM2 (short conv),
+Kimi-Linear (KDA), DeepSeek-V3.2 (DSA and its indexer) and GLM-MoE-DSA (a layer sharing the
+previous layer's picks). Negative control per family: the mixers'
 whole rows hold only this rank's own shard (the other ranks' positions zero: no parent
 state, no conv context, no remote keys from earlier shards), and the logprobs differ.
 Layers whose heads or channels do not divide over the ranks are refused by name before
@@ -31,7 +32,7 @@ from helpers.trainer_cases import VOCAB, mixed_batch, plan_of
 TIMEOUT_S = 300
 # (CP ranks, families): one spawn per group size (process start and imports dominate).
 CASES = [
-    (2, ("qwen3_5", "qwen3_next", "olmo_hybrid")),
+    (2, ("qwen3_5", "qwen3_next", "olmo_hybrid", "glm_moe_dsa")),
     (2, ("bamba", "jamba", "lfm2", "kimi_linear", "deepseek_v32")),
     (4, ("qwen3_5", "bamba", "deepseek_v32")),
     (4, ("jamba", "lfm2", "kimi_linear")),
@@ -156,7 +157,23 @@ def deepseek_v32():
     return model
 
 
-FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_5": qwen3_5, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid, "bamba": bamba, "jamba": jamba, "lfm2": lfm2, "kimi_linear": kimi_linear}
+def glm_moe_dsa():
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from treepack.trainer.hf.layers import patch_layers
+
+    cfg = GlmMoeDsaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=16,
+        index_n_heads=4, initializer_range=0.08, max_position_embeddings=512, indexer_types=["full", "shared"],
+    )  # fmt: skip
+    model = GlmMoeDsaForCausalLM(cfg)
+    patch_layers(model)
+    return model
+
+
+FAMILIES = {"glm_moe_dsa": glm_moe_dsa, "deepseek_v32": deepseek_v32, "qwen3_5": qwen3_5, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid, "bamba": bamba, "jamba": jamba, "lfm2": lfm2, "kimi_linear": kimi_linear}
 # A model each group size must refuse by name: (builder, module class, reason fragment).
 REFUSED = {4: (lambda: qwen3_5(value_heads=6), "Qwen3_5GatedDeltaNet", "6 value heads do not divide over 4")}
 
