@@ -92,6 +92,7 @@ def olmo_hybrid():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, max_position_embeddings=512, initializer_range=0.08,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     return OlmoHybridForCausalLM(cfg)
 
