@@ -66,8 +66,9 @@ class ContextShard:
     """How a layer kind runs under context parallelism (a :class:`TreeLayer`'s ``shard``).
 
     Attributes:
-        forward: the layer on one rank's shard (:class:`ShardForward`); None for a kind
-            that runs only inside another kind's shard forward (DSA's indexer).
+        forward: the layer on one rank's shard (:class:`ShardForward`), for kinds run by
+            ``tree_forward``; None for a kind whose ``patch`` runs the shard itself (DSA)
+            or that runs only inside another kind's forward (DSA's indexer).
         refusal: ``(module, cp_size) -> reason or None``: why this module cannot run over
             ``cp_size`` ranks (e.g. heads that do not divide), checked before compute.
     """
