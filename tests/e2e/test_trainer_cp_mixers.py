@@ -284,7 +284,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 "logits_shape": list(logits.shape),
                 "lp_diff": _lp_diff(lps, ref_lp),
                 "loss": float(total),
-                "ref_loss": float(ref_loss),
+                "ref_loss": float(ref_loss.detach()),
                 "grad_rel": rel,
                 "grads_checked": checked,
                 "control_lp_diff": _lp_diff(ctl_lp, ref_lp),
