@@ -1,8 +1,9 @@
 """Context parallelism: the group, and the autograd-correct collectives the CP path moves tensors with.
 
 A :class:`ContextParallel` wraps a ``torch.distributed`` process group of ``size`` ranks
-that share every row: CP rank ``k`` holds row positions ``[k * shard_len, (k + 1) *
-shard_len)`` (the plan's ``ranks.shard_len``). Following Megatron's and torchtitan's
+that share every row: CP rank ``k`` holds ``shard_len`` positions of each row, ``[k *
+shard_len, (k + 1) * shard_len)`` for contiguous shards, the plan's tiles under the
+all-gather split (``Ranks.shard_positions``). Following Megatron's and torchtitan's
 convention, the CP group is the inner dimension of a data-parallel x context-parallel mesh:
 the rows of one data-parallel rank (``plan.ranks.rank_rows[dp_rank]``) are materialized by
 every rank of its CP group, each taking its shard.
