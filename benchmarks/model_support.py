@@ -221,7 +221,7 @@ FAMILIES: tuple[Family, ...] = (
     F("Mixtral, router logits", "mixtral", "MoE auxiliary loss", dict(output_router_logits=True), refused=r"auxiliary \(load-balancing\) loss"),
     F("Bloom", "bloom", "ALiBi, own attention", refused=r"AttentionInterface|takes no position_ids"),
     F("BART decoder", "bart", "positions from the row", refused=r"takes no position_ids"),
-    F("Doge", "doge", "learned dynamic attention mask", refused=r"mask or bias that treepack did not build", at_run_time=True),
+    F("Doge", "doge", "learned dynamic attention mask", refused=r"mask or bias built by the model", at_run_time=True),
 )
 
 
