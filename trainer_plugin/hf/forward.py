@@ -6,6 +6,9 @@ wrapped (DDP, FSDP2, PEFT/LoRA, accelerate; :mod:`treepack.trainer.hf.wrapped`),
 
 - ``input_ids`` and the per-sequence ``position_ids`` go in as they are, so RoPE sees
   each token's position in its own sequence;
+- a batch with images (``materialize(..., pixel_values=...)``) runs the vision tower once
+  per distinct image and hands the features and, for mRoPE models, each sequence's own 3-D
+  positions to the model (:mod:`treepack.trainer.hf.vision`);
 - the batch travels as the keyword argument ``treepack_context`` (HF forwards ``**kwargs``
   to every decoder layer and attention function, and activation checkpointing replays it)
   and in a context variable (:mod:`treepack.trainer.hf.context`) for layers without
@@ -42,6 +45,7 @@ from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_laye
 from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
+from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
@@ -170,14 +174,16 @@ def packed_forward(
     enable_tree_attention(hf, patch_layers=patch_layers)
     if verify:
         verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+    mm = image_inputs(hf, batch, kwargs)
     mask = _mask(batch, backend)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
+        position_ids=mm.pop("position_ids", batch.position_ids),
         attention_mask=attention_mask_for(hf, mask),
         use_cache=False,
         **{BATCH_KWARG: ctx},
+        **mm,
         **kwargs,
     )
     with use_packed(ctx):
