@@ -47,10 +47,14 @@ from treepack.trainer.kernels.attention import tree_attention
 from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
 from treepack.trainer.hf.context import resolve_packed
 
-__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION"]
+__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION", "REFUSED_KEYWORDS"]
 
 # PackedContext.options key of the mask packed_forward handed the model (None for flash).
 TREE_MASK_OPTION = "tree_mask"
+
+#: Keywords of an attention call that carry a bias, sinks or a sparsity pattern built by
+#: the model, which tree attention does not apply: a call that sets one is refused.
+REFUSED_KEYWORDS = ("position_bias", "sinks", "block_indices")
 
 ATTN_IMPLEMENTATION = "treepack"
 
@@ -95,8 +99,17 @@ def treepack_attention(
             path="$.model",
             rule="unpatched_sparse_layer",
         )
+    foreign = [k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None]
+    if foreign:
+        why = f"passes its attention function {', '.join(k + '=' for k in foreign)} (a bias or selection the model built), which tree attention does not apply"
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) {why}, so the layer is refused",
+            path="$.model",
+            rule="model_built_mask",
+            refusals=(("", type(module).__name__, why),),
+        )
     opts = dict(ctx.options)
-    if TREE_MASK_OPTION in opts and attention_mask is not None and attention_mask is not opts[TREE_MASK_OPTION]:
+    if TREE_MASK_OPTION in opts and attention_mask is not None and not _is_tree_mask(attention_mask, opts[TREE_MASK_OPTION]):
         what = f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function a mask or bias "
@@ -111,6 +124,22 @@ def treepack_attention(
         return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
     out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _is_tree_mask(mask: Any, tree: Any) -> bool:
+    """``mask`` is the mask packed_forward built, or a detached alias of it (same storage,
+    shape, strides and dtype): reentrant checkpointing detaches a layer's tensor inputs
+    before the replay (GPT-2 passes its mask positionally)."""
+    if mask is tree:
+        return True
+    return (
+        isinstance(mask, torch.Tensor)
+        and isinstance(tree, torch.Tensor)
+        and mask.data_ptr() == tree.data_ptr()
+        and mask.shape == tree.shape
+        and mask.stride() == tree.stride()
+        and mask.dtype == tree.dtype
+    )
 
 
 def _tree(module, query, key, value, batch, ctx, opts, scaling, sliding_window, softcap, sinks) -> torch.Tensor:

@@ -89,7 +89,8 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     """Refuse, before compute, every layer of ``model`` that has no context-parallel path.
 
     Attention runs Ulysses (:mod:`treepack.trainer.hf.attention`); a kind of the layer
-    registry runs under CP only when its ``shard`` slot says how (none does yet).
+    registry runs under CP only when its ``shard`` slot says how, and only when that slot
+    does not refuse the module over ``cp_size`` ranks (e.g. heads that do not divide).
 
     Raises:
         UnsupportedModelError: naming each refused module's path, class and why.
@@ -97,8 +98,13 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     refusals = []
     for name, mod in model.named_modules():
         layer = handled_layer(mod)
-        if layer is not None and layer.shard is NOT_SHARDED:
+        if layer is None:
+            continue
+        if layer.shard is NOT_SHARDED:
             why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+        else:
+            why = layer.shard.refuse(mod, cp_size)
+        if why is not None:
             refusals.append((name, type(mod).__name__, why))
     if refusals:
         lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
