@@ -48,6 +48,7 @@ from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer.kernels.cp_attention import shard_mask
 
 __all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
@@ -85,11 +86,15 @@ def _check_args(backend: str, output: str) -> None:
         raise RequestError(f"output must be one of {OUTPUTS}, got {output!r}", path="$.output", rule="enum")
 
 
-def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
+def check_cp_layers(model: torch.nn.Module, cp_size: int, contiguous: bool = True) -> None:
     """Refuse, before compute, every layer of ``model`` that has no context-parallel path.
 
     Attention runs Ulysses (:mod:`treepack.trainer.hf.attention`); a kind of the layer
-    registry runs under CP only when its ``shard`` slot says how (none does yet).
+    registry runs under CP only when its ``shard`` slot says how, and only when that slot
+    does not refuse the module over ``cp_size`` ranks (e.g. heads that do not divide).
+    The mixers' layout puts the ranks' shards end to end as whole rows, so with a split
+    that is not contiguous (``contiguous=False``: the all-gather plan's tiles) every kind of
+    the registry is refused.
 
     Raises:
         UnsupportedModelError: naming each refused module's path, class and why.
@@ -97,8 +102,15 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     refusals = []
     for name, mod in model.named_modules():
         layer = handled_layer(mod)
-        if layer is not None and layer.shard is NOT_SHARDED:
+        if layer is None:
+            continue
+        if not contiguous:
+            why = f"layer kind {layer.kind!r} runs under CP on contiguous shards only; this plan's split is balanced for all-gather (plan with cp_attention 'auto' or 'ulysses')"
+        elif layer.shard is NOT_SHARDED:
             why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+        else:
+            why = layer.shard.refuse(mod, cp_size)
+        if why is not None:
             refusals.append((name, type(mod).__name__, why))
     if refusals:
         lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
@@ -107,6 +119,8 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
 
 def _mask(batch: PackedBatch, backend: str) -> Any:
     if batch.cp is not None:
+        if batch.cp_strategy == "allgather":
+            return shard_mask(batch, backend)  # this shard's queries over the whole key axis
         batch = batch.cp_full  # Ulysses attention runs whole rows
     if backend == "sdpa":
         return batch.dense_mask()
@@ -170,7 +184,7 @@ def packed_forward(
     hf = unwrap_model(model)
     check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
     if batch.cp is not None:
-        check_cp_layers(hf, batch.cp.size)
+        check_cp_layers(hf, batch.cp.size, batch.plan.ranks.contiguous)
     enable_tree_attention(hf, patch_layers=patch_layers)
     if verify:
         verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
