@@ -70,15 +70,17 @@ test-triton: venv-triton
 
 # A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
 # verl on CPU (tests/verl_engine). verl pinned to the release the engine was checked against; no
-# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no
-# extras at all: the tests drive the engine, not the Ray workers (whose module would also
-# want uvicorn and fastapi). Measured: about 1.9 GB, 13 min on a loaded 2-core machine.
+# TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no verl
+# extras: only uvicorn and fastapi, which verl's worker module (TrainingWorker, driven
+# in-process by the tests, no Ray) imports. No flash-linear-attention, mamba or
+# causal-conv1d kernels: stock verl runs the hybrid models on transformers' torch paths.
+# Measured: about 1.9 GB, 13.5 min on a 2-core machine under load (load average 12).
 # Built once, as venv-triton (a stamp, --no-compile).
 # Never in .venv: the main run does not collect tests/verl_engine; here (CI=1) a missing verl fails.
 VVENV ?= .venv-verl
 VBIN := $(VVENV)/bin
 VPIP := $(VBIN)/python -m pip -q --disable-pip-version-check
-VERL_PKGS := verl==0.9.1
+VERL_PKGS := verl==0.9.1 uvicorn fastapi
 
 $(VBIN)/python:
 	$(PY) -m venv $(VVENV)

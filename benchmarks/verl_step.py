@@ -3,11 +3,17 @@
 verl 0.9.1's ``FSDPEngineWithLMHead`` and the treepack engine, FSDP2 on one CPU gloo rank
 (the test suite's CPU shim, ``tests/verl_engine/cpu_shim.py``), fp32, a random Qwen2, one GRPO
 mini-batch: G prompts of about P tokens, 8 responses each of at most R tokens, micro-batches
-of one group (8 sequences). Both engines start from the same checkpoint; each update is
-undone before the next repeat. Prints a markdown row: median times (min-max), the ratio, and
-the token ratio (tokens of the sequences / tokens the tree rows hold).
+of one group (8 sequences). Both engines start from the same checkpoint and are built before
+any timing; the repeats interleave the two engines (the order alternates), after one warm-up
+update each; each update is undone before the next. Prints the 1-minute load average seen
+during the run and a markdown row: median times (min-max), the ratio, and the token ratio
+(tokens of the sequences / tokens the tree rows hold).
 
     .venv-verl/bin/python benchmarks/verl_step.py --groups 4 --prompt-len 384 --response-len 48
+
+The stock engine is timed in both of its layouts in the same run: remove-padding (verl's
+default: the micro-batch as one row) and padded (``use_remove_padding=False``: one row per
+sequence).
 """
 
 from __future__ import annotations
@@ -40,8 +46,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--padded", action="store_true", help="stock with use_remove_padding=False ([B, T] rows) instead of verl's default remove-padding")
+    ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -50,28 +55,37 @@ def main() -> None:
     cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 32, num_key_value_heads=max(1, a.hidden // 64), max_position_embeddings=4096)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     n = 8
-    batch = lambda: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=not a.padded, micro=n, global_batch_size=a.groups * n)  # noqa: E731
-    times: dict[str, list[float]] = {}
+    batch = lambda rmpad: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=rmpad, micro=n, global_batch_size=a.groups * n)  # noqa: E731
+    stock, tree = build(FSDPEngineWithLMHead, path=path), build(TreepackFSDPEngine, path=path)
+    # name -> (engine, use_remove_padding); the treepack engine packs whatever the flag says.
+    engines = {"stock remove-padding": (stock, True), "stock padded": (stock, False), "treepack": (tree, True)}
+    start = {id(e): params(e) for e in (stock, tree)}
+    times: dict[str, list[float]] = {k: [] for k in engines}
     saved = []
-    for name, cls in (("stock", FSDPEngineWithLMHead), ("treepack", TreepackFSDPEngine)):
-        eng = build(cls, path=path)
-        start = params(eng)
-        for _ in range(a.repeats + 1):  # the first run warms up
-            td = batch()
+    loads = []
+    for rep in range(a.repeats + 1):  # repeat 0 warms both up; the order alternates per repeat
+        order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            eng, rmpad = engines[name]
+            td = batch(rmpad)
+            loads.append(os.getloadavg()[0])
             t0 = time.perf_counter()
             with eng.train_mode():
                 out = eng.train_batch(td, loss_function=loss_fn("token-mean"))
-            times.setdefault(name, []).append(time.perf_counter() - t0)
-            restore(eng, start)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+            restore(eng, start[id(eng)])
             if name == "treepack":
                 saved = out["metrics"]["treepack/saved_fraction"].values
-        times[name] = times[name][1:]
     med = {k: statistics.median(v) for k, v in times.items()}
     token_ratio = 1 / (1 - statistics.mean(saved))
     cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
-    print("| shape | stock | treepack | stock / treepack | token ratio |")
+    print(f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print(f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, vocab {a.vocab}; {a.repeats} repeats")
+    print("| stock layout | stock | treepack | stock / treepack | token ratio |")
     print("| --- | --- | --- | --- | --- |")
-    print(f"| {'padded' if a.padded else 'remove-padding'}, {a.groups}x{n}, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden} | {cell('stock')} | {cell('treepack')} | {med['stock'] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
+    for k in ("stock remove-padding", "stock padded"):
+        print(f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | {med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
 
 
 if __name__ == "__main__":

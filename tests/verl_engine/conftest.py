@@ -30,8 +30,7 @@ def pytest_terminal_summary(terminalreporter):
     """The parity table of this run: max abs error per config (log-probs, entropies, update)."""
     import sys
 
-    mod = sys.modules.get("test_engine_parity")
-    rows = getattr(mod, "PARITY", [])
+    rows = getattr(sys.modules.get("engines"), "PARITY", [])
     if rows:
         terminalreporter.section("treepack vs stock verl (max abs error)")
         for name, lp, ent, grad in rows:

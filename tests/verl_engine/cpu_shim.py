@@ -39,6 +39,7 @@ class CPUPlatform(PlatformBase):
         mod.mem_get_info = lambda *a, **k: (1 << 34, 1 << 35)
         mod.is_available = lambda: True
         mod.current_device = lambda: 0
+        mod.get_device_name = lambda *a, **k: "CPU"  # the worker's MFU estimate looks the device up
         return mod
 
     def is_available(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -16,6 +17,9 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
 VOCAB = 64
+
+# The run's parity table (conftest prints it): (config, log-prob err, entropy err, update err).
+PARITY: list[tuple[str, float, float, float]] = []
 
 
 @functools.cache
@@ -30,13 +34,18 @@ def model_dir() -> str:
     return d
 
 
-def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSDPEngineWithLMHead:
-    """An initialized engine of class ``cls`` (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
-    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt)
+def configs(*, grad_ckpt: bool = False, path: str | None = None, **model: Any) -> dict[str, Any]:
+    """verl's four engine configs (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
+    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt, **model)
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, dtype="float32", model_dtype="fp32", mixed_precision=fp32, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2, max_token_len_per_gpu=160, infer_max_token_len_per_gpu=160)
     oc = FSDPOptimizerConfig(lr=1.0, optimizer="SGD", clip_grad=1e9, weight_decay=0.0, total_training_steps=10)
-    eng = cls(model_config=mc, engine_config=ec, optimizer_config=oc, checkpoint_config=CheckpointConfig())
+    return dict(model_config=mc, engine_config=ec, optimizer_config=oc, checkpoint_config=CheckpointConfig())
+
+
+def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSDPEngineWithLMHead:
+    """An initialized engine of class ``cls`` with :func:`configs`."""
+    eng = cls(**configs(grad_ckpt=grad_ckpt, path=path))
     eng.initialize()
     return eng
 
@@ -109,3 +118,27 @@ def restore(eng, saved: dict[str, torch.Tensor]) -> None:
         for k, p in eng.module.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             local.copy_(saved[k])
+
+
+def response_values(eng, td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``infer_batch`` log-probs and entropies at the response-mask positions (read back as verl's trainer does), and the metrics."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    with eng.eval_mode():
+        out = eng.infer_batch(td)
+    mo = out["model_output"]
+    m = td["response_mask"]
+    mask = (m.to_padded_tensor(0) if m.is_nested else m).bool()
+    return no_padding_2_padding(mo["log_probs"], td)[mask], no_padding_2_padding(mo["entropy"], td)[mask], out["metrics"]
+
+
+def update(eng, td: TensorDict, mode: str = "token-mean", *, undo: bool = True) -> dict[str, torch.Tensor]:
+    """The parameter update of one ``train_batch`` (SGD lr 1: the gradient), undone afterwards
+    when ``undo`` (:func:`restore` copies whole tensors: one rank only)."""
+    before = params(eng)
+    with eng.train_mode():
+        eng.train_batch(td, loss_function=loss_fn(mode))
+    after = params(eng)
+    if undo:
+        restore(eng, before)
+    return {k: before[k] - after[k] for k in before}
