@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.packed_batch import PackedBatch
@@ -164,13 +165,15 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
-    if batch.cp is not None:
-        check_cp_layers(hf, batch.cp.size)
-    enable_tree_attention(hf, patch_layers=patch_layers)
-    if verify:
-        verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
-    mask = _mask(batch, backend)
+    with record_function("treepack::walk"):
+        check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
+        if batch.cp is not None:
+            check_cp_layers(hf, batch.cp.size)
+        enable_tree_attention(hf, patch_layers=patch_layers)
+        if verify:
+            verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+    with record_function("treepack::metadata"):
+        mask = _mask(batch, backend)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,

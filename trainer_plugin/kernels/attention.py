@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.index import scatter_filled
@@ -245,17 +246,18 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
     fn = varlen_fn if varlen_fn is not None else _flash_varlen()
     K, H, L, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
-    qf = q.transpose(1, 2).reshape(K * L, H, D)
-    kf = k.transpose(1, 2).reshape(K * L, Hkv, D)
-    vf = v.transpose(1, 2).reshape(K * L, Hkv, Dv)
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     args = (meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
     kw = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=0.0 if softcap is None else float(softcap))
-    qg, kg = qf[meta.q_index], kf[meta.k_index]
+    with record_function("treepack::layout"):
+        qf = q.transpose(1, 2).reshape(K * L, H, D)
+        kf = k.transpose(1, 2).reshape(K * L, Hkv, D)
+        vf = v.transpose(1, 2).reshape(K * L, Hkv, Dv)
+        qg, kg, vg = qf[meta.q_index], kf[meta.k_index], vf[meta.k_index]
     if sinks is None:
-        out = fn(qg, kg, vf[meta.k_index], *args, **kw)
+        out = fn(qg, kg, vg, *args, **kw)
     else:
-        out, lse, _ = fn(qg, kg, vf[meta.k_index], *args, return_attn_probs=True, **kw)
+        out, lse, _ = fn(qg, kg, vg, *args, return_attn_probs=True, **kw)
         if tuple(lse.shape) != (H, qg.shape[0]):
             # Older flash-attn returned a padded [B, H, max_seqlen_q] LSE for varlen calls.
             raise RequestError(
@@ -266,6 +268,13 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
             )
         lse = _differentiable_lse(fn, qg, kg, lse, args, kw, scale)
         out = (out.float() * _sink_factor(lse, sinks, 0).transpose(0, 1)[..., None]).to(out.dtype)
+    with record_function("treepack::layout"):
+        return _scatter_rows(out, qf, kf, vf, meta, sinks, scale, K, L)
+
+
+def _scatter_rows(out, qf, kf, vf, meta, sinks, scale, K, L):
+    """[K, H, L, Dv] rows from the kernel's [Tq, H, Dv] output, padding tokens attending themselves."""
+    H, Hkv, Dv = qf.shape[1], kf.shape[1], vf.shape[-1]
     # NaN first so that a position the kernel did not write shows up.
     res = scatter_filled(out, meta.q_index, K * L)
     # A padding token attends only itself: its output is its own value (times its sink factor).
