@@ -43,6 +43,7 @@ from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_laye
 from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
+from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
@@ -100,6 +101,20 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     if refusals:
         lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
         raise UnsupportedModelError(f"context parallelism over {cp_size} ranks refused: {lines}", rule="cp_unsupported_layer", refusals=tuple(refusals))
+
+
+def _kwargs_key(kwargs: dict) -> tuple:
+    """The model-call keyword arguments as a walk's setup key (values that are not plain: by type)."""
+    return tuple(sorted((k, v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__) for k, v in kwargs.items()))
+
+
+def _numerics(hf: torch.nn.Module) -> tuple:
+    """What a probe depends on beyond the model's modules: dtype and device of its
+    parameters, gradient mode, autocast (:func:`~treepack.trainer.hf.probe.probe_signature`)."""
+    p = next(hf.parameters(), None)
+    dev = p.device.type if p is not None else "cpu"
+    autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+    return (str(p.dtype) if p is not None else "", str(p.device) if p is not None else "", torch.is_grad_enabled(), autocast)
 
 
 def _mask(batch: PackedBatch, backend: str) -> Any:
@@ -165,13 +180,26 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
+    conv_width = batch.plan.gdn.conv_width
     with record_function("treepack::walk"):
-        check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
-        if batch.cp is not None:
-            check_cp_layers(hf, batch.cp.size)
-        enable_tree_attention(hf, patch_layers=patch_layers)
-        if verify:
-            verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+        # The walk once per model state and setup (treepack.trainer.hf.walk_cache): a model
+        # changed since (hooks, patches, modules, modes, config) is walked, and judged, again.
+        state = fingerprint(hf)
+        setup = ("check", backend, output, bool(patch_layers), batch.plan.seq_len, conv_width, bool(allow_dropout), batch.cp.size if batch.cp is not None else 0, _kwargs_key(kwargs))
+        if not walked(hf, setup, state):
+            check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=conv_width, allow_dropout=allow_dropout, **kwargs)
+            if batch.cp is not None:
+                check_cp_layers(hf, batch.cp.size)
+            enable_tree_attention(hf, patch_layers=patch_layers)
+            remember_walk(hf, setup)
+            state = None
+        probed = ("probe", backend, bool(patch_layers), conv_width, bool(allow_dropout), *_numerics(hf))
+        if verify and not walked(hf, probed, state):
+            verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+            # The probe's own recording hooks, registered and removed, moved torch's hook
+            # count: the model is the one just walked.
+            remember_walk(hf, setup)
+            remember_walk(hf, probed)
     with record_function("treepack::metadata"):
         mask = _mask(batch, backend)
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
