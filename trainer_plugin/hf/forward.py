@@ -43,7 +43,7 @@ from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_laye
 from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
-from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walked
+from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walk_info, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
@@ -117,9 +117,14 @@ def _numerics(hf: torch.nn.Module) -> tuple:
     return (str(p.dtype) if p is not None else "", str(p.device) if p is not None else "", torch.is_grad_enabled(), autocast)
 
 
-def _mask(batch: PackedBatch, backend: str) -> Any:
+def _mask(batch: PackedBatch, backend: str, scans: bool = False) -> Any:
+    """The attention mask handed to the model; builds, before the first layer runs, every
+    plan-derived structure the layers read (varlen metadata, with ``scans`` the tree schedule
+    of the recurrent / conv layers), once per batch and on the batch's device."""
     if batch.cp is not None:
         batch = batch.cp_full  # Ulysses attention runs whole rows
+    elif scans:
+        batch.tree_schedule()
     if backend == "sdpa":
         return batch.dense_mask()
     if backend == "flex":
@@ -191,17 +196,18 @@ def packed_forward(
             if batch.cp is not None:
                 check_cp_layers(hf, batch.cp.size)
             enable_tree_attention(hf, patch_layers=patch_layers)
-            remember_walk(hf, setup)
+            # Whether layers of the registry read the rows' tree schedule (built before the forward).
+            remember_walk(hf, setup, info=bool(patch_layers) and any(handled_layer(m) is not None for m in hf.modules()))
             state = None
         probed = ("probe", backend, bool(patch_layers), conv_width, bool(allow_dropout), *_numerics(hf))
         if verify and not walked(hf, probed, state):
             verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
             # The probe's own recording hooks, registered and removed, moved torch's hook
             # count: the model is the one just walked.
-            remember_walk(hf, setup)
+            remember_walk(hf, setup, info=walk_info(hf, setup))
             remember_walk(hf, probed)
     with record_function("treepack::metadata"):
-        mask = _mask(batch, backend)
+        mask = _mask(batch, backend, scans=bool(walk_info(hf, setup)))
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,

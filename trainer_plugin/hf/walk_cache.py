@@ -33,11 +33,11 @@ from torch.utils.hooks import RemovableHandle
 from treepack.trainer.hf.guards import DROPOUT_NAME
 from treepack.trainer.hf.layers import registered
 
-__all__ = ["model_state", "fingerprint", "walked", "remember_walk", "forget_walks"]
+__all__ = ["model_state", "fingerprint", "walked", "walk_info", "remember_walk", "forget_walks"]
 
 _CONFIG_ATTRS = ("text_config", "decoder", "language_config", "llm_config")
-# model -> (dropout-like attributes watched, {setup key: fingerprint after the walk})
-_WALKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple]]]" = weakref.WeakKeyDictionary()
+# model -> (dropout-like attributes watched, {setup key: (fingerprint after the walk, info)})
+_WALKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]]" = weakref.WeakKeyDictionary()
 
 
 def _frozen(v: Any) -> Any:
@@ -106,15 +106,22 @@ def walked(model: torch.nn.Module, setup: tuple, state: tuple | None) -> bool:
     """Whether ``model`` passed the walk of ``setup`` and its :func:`fingerprint` ``state`` is
     the one it had after that walk (nothing it depends on changed since)."""
     entry = _WALKED.get(model)
-    return state is not None and entry is not None and entry[1].get(setup) == state
+    return state is not None and entry is not None and setup in entry[1] and entry[1][setup][0] == state
 
 
-def remember_walk(model: torch.nn.Module, setup: tuple) -> None:
-    """Record that ``model``, as it is now, passed the walk of ``setup``."""
+def walk_info(model: torch.nn.Module, setup: tuple) -> Any:
+    """What :func:`remember_walk` kept with ``model``'s walk of ``setup`` (None if none)."""
+    entry = _WALKED.get(model)
+    return None if entry is None or setup not in entry[1] else entry[1][setup][1]
+
+
+def remember_walk(model: torch.nn.Module, setup: tuple, info: Any = None) -> None:
+    """Record that ``model``, as it is now, passed the walk of ``setup`` (``info``: what the
+    walk found that later calls need, :func:`walk_info`)."""
     entry = _WALKED.get(model)
     watched = _dropout_attrs(model)
     states = entry[1] if entry is not None and entry[0] == watched else {}
-    states[setup] = model_state(model, watched)
+    states[setup] = (model_state(model, watched), info)
     _WALKED[model] = (watched, states)
 
 
