@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check on a lent, offline GPU machine, in one call: install the wheels that
+# The GPU check on an offline GPU machine (no package index), in one call: install the wheels that
 # benchmarks/gpu_wheels.sh put in .whl/ (carry it), then run benchmarks/gpu_check.py
 # with its report in $OUT (the folder that comes back). See BENCHMARKS.md.
 set -euo pipefail

@@ -24,7 +24,7 @@ Times are CUDA events, median of ``--iters`` after ``--warmup``; peak memory fro
 checked against its unpacked output (bf16 tolerance), and the fla kernel against the
 torch reference on a small varlen input with forked initial states.
 
-On a lent device (fla is not installed there; carry its wheels, see the device notes):
+On an offline GPU machine without fla (bring its wheels: benchmarks/gpu_wheels.sh):
 ``pip install --no-deps --no-build-isolation -e . && python benchmarks/gpu_gdn.py --json $OUT/gdn.json``.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the GPU check needs on a lent GPU machine that cannot reach a package index
+# Wheels the GPU check needs on a GPU machine that cannot reach a package index
 # (its image has CUDA torch, triton, transformers, numpy, msgpack; not these). Run here,
 # in the repository root; it fills .whl/ (ignored by git) for Python 3.12 on x86-64:
 #   treepack itself, pydantic (+ its needs), fla-core + flash-linear-attention 0.6.0,

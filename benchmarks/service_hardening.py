@@ -3,7 +3,7 @@
 Loopback only: each case starts ``python -m treepack.service`` on 127.0.0.1 (a free port,
 no history) and stops it. Bounded: every request has a timeout, reported as ``> N s``
 when it runs out. ``--pythonpath DIR`` runs the server from another build (put first on
-``PYTHONPATH``) to compare before and after in one session.
+``PYTHONPATH``) to compare before and after in one run.
 
 1. **Decoding memory**: peak resident memory (``VmHWM``) the server gains answering one
    adversarial body: a msgpack pack whose unknown field holds N MiB of empty maps, and a
