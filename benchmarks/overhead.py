@@ -99,16 +99,18 @@ def breakdown(events) -> dict[str, float]:
     return {c: ms.get(c, 0.0) for c in CATEGORIES}
 
 
-def one_round(model, case, plan, backend: str, now=time.perf_counter) -> dict:
+def one_round(model, case, plan, backend: str, now=time.perf_counter, plain: bool = True) -> dict:
     kw = dict(trainable=case["trainable"], groups=case["groups"])
     t0 = time.perf_counter()
     batch = materialize(plan, case["sequences"], **kw)
     t_mat = time.perf_counter() - t0
-    model.zero_grad(set_to_none=True)
-    t0 = now()
-    step(model, batch, backend)
-    t_step = now() - t0
-    batch = materialize(plan, case["sequences"], **kw)
+    t_step = float("nan")
+    if plain:
+        model.zero_grad(set_to_none=True)
+        t0 = now()
+        step(model, batch, backend)
+        t_step = now() - t0
+        batch = materialize(plan, case["sequences"], **kw)
     model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def one_round(model, case, plan, backend: str, now=time.perf_counter) -> dict:
     return dict(step_ms=t_step * 1e3, profiled_ms=t_prof * 1e3, materialize_ms=t_mat * 1e3, **{f"{c}_ms": v for c, v in parts.items()}, ours_ms=ours, share=ours / (t_prof * 1e3))
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants: list[str], clock: str = "wall") -> dict:
+def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants: list[str], clock: str = "wall", plain: bool = True) -> dict:
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers)
     kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
@@ -128,11 +130,11 @@ def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants:
         validate_plan(p, case["sequences"], trainable=case["trainable"])
     setups = {v: (plans[v.split("/")[0]], "flash" if v.split("/")[1] == "varlen" else v.split("/")[1]) for v in variants}
     for plan, backend in setups.values():  # warm-up: the first call of a setup probes it
-        one_round(model, case, plan, backend, CLOCK[clock])
+        one_round(model, case, plan, backend, CLOCK[clock], plain)
     seen: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v, (plan, backend) in setups.items():
-            seen[v].append(one_round(model, case, plan, backend, CLOCK[clock]))
+            seen[v].append(one_round(model, case, plan, backend, CLOCK[clock], plain))
     results = []
     for v, rs in seen.items():
         row = dict(variant=v, rows=int(plans[v.split("/")[0]].num_rows))
@@ -140,7 +142,7 @@ def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants:
             xs = [r[key] for r in rs]
             med = statistics.median(xs)
             row[key] = med
-            row[key + "_spread"] = (max(xs) - min(xs)) / med if med else 0.0
+            row[key + "_spread"] = (max(xs) - min(xs)) / med if med == med and med else 0.0
         results.append(row)
     return dict(machine=machine(), scale=scale, seq_len=case["seq_len"], model=dict(hidden=hidden, layers=layers, vocab=vocab), rounds=rounds, clock=clock, results=results)
 
@@ -149,13 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
     def extra(ap):
         ap.add_argument("--rounds", type=int, default=5)
         ap.add_argument("--variants", default="tree/varlen,tree/sdpa", help="comma-separated layout/backend pairs (tree|no_share / varlen|sdpa)")
+        ap.add_argument("--no-plain", action="store_true", help="profiled steps only (half the time; no unprofiled step time)")
 
     args = workload_args(__doc__.splitlines()[0], argv, extra)
     if args.smoke:
         args.rounds = 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = run(args.scale, args.hidden, args.layers, args.vocab, args.rounds, args.variants.split(","), args.clock)
+    out = run(args.scale, args.hidden, args.layers, args.vocab, args.rounds, args.variants.split(","), args.clock, not args.no_plain)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out["load_average"] = load
     print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.rounds} rounds (spread), step clock {args.clock}, load {load:.1f}")

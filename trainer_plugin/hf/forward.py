@@ -153,6 +153,11 @@ def packed_forward(
     The first call for a setup (model, backend, train/eval, gradient checkpointing, dtype,
     device) first proves packing exact on a small probe batch against every sequence alone,
     forward and gradients (:mod:`treepack.trainer.hf.probe`); later calls of that setup skip it.
+    The model walk (the support check, the guards, the dispatch hooks and layer patches) runs
+    once per model state: a later call on a model changed in anything the guards read (a
+    hook, a patch, a module, the mode, dropout, the config) walks and judges it again
+    (:mod:`treepack.trainer.hf.walk_cache`). Every plan-derived structure the layers read
+    (mask, varlen metadata, tree schedule) is built once per batch, before the first layer.
 
     Args:
         model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
