@@ -31,21 +31,21 @@ rounds are reported.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_train_step import CLOCK, VARLEN, build_model, machine, workload_args  # noqa: E402
-from golden_scaled import scaled_golden  # noqa: E402
+from cpu_train_step import CLOCK, VARLEN, build_model, golden_plans, machine, workload_args  # noqa: E402
 
-from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize  # noqa: E402
 from treepack.trainer.hf import packed_forward  # noqa: E402
 from treepack.trainer.losses import sft_loss  # noqa: E402
@@ -122,12 +122,8 @@ def one_round(model, case, plan, backend: str, now=time.perf_counter, plain: boo
 
 
 def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants: list[str], clock: str = "wall", plain: bool = True) -> dict:
-    case = scaled_golden(scale, vocab=vocab)
+    case, plans = golden_plans(scale, vocab)
     model = build_model(vocab, hidden, layers)
-    kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
-    plans = {"tree": plan_batch(case["sequences"], placement="auto", **kw), "no_share": plan_batch(case["sequences"], placement="no_share", **kw)}
-    for p in plans.values():
-        validate_plan(p, case["sequences"], trainable=case["trainable"])
     setups = {v: (plans[v.split("/")[0]], "flash" if v.split("/")[1] == "varlen" else v.split("/")[1]) for v in variants}
     for plan, backend in setups.values():  # warm-up: the first call of a setup probes it
         one_round(model, case, plan, backend, CLOCK[clock], plain)
@@ -171,10 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['dispatch_ms']:.1f} | **{r['share']:.1%}** ({r['share_spread']:.0%}) | {r['loss_ms']:.1f} | {r['materialize_ms']:.1f} |"
         )
     if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return out
 
 
