@@ -143,17 +143,43 @@ def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants:
     return dict(machine=machine(), scale=scale, seq_len=case["seq_len"], model=dict(hidden=hidden, layers=layers, vocab=vocab), rounds=rounds, clock=clock, results=results)
 
 
+def walk_costs(depths: list[int], calls: int, scale: int, vocab: int) -> list[dict]:
+    """Per packed call, the ``walk`` range alone (median over ``calls`` calls after a warm
+    one, forward only, no gradients) of a hidden-64 Qwen3 at each depth: what a call costs
+    the host before the model runs, whatever the model's width."""
+    case, plans = golden_plans(scale, vocab)
+    batch = materialize(plans["tree"], case["sequences"], trainable=case["trainable"], groups=case["groups"])
+    out = []
+    for n in depths:
+        model = build_model(vocab, 64, n)
+        with torch.no_grad():
+            packed_forward(model, batch, backend="flash", varlen_fn=VARLEN["batched"])
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(calls):
+                    packed_forward(model, batch, backend="flash", varlen_fn=VARLEN["batched"])
+        ms = sorted(e.cpu_time_total / 1e3 for e in prof.events() if e.name == PREFIX + "walk")
+        out.append(dict(layers=n, calls=len(ms), walk_ms=statistics.median(ms), walk_ms_min=ms[0], walk_ms_max=ms[-1]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     def extra(ap):
         ap.add_argument("--rounds", type=int, default=5)
         ap.add_argument("--variants", default="tree/varlen,tree/sdpa", help="comma-separated layout/backend pairs (tree|no_share / varlen|sdpa)")
         ap.add_argument("--no-plain", action="store_true", help="profiled steps only (half the time; no unprofiled step time)")
+        ap.add_argument("--walk-depths", metavar="N,N", help="instead: the per-call model walk of hidden-64 Qwen3s this deep (e.g. 4,32,64)")
 
     args = workload_args(__doc__.splitlines()[0], argv, extra)
     if args.smoke:
         args.rounds = 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.walk_depths:
+        walks = walk_costs([int(x) for x in args.walk_depths.split(",")], 21 if not args.smoke else 3, args.scale, args.vocab)
+        print("| layers | walk per call, ms (median) | min | max |\n|---:|---:|---:|---:|")
+        for w in walks:
+            print(f"| {w['layers']} | {w['walk_ms']:.2f} | {w['walk_ms_min']:.2f} | {w['walk_ms_max']:.2f} |")
+        return dict(machine=machine(), walks=walks)
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.rounds, args.variants.split(","), args.clock, not args.no_plain)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out["load_average"] = load
