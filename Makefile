@@ -50,13 +50,19 @@ TRITON_PKGS := triton==3.8.0 fla-core==0.6.0 flash-linear-attention==0.6.0 einop
 $(TBIN)/python:
 	$(PY) -m venv $(TVENV)
 
-venv-triton: $(TBIN)/python
-	$(TPIP) install $(TORCH_PIP)
-	$(TPIP) install $(TRITON_PKGS) wheel packaging ninja
-	$(TPIP) install -e ".[trainer,test]"
+# Built once: the stamp $(TVENV)/.built marks a finished install (redone when the Makefile or
+# pyproject.toml is newer), so .ci/run builds this env in the background while `make test`
+# runs and `make test-triton` then only runs the tests. --no-compile: Python compiles what
+# the tests import on first import instead of every module of every package at install.
+venv-triton: $(TVENV)/.built
+$(TVENV)/.built: Makefile pyproject.toml | $(TBIN)/python
+	$(TPIP) install --no-compile $(TORCH_PIP)
+	$(TPIP) install --no-compile $(TRITON_PKGS) wheel packaging ninja
+	$(TPIP) install --no-compile -e ".[trainer,test]"
 	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
-		$(TPIP) install --no-build-isolation --no-deps causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
+		$(TPIP) install --no-compile --no-build-isolation --no-deps causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
 	$(TBIN)/python -c "import torch, sys; sys.exit('.venv-triton must hold the CPU torch, got ' + torch.__version__) if torch.version.cuda else None"
+	touch $@
 
 # The project's GPU wrappers on the Triton kernels, run on CPU by the interpreter.
 test-triton: venv-triton
@@ -67,6 +73,7 @@ test-triton: venv-triton
 # TRL extra (verl's own `fsdp` extra pins a TRL that conflicts with treepack's) and no
 # extras at all: the tests drive the engine, not the Ray workers (whose module would also
 # want uvicorn and fastapi). Measured: about 1.9 GB, 13 min on a loaded 2-core machine.
+# Built once, as venv-triton (a stamp, --no-compile).
 # Never in .venv: the main run does not collect tests/verl_engine; here (CI=1) a missing verl fails.
 VVENV ?= .venv-verl
 VBIN := $(VVENV)/bin
@@ -76,10 +83,12 @@ VERL_PKGS := verl==0.9.1
 $(VBIN)/python:
 	$(PY) -m venv $(VVENV)
 
-venv-verl: $(VBIN)/python
-	$(VPIP) install $(TORCH_PIP)
-	$(VPIP) install $(VERL_PKGS) $(TORCH)
-	$(VPIP) install -e ".[trainer,test]" $(TORCH)
+venv-verl: $(VVENV)/.built
+$(VVENV)/.built: Makefile pyproject.toml | $(VBIN)/python
+	$(VPIP) install --no-compile $(TORCH_PIP)
+	$(VPIP) install --no-compile $(VERL_PKGS) $(TORCH)
+	$(VPIP) install --no-compile -e ".[trainer,test]" $(TORCH)
+	touch $@
 
 test-verl: venv-verl
 	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl_engine
@@ -114,4 +123,4 @@ bench: venv
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) .venv-build build dist *.egg-info .pytest_cache .hypothesis

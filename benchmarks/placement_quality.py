@@ -5,6 +5,8 @@ Usage:
     python benchmarks/placement_quality.py quality [--per-family 36] [--node-limit 50000]
     python benchmarks/placement_quality.py scaling [--groups 3072 7680 30720]
     python benchmarks/placement_quality.py sharing
+    python benchmarks/placement_quality.py hard [--seeds 16] [--node-limit 50000]
+    python benchmarks/placement_quality.py budget [--repeats 3]
 
 ``quality`` plans small and medium instances (realistic GRPO curriculum, agentic,
 distillation, SFT and the golden example at reduced row sizes, plus adversarial ones: leaves
@@ -18,6 +20,20 @@ proven when every smaller row count was refuted within the node limit.
 batch has ~267k completions and ~1.0G tokens, ~4.4 GB of memory) and prints the phase
 times and the ratios the issue sets targets for, measured in the same run: ``auto``
 placement / ``bfd`` placement, and ``auto``'s whole ``plan_batch`` / its own tree build.
+
+``hard`` runs the classes where 12-row neighbourhoods of light rows are not enough
+(``tests/helpers/hard_instances.py``: cross-tree sharing, agent trees with deep chains, GRPO
+with 80+ completions, random trees) at three sizes (7-12, 19-24 and 31-36 leaves; GRPO
+80-130 and 120-170) against the exact optimum, with ``auto`` at the default repair budget
+(10 ms), at 1,000 ms (what a cost model buys a row of seconds), and at 1,000 ms without the
+wide levels (``narrow``: 12-row neighbourhoods of light rows only, the repair pass before it
+learned to widen); planning ms are ``place_leaves`` CPU times of the planning thread
+(``time.thread_time``, what the repair budget counts too), median and max.
+
+``budget`` plans the realistic workloads (the curriculum at 768 groups, agentic at 256
+tasks, distillation at 512 sources, the golden example; C = 131,072) with ``auto`` at
+repair budgets of 10 ms (the default) and 1,000 ms (a cost model's cap): rows, bound, and
+``plan_normalized``'s CPU ms (median, min-max of ``--repeats``) and the repair pass's share.
 
 ``sharing`` compares rule 4 (``min_shared_len``) with the sharing-by-saving option on the
 curriculum and on a short-question GRPO batch: rows, tree and packed tokens, segments and
@@ -35,6 +51,9 @@ from collections import Counter
 
 import numpy as np
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
+
+from helpers.hard_instances import HARD_FAMILIES, hard_instance  # noqa: E402
 from treepack.proto.batch import normalize_batch
 from treepack.service.cli import workloads as W
 from treepack.service.planner.api import plan_normalized
@@ -122,6 +141,66 @@ def quality(per_family: int, node_limit: int) -> dict:
     print(f"unproven: {sum(not r['proven'] for r in rows)} (auto - best found: {dict(Counter(r['auto'] - r['opt'] for r in rows if not r['proven']))})")
     print(f"leaves per instance: {min(r['leaves'] for r in rows)}-{max(r['leaves'] for r in rows)}; total {time.perf_counter() - t_start:.1f}s")
     return dict(rows=rows)
+
+
+def hard(seeds: int, node_limit: int) -> dict:
+    from treepack.service.planner import repair  # noqa: PLC0415
+
+    rows = []
+    t_start = time.perf_counter()
+    for family in HARD_FAMILIES:
+        for size in (0, 1) if family == "grpo" else (0, 1, 2):
+            for seed in range(seeds):
+                kw = hard_instance(family, seed, size)
+                batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw["trainable"], groups=kw["groups"])
+                tree = build_tree(batch, kw["min_shared_len"])
+                C = kw["seq_len"]
+                bound = lower_bound_rows(tree, C)
+                rec = dict(family=family, size=size, seed=seed, leaves=len(kw["sequences"]), bound=bound, bfd=place_leaves(tree, batch, C, "bfd").num_rows)
+                levels = getattr(repair, "LEVELS", ())
+                for label, budget, lv in (("auto", 10.0, levels), ("auto1000", 1000.0, levels), ("narrow1000", 1000.0, tuple(x for x in levels if x[0] <= repair.MAX_ROWS))):
+                    saved = levels
+                    if levels:
+                        repair.LEVELS = lv
+                    t = time.thread_time()
+                    rec[label] = place_leaves(tree, batch, C, "auto", bound=bound, repair_ms=budget).num_rows
+                    rec[label + "_ms"] = (time.thread_time() - t) * 1e3
+                    if levels:
+                        repair.LEVELS = saved
+                best = min(rec["auto"], rec["auto1000"], rec["narrow1000"])
+                rec["opt"], rec["proven"] = exact_min_rows(tree, C, bound, best, node_limit=node_limit)
+                rows.append(rec)
+    print(f"{'class':9s} {'n':>3s} {'leaves':>7s} {'proven':>6s} {'auto=opt':>8s} {'auto 1s=opt':>11s} {'narrow 1s=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'auto>bfd':>8s} {'auto CPU ms':>12s} {'auto 1s CPU ms':>14s}")
+    keys = sorted({(r["family"], r["size"]) for r in rows}, key=lambda k: (HARD_FAMILIES.index(k[0]), k[1]))
+    for key in keys + [("all", -1)]:
+        g = [r for r in rows if key[0] == "all" or (r["family"], r["size"]) == key]
+        p = [r for r in g if r["proven"]]
+        n_opt = lambda k: sum(r[k] == r["opt"] for r in p)  # noqa: E731
+        ms = lambda k: f"{np.median([r[k + '_ms'] for r in g]):5.1f}/{max(r[k + '_ms'] for r in g):6.1f}"  # noqa: E731
+        name = "all" if key[0] == "all" else f"{key[0]}-{key[1]}"
+        lv = f"{min(r['leaves'] for r in g)}-{max(r['leaves'] for r in g)}"
+        print(f"{name:9s} {len(g):3d} {lv:>7s} {len(p):6d} {n_opt('auto'):8d} {n_opt('auto1000'):11d} {n_opt('narrow1000'):13d} {n_opt('bfd'):7d} {n_opt('bound'):9d} "
+              f"{sum(r['auto'] > r['bfd'] or r['auto1000'] > r['bfd'] for r in g):8d} {ms('auto'):>12s} {ms('auto1000'):>14s}")
+    print(f"total {time.perf_counter() - t_start:.1f}s")
+    return dict(rows=rows)
+
+
+def budget(repeats: int) -> dict:
+    out = []
+    print(f"{'workload':18s} {'budget':>6s} {'rows':>5s} {'bound':>5s} {'plan CPU ms (median, min-max)':>30s} {'repair ms':>9s}")
+    for w in (W.curriculum(768), W.agentic(256), W.distillation(512), W.golden_example()):
+        batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
+        for ms in (10.0, 1000.0):
+            cpu, rep = [], []
+            for _ in range(repeats):
+                t = time.thread_time()
+                plan = plan_normalized(batch, seq_len=w.seq_len, placement="auto", repair_ms=ms)
+                cpu.append((time.thread_time() - t) * 1e3)
+                rep.append(plan.stats.timings_ms["repair"])
+            rec = dict(workload=w.name, budget=ms, rows=plan.num_rows, bound=plan.stats.lower_bound_rows, cpu_ms=cpu, repair_ms=rep)
+            out.append(rec)
+            print(f"{w.name:18s} {ms:6.0f} {plan.num_rows:5d} {rec['bound']:5d} {np.median(cpu):14.1f} ({min(cpu):.1f}-{max(cpu):.1f}) {np.median(rep):9.1f}", flush=True)
+    return dict(budget=out)
 
 
 def scaling(groups: list[int]) -> dict:
@@ -242,6 +321,11 @@ def main() -> None:
     s = sub.add_parser("scaling")
     s.add_argument("--groups", type=int, nargs="+", default=[3072, 7680, 30720])
     sub.add_parser("sharing")
+    b = sub.add_parser("budget")
+    b.add_argument("--repeats", type=int, default=3)
+    h = sub.add_parser("hard")
+    h.add_argument("--seeds", type=int, default=16)
+    h.add_argument("--node-limit", type=int, default=50_000)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.processor() or platform.machine()}  python {platform.python_version()}  {' '.join(sys.argv)}")
@@ -249,6 +333,10 @@ def main() -> None:
         res = quality(args.per_family, args.node_limit)
     elif args.what == "scaling":
         res = scaling(args.groups)
+    elif args.what == "budget":
+        res = budget(args.repeats)
+    elif args.what == "hard":
+        res = hard(args.seeds, args.node_limit)
     else:
         res = sharing()
     if args.json:

@@ -221,6 +221,16 @@ class CostModel:
         f = self.features(plan)
         return {t: float(c) for t, c in zip(self.terms, f * self._coef())}
 
+    def row_ms(self, seq_len: int) -> float:
+        """Predicted ms one more row of ``seq_len`` positions adds to a step, all else equal:
+        its ``rows`` and ``positions`` terms and, for ``sdpa``, its dense [C, C] attention
+        pairs (the tokens, segments and visible pairs stay where they are). What a row is
+        worth to the planner's repair pass."""
+        c = self.coefficients
+        C = float(seq_len)
+        dense = float(c["attention_pairs"]) * C * C if self.backend == "sdpa" else 0.0
+        return float(c["rows"]) + float(c["positions"]) * C + dense
+
     def predict_ms(self, plan: Plan) -> float:
         """Predicted forward+backward time of ``plan``, milliseconds."""
         return float(self.features(plan) @ self._coef())

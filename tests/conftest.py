@@ -58,15 +58,28 @@ def _validate_every_plan(monkeypatch):
     yield
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (``make test`` runs two workers) each worker hands its count back."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["validated_plans"] = VALIDATED["plans"]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    VALIDATED["plans"] += getattr(node, "workeroutput", {}).get("validated_plans", 0)
+
+
 def pytest_terminal_summary(terminalreporter):
     if VALIDATED["plans"]:
         terminalreporter.write_line(f"validate_plan ran on {VALIDATED['plans']} plans made by the tests")
-    # Every skip, counted by reason, on one line: a skip is a test that did not run.
+    # Every skip, counted by reason, on one line: a skip is a test that did not run. A reason
+    # is counted by its words before any "(...)" detail (an error message, say).
     reasons: Counter = Counter()
     for rep in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(rep, "longrepr", None)
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        reasons[":".join(reason.removeprefix("Skipped: ").split(":")[:2])] += 1
+        reasons[reason.removeprefix("Skipped: ").split(" (")[0]] += 1
     if reasons:
         summary = "; ".join(f"{n} x {r}" for r, n in reasons.most_common())
         terminalreporter.write_line(f"skipped {sum(reasons.values())} tests: {summary}")

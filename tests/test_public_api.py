@@ -33,7 +33,7 @@ PUBLIC = [
     pytest.param(
         "treepack.trainer",
         {
-            "BACKENDS", "ContextParallel", "PackedBatch", "PackedContext", "current_packed", "materialize", "naive_varlen_attention",
+            "BACKENDS", "ContextParallel", "PackedBatch", "PackedContext", "current_packed", "materialize", "image_keys", "naive_varlen_attention",
             "resolve_packed", "tree_attention", "use_packed", "packed_forward", "packed", "output_head", "TreepackWarning", "check_model",
             "calibrate", "time_step",
         },

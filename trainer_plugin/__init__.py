@@ -34,9 +34,11 @@ from treepack.trainer.hf.head import output_head
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.cp import ContextParallel
+from treepack.trainer.planning.images import image_keys
 
 __all__ = [
     "materialize",
+    "image_keys",
     "ContextParallel",
     "PackedBatch",
     "tree_attention",

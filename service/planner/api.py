@@ -17,7 +17,7 @@ from treepack.proto.cost import CostModel
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan, PlanStats
 from treepack.service.planner.bounds import lower_bound_rows
-from treepack.service.planner.by_time import choose_by_time, with_prediction
+from treepack.service.planner.by_time import choose_by_time, repair_budget_ms, with_prediction
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
@@ -91,6 +91,7 @@ def plan_with_tree(
     t0: float | None = None,
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
+    repair_ms: float | None = None,
 ) -> PlanResult:
     """Plan a normalized batch with options as returned by :func:`~.options.check_options`.
 
@@ -101,7 +102,12 @@ def plan_with_tree(
         check: called between phases; it raises to stop the work (the sidecar's
             deadline and cancellation), or None.
         cost_model: predicts the step time (``stats.predicted_ms``); with
-            ``placement="auto"`` the fastest of the candidates of :mod:`~.by_time` wins.
+            ``placement="auto"`` the fastest of the candidates of :mod:`~.by_time` wins,
+            each with the repair budget the model gives a row (:func:`~.by_time.repair_budget_ms`)
+            unless ``repair_ms`` is given.
+        repair_ms: the repair pass's budget instead of ``options.repair_ms`` or the cost
+            model's (then also recorded as ``stats.timings_ms["repair_budget"]``); None: the
+            option's, or with a cost model the one it gives a row.
 
     Returns:
         The plan and its tree.
@@ -109,7 +115,8 @@ def plan_with_tree(
     if cost_model is not None:
         if options.placement == "auto":
             # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
-            return choose_by_time(batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check))
+            budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
+            return choose_by_time(batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget))
         res = plan_with_tree(batch, options, t0=t0, check=check)
         return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
     t0 = time.perf_counter() if t0 is None else t0
@@ -121,7 +128,8 @@ def plan_with_tree(
     t2 = time.perf_counter()
     check()
     bound = lower_bound_rows(tree, seq_len)
-    placed = place_leaves(tree, batch, seq_len, options.placement, bound=bound, repair_ms=options.repair_ms)
+    budget = options.repair_ms if repair_ms is None else repair_ms
+    placed = place_leaves(tree, batch, seq_len, options.placement, bound=bound, repair_ms=budget)
     row_of, strategy, num_rows = placed.row_of, placed.strategy, placed.num_rows
     t3 = time.perf_counter()
     check()
@@ -152,7 +160,8 @@ def plan_with_tree(
             "layout": (t4 - t3) * 1e3,
             "metadata": (t5 - t4) * 1e3,
             "total": (t5 - t0) * 1e3,
-        },
+        }
+        | ({} if repair_ms is None else {"repair_budget": float(repair_ms)}),
     )
     plan = Plan(
         options=options,

@@ -11,7 +11,8 @@ lower bound (:func:`~.bounds.lower_bound_rows`) wins at once since nothing can b
    total size, largest first; units largest first inside a tree), so rows fill with units
    of one system prompt and its copies stay few.
 2. the **repair pass** (:mod:`.repair`) on the best so far when it is above the bound: an
-   exact re-packing of small neighbourhoods of light rows, within ``repair_ms``.
+   exact re-packing of neighbourhoods of light rows (widening from 12 to 48 rows), within
+   ``repair_ms``.
 3. ``grouped+split`` — as ``grouped``, but a unit that fits no open row is split into its
    child units (which then fill the gaps of open rows) before a new row is opened.
 4. ``bfd`` — the reference leaf-level best fit (SPEC section 4; :mod:`.baselines`).

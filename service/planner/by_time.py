@@ -18,6 +18,14 @@ winner's prediction. When the winner shares nothing although the tree plan did (
 packing, or a threshold above every shared run), a :class:`~treepack.proto.cost.CostWarning`
 says that the tree does not pay on this batch. (On a batch with nothing to share the tree
 plan is itself plain packing, placed by ``auto``; it competes with ``no_share`` on rows.)
+
+**The repair budget by what a row is worth.** Every row ``auto``'s repair pass removes
+saves :meth:`~treepack.proto.cost.CostModel.row_ms` of step time, and the pass runs once
+per step; with a cost model the pass may spend up to :data:`REPAIR_ROW_SHARE` of that
+(:func:`repair_budget_ms`: never less than the asked ``repair_ms``, at most
+:data:`REPAIR_MS_CAP`; ``repair_ms=0`` still turns the pass off). A 131k-token row of
+seconds of GPU time buys the pass its cap; a small CPU row leaves it at ``repair_ms``.
+``stats.timings_ms["repair_budget"]`` records the budget used.
 """
 
 from __future__ import annotations
@@ -32,12 +40,29 @@ from treepack.proto.cost import CostModel, CostWarning
 from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
 
-__all__ = ["LARGER_MIN_SHARED", "STRATEGY_MAX_LEN", "time_candidates", "choose_by_time", "with_prediction"]
+__all__ = ["LARGER_MIN_SHARED", "STRATEGY_MAX_LEN", "REPAIR_ROW_SHARE", "REPAIR_MS_CAP", "repair_budget_ms", "time_candidates", "choose_by_time", "with_prediction"]
 
 LARGER_MIN_SHARED = (4, 16)
 """Factors of ``min_shared_len`` tried as candidates (where a shared segment is shorter)."""
 
 STRATEGY_MAX_LEN = 64  # the wire's limit on ``strategy``
+REPAIR_ROW_SHARE = 0.25
+"""Share of one row's predicted step time the repair pass may spend trying to remove it."""
+REPAIR_MS_CAP = 1000.0
+"""Most CPU ms a cost model buys the repair pass (the asked ``repair_ms`` may be higher)."""
+
+
+def repair_budget_ms(cost: CostModel, options: PlanOptions) -> float:
+    """The repair pass's budget, ms, with a cost model (module docstring).
+
+    Args:
+        cost: the cost model.
+        options: the checked options (``repair_ms``, ``seq_len``).
+    """
+    asked = float(options.repair_ms)
+    if asked <= 0:
+        return 0.0
+    return max(asked, min(REPAIR_MS_CAP, REPAIR_ROW_SHARE * cost.row_ms(int(options.seq_len))))
 
 
 def time_candidates(tree_plan: Plan) -> list[tuple[str, PlanOptions]]:

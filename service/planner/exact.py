@@ -58,10 +58,23 @@ class _Search:
         self.tails = sum(it.tail for it in self.items)
         self.room = m * capacity
         self.row_of = [-1] * len(self.items)
+        self.ends = []  # per leaf: tokens of its chain up to and including each chain node
+        for it in self.items:
+            acc, e = 0, []
+            for v in it.chain:
+                acc += node_len[v]
+                e.append(acc)
+            self.ends.append(e)
 
-    def _marginal(self, it: Item, r: int) -> int:
+    def _marginal(self, i: int, r: int) -> int:
+        """Leaf i's cost in row r: a row holds an ancestor-closed set of nodes, so the part of
+        the leaf's chain it holds is a prefix, up to the deepest chain node it holds."""
         held = self.held[r]
-        return it.tail + sum(self.node_len[v] for v in it.chain if v not in held)
+        chain = self.items[i].chain
+        for j in range(len(chain) - 1, -1, -1):
+            if chain[j] in held:
+                return self.items[i].cost - self.ends[i][j]
+        return self.items[i].cost
 
     def _move(self, i: int, r: int, marg: int, sign: int) -> None:
         """Put leaf i into row r (sign 1) or take it out again (sign -1)."""
@@ -106,7 +119,7 @@ class _Search:
                 if opened:
                     continue
                 opened = True
-            marg = self._marginal(it, r)
+            marg = self._marginal(i, r)
             left = self.C - self.load[r] - marg
             if left >= 0:
                 options.append((left, r, marg))

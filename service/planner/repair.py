@@ -13,6 +13,20 @@ its prefix would have made room. :func:`repair_rows` looks for exactly that:
    stop at the lower bound, when no neighbourhood of any light row helps, or when the
    time budget is spent.
 
+When no such neighbourhood helps, the search widens (:data:`LEVELS`): groups of up to 24,
+then 48 rows, for the two lightest rows only: r with its *affinity cluster* (grown one row
+at a time, each time the row sharing the most prefix tokens with the group so far) and r
+with the lightest rows. Small neighbourhoods of light rows fail where the slack a
+re-packing needs is spread thinly over many rows, or where a row pays for a long chain of
+shared turns (agent trees with deep chains, several trees sharing rows, GRPO groups of
+80+ completions): a wide group gathers that slack, and on a batch of up to 48 rows it is
+the whole batch. The levels run cheap first: 12 and 48 rows with a small node limit
+(:data:`QUICK_LIMIT`: a wide group that fits usually fits quickly), then 12, 24 and 48
+rows with :data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches
+the wide groups. A removed row starts again at the first level. A group that ran out of
+nodes is tried again only under a larger node limit; one refuted never again (until one of
+its rows changes).
+
 Every step keeps a valid placement (all leaves placed, every row within C) and removes one
 row, so the result never has more rows than its input. The search order depends on the
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
@@ -32,16 +46,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepack.service.planner.exact import FIT, fit_rows
+from treepack.service.planner.exact import FIT, NO_FIT, fit_rows
 from treepack.service.planner.items import Chains, Item
 from treepack.service.planner.rows import row_costs
 from treepack.service.planner.tree import Tree
 
-__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT"]
+__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT", "QUICK_LIMIT", "LEVELS"]
 
-MAX_ROWS = 12  # largest neighbourhood: this many rows into one fewer
-LIGHT_ROWS = 8  # light rows tried per round
-NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood
+MAX_ROWS = 12  # largest neighbourhood of the first level: this many rows into one fewer
+LIGHT_ROWS = 8  # light rows tried per round at the first level
+NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the thorough levels
+QUICK_LIMIT = 500  # ... at the quick levels, tried first
+LEVELS = ((MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS), (48, QUICK_LIMIT, 2), (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS), (24, NODE_LIMIT, 2), (48, NODE_LIMIT, 2))
+"""(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
+the ones before it found nothing, and a removed row starts again at the first."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,19 +179,56 @@ class _Rows:
         self.tail[r] = tail
         self.load[r] = tail + sum(self.node_len[v] for v in held)
 
-    def neighbourhoods(self, r: int, max_rows: int, seq_len: int, deadline: float):
+    def shared_with(self, rows: list[int], exclude: set[int]) -> dict[int, int]:
+        """Tokens of internal nodes each other row holds in common with any of ``rows``."""
+        shared: dict[int, int] = {}
+        for r in rows:
+            for v in self.held(r):
+                for x in self.node_rows(v):
+                    if x not in exclude:
+                        shared[x] = shared.get(x, 0) + self.node_len[v]
+        return shared
+
+    def cluster(self, r: int, size: int, deadline: float) -> list[int]:
+        """Up to ``size - 1`` rows grown from r by affinity: each step adds the row sharing the
+        most prefix tokens with the group so far (ties: lighter, then lower index); when no
+        row shares anything with it, the lightest rows."""
+        group, inside = [r], {r}
+        score = self.shared_with([r], inside)
+        while len(group) < size and time.thread_time() <= deadline:
+            if score:
+                x = min(score, key=lambda y: (-score[y], self.load[y], y))
+                del score[x]
+            else:
+                rest = [y for y in self.alive if y not in inside]
+                if not rest:
+                    break
+                x = min(rest, key=lambda y: (self.load[y], y))
+            group.append(x)
+            inside.add(x)
+            for y, n in self.shared_with([x], inside).items():
+                score[y] = score.get(y, 0) + n
+        return group[1:]
+
+    def neighbourhoods(self, r: int, max_rows: int, seq_len: int, deadline: float, *, wide: bool = False):
         """Row groups containing r, most promising first (module docstring).
 
         From each pool (rows by shared tokens, rows by load) rows join r until the group's
-        tokens could fit one row fewer, then up to two more for slack.
+        tokens could fit one row fewer, then up to two more for slack. ``wide``: instead, r
+        with its affinity cluster (:meth:`cluster`) and r with the lightest rows, each
+        ``max_rows`` rows at most: wide groups spread the slack over many rows, which is what
+        a re-packing of long chains needs.
         """
-        shared: dict[int, int] = {}
-        for v in self.held(r):
-            for x in self.node_rows(v):
-                if x != r:
-                    shared[x] = shared.get(x, 0) + self.node_len[v]
+        shared = self.shared_with([r], {r})
         by_share = sorted(shared, key=lambda x: (-shared[x], self.load[x], x))
         by_room = sorted((x for x in self.alive if x != r), key=lambda x: (self.load[x], x))
+        if wide:
+            for pool in (self.cluster(r, max_rows, deadline), by_room):
+                group = [r] + pool[: max_rows - 1]
+                nodes = set().union(*(self.held(x) for x in group))
+                if sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes) <= (len(group) - 1) * seq_len:
+                    yield sorted(group)
+            return
         for pool in (by_share, by_room):
             group, nodes, tail, extra = [r], set(self.held(r)), self.tail[r], 0
             for x in pool[: max_rows - 1]:
@@ -243,36 +298,43 @@ def repair_rows(
     if budget_ms <= 0 or num_rows <= bound:
         return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=0, out_of_time=False)
     rows = _Rows(tree, row_of, num_rows, loads, chains)
-    failed: set[frozenset[int]] = set()
+    failed: dict[frozenset[int], float] = {}  # group -> node limit it failed under (inf: refuted)
     tried = 0
     out_of_time = False
+    levels = LEVELS if (max_rows, node_limit) == (MAX_ROWS, NODE_LIMIT) else ((max_rows, node_limit, LIGHT_ROWS),)
+    level = 0
     while len(rows.alive) > bound and not out_of_time:
         improved = False
-        light = sorted(rows.alive, key=lambda x: (rows.load[x], x))[:LIGHT_ROWS]
+        size, limit, n_light = levels[level]
+        light = sorted(rows.alive, key=lambda x: (rows.load[x], x))[:n_light]
         for r in light:
             if time.thread_time() > deadline:
                 out_of_time = True
                 break
-            for group in rows.neighbourhoods(r, max_rows, seq_len, deadline):
+            for group in rows.neighbourhoods(r, size, seq_len, deadline, wide=size > MAX_ROWS):
                 key = frozenset(group)
-                if key in failed:
+                if failed.get(key, -1) >= limit:
                     continue
                 if time.thread_time() > deadline:
                     out_of_time = True
                     break
                 tried += 1
                 items = [rows.item(s) for x in group for s in rows.members(x)]
-                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=node_limit, deadline=deadline)
+                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=limit, deadline=deadline)
                 if status != FIT:
-                    failed.add(key)
+                    failed[key] = float("inf") if status == NO_FIT else limit
                     continue
                 rows.replace(group, r, assign)
-                failed = {f for f in failed if not (f & key)}
+                failed = {f: n for f, n in failed.items() if not (f & key)}
                 improved = True
                 break
             if improved or out_of_time:
                 break
-        if not improved:
+        if improved:
+            level = 0
+        elif level + 1 < len(levels):
+            level += 1
+        else:
             break
     removed = num_rows - len(rows.alive)
     if removed == 0:

@@ -194,7 +194,9 @@ def whatif(
             stop the work (the sidecar's deadline and cancellation), or None.
         cost_model: a :class:`~treepack.proto.cost.CostModel`: every trial is planned with
             it (as ``/v1/pack`` would: ``auto`` picks tree or plain packing by time) and the
-            results carry ``step_ms``, the predicted step time over the trials.
+            results carry ``step_ms``, the predicted step time over the trials. The repair
+            pass keeps the asked ``repair_ms`` (not the larger budget the model gives a row
+            in ``/v1/pack``): a what-if plans many trials, and its work stays what was asked.
 
     Returns:
         One :class:`WhatIfResult` per composition, in order.
@@ -254,7 +256,7 @@ def _trials(
         with warnings.catch_warnings():
             # A trial's plan is never run: whether its tree pays is in step_ms, not a warning.
             warnings.simplefilter("ignore", CostWarning)
-            st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check, cost_model=cost_model).plan.stats
+            st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check, cost_model=cost_model, repair_ms=float(opts.repair_ms)).plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
         step_ms[t] = 0.0 if st.predicted_ms is None else st.predicted_ms
     return WhatIfResult(

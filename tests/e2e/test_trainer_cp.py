@@ -6,7 +6,8 @@ runs ``packed_forward`` (Ulysses attention inside), takes its shard's PPO-clip l
 over the group must equal one process running the whole rows (logprobs 1e-5 absolute,
 gradients 1e-5 relative to each parameter's largest gradient). Negative control: a
 rank's shard run alone (its queries see only the keys of its own shard) differs. A GDN
-hybrid (Qwen3-Next) is refused by name before compute.
+hybrid (Qwen3-Next) whose value heads do not divide over the ranks is refused by name
+before compute (the mixers' CP oracle: test_trainer_cp_mixers.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _tiny_qwen3_next():
 
     cfg = Qwen3NextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, max_position_embeddings=512,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -152,7 +153,7 @@ def test_cp_matches_one_process(tmp_path, world, families):
         assert r["shape"][1] == Ls and world * Ls < C + world * r["align"] and Ls % r["align"] == 0
         assert r["strategy"] == "ulysses"
         if "qwen3" in families:  # refused by name, before compute
-            assert "linear_attn (Qwen3NextGatedDeltaNet)" in r["gdn"] and "no context-parallel path" in r["gdn"]
+            assert "linear_attn (Qwen3NextGatedDeltaNet)" in r["gdn"] and f"3 value heads do not divide over {world}" in r["gdn"]
         assert sorted(r["families"]) == sorted(families)
         for family, f in r["families"].items():
             assert f["logits_shape"][1] == Ls, family

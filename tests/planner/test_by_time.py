@@ -126,3 +126,32 @@ def test_prediction_travels(fmt, golden):
     plan = plan_batch(cost_model=COMPUTE, **golden.plan_kwargs())
     again = plan_from_wire(plan_to_wire(plan, fmt))
     assert again.stats.predicted_ms == plan.stats.predicted_ms and plan_differences(plan, again) == []
+
+
+def test_a_row_is_worth_its_rows_and_positions_terms(golden):
+    kw = golden.plan_kwargs()
+    for backend, dense in (("flash", False), ("sdpa", True)):
+        model = cost(backend, rows=0.3, positions=0.002, attention_pairs=1e-7, segments=0.05, step=5.0)
+        plan = plan_batch(**kw)
+        part = model.breakdown_ms(plan)
+        per_rows = part["rows"] + part["positions"] + (part["attention_pairs"] if dense else 0.0)
+        assert model.row_ms(plan.seq_len) * plan.num_rows == pytest.approx(per_rows)
+
+
+def test_repair_budget_is_sized_by_what_a_row_is_worth(golden):
+    from treepack.proto.options import PlanOptions
+    from treepack.service.planner.by_time import REPAIR_MS_CAP, REPAIR_ROW_SHARE, repair_budget_ms
+
+    opts = PlanOptions(seq_len=4096, repair_ms=10.0)
+    assert repair_budget_ms(cost(positions=1e-6), opts) == 10.0  # a cheap row: the asked budget
+    assert repair_budget_ms(cost(positions=0.1), opts) == pytest.approx(REPAIR_ROW_SHARE * 0.1 * 4096)
+    assert repair_budget_ms(cost(positions=10.0), opts) == REPAIR_MS_CAP
+    assert repair_budget_ms(cost(positions=10.0), PlanOptions(seq_len=4096, repair_ms=0.0)) == 0.0
+    assert repair_budget_ms(cost(positions=10.0), PlanOptions(seq_len=4096, repair_ms=5000.0)) == 5000.0
+    kw = golden.plan_kwargs()
+    heavy = cost(positions=0.05, rows=1.0)
+    plan = plan_batch(cost_model=heavy, **kw)
+    validate_plan(plan, golden.sequences, trainable=kw["trainable"])
+    budget = repair_budget_ms(heavy, plan.options)
+    assert plan.stats.timings_ms["repair_budget"] == pytest.approx(budget) and budget > plan.options.repair_ms
+    assert "repair_budget" not in plan_batch(**kw).stats.timings_ms

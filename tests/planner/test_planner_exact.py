@@ -7,6 +7,11 @@ its hard cases: GRPO groups, a curriculum (system prompts shared across groups),
 rollouts (interleaved trainable turns), distillation, plain SFT (nothing shared), and
 adversarial ones: leaves just over C/2, C/3 or C/4 behind a shared prefix, and near-perfect
 packings cut into pieces and shuffled (the classic first-fit trap).
+
+:func:`hard_suite` adds the classes where neighbourhoods of a few light rows are not enough
+(:mod:`helpers.hard_instances`: cross-tree sharing, agent trees with deep chains, GRPO with
+80+ completions, random trees), up to 24 leaves (and 80-130 for GRPO), against the branch
+and bound's proven optimum.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, 
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, naive_min_rows
 from treepack.service.planner.items import leaf_items
 from treepack.service.planner.rows import row_costs
+from treepack.service.planner import repair
 from treepack.service.planner.repair import repair_rows
+from helpers.hard_instances import HARD_FAMILIES, TINY_LEAVES, hard_instance
 
 FAMILIES = ("grpo", "curriculum", "agentic", "distill", "sft", "adversarial")
 # The repair pass is deterministic until its wall-clock budget runs out; a loaded CI machine
@@ -138,6 +145,57 @@ def test_auto_is_optimal_on_the_generated_suite():
 
 # (lower_bound_rows tight, ceil(tree tokens / C) tight, instances) on ``suite()``.
 BOUND_TIGHT_PIN = (172, 116, 240)
+
+
+def hard_suite():
+    """(family, size, plan_batch kwargs): tiny instances of every hard class, and 19-24 leaves
+    of the tree classes (GRPO's tiny size already has 80+ leaves)."""
+    for family in HARD_FAMILIES:
+        for size in (0, 1):
+            if family == "grpo" and size:
+                continue
+            for seed in range(10 if family == "grpo" else 12 + 4 * size):
+                yield family, size, hard_instance(family, seed, size)
+
+
+def test_auto_is_optimal_on_the_hard_classes(monkeypatch):
+    seen: Counter = Counter()
+    misses = []
+    for family, size, kw in hard_suite():
+        batch, tree = _tree(kw)
+        C = kw["seq_len"]
+        plan = plan_batch(**kw, repair_ms=BUDGET)
+        validate_plan(plan, kw["sequences"], trainable=kw["trainable"])
+        auto = plan.num_rows
+        bound = plan.stats.lower_bound_rows
+        bfd = place_leaves(tree, batch, C, "bfd").num_rows
+        narrow = auto
+        if size:  # the repair pass without its wide levels (negative control; tiny ones never need them)
+            with monkeypatch.context() as m:
+                m.setattr(repair, "LEVELS", tuple(x for x in repair.LEVELS if x[0] <= repair.MAX_ROWS))
+                narrow = place_leaves(tree, batch, C, "auto", repair_ms=BUDGET).num_rows
+        if len(kw["sequences"]) <= TINY_LEAVES:
+            opt, proven = naive_min_rows(tree, C), True
+        else:
+            opt, proven = exact_min_rows(tree, C, bound, auto, node_limit=20_000)
+        assert bound <= opt <= auto <= narrow and auto <= bfd, (family, size, bound, opt, auto, narrow, bfd)
+        seen["instances"] += 1
+        seen[f"{family} {size}"] += 1
+        seen["proven"] += proven
+        if not proven:
+            continue
+        seen["optimal"] += auto == opt
+        seen["bfd above optimum"] += bfd > opt
+        seen["narrow above optimum"] += narrow > opt
+        seen["bound below optimum"] += bound < opt
+        if auto != opt:
+            misses.append((family, size, opt, auto))
+    assert seen["proven"] >= 0.9 * seen["instances"], seen
+    assert seen["optimal"] >= 0.95 * seen["proven"], (seen, misses)
+    # Not vacuous: the greedy misses often, the bound alone cannot prove most of these, and
+    # 12-row neighbourhoods of light rows alone miss where the wide levels find the row.
+    assert seen["bfd above optimum"] >= 15 and seen["bound below optimum"] >= 30 and seen["narrow above optimum"] >= 3, seen
+    assert len(misses) <= 1, misses
 
 
 def test_branch_and_bound_equals_brute_force():

@@ -110,3 +110,24 @@ def test_embedded_packer_with_a_cost_model():
     assert plan.stats.predicted_ms == pytest.approx(COST.predict_ms(plan)) and "by time" in plan.strategy
     with pytest.raises(InputTypeError, match="sidecar uses its own cost file"):
         Packer("http://127.0.0.1:1", cost_model=COST)
+
+
+def test_whatif_keeps_the_asked_repair_budget(monkeypatch):
+    # A what-if plans many trials: the cost model's larger per-row repair budget (what
+    # /v1/pack spends) would multiply by the trials, so each trial keeps the asked repair_ms.
+    from treepack.service.planner import api, whatif as whatif_module
+    from treepack.service.planner.by_time import repair_budget_ms
+    from treepack.proto.options import PlanOptions
+
+    heavy = CostModel(backend="flash", coefficients=COST.coefficients | {"positions": 0.05, "rows": 1.0})
+    assert repair_budget_ms(heavy, PlanOptions(seq_len=8192)) > PlanOptions(seq_len=8192).repair_ms  # the pack budget is larger
+    budgets = []
+
+    def spy(*args, **kwargs):
+        res = api.plan_with_tree(*args, **kwargs)
+        budgets.append(res.plan.stats.timings_ms.get("repair_budget"))
+        return res
+
+    monkeypatch.setattr(whatif_module, "plan_with_tree", spy)
+    whatif(_shapes(2), [Composition(groups=3)], seq_len=8192, trials=3, seed=0, cost_model=heavy)
+    assert budgets == [PlanOptions(seq_len=8192).repair_ms] * 3

@@ -272,7 +272,7 @@ def test_automatic_sweep_none_silently_wrong(model_type):
         said = f"{status}: {detail}"
         assert model_type in SWEEP_SKIPS, f"{model_type} is newly skipped ({said}): make it build, or acknowledge it in SWEEP_SKIPS"
         assert re.match(SWEEP_SKIPS[model_type], said), f"{model_type} skips for another reason: {said!r} (acknowledged: {SWEEP_SKIPS[model_type]!r})"
-        pytest.skip(f"{said} ({ms.SWEEP_STATUSES[status]})")
+        pytest.skip(f"{ms.SWEEP_STATUSES[status]} (acknowledged in SWEEP_SKIPS; the stock model's error: {detail})")
     assert model_type not in SWEEP_SKIPS, f"{model_type} is acknowledged as skipped but now runs ({status}): remove it from SWEEP_SKIPS"
     assert status in ("pass", "refused"), f"{model_type}: {status} ({detail})"
 

@@ -20,21 +20,50 @@ from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.context import PackedContext, use_packed
-from treepack.trainer.hf.layers import TreeLayer, patch_layers, register, registered, unpatch_layers, unregister
-from treepack.trainer.hf.layers.spec import NOT_SHARDED
+from treepack.trainer.hf.layers import TreeLayer, layer_of, patch_layers, register, registered, unpatch_layers, unregister
+from treepack.trainer.hf.layers.spec import ContextShard
 from treepack.trainer.hf.support import check_model
 
 HIDDEN, VOCAB, PLAN_W = 8, 97, 4
 
 
-def test_every_kind_module_is_registered_and_none_shards_yet():
+def test_every_kind_module_is_registered_and_shards():
     found = []
     for info in pkgutil.iter_modules(layers.__path__):
         found += [k.kind for k in getattr(importlib.import_module(f"{layers.__name__}.{info.name}"), "LAYERS", ())]
     kinds = [k.kind for k in registered()]
     assert sorted(found) == sorted(kinds) and len(kinds) == len(set(kinds))
     assert {"gdn", "gdn_olmo", "kda", "mamba2", "mamba", "short_conv", "dsa", "glm_dsa", "dsa_indexer"} <= set(kinds)
-    assert all(k.shard is NOT_SHARDED for k in registered())
+    # Every built-in kind says how it runs under context parallelism (the CP oracle is tests/e2e/test_trainer_cp_mixers.py).
+    assert all(isinstance(k.shard, ContextShard) for k in registered())
+    # Their patched forwards handle the shard themselves; every schedule-driven kind has a shard forward.
+    assert sorted(k.kind for k in registered() if k.shard.forward is None) == ["dsa", "dsa_indexer", "glm_dsa"]
+
+
+def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from treepack.trainer.hf.forward import check_cp_layers
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    model = Qwen3_5ForCausalLM(cfg)
+    check_cp_layers(model, 2)  # 2 key heads, 6 value heads: both divide
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.linear_attn \(Qwen3_5GatedDeltaNet\): 6 value heads do not divide over 4") as e:
+        check_cp_layers(model, 4)
+    assert e.value.refusals == (("model.layers.0.linear_attn", "Qwen3_5GatedDeltaNet", e.value.refusals[0][2]),)
+    kind = layer_of(model.model.layers[0].linear_attn)
+    register(TreeLayer(kind="gdn_copy", classes=("Qwen3_5GatedDeltaNetCopy",), tree_forward=kind.tree_forward))
+    try:
+        copy = type("Qwen3_5GatedDeltaNetCopy", (type(model.model.layers[0].linear_attn),), {})
+        model.model.layers[0].linear_attn.__class__ = copy
+        with pytest.raises(UnsupportedModelError, match=r"layer kind 'gdn_copy' has no context-parallel path"):
+            check_cp_layers(model, 2)
+    finally:
+        unregister("gdn_copy")
 
 
 def test_a_kind_needs_one_way_to_run_and_to_be_recognised():

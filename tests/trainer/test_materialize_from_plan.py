@@ -68,7 +68,7 @@ def test_empty_loss_mask_raises():
     with pytest.raises(RequestError, match="loss mask would be empty") as e:
         materialize(plan, seqs)
     assert e.value.rule == "empty_loss_mask"
-    b = materialize(plan, seqs, allow_empty_loss=True)
+    b = materialize(plan, seqs, allow_empty_loss=True, advise=False)
     assert not b.loss_mask.any() and b.num_scored == 0
     only_first = plan_batch(seqs, seq_len=16, min_shared_len=2, trainable=[np.eye(8, dtype=bool)[0], np.zeros(5, bool)])
     with pytest.raises(RequestError, match="loss mask would be empty"):

@@ -18,6 +18,7 @@ from treepack.trainer.kernels.sparse import (
     indexer_scores,
     naive_sparse_attention,
     naive_tree_topk,
+    shard_tree_topk,
     sparse_attention,
     tree_topk,
     tree_visibility,
@@ -56,6 +57,25 @@ def test_tree_topk_equals_naive(planned, k):
     assert torch.equal(a[1], b[1])
     assert torch.equal(torch.where(a[1], a[0], -1), torch.where(b[1], b[0], -1))
     assert a[1].any() and (k == 1 or (~a[1]).any()), "both dropped and kept picks must occur (vacuity guard)"
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_shard_topk_is_the_rows_of_tree_topk(planned, cp):
+    """A context-parallel shard's queries pick what the whole row's top-k picks for them (ties included)."""
+    plan, se, pos = planned
+    C, k = plan.seq_len, 8
+    scores = _tied_scores((2, C, C), seed=cp)
+    whole = tree_topk(scores, se[:2], pos[:2], k)
+    Ls = -(-C // cp)
+    for r in range(cp):
+        a = r * Ls
+        part = torch.cat([scores[:, a : a + Ls], scores.new_zeros(2, max(0, a + Ls - C), C)], dim=1)  # CP padding past C
+        idx, valid = shard_tree_topk(part, se[:2], pos[:2], k, query_start=a)
+        n = min(Ls, C - a)
+        assert torch.equal(idx[:, :n], whole[0][:, a : a + n]) and torch.equal(valid[:, :n], whole[1][:, a : a + n])
+        assert not valid[:, n:].any()  # padding queries see nothing
+    with pytest.raises(RequestError, match="subtree_end"):
+        shard_tree_topk(scores[:, :4], se[:2, :5], pos[:2], k, query_start=0)
 
 
 def test_picks_stay_on_the_chain(planned):

@@ -46,7 +46,8 @@ def test_min_shared_len_hiding_sharing_warns_with_the_estimate():
     hidden = _plan(seqs, trainable, 64)
     small = _plan(seqs, trainable, 32)
     assert hidden.stats.saved_fraction < small.stats.saved_fraction
-    with pytest.warns(TreepackWarning, match=r"min_shared_len=64 hides sharing.*at min_shared_len=32"):
+    with pytest.warns(TreepackWarning, match=r"min_shared_len=64 hides sharing.*at min_shared_len=32"), \
+            pytest.warns(TreepackWarning, match="shares no token among its 32 sequences"):
         materialize(hidden, seqs)
     # The estimate is an upper bound of what the replan saves, and here it is the replan's saving.
     saved = hidden.stats.packed_tokens - small.stats.packed_tokens

@@ -15,7 +15,7 @@ from treepack.trainer.kernels.masks import block_mask, naive_block_mask, naive_d
 
 def _batch(case, **kw):
     plan = plan_of(case, **kw)
-    return materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
+    return materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"], advise=False)
 
 
 def _qkv(batch, heads=4, kv_heads=2, dim=8, grad=False, seed=0):

@@ -72,7 +72,7 @@ def test_mixed_batch_layout_and_locate():
 def test_random_batches(seed):
     case = random_batch(seed)
     plan = plan_of(case)
-    batch = materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
+    batch = materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"], advise=False)
     _check_batch(case, plan, batch)
     assert batch.score_counts.tolist() == [int(f[1:].sum()) for f in trainable_flags(case)]
 
@@ -162,7 +162,7 @@ def test_truncated_and_dropped_sequences():
     seqs = [rng.integers(0, VOCAB, n) for n in (10, 40, 12, 50)]
     for mode in ("truncate", "drop"):
         plan = plan_batch_kw(seqs, mode)
-        batch = materialize(plan, seqs, trainable=[3] * 4)
+        batch = materialize(plan, seqs, trainable=[3] * 4, advise=False)
         for s in range(4):
             n = int(plan.seq_lens[s])
             if n == 0:

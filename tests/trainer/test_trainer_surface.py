@@ -13,17 +13,18 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 SURFACE = {
     "treepack.trainer": [
-        "materialize", "ContextParallel", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
+        "materialize", "image_keys", "ContextParallel", "PackedBatch", "tree_attention", "naive_varlen_attention", "BACKENDS", "packed_forward",
         "PackedContext", "use_packed", "current_packed", "resolve_packed", "packed", "output_head", "TreepackWarning", "check_model",
         "calibrate", "time_step",
     ],
     "treepack.trainer.hf": [
         "ATTN_IMPLEMENTATION", "register_tree_attention", "treepack_attention", "enable_tree_attention",
         "packed_forward", "packed", "output_head", "OutputHead", "unwrap_model", "check_model", "SupportReport",
+        "vision_savings", "VisionSavings",
     ],
     "treepack.trainer.data": ["materialize", "PackedBatch"],
     "treepack.trainer.planning": [
-        "PaddedSequences", "from_padded", "from_labeled", "routing_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan",
+        "PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan",
     ],
     "treepack.trainer.hf.layers": [
         "TreeLayer", "LayerSpec", "registered", "register", "unregister", "kind_named", "layer_by_class", "layer_of", "mixer_kind", "stock_layer",

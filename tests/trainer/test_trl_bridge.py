@@ -90,7 +90,7 @@ def test_refuses_holes_orphans_and_foreign_batches():
         from_padded(pid.float(), pm, cid, cm)
     ps = from_padded(pid, pm, cid, cm)
     plan = Packer().pack(ps.sequences, seq_len=16, trainable=[1] * 4, min_shared_len=1)
-    wrong = materialize(plan, ps.sequences, trainable=[1] * 4)  # scores prompt tokens too
+    wrong = materialize(plan, ps.sequences, trainable=[1] * 4, advise=False)  # scores prompt tokens too
     with pytest.raises(RequestError, match="outside the completions"):
         ps.to_padded(wrong, torch.zeros(wrong.num_rows, 16))
 

@@ -4,6 +4,7 @@
   per array);
 - :mod:`~treepack.trainer.data.packed_batch`: :class:`PackedBatch`, the rows as tensors
   plus the index maps back to the sequences (and the per-batch masks and tree schedule);
+- :mod:`~treepack.trainer.data.images`: a batch's images, one per distinct content;
 - :mod:`~treepack.trainer.data.sequences`: the per-sequence inputs, checked against the plan;
 - :mod:`~treepack.trainer.data.advice`: warnings about a plan that shares less than it could.
 

@@ -41,6 +41,7 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
 from treepack.trainer.data.advice import warn_hidden_sharing, warn_no_sharing
+from treepack.trainer.data.images import batch_images
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, plan_groups, plan_trainable
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
@@ -270,6 +271,9 @@ def materialize(
     allow_empty_loss: bool = False,
     advise: bool = True,
     cp: Any = None,
+    pixel_values: Sequence[Any] | None = None,
+    image_grid_thw: Sequence[Any] | None = None,
+    pixel_values_videos: Any = None,
 ) -> PackedBatch:
     """Build the packed tensors of ``plan`` (all rows, or the given ``rows``).
 
@@ -301,6 +305,13 @@ def materialize(
             shard of every row (the plan must be made with ``cp_size`` equal to the group's
             size): ``[K, ranks.shard_len]`` tensors, the shard's scored entries, and the
             whole batch's normalization counts (see :class:`PackedBatch`).
+        pixel_values: per sequence its image inputs as the HF processor gives them for
+            that sequence alone (None: no image); kept per distinct image in
+            ``batch.images`` (:mod:`~treepack.trainer.data.images`) for the packed forward,
+            which runs the vision tower once per distinct image. Plan with
+            :func:`~treepack.trainer.planning.images.image_keys`.
+        image_grid_thw: per sequence its ``[m, 3]`` image grids (Qwen-VL families), or None.
+        pixel_values_videos: refused: video inputs have no tree path yet.
 
     Returns:
         The :class:`PackedBatch`.
@@ -322,6 +333,10 @@ def materialize(
             path="$.cp",
             rule="cp_size",
         )
+    if pixel_values_videos is not None:
+        raise RequestError("video inputs are not supported on tree rows (only images are)", path="$.pixel_values_videos", rule="unsupported")
+    if cp is not None and pixel_values is not None:
+        raise RequestError("image inputs are not supported under context parallelism", path="$.pixel_values", rule="unsupported")
     S, C = plan.num_sequences, plan.seq_len
     check_count(sequences, S)
     rows_arr = check_rows(rows, plan)
@@ -379,6 +394,7 @@ def materialize(
         score_counts=t(counts),
         groups=t(codes),
         device=dev,
+        images=batch_images(pixel_values, image_grid_thw, ix.local_seqs, S, dev),
     )
     # What the losses read, prepared here so that the forward and backward never wait on
     # the device: the scored positions from the host's index, the largest target now.

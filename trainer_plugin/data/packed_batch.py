@@ -70,6 +70,8 @@ class PackedBatch:
         cp: the :class:`~treepack.trainer.kernels.cp.ContextParallel` group when this is one
             rank's shard of the rows, else None.
         cp_full: under CP, the whole-row view of the same rows (module docstring), else None.
+        images: the local sequences' images, one per distinct content
+            (:class:`~treepack.trainer.data.images.BatchImages`), or None.
     """
 
     plan: Plan
@@ -94,6 +96,7 @@ class PackedBatch:
     device: torch.device
     cp: Any = None
     cp_full: "PackedBatch | None" = None
+    images: Any = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -9,6 +9,8 @@
 - :mod:`~treepack.trainer.hf.layers`: the layer registry, one module per layer kind (Gated
   DeltaNet, KDA, Mamba2, Mamba, short conv, DeepSeek-V3.2 sparse attention, ...): how each
   is recognised, runs on tree rows and refuses;
+- :mod:`~treepack.trainer.hf.vision`: vision-language models: the vision tower once per
+  distinct image, features and multimodal positions placed in the rows;
 - :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
   every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
 - :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
@@ -24,6 +26,7 @@ from treepack.trainer.hf.forward import enable_tree_attention, packed, packed_fo
 from treepack.trainer.hf.head import OutputHead, output_head
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.hf.support import SupportReport, check_model
+from treepack.trainer.hf.vision import VisionSavings, vision_savings
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -37,4 +40,6 @@ __all__ = [
     "unwrap_model",
     "check_model",
     "SupportReport",
+    "vision_savings",
+    "VisionSavings",
 ]

@@ -6,6 +6,9 @@ wrapped (DDP, FSDP2, PEFT/LoRA, accelerate; :mod:`treepack.trainer.hf.wrapped`),
 
 - ``input_ids`` and the per-sequence ``position_ids`` go in as they are, so RoPE sees
   each token's position in its own sequence;
+- a batch with images (``materialize(..., pixel_values=...)``) runs the vision tower once
+  per distinct image and hands the features and, for mRoPE models, each sequence's own 3-D
+  positions to the model (:mod:`treepack.trainer.hf.vision`);
 - the batch travels as the keyword argument ``treepack_context`` (HF forwards ``**kwargs``
   to every decoder layer and attention function, and activation checkpointing replays it)
   and in a context variable (:mod:`treepack.trainer.hf.context`) for layers without
@@ -43,6 +46,7 @@ from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_laye
 from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
+from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walk_info, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
@@ -87,7 +91,8 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     """Refuse, before compute, every layer of ``model`` that has no context-parallel path.
 
     Attention runs Ulysses (:mod:`treepack.trainer.hf.attention`); a kind of the layer
-    registry runs under CP only when its ``shard`` slot says how (none does yet).
+    registry runs under CP only when its ``shard`` slot says how, and only when that slot
+    does not refuse the module over ``cp_size`` ranks (e.g. heads that do not divide).
 
     Raises:
         UnsupportedModelError: naming each refused module's path, class and why.
@@ -95,8 +100,13 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
     refusals = []
     for name, mod in model.named_modules():
         layer = handled_layer(mod)
-        if layer is not None and layer.shard is NOT_SHARDED:
+        if layer is None:
+            continue
+        if layer.shard is NOT_SHARDED:
             why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+        else:
+            why = layer.shard.refuse(mod, cp_size)
+        if why is not None:
             refusals.append((name, type(mod).__name__, why))
     if refusals:
         lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
@@ -211,15 +221,17 @@ def packed_forward(
             # count: the model is the one just walked.
             remember_walk(hf, setup, info=walk_info(hf, setup))
             remember_walk(hf, probed)
+    mm = image_inputs(hf, batch, kwargs)
     with record_function("treepack::metadata"):
         mask = _mask(batch, backend, scans=bool(walk_info(hf, setup)))
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
+        position_ids=mm.pop("position_ids", batch.position_ids),
         attention_mask=attention_mask_for(hf, mask),
         use_cache=False,
         **{BATCH_KWARG: ctx},
+        **mm,
         **kwargs,
     )
     with use_packed(ctx):

@@ -34,6 +34,11 @@ only by class name:
   caller applies them (``hidden_applies_logit_transforms=True``, which ``packed_forward``
   passes: :func:`~treepack.trainer.hf.head.output_head` applies them).
 
+Vision towers of known VLM classes mix only within one image and run once per distinct
+image outside the rows (:mod:`treepack.trainer.hf.vision`); other towers are judged like any
+module (their patch convolution and bidirectional attention are refused), and VLMs whose
+image tokens attend bidirectionally (Gemma 3) are refused by name.
+
 Dropout while training (anywhere, by module, attribute or config field) and forwards or
 hooks patched in from unknown code are refused too (:mod:`treepack.trainer.hf.guards`).
 
@@ -55,6 +60,7 @@ import torch
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer.hf.guards import dropout_refusals, patch_refusals
 from treepack.trainer.hf.layers import handled_layer, is_handled, mixer_kind, registered
+from treepack.trainer.hf.vision import vision_refusals, vision_towers
 from treepack.trainer.kernels.tree_scan import conv_width_refusal
 
 __all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES"]
@@ -378,9 +384,12 @@ def check_model(
     report.refusals.extend(_position_refusals(model))
     report.refusals.extend(_backend_refusals(model, backend))
     config = getattr(model, "config", None)
-    skip: tuple[str, ...] = ()
+    towers = vision_towers(model)
+    report.handled.update(towers)
+    report.refusals.extend(Refusal(*r) for r in vision_refusals(model))
+    skip: tuple[str, ...] = tuple(towers)
     for path, mod in model.named_modules():
-        if skip and any(path.startswith(s + ".") for s in skip):
+        if skip and any(path == s or path.startswith(s + ".") for s in skip):
             continue
         if _classify(path, mod, config, report, patch_layers):
             skip += (path,)
@@ -388,7 +397,9 @@ def check_model(
         _layer_type_refusals(model, cfg, report)
     if conv_width is not None:
         report.refusals.extend(_conv_width_refusals(model, report, conv_width))
-    report.refusals.extend(Refusal(*r) for r in dropout_refusals(model, allow_dropout=allow_dropout) + patch_refusals(model))
+    # A hook inside a vision tower sees one image, as the tower runs outside the rows.
+    hooks = [r for r in patch_refusals(model) if not any(r[0] == t or r[0].startswith(t + ".") for t in towers)]
+    report.refusals.extend(Refusal(*r) for r in dropout_refusals(model, allow_dropout=allow_dropout) + hooks)
     if report.refusals and raise_error:
         shown = "; ".join(str(r) for r in report.refusals[:6])
         more = f" (+{len(report.refusals) - 6} more)" if len(report.refusals) > 6 else ""

@@ -15,7 +15,11 @@ and ``all_reduce``; gloo on CPU included):
   backward :func:`heads_to_seq`), and :func:`heads_to_seq`, its inverse;
 - :func:`gather_seq` ``[K, Ls, ...] -> [K, P*Ls, ...]`` (all-gather along the row; backward:
   all-reduce of the gradient, then this rank's slice: every rank may use the whole gathered
-  tensor).
+  tensor);
+- for the recurrent and conv mixers, :func:`rows_of_heads` ``[K, Ls, H, D] -> [K*C, H/P, D]``
+  (the flat whole-row layout of the tree scans, CP padding dropped) and its inverse
+  :func:`shards_of_heads`, built on the two all-to-alls, and :func:`tree_conv_heads`, a
+  depthwise tree conv over concatenated per-head channels run on this rank's heads.
 """
 
 from __future__ import annotations
@@ -25,7 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ContextParallel", "seq_to_heads", "heads_to_seq", "gather_seq", "CP_STRATEGIES"]
+__all__ = [
+    "ContextParallel",
+    "seq_to_heads",
+    "heads_to_seq",
+    "gather_seq",
+    "rows_of_heads",
+    "shards_of_heads",
+    "tree_conv_heads",
+    "head_slice",
+    "divide_refusal",
+    "CP_STRATEGIES",
+]
 
 CP_STRATEGIES = ("ulysses",)
 
@@ -136,3 +151,83 @@ def heads_to_seq(y: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
 def gather_seq(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """``[K, Ls, ...]`` -> ``[K, P*Ls, ...]``: every rank's shard, in rank order."""
     return _GatherSeq.apply(x, cp)
+
+
+
+def rows_of_heads(x: torch.Tensor, cp: ContextParallel, seq_len: int) -> torch.Tensor:
+    """A mixer's per-head tensor from sequence shards to whole rows of this rank's heads.
+
+    ``[K, Ls, H, D]`` (this rank's shard of every row, all heads) -> ``[K * seq_len, H/P, D]``
+    (flat whole rows, the layout the tree scans take; heads ``rank*H/P ..`` only); the CP
+    padding past ``seq_len`` is dropped. Autograd-correct (:func:`seq_to_heads`).
+    """
+    K, _, H, D = x.shape
+    y = seq_to_heads(x.transpose(1, 2), cp)[:, :, :seq_len]
+    return y.transpose(1, 2).reshape(K * seq_len, H // cp.size, D)
+
+
+def shards_of_heads(y: torch.Tensor, cp: ContextParallel, num_rows: int, shard_len: int) -> torch.Tensor:
+    """The inverse of :func:`rows_of_heads`: ``[K * seq_len, H/P, D] -> [K, shard_len, H, D]``.
+
+    The CP padding positions (past ``seq_len``) come back as zeros: nothing reads them.
+    """
+    N, Hp, D = y.shape
+    C = N // num_rows
+    y = y.reshape(num_rows, C, Hp, D).transpose(1, 2)
+    pad = cp.size * shard_len - C
+    if pad:
+        y = torch.cat([y, y.new_zeros(num_rows, Hp, pad, D)], dim=2)
+    return heads_to_seq(y, cp).transpose(1, 2)
+
+
+def tree_conv_heads(
+    parts: list[torch.Tensor],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    schedule: Any,
+    cp: ContextParallel,
+    seq_len: int,
+    activation: str | None = None,
+) -> list[torch.Tensor]:
+    """A depthwise tree conv over concatenated per-head channels, on whole rows of this rank's heads.
+
+    The stock layers convolve ``cat(parts)`` channel by channel (q, k and v of a delta
+    rule; x, B and C of Mamba2); a depthwise conv is independent per channel, so each part
+    goes to whole rows of its ``H_i / P`` heads (:func:`rows_of_heads`) and one tree conv
+    runs on those channels with the matching rows of ``weight`` and ``bias``.
+
+    Args:
+        parts: ``[K, Ls, H_i, d_i]`` this rank's shard of every row, in the order their
+            channels have in ``weight``; every ``H_i`` divisible by ``cp.size``.
+        weight: ``[sum H_i * d_i, W]`` the conv taps (``conv1d.weight[:, 0]``). bias: ``[sum H_i * d_i]`` or None.
+        schedule: the whole rows' tree schedule. seq_len: the plan's row length.
+        activation: as :func:`~treepack.trainer.kernels.tree_scan.tree_conv`.
+
+    Returns:
+        ``[K * seq_len, H_i / P, d_i]`` per part, in the dtype of the parts.
+    """
+    from treepack.trainer.kernels.tree_scan import tree_conv
+
+    sizes = [x.shape[2] * x.shape[3] for x in parts]
+    rows = [rows_of_heads(x, cp, seq_len) for x in parts]
+    mine = [head_slice(x.shape[2], cp) for x in parts]
+    W = weight.shape[-1]
+    w = torch.cat([p.reshape(x.shape[2], -1, W)[h].reshape(-1, W) for p, x, h in zip(torch.split(weight, sizes), parts, mine)])
+    b = None if bias is None else torch.cat([p.reshape(x.shape[2], -1)[h].reshape(-1) for p, x, h in zip(torch.split(bias, sizes), parts, mine)])
+    N = rows[0].shape[0]
+    x = torch.cat([r.reshape(N, -1) for r in rows], dim=-1)
+    out = tree_conv(x, w, b, schedule, activation).to(x.dtype)
+    return [o.reshape(N, -1, r.shape[2]) for o, r in zip(torch.split(out, [r[0].numel() for r in rows], dim=-1), rows)]
+
+
+def head_slice(num_heads: int, cp: ContextParallel) -> slice:
+    """The heads (or channels) of ``num_heads`` this rank runs after :func:`rows_of_heads`."""
+    n = num_heads // cp.size
+    return slice(cp.rank * n, (cp.rank + 1) * n)
+
+
+def divide_refusal(what: str, count: int, cp_size: int) -> str | None:
+    """Why ``count`` ``what`` (heads, channels) cannot be dealt to ``cp_size`` ranks, or None."""
+    if count % cp_size:
+        return f"{count} {what} do not divide over {cp_size} context-parallel ranks (each rank runs whole rows of {what} / cp)"
+    return None

@@ -28,6 +28,7 @@ __all__ = [
     "tree_visibility",
     "indexer_scores",
     "tree_topk",
+    "shard_tree_topk",
     "naive_tree_topk",
     "sparse_attention",
     "naive_sparse_attention",
@@ -95,14 +96,50 @@ def tree_topk(
          valid [B, T, min(k, T)] bool, False for picks that are not visible: drop them).
     """
     _check_topk(scores, subtree_end, position_ids, k)
-    T = scores.shape[-1]
+    return _topk(scores, subtree_end, position_ids, k, 0)
+
+
+def shard_tree_topk(
+    scores: torch.Tensor,
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor,
+    k: int,
+    *,
+    query_start: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tree_topk` for the queries of one context-parallel shard, over the whole row's keys.
+
+    Each query's picks depend on its own scores and the keys' visibility only, so the rows
+    equal :func:`tree_topk`'s rows ``query_start .. query_start + S - 1`` of the whole row.
+
+    Args:
+        scores: [B, S, T] indexer scores of queries ``query_start ..`` (positions at or past
+            T are padding: nothing is visible to them) against the row's T keys.
+        subtree_end, position_ids: [B, T] of the whole row. k: as :func:`tree_topk`.
+        query_start: the row position of the first query.
+
+    Returns:
+        (idx [B, S, min(k, T)], valid [B, S, min(k, T)]) as :func:`tree_topk`.
+    """
+    if scores.dim() != 3:
+        raise RequestError(f"scores must be [B, S, T], got {tuple(scores.shape)}", path="$.scores", rule="shape")
+    T = scores.shape[2]
+    square = scores.new_empty(1, 1, 1).expand(scores.shape[0], T, T)  # only its shape is checked
+    _check_topk(square, subtree_end, position_ids, k)
+    return _topk(scores, subtree_end, position_ids, k, int(query_start))
+
+
+def _topk(scores: torch.Tensor, subtree_end: torch.Tensor, position_ids: torch.Tensor, k: int, query_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    S, T = scores.shape[1:]
     kk = min(k, T)
-    vis = tree_visibility(subtree_end)
+    j = torch.arange(T, device=subtree_end.device)
+    i = torch.arange(query_start, query_start + S, device=subtree_end.device)
+    vis = (j[None, None, :] <= i[None, :, None]) & (i[None, :, None] < subtree_end[:, None, :])  # tree_visibility's rows i
     masked = scores.float().masked_fill(~vis, float("-inf"))
     by_pos = torch.argsort(position_ids, dim=-1, stable=True)  # [B, T]
     s_sorted = masked.gather(-1, by_pos[:, None, :].expand_as(masked))
     order = torch.sort(s_sorted, dim=-1, descending=True, stable=True).indices[..., :kk]
-    idx = by_pos[:, None, :].expand(-1, T, -1).gather(-1, order)
+    idx = by_pos[:, None, :].expand(-1, S, -1).gather(-1, order)
     return idx, vis.gather(-1, idx)
 
 

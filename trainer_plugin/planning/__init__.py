@@ -4,6 +4,8 @@
   trainable flags and groups (:func:`from_padded`, :func:`from_labeled`);
 - :mod:`~treepack.trainer.planning.routing`: :func:`routing_keys`, planner keys from MoE
   routing-replay arrays (so the planner never shares a token whose routing differs);
+- :mod:`~treepack.trainer.planning.images`: :func:`image_keys`, planner keys from image
+  content (so identical placeholder tokens of different images are never shared);
 - :mod:`~treepack.trainer.planning.planner`: :func:`obtain_plan`, the one resolution of a
   ``planner`` argument (:class:`Planner`, a function, a sidecar URL or None);
 - :mod:`~treepack.trainer.planning.microbatch`: plan a whole generation batch once, deal its
@@ -16,6 +18,7 @@ What runs after the plan (:func:`~treepack.trainer.data.materialize` ->
 from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded
 from treepack.trainer.planning.microbatch import MicroBatches, plan_microbatches
 from treepack.trainer.planning.planner import Planner, PlanFunction, obtain_plan
+from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.routing import routing_keys
 
-__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan"]
+__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan"]

@@ -21,6 +21,10 @@ plus validity of the picks, computed once by the full layer's tree top-k) in tha
 a shared layer attends to exactly the keys its full layer picked on the tree, as it does
 alone; a shared layer that receives anything else (a stock selection) is refused.
 
+Under context parallelism (:func:`dsa_shard_attention`) the projections run on the rank's
+shard, the indexer scores the shard's queries against the whole row's keys (gathered: one
+head) and its picks equal the whole row's; attention is Ulysses over the query heads.
+
 Ties: the stock indexer ends in ``torch.topk``, whose order among equal scores is
 unspecified (on CPU it differs between a row and the same sequence alone), and ReLU-sum
 scores tie at exactly 0 often. So a patched model also gives its indexers, for unpacked
@@ -40,13 +44,15 @@ import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf.context import packed_context
-from treepack.trainer.hf.layers.spec import STOCK_ATTR, TreeLayer
-from treepack.trainer.kernels.sparse import indexer_scores, sparse_attention, tree_topk
+from treepack.trainer.hf.layers.spec import STOCK_ATTR, ContextShard, TreeLayer
+from treepack.trainer.kernels.cp import divide_refusal, gather_seq, heads_to_seq, seq_to_heads
+from treepack.trainer.kernels.sparse import indexer_scores, shard_tree_topk, sparse_attention, tree_topk
 
 __all__ = [
     "TreeSelection",
     "dsa_indexer_scores",
     "dsa_tree_attention",
+    "dsa_shard_attention",
     "dsa_forward",
     "glm_dsa_forward",
     "position_tiebreak_indexer_forward",
@@ -98,6 +104,16 @@ def dsa_indexer_scores(
     Returns:
         [B, S, T] float32 scores, T = S plus the cached keys.
     """
+    q, k, weights = _indexer_qkw(indexer, hidden_states, q_resid, position_embeddings)
+    if cache is not None:
+        k = cache.update_indexer(k, indexer.layer_idx)
+    return indexer_scores(q, k, weights, indexer.softmax_scale)
+
+
+def _indexer_qkw(
+    indexer: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stock indexer's queries [B, S, H, D], keys [B, S, D] (RoPE applied) and head weights [B, S, H]."""
     name = type(indexer).__name__
     if name not in _INDEXER_ROPE:
         raise RequestError(f"unsupported sparse indexer {name}; known: {sorted(_INDEXER_ROPE)}", path="$.model", rule="unsupported")
@@ -112,10 +128,8 @@ def dsa_indexer_scores(
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    if cache is not None:
-        k = cache.update_indexer(k, indexer.layer_idx)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads**-0.5)
-    return indexer_scores(q, k, weights, indexer.softmax_scale)
+    return q, k, weights
 
 
 def position_tiebreak_indexer_forward(
@@ -164,6 +178,75 @@ def dsa_tree_attention(
         ([K, L, hidden], the selection this layer attended with).
     """
     K, L = hidden_states.shape[:2]
+    q_resid, query, key, value = _project(attn, hidden_states, position_embeddings, batch)
+    if getattr(attn, "indexer", None) is not None:
+        scores = dsa_indexer_scores(attn.indexer, hidden_states, q_resid, position_embeddings)
+        sel = TreeSelection(*tree_topk(scores, batch.subtree_end, batch.position_ids, attn.indexer.index_topk))
+    else:
+        sel = _shared(attn, shared, K, L)
+    out = sparse_attention(query, key, value, sel.idx, sel.valid, attn.scaling)
+    return attn.o_proj(out.reshape(K, L, -1)), sel
+
+
+def dsa_shard_attention(
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
+    shared: TreeSelection | None = None,
+) -> tuple[torch.Tensor, TreeSelection]:
+    """A DSA layer on one context-parallel shard (``batch.cp``): :func:`dsa_tree_attention` split over the group.
+
+    The projections run on this rank's shard of every row. The indexer scores this
+    shard's queries against the whole row's indexer keys (one head: gathered whole) and
+    picks with :func:`~treepack.trainer.kernels.sparse.shard_tree_topk`, whose picks equal
+    the whole row's; the picks are gathered to whole rows (so a GLM ``"shared"`` layer
+    reuses them as alone). Attention is Ulysses: queries, keys and values go to whole rows of
+    ``H / cp`` heads (an all-to-all), the sparse attention runs there, and the output comes back.
+
+    Args:
+        attn: a ``DeepseekV32Attention`` or ``GlmMoeDsaAttention``.
+        hidden_states: [K, Ls, hidden] this rank's shard of every row.
+        position_embeddings: (cos, sin) of the shard's positions.
+        batch: the CP shard (``batch.cp``, ``batch.cp_full``).
+        shared: for a layer without an indexer, the (whole-row) selection of the previous full layer.
+
+    Returns:
+        ([K, Ls, hidden], the whole-row selection this layer attended with).
+    """
+    cp, full = batch.cp, batch.cp_full
+    K, Ls = hidden_states.shape[:2]
+    C = full.seq_len
+    q_resid, query, key, value = _project(attn, hidden_states, position_embeddings, batch)
+    if getattr(attn, "indexer", None) is not None:
+        with torch.no_grad():  # as the stock indexer
+            q, k, w = _indexer_qkw(attn.indexer, hidden_states, q_resid, position_embeddings)
+            scores = indexer_scores(q, gather_seq(k, cp)[:, :C], w, attn.indexer.softmax_scale)
+            idx, valid = shard_tree_topk(scores, full.subtree_end, full.position_ids, attn.indexer.index_topk, query_start=cp.rank * Ls)
+            sel = TreeSelection(gather_seq(idx, cp)[:, :C], gather_seq(valid.to(torch.uint8), cp)[:, :C].bool())
+    else:
+        sel = _shared(attn, shared, K, C)
+    q, k, v = (seq_to_heads(x, cp)[:, :, :C] for x in (query, key, value))
+    out = sparse_attention(q, k, v, sel.idx, sel.valid, attn.scaling).transpose(1, 2)  # [K, H/P, C, Dv]
+    out = torch.cat([out, out.new_zeros(*out.shape[:2], cp.size * Ls - C, out.shape[3])], dim=2)  # CP padding
+    out = heads_to_seq(out, cp).transpose(1, 2)
+    return attn.o_proj(out.reshape(K, Ls, -1)), sel
+
+
+def _shared(attn: torch.nn.Module, shared: Any, K: int, L: int) -> TreeSelection:
+    if isinstance(shared, TreeSelection) and tuple(shared.idx.shape[:2]) == (K, L):
+        return shared
+    raise RequestError(
+        f"{type(attn).__name__} (layer {getattr(attn, 'layer_idx', '?')}) shares the top-k of an earlier layer but received "
+        f"{type(shared).__name__}, not that layer's tree selection: every DSA layer of the model must be patched",
+        path="$.model",
+        rule="unpatched_sparse_layer",
+    )
+
+
+def _project(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], batch: Any) -> tuple[torch.Tensor, ...]:
+    """The stock MLA projections: (q_resid [K, L, q_lora], query [K, H, L, dq], key [K, H, L, dq], value [K, H, L, dv])."""
+    K, L = hidden_states.shape[:2]
     if (K, L) != tuple(batch.subtree_end.shape):
         raise RequestError(f"hidden_states has {K} rows of {L}, the batch {tuple(batch.subtree_end.shape)}", path="$.hidden_states", rule="shape")
     if attn.training and attn.attention_dropout:
@@ -178,20 +261,7 @@ def dsa_tree_attention(
     q_rot, k_rot = _modeling(attn).apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
     query = torch.cat((q_pass, q_rot), dim=-1)
     key, value = attn.expand_kv(k_pass, k_rot)
-    if getattr(attn, "indexer", None) is not None:
-        scores = dsa_indexer_scores(attn.indexer, hidden_states, q_resid, position_embeddings)
-        sel = TreeSelection(*tree_topk(scores, batch.subtree_end, batch.position_ids, attn.indexer.index_topk))
-    elif isinstance(shared, TreeSelection) and tuple(shared.idx.shape[:2]) == (K, L):
-        sel = shared
-    else:
-        raise RequestError(
-            f"{type(attn).__name__} (layer {getattr(attn, 'layer_idx', '?')}) shares the top-k of an earlier layer but received "
-            f"{type(shared).__name__}, not that layer's tree selection: every DSA layer of the model must be patched",
-            path="$.model",
-            rule="unpatched_sparse_layer",
-        )
-    out = sparse_attention(query, key, value, sel.idx, sel.valid, attn.scaling)
-    return attn.o_proj(out.reshape(K, L, -1)), sel
+    return q_resid, query, key, value
 
 
 def dsa_forward(
@@ -209,7 +279,8 @@ def dsa_forward(
         return getattr(self, STOCK_ATTR)(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, **kwargs)
     if cache is not None:
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
-    return dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch)[0], None
+    run = dsa_tree_attention if ctx.batch.cp is None else dsa_shard_attention
+    return run(self, hidden_states, position_embeddings, ctx.batch)[0], None
 
 
 def glm_dsa_forward(
@@ -234,13 +305,21 @@ def glm_dsa_forward(
         return stock(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
     if cache is not None:
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
-    out, sel = dsa_tree_attention(self, hidden_states, position_embeddings, ctx.batch, shared=prev_topk_indices)
+    run = dsa_tree_attention if ctx.batch.cp is None else dsa_shard_attention
+    out, sel = run(self, hidden_states, position_embeddings, ctx.batch, shared=prev_topk_indices)
     return out, None, sel
 
 
-# Patched by exact class name: their forwards read the batch's ancestor masks, not a schedule.
-DSA = TreeLayer(kind="dsa", classes=("DeepseekV32Attention",), patch=dsa_forward)
-GLM_DSA = TreeLayer(kind="glm_dsa", classes=("GlmMoeDsaAttention",), patch=glm_dsa_forward)
-# The indexers of patched DSA layers break ties by position on unpacked calls too.
-DSA_INDEXER = TreeLayer(kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward)
+def _heads_refusal(attn: torch.nn.Module, cp_size: int) -> str | None:
+    return divide_refusal("query heads", attn.num_heads, cp_size)
+
+
+# Patched by exact class name: their forwards read the batch's ancestor masks, not a schedule;
+# under CP the patched forward runs dsa_shard_attention itself.
+_SHARD = ContextShard(refusal=_heads_refusal)
+DSA = TreeLayer(kind="dsa", classes=("DeepseekV32Attention",), patch=dsa_forward, shard=_SHARD)
+GLM_DSA = TreeLayer(kind="glm_dsa", classes=("GlmMoeDsaAttention",), patch=glm_dsa_forward, shard=_SHARD)
+# The indexers of patched DSA layers break ties by position on unpacked calls too; on tree
+# rows (and under CP) their DSA layer computes the scores itself.
+DSA_INDEXER = TreeLayer(kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward, shard=ContextShard())
 LAYERS = (DSA, GLM_DSA, DSA_INDEXER)

@@ -1,15 +1,25 @@
-"""Kimi-Linear's Kimi Delta Attention (``KimiLinearDeltaAttention``): the kind ``kda``."""
+"""Kimi-Linear's Kimi Delta Attention (``KimiLinearDeltaAttention``): the kind ``kda``.
+
+Under context parallelism (:func:`kda_shard_forward`) the projections, the forget gate and
+the gated output norm run on this rank's shard of every row (per token, per head); q/k/v
+before the conv, the per-channel decay and ``beta`` go to whole rows of ``H / cp`` heads,
+where conv and KDA run unchanged, and the output comes back. Heads that do not divide over
+the ranks are refused.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from treepack.trainer.hf.layers.spec import TreeLayer, check_rows, conv1d_width
+from treepack.trainer.hf.layers.spec import ContextShard, TreeLayer, check_rows, check_shard_rows, conv1d_width
 from treepack.trainer.hf.layers.stock import depthwise_conv, has_attrs
+from treepack.trainer.kernels.cp import divide_refusal, rows_of_heads, shards_of_heads, tree_conv_heads
 from treepack.trainer.kernels.kda import tree_kda
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv
 
-__all__ = ["LAYERS", "KDA", "kda_tree_forward"]
+__all__ = ["LAYERS", "KDA", "kda_tree_forward", "kda_shard_forward"]
 
 
 def _structure(module: torch.nn.Module) -> bool:
@@ -48,11 +58,34 @@ def kda_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedu
     return layer.o_proj(layer.o_norm(o.reshape(K, L, -1, hd), gate).reshape(K, L, -1))
 
 
+def kda_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+    """Kimi-Linear's KDA layer on one context-parallel shard (module docstring).
+
+    Args:
+        layer: a ``KimiLinearDeltaAttention``.
+        hidden_states: [K, Ls, hidden] this rank's shard of every row.
+        schedule: the whole rows' tree schedule. batch: the CP shard.
+
+    Returns:
+        [K, Ls, hidden].
+    """
+    K, Ls = check_shard_rows(hidden_states, batch)
+    cp, C, hd = batch.cp, batch.plan.seq_len, layer.head_dim
+    parts = [proj(hidden_states).reshape(K, Ls, -1, hd) for proj in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    q, k, v = tree_conv_heads(parts, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, cp, C, layer.activation)
+    g = rows_of_heads(layer.forget_gate(hidden_states).reshape(K, Ls, -1, hd), cp, C)
+    beta = rows_of_heads(torch.sigmoid(layer.b_proj(hidden_states)).reshape(K, Ls, -1, 1), cp, C)[..., 0]
+    o = shards_of_heads(tree_kda(q, k, v, g, beta, schedule, use_qk_l2norm_in_kernel=True), cp, K, Ls)
+    gate = layer.g_b_proj(layer.g_a_proj(hidden_states)).reshape(K, Ls, -1, hd)
+    return layer.o_proj(layer.o_norm(o, gate).reshape(K, Ls, -1))
+
+
 KDA = TreeLayer(
     kind="kda",
     structure=_structure,
     stock=(("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
     tree_forward=kda_tree_forward,
     conv_width=conv1d_width,
+    shard=ContextShard(forward=kda_shard_forward, refusal=lambda layer, cp_size: divide_refusal("heads", layer.num_heads, cp_size)),
 )
 LAYERS = (KDA,)

@@ -5,19 +5,29 @@ Bamba (``BambaMixer``), Nemotron-H (``NemotronHMamba2Mixer``), Granite-4
 muP vector on the projection, optional gated norm); also the pure Mamba2 model's
 ``Mamba2Mixer`` and Zamba2's ``Zamba2MambaMixer``, whose forward and helpers are the same
 code as a stock one (recognised by code, not listed by name).
+
+Under context parallelism (:func:`mamba2_shard_forward`) the projections and the gated norm
+(over all heads: after the output comes back) run on this rank's shard of every row; x,
+B and C before the conv and ``dt`` go to whole rows of ``H / cp`` heads, where conv and
+SSD scan run unchanged with this rank's slices of ``A``, ``D`` and ``dt_bias``. B/C groups
+that do not divide over the ranks are replicated to one per head (head ``h`` reads group
+``h // (H / G)``, as the stock layer); heads that do not divide are refused.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from treepack.trainer.hf.layers.spec import TreeLayer, check_rows, conv1d_width
+from treepack.trainer.hf.layers.spec import ContextShard, TreeLayer, check_rows, check_shard_rows, conv1d_width
 from treepack.trainer.hf.layers.stock import depthwise_conv, has_attrs, stock_class
+from treepack.trainer.kernels.cp import divide_refusal, head_slice, rows_of_heads, shards_of_heads, tree_conv_heads
 from treepack.trainer.kernels.mamba2 import tree_ssd_scan
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv
 
-__all__ = ["LAYERS", "MAMBA2", "mamba2_tree_forward"]
+__all__ = ["LAYERS", "MAMBA2", "mamba2_tree_forward", "mamba2_shard_forward"]
 
 
 def _structure(module: torch.nn.Module) -> bool:
@@ -83,6 +93,55 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     return layer.out_proj(y.to(dtype))
 
 
+def mamba2_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+    """A stock HF Mamba2 mixer on one context-parallel shard (module docstring).
+
+    Args:
+        layer: a Mamba2 mixer.
+        hidden_states: [K, Ls, hidden] this rank's shard of every row.
+        schedule: the whole rows' tree schedule. batch: the CP shard.
+
+    Returns:
+        [K, Ls, hidden].
+    """
+    K, Ls = check_shard_rows(hidden_states, batch)
+    cp, Cl, dtype = batch.cp, batch.plan.seq_len, hidden_states.dtype
+    falcon = stock_class(layer, MAMBA2.stock) == "FalconH1Mixer"
+    h = hidden_states * layer.ssm_in_multiplier if falcon else hidden_states
+    proj = layer.in_proj(h)
+    if falcon:
+        proj = proj * layer.mup_vector
+    gate, xBC, dt = proj.split([layer.intermediate_size, layer.conv_dim, layer.num_heads], dim=-1)
+    H, G, S, I = layer.num_heads, layer.n_groups, layer.ssm_state_size, layer.intermediate_size
+    x, B, C = torch.split(xBC, [I, G * S, G * S], dim=-1)
+    x, B, C = x.reshape(K, Ls, H, -1), B.reshape(K, Ls, G, S), C.reshape(K, Ls, G, S)
+    weight, bias = layer.conv1d.weight.squeeze(1), layer.conv1d.bias
+    if G % cp.size:  # one B/C group per head (channels and taps alike), so the groups deal out with the heads
+        rep = H // G
+        B, C = B.repeat_interleave(rep, dim=2), C.repeat_interleave(rep, dim=2)
+        weight, bias = (None if t is None else _repeat_groups(t, I, G, S, rep) for t in (weight, bias))
+    x, B, C = tree_conv_heads([x, B, C], weight, bias, schedule, cp, Cl, layer.activation)
+    dt = rows_of_heads(dt.reshape(K, Ls, H, 1), cp, Cl)[..., 0]
+    mine = head_slice(H, cp)
+    y = tree_ssd_scan(
+        x, dt, -torch.exp(layer.A_log.float())[mine], B, C, schedule,
+        chunk_size=layer.chunk_size, D=layer.D[mine], dt_bias=layer.dt_bias[mine], dt_softplus=True, dt_limit=tuple(layer.time_step_limit),
+    )  # fmt: skip
+    y = shards_of_heads(y.float(), cp, K, Ls).reshape(K, Ls, -1)  # the stock scan returns fp32
+    if not falcon or layer.mamba_rms_norm:
+        y = layer.norm(y, gate)
+    else:
+        y = y * F.silu(gate)
+    return layer.out_proj(y.to(dtype))
+
+
+def _repeat_groups(t: torch.Tensor, I: int, G: int, S: int, rep: int) -> torch.Tensor:
+    """The conv's B and C channels (``t``'s rows after the first ``I``) repeated ``rep`` times per group."""
+    x, bc = t[:I], t[I:]
+    bc = bc.reshape(2, G, S, *t.shape[1:]).repeat_interleave(rep, dim=1).reshape(-1, *t.shape[1:])
+    return torch.cat([x, bc])
+
+
 MAMBA2 = TreeLayer(
     kind="mamba2",
     structure=_structure,
@@ -95,5 +154,6 @@ MAMBA2 = TreeLayer(
     tree_forward=mamba2_tree_forward,
     conv_width=conv1d_width,
     chunk_size=lambda layer: int(layer.chunk_size),
+    shard=ContextShard(forward=mamba2_shard_forward, refusal=lambda layer, cp_size: divide_refusal("heads", layer.num_heads, cp_size)),
 )
 LAYERS = (MAMBA2,)

@@ -1,14 +1,23 @@
-"""LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``): the kind ``short_conv``."""
+"""LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``): the kind ``short_conv``.
+
+Under context parallelism (:func:`short_conv_shard_forward`) the projections and gates run
+on this rank's shard of every row; ``B * x`` goes to whole rows of ``channels / cp``
+channels, the tree conv runs there, and the result comes back. Channels that do not divide
+over the ranks are refused.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from treepack.trainer.hf.layers.spec import TreeLayer, check_rows, conv1d_width
+from treepack.trainer.hf.layers.spec import ContextShard, TreeLayer, check_rows, check_shard_rows, conv1d_width
 from treepack.trainer.hf.layers.stock import depthwise_conv, has_attrs
+from treepack.trainer.kernels.cp import divide_refusal, shards_of_heads, tree_conv_heads
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv
 
-__all__ = ["LAYERS", "SHORT_CONV", "short_conv_tree_forward"]
+__all__ = ["LAYERS", "SHORT_CONV", "short_conv_tree_forward", "short_conv_shard_forward"]
 
 
 def _structure(module: torch.nn.Module) -> bool:
@@ -41,6 +50,25 @@ def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor,
     return layer.out_proj(C * conv.reshape(K, L, -1))
 
 
+def short_conv_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+    """LFM2's gated short convolution on one context-parallel shard (module docstring).
+
+    Args:
+        layer: an ``Lfm2ShortConv``-like module.
+        hidden_states: [K, Ls, hidden] this rank's shard of every row.
+        schedule: the whole rows' tree schedule. batch: the CP shard.
+
+    Returns:
+        [K, Ls, hidden].
+    """
+    K, Ls = check_shard_rows(hidden_states, batch)
+    B, C, x = layer.in_proj(hidden_states).chunk(3, dim=-1)
+    Bx = (B * x).reshape(K, Ls, batch.cp.size, -1)  # rank r's channels as its one "head"
+    (conv,) = tree_conv_heads([Bx], layer.conv.weight.squeeze(1), layer.conv.bias, schedule, batch.cp, batch.plan.seq_len)
+    conv = shards_of_heads(conv, batch.cp, K, Ls).reshape(K, Ls, -1)
+    return layer.out_proj(C * conv)
+
+
 SHORT_CONV = TreeLayer(
     kind="short_conv",
     structure=_structure,
@@ -50,5 +78,6 @@ SHORT_CONV = TreeLayer(
     ),
     tree_forward=short_conv_tree_forward,
     conv_width=conv1d_width,
+    shard=ContextShard(forward=short_conv_shard_forward, refusal=lambda layer, cp_size: divide_refusal("conv channels", layer.conv.in_channels, cp_size)),
 )
 LAYERS = (SHORT_CONV,)

@@ -19,11 +19,24 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from treepack.proto.errors import RequestError
+from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.hf.context import packed_context
 from treepack.trainer.kernels.tree_scan import TreeSchedule
 
-__all__ = ["TreeLayer", "TreeForward", "LayerSpec", "STOCK_ATTR", "NOT_SHARDED", "check_rows", "conv1d_width", "install_forward", "layer_name"]
+__all__ = [
+    "TreeLayer",
+    "TreeForward",
+    "ShardForward",
+    "ContextShard",
+    "LayerSpec",
+    "STOCK_ATTR",
+    "NOT_SHARDED",
+    "check_rows",
+    "check_shard_rows",
+    "conv1d_width",
+    "install_forward",
+    "layer_name",
+]
 
 # Where a patched module keeps its bound stock forward.
 STOCK_ATTR = "_treepack_stock_forward"
@@ -35,6 +48,37 @@ class TreeForward(Protocol):
     """A layer's forward on tree rows: ``(layer, hidden_states [K, L, hidden], schedule) -> [K, L, hidden]``."""
 
     def __call__(self, layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor: ...
+
+
+class ShardForward(Protocol):
+    """A layer's forward on one context-parallel shard.
+
+    ``(layer, hidden_states [K, Ls, hidden], schedule, batch) -> [K, Ls, hidden]``: the
+    hidden states are this rank's shard of every row, ``schedule`` is the whole rows' tree
+    schedule (``batch.cp_full``'s), ``batch`` the shard (``batch.cp`` its group).
+    """
+
+    def __call__(self, layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextShard:
+    """How a layer kind runs under context parallelism (a :class:`TreeLayer`'s ``shard``).
+
+    Attributes:
+        forward: the layer on one rank's shard (:class:`ShardForward`), for kinds run by
+            ``tree_forward``; None for a kind whose ``patch`` runs the shard itself (DSA)
+            or that runs only inside another kind's forward (DSA's indexer).
+        refusal: ``(module, cp_size) -> reason or None``: why this module cannot run over
+            ``cp_size`` ranks (e.g. heads that do not divide), checked before compute.
+    """
+
+    forward: ShardForward | None = None
+    refusal: Callable[[torch.nn.Module, int], str | None] | None = None
+
+    def refuse(self, module: torch.nn.Module, cp_size: int) -> str | None:
+        """Why ``module`` cannot run over ``cp_size`` context-parallel ranks, or None."""
+        return None if self.refusal is None else self.refusal(module, cp_size)
 
 
 class LayerSpec(Protocol):
@@ -76,9 +120,9 @@ class TreeLayer:
             read from the layer, not from the plan.
         refusal: why a recognised, stock-code layer still cannot run (e.g. an unsupported
             conv activation), or None.
-        shard: how the kind shards its rows across ranks (context parallelism).
-            :data:`NOT_SHARDED` (None) for every kind today: the context-parallel path
-            refuses such a kind by name.
+        shard: how the kind runs on one context-parallel rank's shard of every row (a
+            :class:`ContextShard`), or :data:`NOT_SHARDED` (None): context parallelism
+            refuses the kind by name.
     """
 
     kind: str
@@ -90,7 +134,7 @@ class TreeLayer:
     conv_width: Callable[[torch.nn.Module], int] | None = None
     chunk_size: Callable[[torch.nn.Module], int] | None = None
     refusal: Callable[[torch.nn.Module], str | None] | None = None
-    shard: Any = NOT_SHARDED
+    shard: ContextShard | None = NOT_SHARDED
 
     def __post_init__(self) -> None:
         if (self.tree_forward is None) == (self.patch is None):
@@ -112,8 +156,10 @@ class TreeLayer:
         """The function to install as ``module.forward`` (bound to the module)."""
         if self.patch is not None:
             return self.patch
-        conv = self.conv_width
-        return lambda layer, hidden_states, *args, **kwargs: schedule_forward(layer, hidden_states, *args, tree_forward=self.tree_forward, conv_width=conv, **kwargs)
+        conv, shard = self.conv_width, self.shard
+        return lambda layer, hidden_states, *args, **kwargs: schedule_forward(
+            layer, hidden_states, *args, tree_forward=self.tree_forward, conv_width=conv, shard=shard, **kwargs
+        )
 
 
 def layer_name(module: torch.nn.Module) -> str:
@@ -139,10 +185,33 @@ def check_rows(hidden_states: torch.Tensor, schedule: TreeSchedule) -> tuple[int
     return K, L
 
 
+def check_shard_rows(hidden_states: torch.Tensor, batch: Any) -> tuple[int, int]:
+    """(K, Ls) of a CP shard's ``hidden_states`` [K, Ls, hidden], checked against the shard ``batch``."""
+    K, Ls = hidden_states.shape[:2]
+    if (K, Ls) != (batch.num_rows, batch.seq_len):
+        raise RequestError(
+            f"hidden_states has {K} rows of {Ls}, the context-parallel shard {batch.num_rows} rows of {batch.seq_len}",
+            path="$.hidden_states",
+            rule="shape",
+        )
+    return K, Ls
+
+
 def schedule_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, tree_forward: TreeForward, conv_width: Callable | None, **kwargs: Any
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    *args: Any,
+    tree_forward: TreeForward,
+    conv_width: Callable | None,
+    shard: ContextShard | None = NOT_SHARDED,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """The patched forward of a schedule-driven kind: tree rows when a packed batch is active, else stock."""
+    """The patched forward of a schedule-driven kind: tree rows when a packed batch is active, else stock.
+
+    On a context-parallel shard (``batch.cp``) the kind's ``shard.forward`` runs with the
+    whole rows' schedule; a kind without one is refused (``packed_forward`` refuses it
+    before compute already).
+    """
     ctx = packed_context(kwargs)
     if ctx is None:
         return getattr(self, STOCK_ATTR)(hidden_states, *args, **kwargs)
@@ -150,7 +219,15 @@ def schedule_forward(
     if cache is not None:
         raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
     width = None if conv_width is None else conv_width(self)
-    return tree_forward(self, hidden_states, ctx.batch.tree_schedule(width, who=layer_name(self)))
+    batch = ctx.batch
+    if batch.cp is None:
+        return tree_forward(self, hidden_states, batch.tree_schedule(width, who=layer_name(self)))
+    if shard is NOT_SHARDED or shard.forward is None:
+        raise UnsupportedModelError(f"{layer_name(self)} has no context-parallel path", path="$.model", rule="cp_unsupported_layer")
+    reason = shard.refuse(self, batch.cp.size)
+    if reason is not None:
+        raise UnsupportedModelError(f"context parallelism: {layer_name(self)}: {reason}", path="$.model", rule="cp_unsupported_layer")
+    return shard.forward(self, hidden_states, batch.cp_full.tree_schedule(width, who=layer_name(self)), batch)
 
 
 def install_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
