@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.families import model_support, window_case
+from helpers.families import mixing_hook, model_support, window_case
 from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
 from treepack.service.planner import validate_plan
@@ -89,14 +89,6 @@ def test_a_mode_or_setup_change_walks_again(batch, walks):
     assert len(walks) > n, "training mode is another model state"
 
 
-def _mixing_hook(calls):
-    def mixing_hook(module, args, out):
-        calls.append(module)
-        return out + 0.5 * out.cumsum(1)
-
-    return mixing_hook
-
-
 def _refused(model, batch, match, calls):
     with pytest.raises(UnsupportedModelError, match=match):
         with torch.no_grad():
@@ -114,7 +106,7 @@ def test_a_change_after_the_first_call_is_refused(batch, kind, monkeypatch):
     mlp = model.model.layers[0].mlp
     handle = None
     if kind == "forward hook":
-        handle = mlp.register_forward_hook(_mixing_hook(calls))
+        handle = mlp.register_forward_hook(mixing_hook(calls))
         match = r"model\.layers\.0\.mlp \(Qwen3MLP\): forward hook .*mixing_hook"
     elif kind == "pre-hook":
 
