@@ -20,7 +20,10 @@ as not run):
   naive references, then timed;
 - ``attention``: ``benchmarks/gpu_attention.py``: flex / flash-gather tree (and unpacked
   FlashAttention when flash-attn imports) checked against the dense-mask SDPA reference
-  at golden / 8, then timed on the golden example (last: FlexAttention compiles longest).
+  at golden / 8, then timed on the golden example (FlexAttention compiles longest);
+- ``cp``: ``benchmarks/gpu_check_cp.py``: context parallelism (Ulysses and all-gather) on
+  up to 4 GPUs against one, then timed; with at most one GPU the section says so (``ok``
+  None, ``skipped`` naming the GPU count) instead of running.
 
 The report goes to ``--json``, else ``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``gpu_check.json``. Exit status 1 when any check failed, 2 without a CUDA device (unless
@@ -243,7 +246,13 @@ def sparse(args) -> dict:
     return res
 
 
-SECTIONS = {"probe": probe, "kernels": kernels, "gdn": gdn, "sparse": sparse, "attention": attention}
+def cp(args) -> dict:
+    import gpu_check_cp
+
+    return gpu_check_cp.section(args.cpu_smoke)
+
+
+SECTIONS = {"probe": probe, "kernels": kernels, "gdn": gdn, "sparse": sparse, "attention": attention, "cp": cp}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -2,8 +2,13 @@
 
 ``python benchmarks/model_support.py --write-readme`` rewrites the README's model-support
 section from :data:`FAMILIES` (the tests check every row's outcome and that the README
-matches, tests/trainer/test_family_sweep.py); ``--auto`` runs the automatic sweep over every
-causal-LM architecture of the installed transformers (forward oracle, SDPA) and prints it.
+matches, tests/trainer/test_family_sweep.py); ``--train`` first runs the training setups
+(gradient checkpointing, reentrant and not, on ``sdpa`` and ``flash``; perturbed parameters)
+on every exact row and records them in ``model_support_training.json`` (the README's
+checkpointing column; the tests rerun a representative subset); ``--auto`` runs the
+automatic sweep over every causal-LM architecture of the installed transformers (forward
+oracle, SDPA) and prints it. The README section ends with the static scan of transformers'
+modeling code (``benchmarks/modeling_scan.py``).
 
 Each family row is a tiny random fp32 config (hidden 32, 2-3 layers, 4 heads) of one HF
 model type; its expectation is ``pass`` (the oracle: packed logprobs == each sequence
@@ -59,8 +64,11 @@ def _layer_types(types: list[str]) -> list[str]:
     return seen if len(seen) >= 2 else (seen * 2)[:2]
 
 
-def shrink_config(config: Any) -> Any:
-    """Shrink ``config`` (and its ``text_config``) in place to a tiny fp32 model; returns it."""
+def shrink_config(config: Any, keep_dropout: bool = False) -> Any:
+    """Shrink ``config`` (and its ``text_config``) in place to a tiny fp32 model; returns it.
+
+    Dropout fields are set to 0 unless ``keep_dropout`` (then they keep the config's defaults).
+    """
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is None or cfg is not config and not hasattr(cfg, "to_dict"):
             continue
@@ -83,7 +91,7 @@ def shrink_config(config: Any) -> Any:
             if k in keys and isinstance(getattr(cfg, k, None), int):
                 setattr(cfg, k, n)
         _agree(cfg, keys)
-        for k in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
+        for k in () if keep_dropout else ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
             if k in keys and isinstance(getattr(cfg, k, None), float):
                 setattr(cfg, k, 0.0)
     return config
@@ -113,11 +121,14 @@ def _agree(cfg: Any, keys: set[str]) -> None:
         cfg.hybrid_layer_ids = [i for i, t in enumerate(cfg.layers_block_type) if t == "hybrid"]
 
 
-def build_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """An fp32, eval-mode, random tiny ``*ForCausalLM`` of ``model_type`` (raises when it cannot be built)."""
+def build_causal_lm(model_type: str, seed: int = 0, keep_dropout: bool = False, **overrides: Any) -> torch.nn.Module:
+    """An fp32, eval-mode, random tiny ``*ForCausalLM`` of ``model_type`` (raises when it cannot be built).
+
+    Dropout is 0 unless ``keep_dropout`` (the config's defaults, for the train-mode check).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = shrink_config(AutoConfig.for_model(model_type))
+    config = shrink_config(AutoConfig.for_model(model_type), keep_dropout=keep_dropout)
     for k, v in overrides.items():
         setattr(config, k, v)
     with torch.device("meta"):
@@ -147,6 +158,8 @@ class Family:
         refused: None when the row must pass the oracle, else a regex the refusal matches.
         lands_with: work that makes a refused row exact (then it must pass the oracle).
         flex: False where the model reads its mask as a tensor (``flex`` is refused).
+        at_run_time: check_model accepts the model; tree attention refuses it on its first
+            call (a mask or bias the model builds itself).
     """
 
     name: str
@@ -156,6 +169,7 @@ class Family:
     refused: str | None = None
     lands_with: str | None = None
     flex: bool = True
+    at_run_time: bool = False
 
 
 F = Family
@@ -207,12 +221,13 @@ FAMILIES: tuple[Family, ...] = (
     F("Mixtral, router logits", "mixtral", "MoE auxiliary loss", dict(output_router_logits=True), refused=r"auxiliary \(load-balancing\) loss"),
     F("Bloom", "bloom", "ALiBi, own attention", refused=r"AttentionInterface|takes no position_ids"),
     F("BART decoder", "bart", "positions from the row", refused=r"takes no position_ids"),
+    F("Doge", "doge", "learned dynamic attention mask", refused=r"mask or bias built by the model", at_run_time=True),
 )
 
 
-def build_family(row: Family, seed: int = 0) -> torch.nn.Module:
-    """The row's tiny model (eval mode, eager attention)."""
-    model = build_causal_lm(row.model_type, seed=seed, **row.overrides)
+def build_family(row: Family, seed: int = 0, keep_dropout: bool = False) -> torch.nn.Module:
+    """The row's tiny model (eval mode, eager attention; dropout 0 unless ``keep_dropout``)."""
+    model = build_causal_lm(row.model_type, seed=seed, keep_dropout=keep_dropout, **row.overrides)
     model.set_attn_implementation("eager")
     return _with_patches(model)
 
@@ -228,14 +243,37 @@ def _with_patches(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def status_of(row: Family) -> tuple[str, str]:
-    """(``exact`` | ``refused``, reason) as :func:`treepack.trainer.hf.check_model` sees the row's model now."""
+def status_of(row: Family) -> tuple[str, str, str]:
+    """(``exact`` | ``refused``, reason, train-mode dropout) of the row's model now.
+
+    The status is :func:`treepack.trainer.hf.check_model`'s (for an ``at_run_time`` row
+    that it accepts, a packed forward's); the model is built with the config's default
+    dropout, which eval mode ignores. The third entry is what training mode with that
+    dropout gives: ``refused: <what>`` (the first refusal check_model adds in training mode,
+    naming the module or config field) or ``none`` (no dropout by default).
+    """
+    from treepack.proto.errors import UnsupportedModelError
     from treepack.trainer.hf import check_model
 
-    report = check_model(build_family(row), raise_error=False)
-    if not report.refusals:
-        return "exact", ""
-    return "refused", report.refusals[0].reason
+    model = build_family(row, keep_dropout=True)
+    refusals = check_model(model, raise_error=False).refusals
+    status, reason = ("refused", refusals[0].reason) if refusals else ("exact", "")
+    if status == "exact" and row.at_run_time:
+        try:
+            with torch.no_grad():
+                forward_oracle(model)
+        except UnsupportedModelError as e:
+            status, reason = "refused", "at run time: " + (e.refusals[0][2] if e.refusals else str(e))
+    seen = {(r.path, r.cls, r.reason) for r in refusals}
+    found = [r for r in check_model(model.train(), raise_error=False).refusals if (r.path, r.cls, r.reason) not in seen]
+    model.eval()
+    if not found:
+        return status, reason, "none"
+    what = found[0].reason.split(" while training")[0]
+    if "p=" in what or not what.startswith(("config", "model.config")) and "=" not in what:
+        what = f"{found[0].path} ({found[0].cls}) {what}"
+    more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+    return status, reason, f"refused: {what}{more}"
 
 
 def small_case() -> dict[str, Any]:
@@ -276,6 +314,121 @@ def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
         keep = torch.arange(1, g.shape[0] + 1) >= max(t, 1)
         err = max(err, float((g[keep] - r[keep]).abs().max()) if bool(keep.any()) else 0.0)
     return err
+
+
+LOGPROB_TOL = 1e-5
+GRAD_RTOL = 1e-4
+#: The training setups of the sweep: (backend, use_reentrant). Both backends with a CPU
+#: backward (``flex`` has none); gradient checkpointing replays each decoder layer in backward.
+TRAIN_SETUPS: tuple[tuple[str, bool], ...] = tuple((b, r) for b in ("sdpa", "flash") for r in (True, False))
+TRAINING = Path(__file__).resolve().with_name("model_support_training.json")
+
+
+def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> torch.nn.Module:
+    """Add seeded N(0, scale^2) noise to every parameter (biases, norms, learned masks too), in place.
+
+    Init values are special (zero biases, unit norms, Doge's zero ``A``): a dropped term
+    whose parameter is 0 at init changes nothing there. Returns ``model``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * scale)
+    return model
+
+
+def _weights(seqs: list[np.ndarray]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randn(len(s), generator=gen) for s in seqs]
+
+
+def _scored(c: dict[str, Any]) -> list[torch.Tensor]:
+    out = []
+    for s, t in zip(c["sequences"], c["trainable"]):
+        f = torch.zeros(len(s), dtype=torch.bool)
+        f[max(int(t), 1) :] = True
+        out.append(f)
+    return out
+
+
+def _take_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def grad_error(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    """The worst parameter's ``max |got - ref| / (max |ref| + floor / GRAD_RTOL)`` (pass: <= GRAD_RTOL).
+
+    The floor is fp32 rounding of the largest gradient (1e-7 of it): a parameter whose
+    gradient is 1e-5 of the others cannot be held to 1e-4 of itself. A parameter with a
+    gradient on one side only, or an all-zero reference, is an infinite error.
+    """
+    if ref.keys() != got.keys() or not ref:
+        return float("inf")
+    floor = 1e-7 * max(float(g.abs().max()) for g in ref.values())
+    worst = 0.0
+    for k, r in ref.items():
+        scale = float(r.abs().max())
+        if scale == 0:
+            return float("inf")
+        worst = max(worst, float((got[k].double() - r.double()).abs().max()) / (scale + floor / GRAD_RTOL))
+    return worst
+
+
+def _lp_error(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    err = 0.0
+    for r, g in zip(ref, got):
+        keep = ~torch.isnan(r)
+        if not torch.equal(keep, ~torch.isnan(g)):
+            return float("inf")
+        err = max(err, float((g[keep] - r[keep]).abs().max()) if bool(keep.any()) else 0.0)
+    return err
+
+
+def train_oracle(model: torch.nn.Module, setups=TRAIN_SETUPS) -> dict[str, tuple[float, float]]:
+    """(max logprob error, :func:`grad_error`) of each training setup, packed vs each sequence alone.
+
+    ``model`` runs in training mode (its dropout must be 0); the reference runs every
+    sequence of :func:`small_case` alone without checkpointing; each setup runs the packed
+    batch with gradient checkpointing on (``use_reentrant`` as given) on its backend
+    (``flash``: the pure-torch varlen reference). The loss weights every scored logprob by
+    a fixed random number (no gradient cancels by symmetry). The probe is off: this is its
+    own oracle. Keys: ``"sdpa, reentrant"`` etc.
+    """
+    from treepack.service.planner import plan_batch, validate_plan
+    from treepack.trainer import materialize, naive_varlen_attention
+    from treepack.trainer.hf import packed_forward
+
+    c = small_case()
+    plan = plan_batch(c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"], groups=c["groups"])
+    validate_plan(plan, c["sequences"], trainable=c["trainable"])
+    batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
+    weights, flags = _weights(c["sequences"]), _scored(c)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    alone = [torch.cat([lp.new_full((1,), float("nan")), lp]) for lp in unpacked_logprobs(model, c["sequences"])]
+    alone = [torch.where(f, x, torch.full_like(x, float("nan"))) for x, f in zip(alone, flags)]
+    sum((torch.nan_to_num(x) * w).sum() for x, w in zip(alone, weights)).backward()
+    ref_lp, ref_grads = [x.detach() for x in alone], _take_grads(model)
+    out = {}
+    for backend, reentrant in setups:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        try:
+            logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, verify=False)
+            packed = batch.unpack_logprobs(batch.target_logprobs(logits))
+            sum((torch.nan_to_num(x) * w).sum() for x, w in zip(packed, weights)).backward()
+            out[f"{backend}, {'reentrant' if reentrant else 'non-reentrant'}"] = (_lp_error(ref_lp, [x.detach() for x in packed]), grad_error(ref_grads, _take_grads(model)))
+        finally:
+            model.activation_checkpointing_disable()
+            model.zero_grad(set_to_none=True)
+    return out
+
+
+def within(errs: tuple[float, float]) -> bool:
+    """A training setup's (logprob, gradient) errors are within the sweep's tolerances."""
+    return errs[0] <= LOGPROB_TOL and errs[1] <= GRAD_RTOL
 
 
 def causal_lm_types() -> list[str]:
@@ -347,34 +500,119 @@ def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
     return ("pass" if err <= tol else "WRONG"), f"max logprob error {err:.2g}"
 
 
+def write_training(rows: tuple[Family, ...] = FAMILIES) -> dict[str, Any]:
+    """Run :func:`train_oracle` on every row check_model accepts (perturbed parameters) and
+    write the errors to :data:`TRAINING` (the README's checkpointing columns come from it)."""
+    import json
+    import time
+
+    import transformers
+
+    out: dict[str, Any] = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "rows": {}}
+    for row in rows:
+        if status_of(row)[0] != "exact":
+            continue
+        t = time.perf_counter()
+        errs = train_oracle(perturb(build_family(row)))
+        out["rows"][row.name] = {k: [float(f"{lp:.3g}"), float(f"{g:.3g}")] for k, (lp, g) in errs.items()}
+        print(row.name, out["rows"][row.name], f"{time.perf_counter() - t:.1f} s", flush=True)
+    TRAINING.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def recorded_training() -> dict[str, Any]:
+    """The training errors recorded by ``--train`` (:data:`TRAINING`), or empty rows if none."""
+    import json
+
+    return json.loads(TRAINING.read_text()) if TRAINING.exists() else {"rows": {}}
+
+
 BEGIN, END = "<!-- model-support:begin -->", "<!-- model-support:end -->"
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def render_table(statuses: dict[str, tuple[str, str]]) -> str:
-    """The README section: one line per family (status from :func:`status_of`), with the transformers version."""
+def _checkpoint_cell(recorded: dict[str, Any] | None) -> str:
+    if recorded is None:
+        return "not recorded"
+    bad = [k for k, errs in recorded.items() if not within(tuple(errs))]
+    if bad:
+        return "WRONG: " + ", ".join(bad)
+    setups = {k.split(", ")[0] for k in recorded}
+    return "exact: " + ", ".join(sorted(setups)) + " (reentrant and not)"
+
+
+def _scan_cell(hits: list[Any]) -> str:
+    """The row's scan hits: pattern and how it is handled (``handled``, ``checked at run time``, ...)."""
+    how = lambda h: "UNHANDLED" if h.handled is None else h.handled.split(":")[0] if ":" in h.handled else "handled"  # noqa: E731
+    return "; ".join(dict.fromkeys(f"{SCAN_LABELS[h.pattern]} ({how(h)})" for h in hits)) or "-"
+
+
+SCAN_LABELS = {"kwargs_dropped": "drops kwargs", "window_by_mask_builder": "mask-builder window", "model_built_mask": "own mask or bias"}
+
+
+def render_table(statuses: dict[str, tuple[str, str, str]], training: dict[str, Any] | None = None) -> str:
+    """The README section: one line per family (:func:`status_of`; checkpointing columns from
+    :data:`TRAINING`), then the static scan's summary, with the transformers version."""
     import transformers
 
+    scan = modeling_scan()
+    hits = scan.scan_transformers()
+    training = recorded_training() if training is None else training
     lines = [
         BEGIN,
         f"Generated by `python benchmarks/model_support.py --write-readme` with transformers {transformers.__version__}, "
-        "torch " + torch.__version__.split("+")[0] + "; checked by `tests/trainer/test_family_sweep.py` (tiny random fp32 configs: "
-        "packed logprobs within 1e-5 and gradients within 1e-4 relative of each sequence alone on `sdpa` and the `flash` "
-        "reference, `flex` forward; refused rows raise `UnsupportedModelError` before any compute).",
+        "torch " + torch.__version__.split("+")[0] + "; checked by `tests/trainer/test_family_sweep.py` and `tests/trainer/test_modeling_scan.py` "
+        "(tiny random fp32 configs, every parameter perturbed by seeded N(0, 0.05²) noise so no bias or mask sits at its "
+        "init value: packed logprobs within 1e-5 and gradients within 1e-4 relative of each sequence alone on `sdpa` and the "
+        "`flash` reference, `flex` forward; refused rows raise `UnsupportedModelError` before any compute, or at the first "
+        "attention call where marked). **checkpointing**: training mode with gradient checkpointing, `use_reentrant` True and "
+        "False, on both backends with a CPU backward (`python benchmarks/model_support.py --train`, recorded in "
+        "`benchmarks/model_support_training.json`). **dropout**: training mode with the config's default dropout: refused "
+        "naming the first module or config field (with dropout 0 training runs exactly: the checkpointing column), or "
+        "`none` when the defaults have none. **scan**: the static scan's hits in the family's modeling code (below).",
         "",
-        "| family | HF model type | mechanism | status | backends |",
-        "|---|---|---|---|---|",
+        "| family | HF model type | mechanism | status | backends | checkpointing | dropout | scan |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in FAMILIES:
-        status, reason = statuses[row.name]
+        status, reason, dropout = statuses[row.name]
         if status == "exact":
             cell, backends = "exact", "sdpa, flash (+grad)" + (", flex (forward)" if row.flex else "; flex refused")
+            ckpt = _checkpoint_cell(training["rows"].get(row.name))
         else:
             until = f" (until {row.lands_with} lands)" if row.lands_with else ""
-            cell, backends = f"refused{until}: {reason}", "-"
-        lines.append(f"| {row.name} | `{row.model_type}` | {row.mechanism} | {cell.replace('|', '/')} | {backends} |")
-    lines.append(END)
+            cell, backends, ckpt, dropout = f"refused{until}: {reason}", "-", "-", "-"
+        package = _package(row.model_type)
+        row_hits = [h for h in hits if h.module == package]
+        cells = (row.name, f"`{row.model_type}`", row.mechanism, cell, backends, ckpt, dropout, _scan_cell(row_hits))
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    lines += ["", *scan.render_summary(hits), END]
     return "\n".join(lines)
+
+
+def _package(model_type: str) -> str:
+    """The modeling package of ``model_type``'s causal-LM class (``gemma3_text`` -> ``gemma3``)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    transformers = importlib.import_module("transformers")
+    cls = getattr(transformers, name, None) if name else None
+    return cls.__module__.split(".")[-2] if cls is not None else model_type
+
+
+def modeling_scan() -> Any:
+    """``benchmarks/modeling_scan.py`` as a module (loaded once per process)."""
+    import importlib.util
+
+    name = "_bench_modeling_scan"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("modeling_scan.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def readme_section(text: str) -> str:
@@ -387,16 +625,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write-readme", action="store_true", help="rewrite the README's model-support section")
     ap.add_argument("--auto", action="store_true", help="sweep every causal-LM architecture of the installed transformers")
+    ap.add_argument("--train", action="store_true", help=f"run the training setups on every exact row and record them in {TRAINING.name}")
     args = ap.parse_args(argv)
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.train:
+        write_training()
     if args.auto:
         for status, meaning in SWEEP_STATUSES.items():
             print(f"# {status}: {meaning}")
         for t in causal_lm_types():
             print(t, *sweep_one(t), sep="\t", flush=True)
-    table = render_table({row.name: status_of(row) for row in FAMILIES})
+    table = render_table({row.name: status_of(row) for row in FAMILIES})  # after --train: its new record
     if args.write_readme:
         text = README.read_text()
         README.write_text(text.replace(readme_section(text), table))

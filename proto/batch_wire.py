@@ -191,7 +191,7 @@ def _request_fields(request: PackInput, *, dedup: bool = True, min_prefix: int =
         "seq_len": opts["seq_len"],
         "tokens": cols.tokens,
         "offsets": _le(cols.offsets),
-        **{k: opts[k] for k in ("min_shared_len", "placement", "num_ranks", "on_overflow", "conv_width", "share_trainable", "min_shared_saving", "repair_ms", "cp_size")},
+        **{k: opts[k] for k in ("min_shared_len", "placement", "num_ranks", "on_overflow", "conv_width", "share_trainable", "min_shared_saving", "repair_ms", "cp_size", "cp_attention")},
         "record": bool(record) if isinstance(record, np.bool_) else record,
     }
     if cols.trainable is not None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from treepack.proto.version import WIRE_VERSION
-from treepack.proto.options import MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
+from treepack.proto.options import CP_ATTENTION, MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
 
 __all__ = [
     "Buffer",
@@ -130,6 +130,7 @@ MinSharedOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_L
 PlacementOption = _option({"enum": list(PLACEMENTS), "default": "auto"})
 NumRanksOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"})
 CpSizeOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CP_SIZE, "default": 1, "description": "context-parallel group size: each row split into this many equal, aligned shards (num_ranks is then the data-parallel size)"})
+CpAttentionOption = _option({"enum": list(CP_ATTENTION), "default": "auto", "description": "attention under CP: ulysses, allgather (shards balanced by attention work), or auto (contiguous shards; ulysses where heads divide)"})
 ConvWidthOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"})
 OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
 SavingOption = _option({"type": "integer", "minimum": 0, "maximum": MAX_SEQ_LEN, "default": 0, "description": "0: off; else also share a run shorter than min_shared_len when (sharers - 1) x length >= this"})
@@ -180,6 +181,7 @@ class PackRequest(_Model):
     min_shared_saving: SavingOption = 0
     repair_ms: RepairOption = REPAIR_MS
     cp_size: CpSizeOption = 1
+    cp_attention: CpAttentionOption = "auto"
     record: bool = Field(True, description="record this batch's shape in the history (false: opt out)")
 
 
@@ -239,6 +241,8 @@ class RanksMessage(_Model):
     num_ranks: NumRanks
     cp_size: CpSize = 1
     shard_len: Optional[Count] = Field(None, description="tokens of each CP rank's shard of a row (seq_len when cp_size is 1)")
+    cp_attention: Literal["auto", "ulysses", "allgather"] = "auto"
+    cp_tiles: Optional[ArrayMessage] = Field(None, description="<i4 [R, cp_size * shard_len / 16]: the CP rank holding each 16-token tile of each row (allgather's balanced split; absent: contiguous shards)")
     rank_rows: ArrayMessage
     row_cost: ArrayMessage
     rank_cost: ArrayMessage
@@ -368,6 +372,7 @@ class WhatIfRequest(_Model):
     min_shared_saving: SavingOption = 0
     repair_ms: RepairOption = REPAIR_MS
     cp_size: CpSizeOption = 1
+    cp_attention: CpAttentionOption = "auto"
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (default: all retained)"

@@ -16,7 +16,7 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError
 
-__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "MAX_CP_SIZE", "CP_ALIGN", "cp_shard_len", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
+__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "MAX_CP_SIZE", "CP_ALIGN", "CP_ATTENTION", "cp_shard_len", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
 
 PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
 ON_OVERFLOW = ("error", "truncate", "drop")
@@ -25,6 +25,7 @@ MAX_RANKS = 65536
 MAX_CONV_WIDTH = 64
 MAX_CP_SIZE = 1024
 CP_ALIGN = 16  # under context parallelism, every rank's shard of a row is a multiple of this many tokens
+CP_ATTENTION = ("auto", "ulysses", "allgather")
 REPAIR_MS = 10.0  # default budget of auto's repair pass, ms
 MAX_REPAIR_MS = 60_000.0
 
@@ -43,6 +44,13 @@ class PlanOptions:
             ``cp_size`` equal contiguous shards of :func:`cp_shard_len` tokens (a multiple
             of :data:`CP_ALIGN`; the row padded to ``cp_size`` shards), one per rank of its
             CP group. 1: no split (the row is ``seq_len`` tokens, as without CP).
+        cp_attention: how attention runs under CP, one of :data:`CP_ATTENTION`:
+            ``"ulysses"`` (all-to-all to whole rows of ``H / cp_size`` heads) or
+            ``"allgather"`` (each rank keeps its queries, keys and values gathered over the
+            group), both with contiguous shards except ``"allgather"``, whose shards are
+            ``CP_ALIGN``-token tiles dealt to balance attention work (visible keys per
+            query; ``ranks.cp_tiles``); ``"auto"``: contiguous shards, Ulysses where a
+            layer's heads divide by ``cp_size``, all-gather where they do not.
         conv_width: GDN short-conv width W, in [1, MAX_CONV_WIDTH].
         share_trainable: the generalized sharing mode.
         on_overflow: one of :data:`ON_OVERFLOW`, for sequences longer than ``seq_len``.
@@ -64,6 +72,7 @@ class PlanOptions:
     min_shared_saving: Any = 0
     repair_ms: Any = REPAIR_MS
     cp_size: Any = 1
+    cp_attention: Any = "auto"
 
     def to_wire(self) -> dict[str, Any]:
         """The options as message fields (numpy scalars as Python numbers: msgpack cannot

@@ -134,6 +134,13 @@ class Ranks:
             ``[k * shard_len, (k + 1) * shard_len)`` of the row padded to
             ``cp_size * shard_len`` tokens (positions past ``seq_len`` are padding);
             :func:`~treepack.proto.options.cp_shard_len` (``seq_len`` when ``cp_size`` is 1).
+            Which positions: :meth:`shard_positions`.
+        cp_attention: the attention strategy under CP (``PlanOptions.cp_attention``).
+        cp_tiles: [R, padded_len / CP_ALIGN] int32, the CP rank holding each
+            ``CP_ALIGN``-token tile of each row: the split balanced by attention work
+            (``cp_attention == "allgather"``), every rank holding ``shard_len / CP_ALIGN``
+            tiles of every row, in row order. Empty ([R, 0] or [0, 0]): contiguous shards,
+            CP rank k holding positions ``[k * shard_len, (k + 1) * shard_len)``.
     """
 
     num_ranks: int
@@ -142,11 +149,38 @@ class Ranks:
     rank_cost: np.ndarray
     cp_size: int = 1
     shard_len: int = 0
+    cp_attention: str = "auto"
+    cp_tiles: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
 
     @property
     def padded_len(self) -> int:
         """Tokens of a row split over its CP group (``cp_size * shard_len``)."""
         return self.cp_size * self.shard_len
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every CP rank holds one contiguous range of each row (no ``cp_tiles``)."""
+        return self.cp_tiles.size == 0
+
+    def shard_positions(self, rows: np.ndarray) -> np.ndarray:
+        """[cp_size, K, shard_len] int64: the padded-row positions each CP rank holds of
+        each of ``rows`` ([K] global rows, -1 for an empty row: contiguous), ascending.
+
+        Column i of CP rank k's shard of local row j is row position ``out[k, j, i]``.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        P, Ls = self.cp_size, self.shard_len
+        out = np.broadcast_to(np.arange(P * Ls, dtype=np.int64).reshape(P, 1, Ls), (P, rows.shape[0], Ls)).copy()
+        if self.contiguous or P == 1:
+            return out
+        tile = self.cp_tiles.shape[1] and (P * Ls) // self.cp_tiles.shape[1]
+        real = np.flatnonzero(rows >= 0)
+        if real.size:
+            # Tiles grouped by rank, in row order within a rank (a stable sort).
+            order = np.argsort(self.cp_tiles[rows[real]], axis=1, kind="stable").reshape(real.size, P, Ls // tile)
+            pos = order[..., None] * tile + np.arange(tile)
+            out[:, real] = pos.reshape(real.size, P, Ls).transpose(1, 0, 2)
+        return out
 
 
 

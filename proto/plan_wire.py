@@ -19,7 +19,7 @@ import numpy as np
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire, exact_sum
 from treepack.proto.errors import RequestError
 from treepack.proto.messages import PlanMessage
-from treepack.proto.options import PlanOptions, cp_shard_len
+from treepack.proto.options import CP_ALIGN, PlanOptions, cp_shard_len
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
@@ -74,7 +74,14 @@ def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
             "conv_width": plan.gdn.conv_width,
             "levels": [{"depth": lv.depth, **_section(lv, "gdn.levels", fmt)} for lv in plan.gdn.levels],
         },
-        "ranks": {"num_ranks": plan.ranks.num_ranks, "cp_size": plan.ranks.cp_size, "shard_len": plan.ranks.shard_len, **_section(plan.ranks, "ranks", fmt)},
+        "ranks": {
+            "num_ranks": plan.ranks.num_ranks,
+            "cp_size": plan.ranks.cp_size,
+            "shard_len": plan.ranks.shard_len,
+            "cp_attention": plan.ranks.cp_attention,
+            **_section(plan.ranks, "ranks", fmt),
+            **({} if plan.ranks.contiguous else {"cp_tiles": array_to_wire(plan.ranks.cp_tiles, _I4, fmt)}),
+        },
         "stats": {
             **{f: getattr(st, f) for f in _STATS},
             "saved_fraction": float(st.saved_fraction),
@@ -118,7 +125,15 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
             path="$.ranks.shard_len",
             rule="cp_shard",
         )
-    ranks = Ranks(num_ranks=msg.ranks.num_ranks, cp_size=msg.ranks.cp_size, shard_len=shard, **_arrays(msg.ranks, "ranks", "$.ranks"))
+    tiles = np.zeros((0, 0), dtype=np.int32) if msg.ranks.cp_tiles is None else array_from_wire(msg.ranks.cp_tiles, dtype=_I4, ndim=2, path="$.ranks.cp_tiles")
+    ranks = Ranks(
+        num_ranks=msg.ranks.num_ranks,
+        cp_size=msg.ranks.cp_size,
+        shard_len=shard,
+        cp_attention=msg.ranks.cp_attention,
+        cp_tiles=tiles,
+        **_arrays(msg.ranks, "ranks", "$.ranks"),
+    )
     st = msg.stats
     stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms)
     options = PlanOptions(
@@ -132,6 +147,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         min_shared_saving=msg.min_shared_saving,
         repair_ms=msg.repair_ms,
         cp_size=msg.ranks.cp_size,
+        cp_attention=msg.ranks.cp_attention,
     )
     top = _arrays(msg, "", "")
     plan = Plan(
@@ -227,6 +243,9 @@ def check_plan_structure(plan: Plan) -> None:
     _need(rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks, f"rank tables for {rk.num_ranks} ranks", "$.ranks.rank_rows")
     _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")
     _in(rk.rank_rows, -1, r, "$.ranks.rank_rows")
+    tiles = (r, rk.padded_len // CP_ALIGN)
+    want = f"none or {list(tiles)} (one entry per {CP_ALIGN}-token tile of each row)" if rk.cp_size > 1 else "none without CP"
+    _need(rk.contiguous or (rk.cp_size > 1 and rk.cp_tiles.shape == tiles), f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}", "$.ranks.cp_tiles")
     _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
@@ -285,9 +304,10 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
             for (sec, f), _ in ARRAYS.items():
                 if sec == "gdn.levels":
                     _diff_array(f"gdn.levels[{d}].{f}", getattr(la, f), getattr(lb, f), out)
-    for f in ("num_ranks", "cp_size", "shard_len"):
+    for f in ("num_ranks", "cp_size", "shard_len", "cp_attention"):
         if getattr(a.ranks, f) != getattr(b.ranks, f):
             out.append(f"ranks.{f}: {getattr(a.ranks, f)} != {getattr(b.ranks, f)}")
+    _diff_array("ranks.cp_tiles", a.ranks.cp_tiles, b.ranks.cp_tiles, out)
     for f in _STATS + ("predicted_ms",) + (("timings_ms",) if timings else ()):
         if getattr(a.stats, f) != getattr(b.stats, f):
             out.append(f"stats.{f}: {getattr(a.stats, f)!r} != {getattr(b.stats, f)!r}")

@@ -39,6 +39,7 @@ from treepack.proto.plan import Plan
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.planning.mesh import mesh_plan_options, mesh_ranks
 from treepack.trainer.planning.planner import PlannerArg, obtain_plan
 
 __all__ = ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"]
@@ -137,7 +138,10 @@ class RankPlan:
 
     Attributes:
         plan: the plan (``plan.ranks.rank_rows[rank]`` are this rank's rows).
-        rank: this process's rank in the group.
+        rank: this process's rank in the group (with a mesh: its data-parallel rank).
+        cp: with a mesh whose CP dimension is > 1, this process's
+            :class:`~treepack.trainer.kernels.cp.ContextParallel` group (materialize then
+            gives its shard of every row), else None.
         trainable: per sequence [seq_lens[s]] bool flags, as the planner got them.
         groups: [S] int64 group codes (equal codes, equal groups), or None.
     """
@@ -146,6 +150,7 @@ class RankPlan:
     rank: int
     trainable: list[np.ndarray]
     groups: np.ndarray | None
+    cp: Any = None
 
     @property
     def rows(self) -> np.ndarray:
@@ -156,6 +161,7 @@ class RankPlan:
         """:func:`~treepack.trainer.data.materialize` of this rank's rows with the broadcast flags
         and groups. ``sequences`` and payloads are read only at the sequences of these rows."""
         groups = None if self.groups is None else self.groups.tolist()
+        kwargs.setdefault("cp", self.cp)
         return materialize(self.plan, sequences, payloads, device, trainable=self.trainable, groups=groups, rows=self.rows, **kwargs)
 
 
@@ -167,6 +173,7 @@ def plan_and_broadcast(
     planner: PlannerArg = None,
     src: int = 0,
     group: Any = None,
+    mesh: Any = None,
     **plan_kwargs: Any,
 ) -> RankPlan:
     """Plan on rank ``src`` and hand the plan to every rank (a collective: all ranks call it).
@@ -176,6 +183,12 @@ def plan_and_broadcast(
         planner: as :func:`obtain_plan` (None: an embedded ``Packer()``).
         src: the planning rank.
         group: the process group (default: the world).
+        mesh: a data-parallel x context-parallel ``DeviceMesh`` (dims ``"dp"``, ``"cp"``;
+            :mod:`~treepack.trainer.planning.mesh`) instead of ``group``: the plan goes to
+            every rank of the mesh, with ``num_ranks`` its DP size and ``cp_size`` its CP
+            size; rows are dealt to DP ranks and each row split over its CP group
+            (``RankPlan.rank`` is the DP rank, ``RankPlan.cp`` the CP group). The mesh
+            spans the default group, which the plan is broadcast over.
         **plan_kwargs: the planner's options (``seq_len``, ``min_shared_len``, ...);
             ``num_ranks`` defaults to the group size.
 
@@ -187,6 +200,12 @@ def plan_and_broadcast(
     """
     import torch.distributed as dist
 
+    cp = None
+    if mesh is not None:
+        if group is not None:
+            raise InputTypeError("pass a process group or a mesh, not both", path="$.mesh", rule="exclusive")
+        m = mesh_ranks(mesh)
+        plan_kwargs, cp = mesh_plan_options(m, plan_kwargs), m.cp
     rank = dist.get_rank(group) if group is not None else dist.get_rank()
     world = dist.get_world_size(group)
     data = None
@@ -216,5 +235,7 @@ def plan_and_broadcast(
     tr = extra["trainable"].astype(bool)
     flags_list = [tr[ptr[s] : ptr[s + 1]] for s in range(plan.num_sequences)]
     codes = extra["groups"]
-    return RankPlan(plan=plan, rank=rank, trainable=flags_list, groups=None if codes.shape[0] == 0 else codes)
+    if mesh is not None:
+        rank = m.dp_rank
+    return RankPlan(plan=plan, rank=rank, trainable=flags_list, groups=None if codes.shape[0] == 0 else codes, cp=cp)
 

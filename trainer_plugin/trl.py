@@ -37,9 +37,20 @@ replays the packed layers in backward.
 :class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
 call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.planning.bridge.from_labeled`).
 
+Vision-language models (TRL's multimodal path: a ``ProcessorMixin`` as ``processing_class``,
+an ``image``/``images`` column): TRL hands the method the batch's ``pixel_values``,
+``image_grid_thw`` and ``num_images``; :func:`~treepack.trainer.planning.bridge.sequence_images` cuts them into each sequence's
+own image inputs, the plan is made with :func:`~treepack.trainer.planning.images.image_keys`
+(a prompt's image tokens are shared only with sequences holding the same image, even where
+two prompts have identical token ids) and the rows run as ``packed_forward`` runs them
+(:mod:`treepack.trainer.hf.vision`: the vision tower once per distinct image, each
+sequence's own 3-D positions). Supported: models whose processor gives ``image_grid_thw``
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) with images in the prompts; other image
+arguments (LLaVA-style, tiled, ``token_type_ids``), video and the MoE auxiliary loss are
+refused by name.
+
 Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
 ``treepack/plan_ms`` (one entry per plan, averaged by TRL per logging step).
-Multimodal inputs and the MoE auxiliary loss are refused (their per-row meaning differs).
 """
 
 from __future__ import annotations
@@ -55,19 +66,20 @@ from trl.trainer import grpo_trainer as _grpo
 from trl.trainer.utils import FusedCausalLMOutput
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups
+from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups, sequence_images
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.planner import PlannerArg
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention, verify_model
 from treepack.trainer.hf.support import check_model
+from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,7 +202,7 @@ class _PackedRows:
         self.packing = PackingConfig() if packing is None else packing
         self._planner = self.packing.make_planner()
 
-    def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None) -> Any:
+    def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None, keys: list[np.ndarray] | None = None) -> Any:
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
@@ -200,6 +212,7 @@ class _PackedRows:
             groups=groups,
             min_shared_len=self.packing.min_shared_len,
             placement=self.packing.placement,
+            **({} if keys is None else {"keys": keys}),
         )
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
@@ -212,6 +225,9 @@ class _PackedRows:
 
         Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
         TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+        A batch with images gets the image features (the vision tower once per distinct
+        image) and, for mRoPE models, each sequence's own 3-D positions
+        (:func:`~treepack.trainer.hf.vision.image_inputs`).
         """
         backend = self.packing.backend
         hf = unwrap_model(model)
@@ -224,15 +240,17 @@ class _PackedRows:
         with self.accelerator.autocast():
             if self.packing.verify:
                 verify_model(hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
+            mm = image_inputs(hf, batch, {})
             with use_packed(ctx):
                 return model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                attention_mask=mask,
-                shift_labels=shift,
-                fused_lm_head=True,
-                **{BATCH_KWARG: ctx},
-            )
+                    input_ids=batch.input_ids,
+                    position_ids=mm.pop("position_ids", batch.position_ids),
+                    attention_mask=mask,
+                    shift_labels=shift,
+                    fused_lm_head=True,
+                    **{BATCH_KWARG: ctx},
+                    **mm,
+                )
 
 
 class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
@@ -281,31 +299,48 @@ class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
                 ceil(B / batch_size) chunks.
             compute_entropy: also return the entropies.
             compute_aux_loss: refused (MoE load balancing is not per sequence).
-            **extra: multimodal inputs; refused when given.
+            **extra: TRL's multimodal inputs: ``pixel_values``, ``image_grid_thw``,
+                ``num_images`` and ``mm_token_type_ids`` (:func:`~treepack.trainer.planning.bridge.sequence_images`); any other
+                is refused when given.
 
         Returns:
             ([B, C] log-probabilities, [B, C] entropies or None, None); 0 at padding.
         """
-        given = sorted(k for k, v in extra.items() if v is not None)
-        if given or compute_aux_loss:
-            what = given[0] if given else "compute_aux_loss"
-            raise RequestError(f"TreepackGRPOTrainer packs text-only, dense-loss batches; got {what}", path=f"$.{what}", rule="unsupported")
+        if compute_aux_loss:
+            raise RequestError("TreepackGRPOTrainer packs dense-loss batches; got compute_aux_loss (MoE load balancing is not per sequence)", path="$.compute_aux_loss", rule="unsupported")
         C = int(logits_to_keep)
         padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
         B = padded.batch_size
-        mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), padded.groups.tolist())
+        image_token = _image_token_of(model) if extra.get("pixel_values") is not None else None
+        pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
+        keys, groups = None, padded.groups
+        if pv is not None:
+            keys = image_keys(padded.sequences, pixel_values=pv, image_grid_thw=thw, image_token_id=image_token)
+            # A prompt is its ids and its images: identical ids over different images are two groups.
+            groups = prompt_groups([np.concatenate([s[:p], k[:p].view(np.int64)]) for s, k, p in zip(padded.sequences, keys, padded.prompt_lens.tolist())])
+        mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), groups.tolist(), keys)
         logps = torch.zeros(B, C, device=input_ids.device)
         entropies = torch.zeros(B, C, device=input_ids.device) if compute_entropy else None
         for rows in mb.rows[0]:
             rows = rows[rows >= 0]
             if rows.shape[0] == 0:
                 continue
-            batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=padded.groups.tolist(), rows=rows)
+            batch = materialize(
+                mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=groups.tolist(), rows=rows, pixel_values=pv, image_grid_thw=thw
+            )
             out = self._packed_fused(model, batch)
             logps = padded.to_padded(batch, out.log_probs, out=logps.to(out.log_probs.dtype))
             if compute_entropy:
                 entropies = padded.to_padded(batch, out.entropy, out=entropies.to(out.entropy.dtype))
         return logps, entropies, None
+
+
+def _image_token_of(model: Any) -> int:
+    config = unwrap_model(model).config
+    v = getattr(config, "image_token_id", None)
+    if v is None:
+        raise RequestError(f"the batch holds pixel_values but {type(unwrap_model(model)).__name__}'s config has no image_token_id", path="$.model", rule="unsupported")
+    return int(v)
 
 
 class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):

@@ -147,6 +147,7 @@ def run_plan(args: argparse.Namespace) -> int:
             groups=groups,
             num_ranks=args.num_ranks,
             cp_size=args.cp_size,
+            cp_attention=args.cp_attention,
             on_overflow=args.on_overflow,
         )
     except RequestError as exc:
@@ -172,6 +173,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--placement", default="auto", choices=PLACEMENTS)
     p.add_argument("--min-shared-len", type=int, default=64)
     p.add_argument("--num-ranks", type=int, default=1, help="data-parallel ranks to deal rows to")
+    p.add_argument("--cp-attention", default="auto", help="attention under CP: ulysses, allgather (shards balanced by attention work) or auto")
     p.add_argument("--cp-size", type=int, default=1, help="context-parallel group size: each row split into this many equal, aligned shards")
     p.add_argument("--on-overflow", default="error", choices=("error", "truncate", "drop"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

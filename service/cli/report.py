@@ -26,6 +26,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "seq_len": plan.seq_len,
         "rows": plan.num_rows,
         "cp_size": plan.ranks.cp_size,
+        "cp_attention": plan.ranks.cp_attention,
         "cp_shard_len": plan.ranks.shard_len,
         "row_tokens": plan.row_len.tolist(),
         "packed_tokens": st.packed_tokens,

@@ -138,7 +138,7 @@ def plan_with_tree(
     check()
     att = attention_meta(seg)
     gdn = gdn_meta(seg, seq_len, options.conv_width)
-    rk = assign_ranks(seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size)
+    rk = assign_ranks(seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size, cp_attention=options.cp_attention)
     t5 = time.perf_counter()
     unpacked = int(batch.lens.sum())
     packed = int(seg.row_len.sum())

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.options import MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, PlanOptions
+from treepack.proto.options import CP_ATTENTION, MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, PlanOptions
 
 __all__ = ["check_options"]
 
@@ -64,6 +64,7 @@ def check_options(options: PlanOptions) -> PlanOptions:
     saving = _int("min_shared_saving", options.min_shared_saving, 0, MAX_SEQ_LEN, "minimum")
     repair_ms = _number("repair_ms", options.repair_ms, 0.0, MAX_REPAIR_MS)
     cp_size = _int("cp_size", options.cp_size, 1, MAX_CP_SIZE, "range")
+    cp_attention = _choice("cp_attention", options.cp_attention, CP_ATTENTION)
     return PlanOptions(
         seq_len=seq_len,
         min_shared_len=min_shared_len,
@@ -75,4 +76,5 @@ def check_options(options: PlanOptions) -> PlanOptions:
         min_shared_saving=saving,
         repair_ms=repair_ms,
         cp_size=cp_size,
+        cp_attention=cp_attention,
     )

@@ -284,6 +284,7 @@ def _check_ranks_and_stats(plan: Plan) -> None:
     else:
         _check(shard % CP_ALIGN == 0, f"CP shard_len {shard} not a multiple of {CP_ALIGN}")
         _check(C <= cp * shard < C + cp * CP_ALIGN, f"CP shards {cp} x {shard} do not cover seq_len {C} with less than one aligned tile each of padding")
+    _check_cp_split(plan)
 
     # Stats.
     st = plan.stats
@@ -292,6 +293,37 @@ def _check_ranks_and_stats(plan: Plan) -> None:
     _check(st.unpacked_tokens == int(plan.seq_lens.sum()), "stats unpacked")
     _check(0 <= st.lower_bound_rows <= R, f"lower bound {st.lower_bound_rows} > rows {R}")
     _check(st.tree_tokens <= st.packed_tokens or plan.placement == "no_share", "packed below tree size")
+
+
+def naive_attention_work(plan: Plan, r: int) -> np.ndarray:
+    """[padded_len] float64 attention work of each position of global row r: the keys its
+    query sees (its sequence position + 1, ancestors included), 1 for padding (itself)."""
+    seg = plan.segments
+    work = np.ones(max(plan.ranks.padded_len, plan.seq_len), dtype=np.float64)
+    for g in range(int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])):
+        for i in range(int(seg.length[g])):
+            work[int(seg.row_start[g]) + i] = int(seg.seq_start[g]) + i + 1
+    return work
+
+
+def _check_cp_split(plan: Plan) -> None:
+    """The CP split: contiguous, or (all-gather) tiles dealt evenly and balanced by work."""
+    rk = plan.ranks
+    cp, R = rk.cp_size, plan.num_rows
+    _check(rk.cp_attention == plan.options.cp_attention, f"ranks.cp_attention {rk.cp_attention!r} != options.cp_attention {plan.options.cp_attention!r}")
+    balanced = cp > 1 and rk.cp_attention == "allgather"
+    if not balanced:
+        _check(rk.contiguous, f"cp_tiles given for a contiguous split (cp_size {cp}, cp_attention {rk.cp_attention!r})")
+        return
+    per = rk.shard_len // CP_ALIGN
+    tiles = rk.cp_tiles
+    _check(tiles.shape == (R, cp * per), f"cp_tiles shape {tiles.shape} != {(R, cp * per)}")
+    for r in range(R):
+        held = np.bincount(np.clip(tiles[r], -1, cp).astype(np.int64) + 1, minlength=cp + 2)
+        _check(held[0] == 0 and held[-1] == 0 and bool(np.all(held[1:-1] == per)), f"row {r}: CP ranks do not hold {per} tiles each")
+        tile_work = naive_attention_work(plan, r)[: cp * per * CP_ALIGN].reshape(cp * per, CP_ALIGN).sum(1)
+        load = np.bincount(tiles[r], weights=tile_work, minlength=cp)
+        _check(load.max() - load.min() <= tile_work.max(), f"row {r}: CP ranks' attention work {load.min():g}..{load.max():g} differs by more than one tile's {tile_work.max():g}")
 
 
 def _check_planned_with(plan: Plan) -> None:

@@ -64,6 +64,8 @@ BAD = [
     ("cp_size", 1025, RequestError, "range", "cp_size must be in [1, 1024], got 1025"),
     ("cp_size", "2", InputTypeError, "type", "cp_size must be an int, got str"),
     ("cp_size", None, InputTypeError, "type", "cp_size must be an int, got NoneType"),
+    ("cp_attention", "ring", RequestError, "enum", "cp_attention must be one of ('auto', 'ulysses', 'allgather'), got 'ring'"),
+    ("cp_attention", None, RequestError, "enum", "cp_attention must be one of ('auto', 'ulysses', 'allgather'), got None"),
 ]
 IDS = [f"{name}={value!r}" for name, value, *_ in BAD]
 

@@ -1,4 +1,5 @@
-"""A tiny local TRL setup: a word-level tokenizer built in code, a random Qwen3, a prompt set.
+"""A tiny local TRL setup: a word-level tokenizer built in code, a random Qwen3, a prompt set;
+and for vision-language GRPO a Qwen2-VL processor built the same way, with image prompts.
 
 Nothing is downloaded. :func:`run_grpo` trains ``trl.GRPOTrainer`` or a subclass for a few
 optimizer steps and returns what a side-by-side comparison needs.
@@ -56,9 +57,64 @@ def prompts(n: int, length: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(n)]
 
 
-def reward_len(completions: list[str], **kwargs: Any) -> list[float]:
-    """In-code reward: shorter completions with more 'w1' score higher (anything non-constant)."""
-    return [c.count("w1") - 0.1 * len(c.split()) for c in completions]
+def reward_len(completions: list[Any], **kwargs: Any) -> list[float]:
+    """In-code reward: shorter completions with more 'w1' score higher (anything non-constant).
+
+    A completion is a string, or (conversational prompts) a list of messages.
+    """
+    texts = [c if isinstance(c, str) else " ".join(m["content"] for m in c) for c in completions]
+    return [t.count("w1") - 0.1 * len(t.split()) for t in texts]
+
+
+def tiny_vl_processor() -> Any:
+    """A Qwen2-VL processor over a word-level tokenizer whose ids match :func:`helpers.vlm.tiny_vlm`.
+
+    Every id of the model's vocabulary is a word (``w0`` ...) except pad 0, eos 1, unk 2 and
+    the vision tokens at the ids the tiny models use. Images are resized to multiples of 4
+    pixels (patch 2, merge 2) between 16 and 256 pixels: an RGB 16x16 image is an [8, 8] grid
+    of patches, 16 placeholder tokens. The chat template writes an image part as
+    ``<|vision_start|><|image_pad|><|vision_end|>``, text parts as they are, and ``w0`` as
+    the generation prompt. The processor has no video processor (it needs torchvision).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from helpers import vlm
+
+    vision = {vlm.IMAGE_TOKEN: "<|image_pad|>", vlm.VISION_START: "<|vision_start|>", vlm.VISION_END: "<|vision_end|>", vlm.VIDEO_TOKEN: "<|video_pad|>"}
+    names = [vision.get(i, f"w{i - len(SPECIAL)}") for i in range(vlm.VOCAB)]
+    names[: len(SPECIAL)] = SPECIAL
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", additional_special_tokens=list(vision.values()))
+    fast.padding_side = "left"
+    template = (
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|> {% elif p['type'] == 'text' %}{{ p['text'] }} {% endif %}"
+        "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}w0 {% endif %}"
+    )
+
+    class ImageOnlyProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any) -> None:
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kw)
+
+    images = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=256)
+    return ImageOnlyProcessor(image_processor=images, tokenizer=fast, chat_template=template)
+
+
+def vl_dataset(seed: int = 0) -> Any:
+    """Conversational image prompts: three share one text over three different 16x16 images
+    (identical token ids, different images), a fourth has other text over the first image."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    imgs = [Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)) for _ in range(3)]
+    same, other = prompts(2, 8, seed=seed)
+    rows = [(same, imgs[0]), (same, imgs[1]), (other, imgs[0]), (same, imgs[2])]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t, _ in rows], "image": [i for _, i in rows]})
 
 
 def run_grpo(
@@ -70,6 +126,8 @@ def run_grpo(
     before_train: Any = None,
     workdir: str,
     model_path: str | None = None,
+    train_dataset: Any = None,
+    processing_class: Any = None,
     **config: Any,
 ) -> dict[str, Any]:
     """Train ``trainer_cls`` (GRPOTrainer or a subclass) for ``steps`` optimizer steps.
@@ -82,6 +140,8 @@ def run_grpo(
         before_train: callable(trainer) run once the trainer is built, before ``train()``.
         workdir: output directory.
         model_path: a saved :func:`tiny_model` (processes of one run share it); default: saved here.
+        train_dataset: default: 8 text prompts of 20 words.
+        processing_class: default: :func:`tiny_tokenizer`.
         **config: ``GRPOConfig`` fields over the defaults below.
 
     Returns:
@@ -137,13 +197,13 @@ def run_grpo(
                 between_steps(trainer)
 
         callbacks.append(_Between())
-    ds = Dataset.from_dict({"prompt": prompts(8, 20)})
+    ds = Dataset.from_dict({"prompt": prompts(8, 20)}) if train_dataset is None else train_dataset
     trainer = trainer_cls(
         model=model,
         reward_funcs=reward,
         args=args,
         train_dataset=ds,
-        processing_class=tiny_tokenizer(),
+        processing_class=tiny_tokenizer() if processing_class is None else processing_class,
         peft_config=peft_config,
         callbacks=callbacks,
         **trainer_kwargs,

@@ -110,12 +110,13 @@ def trainable_flags(case: dict[str, Any]) -> list[torch.Tensor]:
     return out
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer fp32 model with random weights (no hub access needed)."""
+def tiny_model(family: str, seed: int = 0, heads: tuple[int, int] = (4, 2)) -> torch.nn.Module:
+    """A 2-layer fp32 model with random weights (no hub access needed); ``heads`` is
+    (query heads, key/value heads)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads[0], num_key_value_heads=heads[1], max_position_embeddings=256)
     if family == "qwen3":
         cfg = tf.Qwen3Config(head_dim=8, **common)
         model = tf.Qwen3ForCausalLM(cfg)

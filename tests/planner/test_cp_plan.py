@@ -74,4 +74,57 @@ def test_cli_cp_size(tmp_path):
         capture_output=True, text=True, check=True, timeout=120,
     )
     rep = json.loads(out.stdout)
-    assert rep["cp_size"] == 2 and rep["cp_shard_len"] == 32
+    assert rep["cp_size"] == 2 and rep["cp_shard_len"] == 32 and rep["cp_attention"] == "auto"
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_allgather_split_balances_attention_work(cp):
+    """The all-gather split: every rank holds ``shard_len`` positions of every row (1/cp plus
+    alignment padding), and the ranks' attention work (visible keys per query, from the
+    tree) differs by at most one tile's, where the token split can be far apart."""
+    from treepack.service.planner.validate import naive_attention_work
+
+    from helpers.trees import tree_sequences
+    from treepack.service.planner import plan_batch
+
+    seqs = tree_sequences(7, trees=4, depth=3, max_len=120)
+    plan = plan_batch(seqs, seq_len=256, min_shared_len=2, cp_size=cp, cp_attention="allgather")
+    validate_plan(plan, seqs)
+    rk = plan.ranks
+    assert rk.cp_attention == "allgather" and not rk.contiguous
+    pos = rk.shard_positions(np.arange(plan.num_rows))
+    assert pos.shape == (cp, plan.num_rows, rk.shard_len)
+    worse = 0
+    for r in range(plan.num_rows):
+        held = np.sort(pos[:, r].reshape(-1))
+        assert np.array_equal(held, np.arange(rk.padded_len)), "the ranks' positions are not a split of the row"
+        assert all(np.all(np.diff(pos[k, r]) > 0) for k in range(cp)), "a shard is not in row order"
+        work = naive_attention_work(plan, r)
+        load = work[pos[:, r]].sum(-1)
+        tile = work[: rk.padded_len].reshape(-1, CP_ALIGN).sum(-1).max()
+        assert load.max() - load.min() <= tile
+        contiguous = work[: rk.padded_len].reshape(cp, -1).sum(-1)
+        worse += int(contiguous.max() - contiguous.min() > load.max() - load.min())
+    assert worse >= 1, "no row where the token split is less balanced: the test shows nothing"
+
+
+def test_contiguous_split_positions():
+    plan = plan_of(mixed_batch(), cp_size=4)
+    rk = plan.ranks
+    assert rk.contiguous and rk.cp_attention == "auto"
+    pos = rk.shard_positions(np.array([0, -1]))
+    want = np.arange(rk.padded_len).reshape(4, 1, rk.shard_len)
+    assert np.array_equal(pos, np.broadcast_to(want, pos.shape))
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_allgather_plan_wire_round_trip(fmt):
+    plan = plan_of(mixed_batch(), cp_size=4, num_ranks=2, cp_attention="allgather")
+    msg = decode_body(encode_body(plan_to_wire(plan, fmt), fmt), fmt)
+    assert msg["ranks"]["cp_attention"] == "allgather"
+    back = plan_from_wire(msg)
+    assert plan_differences(plan, back) == [] and np.array_equal(back.ranks.cp_tiles, plan.ranks.cp_tiles)
+    validate_plan(back)
+    msg["ranks"]["cp_tiles"] = None  # the split dropped: the plan now says contiguous
+    with pytest.raises(PlanInvariantError, match="cp_tiles shape"):
+        validate_plan(plan_from_wire(msg))

@@ -53,6 +53,15 @@ def _cp() -> tuple[list[np.ndarray], None, Plan]:
     return seqs, None, plan
 
 
+def _cp_allgather() -> tuple[list[np.ndarray], None, Plan]:
+    """A CP plan with all-gather attention: 16-token tiles dealt over 2 ranks by attention work."""
+    seqs = tree_sequences(5, trees=3, depth=3, max_len=60)
+    plan = plan_batch(seqs, seq_len=128, min_shared_len=2, cp_size=2, cp_attention="allgather")
+    validate_plan(plan, seqs)
+    assert plan.ranks.cp_tiles.shape == (plan.num_rows, 8) and not plan.ranks.contiguous
+    return seqs, None, plan
+
+
 def _twins() -> tuple[list[np.ndarray], None, Plan]:
     """Two trees in one row whose roots have the same length: a child of one can be re-hung
     under the other root with depths, positions and subtree ends unchanged."""
@@ -406,6 +415,31 @@ def f_cp_shards_cover(p, *_):
     return _replace_ranks(p, shard_len=p.ranks.shard_len + 16)  # aligned, but a whole tile of padding per rank too many
 
 
+def f_cp_attention_options(p, *_):
+    return _replace_ranks(p, cp_attention="allgather")
+
+
+def f_cp_tiles_contiguous(p, *_):
+    assert p.ranks.cp_size > 1 and p.ranks.cp_attention == "auto", "the forgery needs a contiguous CP plan (base='cp')"
+    return _replace_ranks(p, cp_tiles=np.zeros((p.num_rows, 8), np.int32))
+
+
+def f_cp_tiles_shape(p, *_):
+    return _replace_ranks(p, cp_tiles=p.ranks.cp_tiles[:, :-2])
+
+
+def f_cp_tiles_count(p, *_):
+    t = p.ranks.cp_tiles
+    t[0, int(np.flatnonzero(t[0] == 1)[0])] = 0  # rank 0 holds one tile too many
+
+
+def f_cp_tiles_unbalanced(p, *_):
+    # The token split (first half to rank 0): the later half sees the longer chains.
+    per = p.ranks.shard_len // 16
+    t = np.repeat(np.arange(2, dtype=np.int32), per)[None].repeat(p.num_rows, 0)
+    return _replace_ranks(p, cp_tiles=t)
+
+
 def f_stats_packed(p, *_):
     return _replace_stats(p, packed_tokens=p.stats.packed_tokens + 1)
 
@@ -604,6 +638,11 @@ CASES: dict[str, Case] = {
     "shard_without_cp": Case(check=r"^shard_len 144 != seq_len 128 without CP$", forge=f_shard_without_cp),
     "cp_shard_unaligned": Case(check=r"^CP shard_len 65 not a multiple of 16$", forge=f_cp_shard_unaligned, base="cp"),
     "cp_shards_cover": Case(check=r"^CP shards 2 x 80 do not cover seq_len 128 with less than one aligned tile each of padding$", forge=f_cp_shards_cover, base="cp"),
+    "cp_attention_options": Case(check=r"^ranks\.cp_attention 'allgather' != options\.cp_attention 'auto'$", forge=f_cp_attention_options),
+    "cp_tiles_contiguous": Case(check=r"^cp_tiles given for a contiguous split \(cp_size 2, cp_attention 'auto'\)$", forge=f_cp_tiles_contiguous, base="cp"),
+    "cp_tiles_shape": Case(check=r"^cp_tiles shape \(\d+, 6\) != \(\d+, 8\)$", forge=f_cp_tiles_shape, base="cp_ag"),
+    "cp_tiles_count": Case(check=r"^row 0: CP ranks do not hold 4 tiles each$", forge=f_cp_tiles_count, base="cp_ag"),
+    "cp_tiles_unbalanced": Case(check=r"^row 0: CP ranks' attention work .+ differs by more than one tile's .+$", forge=f_cp_tiles_unbalanced, base="cp_ag"),
     "stats_packed": Case(check=r"^stats rows/packed$", forge=f_stats_packed),
     "stats_padding": Case(check=r"^stats padding$", forge=f_stats_padding),
     "stats_unpacked": Case(check=r"^stats unpacked$", forge=f_stats_unpacked),
@@ -633,7 +672,7 @@ CASES: dict[str, Case] = {
 
 @pytest.fixture(scope="module")
 def bases() -> dict[str, tuple]:
-    return {"default": _base(False), "generalized": _base(True), "twins": _twins(), "cp": _cp()}
+    return {"default": _base(False), "generalized": _base(True), "twins": _twins(), "cp": _cp(), "cp_ag": _cp_allgather()}
 
 
 def _forge(case: Case, bases: dict[str, tuple]):

@@ -148,6 +148,7 @@ RULES = {
     "cu_seqlens order": (_edit(lambda p: _level(p, 1).cu_seqlens.__setitem__(1, _level(p, 1).cu_seqlens[2] + 1)), "$.gdn.levels[1].cu_seqlens", r"must not decrease"),
     "rank tables": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, rank_cost=p.ranks.rank_cost[:-1]))), "$.ranks.rank_rows", r"rank tables for 2 ranks"),
     "row_cost": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, row_cost=p.ranks.row_cost[:-1]))), "$.ranks.row_cost", r"row_cost for \d+ rows"),
+    "cp_tiles shape": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, cp_tiles=np.zeros((p.num_rows, 3), np.int32)))), "$.ranks.cp_tiles", r"cp_tiles of shape \[\d+, 3\], expected none without CP"),
     "stats rows": (_edit(lambda p: dataclasses.replace(p, stats=dataclasses.replace(p.stats, rows=p.stats.rows + 1))), "$.stats.rows", r"stats\.rows \d+ for num_rows \d+"),
 }
 

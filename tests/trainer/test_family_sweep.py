@@ -1,10 +1,16 @@
 """The family sweep: every HF family either passes the oracle or is refused by name before any compute.
 
-Rows come from ``benchmarks/model_support.py`` (:data:`FAMILIES`, tiny random fp32 configs).
+Rows come from ``benchmarks/model_support.py`` (:data:`FAMILIES`, tiny random fp32 configs,
+every parameter perturbed by seeded noise so that no bias, norm or learned mask sits at its
+init value: a term dropped while its parameter is 0 at init would change nothing there).
 A ``pass`` row: packed logprobs within 1e-5 and gradients within 1e-4 relative of each
 sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), and the
 ``flex`` forward (uncompiled; FlexAttention has no CPU backward). A refused row raises
 :class:`UnsupportedModelError` matching its reason, and the model is left untouched.
+Training mode: gradient checkpointing (reentrant and not) on both backends with a CPU
+backward, for a representative subset here (:data:`TRAIN_SUBSET`) and for every row by
+``python benchmarks/model_support.py --train``, whose record the README shows; the
+config's default dropout is refused by name in training mode (README column, checked).
 Rows marked ``lands_with`` (recurrent mixers, sinks, chunked attention, GLM-MoE-DSA) are
 refused with their reason until that work lands, after which the check accepts them and
 they must pass the same oracle. After every ``packed_forward`` the same model runs
@@ -97,6 +103,7 @@ def test_family(case, row):
         with torch.no_grad():
             ms.unpacked_logprobs(model, case["case"]["sequences"][:1])  # untouched, runs unpacked
         return
+    ms.perturb(model)
     ref_lp, ref_loss, ref_grads = _reference(model, case)
     assert len(ref_grads) > 0 and abs(float(ref_loss)) > 1e-3
     for backend in ("sdpa", "flash"):
@@ -224,9 +231,72 @@ def test_training_with_attention_dropout_is_refused():
 
 def test_readme_table_matches_the_sweep():
     text = ms.README.read_text()
-    assert ms.readme_section(text) == ms.render_table({row.name: ms.status_of(row) for row in ms.FAMILIES}), (
+    statuses = {row.name: ms.status_of(row) for row in ms.FAMILIES}
+    assert ms.readme_section(text) == ms.render_table(statuses), (
         "README model-support table is stale: run `python benchmarks/model_support.py --write-readme`"
     )
+    # The dropout column is not vacuous: defaults with dropout are refused by name, others run.
+    dropout = [d for s, _, d in statuses.values() if s == "exact"]
+    assert "none" in dropout and sum(d.startswith("refused: ") for d in dropout) >= 2, dropout  # GPT-2, GPTBigCode
+
+
+# Rows whose training setups (checkpointing reentrant and not, sdpa and flash, perturbed
+# parameters) the main run checks live: a decoder layer that calls attention without
+# **kwargs (StableLM), a mask passed positionally into checkpointing (GPT-2: reentrant
+# replays get a detached alias of it), sliding/global layers with soft-caps (Gemma 2), a
+# patched recurrent mixer replayed (Qwen3.5's Gated DeltaNet) and a patched sparse indexer
+# with MLA and MoE (DeepSeek-V3.2). The other rows: ``model_support.py --train``.
+TRAIN_SUBSET = ("StableLM", "GPT-2", "Gemma 2", "Qwen3.5", "DeepSeek-V3.2")
+
+
+@pytest.mark.parametrize("name", TRAIN_SUBSET)
+def test_training_setups_exact(name):
+    row = next(r for r in ms.FAMILIES if r.name == name)
+    errs = ms.train_oracle(ms.perturb(ms.build_family(row)))
+    assert sorted(errs) == sorted(f"{b}, {'reentrant' if r else 'non-reentrant'}" for b, r in ms.TRAIN_SETUPS)
+    for setup, e in errs.items():
+        assert ms.within(e), f"{name} {setup}: logprob error {e[0]:.3g} (<= {ms.LOGPROB_TOL}), gradient error {e[1]:.3g} (<= {ms.GRAD_RTOL} relative)"
+    recorded = ms.recorded_training()["rows"].get(name)
+    assert recorded is not None and all(ms.within(tuple(e)) for e in recorded.values()), f"{name}: the recorded sweep disagrees: {recorded}"
+
+
+def test_the_training_record_covers_every_exact_row():
+    """The README's checkpointing column comes from the recorded ``--train`` run: it must be of
+    this transformers and torch, cover exactly the rows check_model accepts, every setup each."""
+    import transformers
+
+    rec = ms.recorded_training()
+    assert (rec.get("transformers"), rec.get("torch")) == (transformers.__version__, torch.__version__.split("+")[0]), "rerun `python benchmarks/model_support.py --train --write-readme`"
+    exact = {r.name for r in ms.FAMILIES if r.refused is None or r.lands_with is not None and not _expect_refusal(r)}
+    assert set(rec["rows"]) == exact
+    setups = {f"{b}, {'reentrant' if r else 'non-reentrant'}" for b, r in ms.TRAIN_SETUPS}
+    assert all(set(v) == setups for v in rec["rows"].values())
+
+
+def test_negative_control_a_dropped_model_bias_fails_the_perturbed_oracle(monkeypatch):
+    """Doge hands its attention function a learned dynamic mask. With the run-time refusal of a
+    mask treepack did not build switched off, tree attention silently drops it. At init (``A``
+    is 0: the mask is constant per row) the forward logprobs still agree, which is how a
+    forward check at init called Doge exact; at perturbed parameters the logprobs differ and
+    ``A`` gets no gradient at all (an infinite error): the oracle of the checks above fails."""
+    from treepack.trainer.hf import attention
+
+    monkeypatch.setattr(attention, "_is_tree_mask", lambda mask, tree: True)
+    row = next(r for r in ms.FAMILIES if r.model_type == "doge")
+    at_init = ms.train_oracle(ms.build_family(row), setups=(("sdpa", False),))["sdpa, non-reentrant"]
+    lp, grad = ms.train_oracle(ms.perturb(ms.build_family(row)), setups=(("sdpa", False),))["sdpa, non-reentrant"]
+    assert at_init[0] <= ms.LOGPROB_TOL, at_init
+    assert lp > 10 * ms.LOGPROB_TOL and grad > 100 * ms.GRAD_RTOL, (lp, grad)
+
+
+def test_reentrant_replay_passes_a_detached_alias_of_the_tree_mask():
+    """Reentrant checkpointing detaches the layer's tensor inputs: the alias is accepted (same
+    storage), any other mask, even an equal copy, is refused as the model's own."""
+    from treepack.trainer.hf.attention import _is_tree_mask
+
+    tree = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    assert _is_tree_mask(tree, tree) and _is_tree_mask(tree.detach(), tree)
+    assert not _is_tree_mask(tree.clone(), tree) and not _is_tree_mask(tree[:1], tree) and not _is_tree_mask(tree.float(), tree)
 
 
 # The automatic sweep's skips, each acknowledged with its reason: HF builds no tiny model of

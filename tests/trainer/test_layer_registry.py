@@ -52,6 +52,8 @@ def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
     )  # fmt: skip
     model = Qwen3_5ForCausalLM(cfg)
     check_cp_layers(model, 2)  # 2 key heads, 6 value heads: both divide
+    with pytest.raises(UnsupportedModelError, match=r"linear_attn \(Qwen3_5GatedDeltaNet\): layer kind 'gdn' runs under CP on contiguous shards only"):
+        check_cp_layers(model, 2, contiguous=False)  # the all-gather plan's tiled split
     with pytest.raises(UnsupportedModelError, match=r"model.layers.0.linear_attn \(Qwen3_5GatedDeltaNet\): 6 value heads do not divide over 4") as e:
         check_cp_layers(model, 4)
     assert e.value.refusals == (("model.layers.0.linear_attn", "Qwen3_5GatedDeltaNet", e.value.refusals[0][2]),)

@@ -1,113 +1,149 @@
-"""A static scan of the installed transformers' modeling code for the patterns behind past holes.
+"""The static scan of the installed transformers' modeling code (``benchmarks/modeling_scan.py``).
 
-The scan reads the modeling modules of every family of the model-support table and of the
-models that showed each hole (reading all of transformers' modeling code takes minutes).
-Three patterns make a model's packed run depend on more than its layer classes; each hit is
-listed, each pattern must have hits (the scan is not vacuous: the models that showed the
-hole are among them), and each hit must fall under the mechanism that handles it:
+Every ``models/*/modeling_*.py`` is read (not imported). Three patterns make a model's
+packed run depend on more than its layer classes; each hit in a module that defines a
+causal-LM class must be handled, and how is named per hit (the README lists them):
 
-1. a decoder layer calling its attention without ``**kwargs`` (StableLM, Nemotron): the
-   packed context cannot travel with the arguments on a checkpoint replay. Handled for
-   every such layer by the replay itself (``treepack.trainer.hf.dispatch``: the function
-   HF's checkpointing replays runs inside the packed context);
-2. an attention class that passes no ``sliding_window=`` to its attention function while it
-   keeps a window or its model builds sliding-window masks (Qwen2-MoE, PhiMoE: HF applies
-   the window only through its mask builders). Handled where ``mask_builder_window`` reads
-   the window: from ``config.sliding_window`` (per layer by ``layer_types`` where the config
-   has them) when the modeling module builds sliding-window masks; any other hit fails this
-   test until it is handled or refused;
-3. an attention forward handing its attention function a mask other than the one it was
-   given (Doge's dynamic mask): refused at run time by tree attention, which accepts only
-   the mask ``packed_forward`` built.
+1. ``kwargs_dropped``, a decoder layer calling its attention without ``**kwargs``
+   (StableLM, Nemotron): the packed context reaches attention through a context variable,
+   and HF's checkpointing replays inside it (``treepack.trainer.hf.dispatch``); a module
+   that calls torch's checkpoint itself replays outside it: unhandled;
+2. ``window_by_mask_builder``, an attention class passing no ``sliding_window=`` while its
+   module builds sliding-window masks (Qwen2-MoE, PhiMoE): tree attention reads the window
+   from the config as the builders do (``mask_builder_window``); a window the config does
+   not declare: unhandled;
+3. ``model_built_mask``, a mask or bias built inside attention (Doge's dynamic mask): tree
+   attention refuses any mask but its own at run time, and the bias keywords of
+   ``REFUSED_KEYWORDS`` (``position_bias=``, ``sinks=``, ``block_indices=``); a mask modified
+   in place, or a bias under any other keyword: unhandled.
+
+An unhandled hit fails :func:`test_every_hit_in_a_causal_lm_module_is_handled`, so a
+transformers upgrade that brings one surfaces it. Planted modules show each rule fires.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-from pathlib import Path
+import re
 
 import pytest
+import torch
 
 from helpers.families import model_support
 
 transformers = pytest.importorskip("transformers")
-KNOWN_CASES = ("stablelm", "nemotron", "qwen2_moe", "phimoe", "doge")
-
-_ATTN_ATTRS = {"self_attn", "attn", "attention", "self_attention"}
-
-
-@functools.lru_cache(maxsize=None)
-def scan() -> dict[str, list[tuple[str, str]]]:
-    """{pattern: [(modeling module, class)]} over the scanned ``modeling_*.py`` of transformers."""
-    hits: dict[str, list[tuple[str, str]]] = {"kwargs_dropped": [], "window_by_mask_builder": [], "model_built_mask": []}
-    root = Path(transformers.__file__).parent / "models"
-    types = sorted({r.model_type for r in model_support().FAMILIES} | set(KNOWN_CASES))
-    for path in sorted(p for t in types for p in root.glob(f"{t}/modeling_{t}.py")):
-        src = path.read_text(encoding="utf-8")
-        tree = ast.parse(src)
-        name = f"{path.parent.name}/{path.name}"
-        builds_windows = "create_sliding_window_causal_mask" in src
-        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            fns = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-            fwd = fns.get("forward")
-            if fwd is None:
-                continue
-            calls = [c for c in ast.walk(fwd) if isinstance(c, ast.Call)]
-            if any(_is_attr_call(c, _ATTN_ATTRS) and not any(k.arg is None for k in c.keywords) for c in calls):
-                hits["kwargs_dropped"].append((name, cls.name))
-            interface = [c for c in calls if isinstance(c.func, ast.Name) and c.func.id == "attention_interface"]
-            if not interface:
-                continue
-            keeps_window = builds_windows or "__init__" in fns and any(
-                isinstance(t, ast.Attribute) and t.attr == "sliding_window" for a in ast.walk(fns["__init__"]) if isinstance(a, ast.Assign) for t in a.targets
-            )
-            if keeps_window and not any(k.arg == "sliding_window" or k.arg is None and _names_window(k.value) for c in interface for k in c.keywords):
-                hits["window_by_mask_builder"].append((name, cls.name))
-            params = {a.arg for a in fwd.args.args + fwd.args.kwonlyargs}
-            for c in interface:
-                mask = next((k.value for k in c.keywords if k.arg == "attention_mask"), c.args[4] if len(c.args) > 4 else None)
-                if mask is not None and not (isinstance(mask, ast.Name) and mask.id in params) and not _is_none(mask):
-                    hits["model_built_mask"].append((name, cls.name))
-                    break
-    return hits
+ms = model_support()
+scan = ms.modeling_scan()
 
 
-def _is_attr_call(c: ast.Call, attrs: set[str]) -> bool:
-    f = c.func
-    return isinstance(f, ast.Attribute) and f.attr in attrs and isinstance(f.value, ast.Name) and f.value.id == "self"
-
-
-def _names_window(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Constant) and n.value == "sliding_window" for n in ast.walk(node))
-
-
-def _is_none(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and node.value is None
+def _modules(pattern):
+    return {h.module for h in scan.scan_transformers() if h.pattern == pattern}
 
 
 def test_scan_finds_the_known_cases():
-    hits = scan()
-    models = {k: {m.split("/")[0] for m, _ in v} for k, v in hits.items()}
-    assert {"stablelm", "nemotron"} <= models["kwargs_dropped"], sorted(models["kwargs_dropped"])
-    assert {"qwen2_moe", "phimoe"} <= models["window_by_mask_builder"], sorted(models["window_by_mask_builder"])
-    assert "doge" in models["model_built_mask"], sorted(models["model_built_mask"])
+    assert {"stablelm", "nemotron"} <= _modules("kwargs_dropped")
+    assert {"qwen2_moe", "phimoe"} <= _modules("window_by_mask_builder")
+    assert "doge" in _modules("model_built_mask")
+    assert len(scan.causal_lm_modules()) >= 150  # the whole of transformers was read, not a list
 
 
-def test_every_mask_builder_window_is_read_by_tree_attention():
-    root = Path(transformers.__file__).parent / "models"
-    unhandled = []
-    for m, c in scan()["window_by_mask_builder"]:
-        cfg = next((root / m).parent.glob("configuration_*.py"), None)
-        reads = "create_sliding_window_causal_mask" in (root / m).read_text(encoding="utf-8") and cfg is not None and "sliding_window" in cfg.read_text(encoding="utf-8")
-        if not reads:
-            unhandled.append((m, c))
-    assert not unhandled, f"sliding windows applied only by mask builders that treepack cannot read: {unhandled}"
+def test_every_hit_in_a_causal_lm_module_is_handled():
+    bad = scan.unhandled(scan.scan_transformers())
+    assert not bad, "unhandled patterns in transformers' modeling code (handle or refuse them, then regenerate the README):\n" + "\n".join(map(str, bad))
 
 
-def test_model_built_masks_are_refused_at_run_time():
-    from treepack.trainer.hf import attention
+LAYER = """
+class PlantedDecoderLayer(GradientCheckpointingLayer):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        return hidden_states
+"""
 
-    # The run-time rule that refuses every pattern-3 hit: only the mask packed_forward built passes.
-    assert attention.TREE_MASK_OPTION == "tree_mask"
-    assert "attention_mask is not opts[TREE_MASK_OPTION]" in Path(attention.__file__).read_text(encoding="utf-8")
+ATTENTION = """
+class PlantedAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.scaling = 0.1
+
+    def forward(self, hidden_states, attention_mask, **kwargs):
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+        {body}
+        out, w = attention_interface(self, q, k, v, {mask}, scaling=self.scaling, {extra}**kwargs)
+        return out, w
+"""
+
+
+def _attention(mask="attention_mask", extra="", body="pass"):
+    return ATTENTION.format(mask=mask, extra=extra, body=body)
+
+
+def _hits(src, config_src="sliding_window = 4096"):
+    return [(h.pattern, h.detail, h.handled is not None) for h in scan.scan_source(src, "planted", config_src)]
+
+
+def test_planted_layer_dropping_kwargs():
+    assert _hits(LAYER) == [("kwargs_dropped", "self.self_attn(...)", True)]
+    # Its own torch checkpoint call replays the layer outside the packed context: unhandled.
+    own = "from torch.utils.checkpoint import checkpoint\n" + LAYER + "\ndef run(layer, x):\n    return checkpoint(layer, x)\n"
+    assert _hits(own) == [("kwargs_dropped", "self.self_attn(...)", False)]
+    assert _hits(LAYER.replace("attention_mask=attention_mask)", "attention_mask=attention_mask, **kwargs)")) == []
+
+
+def test_planted_window_applied_only_by_the_mask_builder():
+    src = "from ...masking_utils import create_causal_mask, create_sliding_window_causal_mask\n" + _attention()
+    assert _hits(src) == [("window_by_mask_builder", "builds sliding-window masks", True)]
+    # A window the config does not declare: mask_builder_window cannot read it.
+    assert _hits(src, config_src="attention_window = 4096") == [("window_by_mask_builder", "builds sliding-window masks", False)]
+    assert _hits(src.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.sliding_window,")) == []
+    assert _hits(_attention()) == []  # no window anywhere
+
+
+@pytest.mark.parametrize(
+    "mask,extra,body,expected",
+    [
+        ("attention_mask + self.bias", "", "pass", [("model_built_mask", "attention_mask=attention_mask + self.bias", True)]),
+        ("attention_mask", "", "attention_mask = attention_mask * self.gate", [("model_built_mask", "attention_mask=attention_mask", True)]),
+        ("attention_mask", "", "attention_mask.add_(self.bias)", [("model_built_mask", "modifies attention_mask in place", False)]),
+        ("attention_mask", "position_bias=self.rel(q), ", "pass", [("model_built_mask", "position_bias=", True)]),
+        ("attention_mask", "alibi=self.slopes, ", "pass", [("model_built_mask", "alibi=", False)]),
+        ("attention_mask", "dropout=0.0, softcap=self.cap, position_ids=None, ", "pass", []),
+    ],
+)
+def test_planted_mask_or_bias_built_inside_attention(mask, extra, body, expected):
+    assert _hits(_attention(mask, extra, body)) == expected
+
+
+def test_an_unhandled_hit_fails_the_scan_test():
+    planted = scan.scan_source(_attention(extra="alibi=self.slopes, "), "llama")  # as if transformers' Llama did it
+    assert scan.unhandled(planted) == planted and len(planted) == 1
+    assert scan.unhandled(planted, modules=frozenset()) == []  # only causal-LM modules count
+
+
+def test_refused_keywords_are_refused_by_tree_attention():
+    """The run-time half of pattern 3's handling: a call carrying a bias keyword is refused."""
+    from helpers.trainer_cases import plan_of
+    from treepack.proto.errors import UnsupportedModelError
+    from treepack.trainer import materialize
+    from treepack.trainer.hf.attention import REFUSED_KEYWORDS, TREE_MASK_OPTION, treepack_attention
+    from treepack.trainer.hf.context import BATCH_KWARG, PackedContext
+
+    c = ms.small_case()
+    batch = materialize(plan_of(c), c["sequences"], trainable=c["trainable"], groups=c["groups"])
+    mask = batch.dense_mask()
+    ctx = PackedContext(batch=batch, backend="sdpa", options={TREE_MASK_OPTION: mask})
+    K, L = batch.input_ids.shape
+    q = torch.randn(K, 2, L, 8)
+    module = torch.nn.Module()
+    out, _ = treepack_attention(module, q, q, q, mask, scaling=0.3, **{BATCH_KWARG: ctx})
+    assert out.shape == (K, L, 2, 8)
+    assert set(REFUSED_KEYWORDS) == {"position_bias", "sinks", "block_indices"}
+    for kw in REFUSED_KEYWORDS:
+        with pytest.raises(UnsupportedModelError, match=rf"passes its attention function {kw}="):
+            treepack_attention(module, q, q, q, mask, scaling=0.3, **{BATCH_KWARG: ctx, kw: torch.zeros(1)})
+
+
+def test_vision_towers_are_not_part_of_a_causal_lm():
+    """The scan skips vision-tower classes: a module's causal-LM class builds none (Qwen3.5's
+    vision attention passes its own cu_seqlens; Qwen3_5ForCausalLM holds no vision module)."""
+    assert "qwen3_5" in scan.causal_lm_modules()
+    model = ms.build_causal_lm("qwen3_5_text")
+    assert not [type(m).__name__ for m in model.modules() if re.search(r"Vision|Visual", type(m).__name__)]

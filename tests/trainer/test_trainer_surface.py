@@ -24,7 +24,7 @@ SURFACE = {
     ],
     "treepack.trainer.data": ["materialize", "PackedBatch"],
     "treepack.trainer.planning": [
-        "PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan",
+        "PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "MeshRanks", "mesh_ranks", "Planner", "PlanFunction", "obtain_plan",
     ],
     "treepack.trainer.hf.layers": [
         "TreeLayer", "LayerSpec", "registered", "register", "unregister", "kind_named", "layer_by_class", "layer_of", "mixer_kind", "stock_layer",

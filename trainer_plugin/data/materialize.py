@@ -46,7 +46,7 @@ from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.data.sequences import check_count, check_rows, concat_arrays, plan_groups, plan_trainable
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 
-__all__ = ["materialize", "cp_shard", "PayloadMismatchError"]
+__all__ = ["materialize", "cp_shard", "cp_strategy", "PayloadMismatchError"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -414,21 +414,28 @@ def cp_shard(full: PackedBatch, cp: Any, pad_id: int = 0) -> PackedBatch:
     position seeing only itself, nothing scored) and cut at ``[rank * shard_len, (rank + 1) *
     shard_len)``; the scored entries are those whose position lies in the shard.
     """
+    if full.images is not None:
+        raise RequestError("images are not supported under context parallelism (the vision tower runs on whole sequences)", path="$.cp", rule="unsupported")
     plan = full.plan
     K, C = full.num_rows, plan.seq_len
     Ls = plan.ranks.shard_len
     Lp = cp.size * Ls
-    a, b = cp.rank * Ls, (cp.rank + 1) * Ls
+    positions = torch.from_numpy(plan.ranks.shard_positions(full.rows)).to(full.device)  # [P, K, Ls]
+    mine = positions[cp.rank]
 
     def cut(x: torch.Tensor, fill: Any) -> torch.Tensor:
         pad = torch.full((K, Lp - C, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-        return torch.cat([x, pad], dim=1)[:, a:b].contiguous()
+        idx = mine.view(K, Ls, *([1] * (x.ndim - 2))).expand(K, Ls, *x.shape[2:])
+        return torch.cat([x, pad], dim=1).gather(1, idx).contiguous()
 
     se_pad = torch.arange(C + 1, Lp + 1, dtype=torch.int64, device=full.device).repeat(K, 1)
-    subtree_end = torch.cat([full.subtree_end, se_pad], dim=1)[:, a:b].contiguous()
-    col = full.score_flat % C
-    keep = (col >= a) & (col < b)
-    local_flat = (full.score_flat // C) * Ls + (col - a)
+    subtree_end = torch.cat([full.subtree_end, se_pad], dim=1).gather(1, mine)
+    # Column of each row position in this shard (-1: held by another rank).
+    column = torch.full((K, Lp), -1, dtype=torch.int64, device=full.device)
+    column.scatter_(1, mine, torch.arange(Ls, device=full.device).expand(K, Ls).contiguous())
+    row, col = full.score_flat // C, column[full.score_flat // C, full.score_flat % C]
+    keep = col >= 0
+    local_flat = row * Ls + col
     return PackedBatch(
         plan=plan,
         rows=full.rows,
@@ -452,7 +459,29 @@ def cp_shard(full: PackedBatch, cp: Any, pad_id: int = 0) -> PackedBatch:
         device=full.device,
         cp=cp,
         cp_full=dataclasses.replace(full, payloads={}, entry_payloads={}),
+        cp_positions=positions,
+        cp_strategy=cp_strategy(plan, cp),
     )
+
+
+def cp_strategy(plan: Any, cp: Any) -> str:
+    """The attention strategy of ``plan`` (``ranks.cp_attention``) run by group ``cp``:
+    the plan's, or the group's where the plan says ``"auto"``.
+
+    Raises:
+        RequestError: the plan and the group name different strategies.
+    """
+    planned, asked = plan.ranks.cp_attention, getattr(cp, "strategy", "auto")
+    if planned != "auto" and asked not in ("auto", planned):
+        raise RequestError(
+            f"the plan was made for cp_attention={planned!r}, the ContextParallel group asks for {asked!r}: "
+            "plan with the group's strategy, or leave one of them 'auto'",
+            path="$.cp.strategy",
+            rule="cp_strategy",
+        )
+    if asked == "ulysses" and not plan.ranks.contiguous:
+        raise RequestError("Ulysses attention needs contiguous CP shards; this plan's split is balanced for all-gather", path="$.cp.strategy", rule="cp_strategy")
+    return asked if planned == "auto" else planned
 
 
 def _check_shared_targets(score_flat: np.ndarray, score_target: torch.Tensor, score_seq: np.ndarray) -> None:

@@ -8,8 +8,9 @@ mode every scored position belongs to exactly one sequence, so T = ``loss_mask.s
 Flat row positions are ``local_row * L + index``.
 
 Under context parallelism (``materialize(..., cp=...)``) a batch holds this rank's shard
-of every row: L is the plan's ``ranks.shard_len`` and CP rank k's column i is row
-position ``k * shard_len + i`` (positions past ``seq_len`` are padding). The per-token
+of every row: L is the plan's ``ranks.shard_len`` and CP rank k's column i of local row j
+is row position ``cp_positions[k, j, i]`` (``Ranks.shard_positions``: ``k * shard_len + i``
+for contiguous shards; positions past ``seq_len`` are padding). The per-token
 tensors and the scored entries are the shard's; ``score_counts`` and ``groups`` stay the
 whole batch's, so the losses' normalizations count every rank's entries. ``cp_full`` is
 the whole-row view (same rows, ``seq_len`` long, no payloads) that the whole-row
@@ -70,6 +71,10 @@ class PackedBatch:
         cp: the :class:`~treepack.trainer.kernels.cp.ContextParallel` group when this is one
             rank's shard of the rows, else None.
         cp_full: under CP, the whole-row view of the same rows (module docstring), else None.
+        cp_positions: under CP, [cp_size, K, L] int64 the padded-row positions every CP
+            rank's shard holds (module docstring), else None.
+        cp_strategy: under CP, the attention strategy: ``"ulysses"``, ``"allgather"`` or
+            ``"auto"`` (per layer: Ulysses where the heads divide by the CP size), else None.
         images: the local sequences' images, one per distinct content
             (:class:`~treepack.trainer.data.images.BatchImages`), or None.
     """
@@ -96,6 +101,8 @@ class PackedBatch:
     device: torch.device
     cp: Any = None
     cp_full: "PackedBatch | None" = None
+    cp_positions: torch.Tensor | None = None
+    cp_strategy: str | None = None
     images: Any = None
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -317,6 +324,17 @@ class PackedBatch:
         self._check_rows_tensor(lp, "logprobs")
         return lp.reshape(-1)[self.score_flat]
 
+    def cp_to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Under CP: ``[K, cp * L, ...]`` every rank's shard in rank order (as gathered) ->
+        ``[K, cp * L, ...]`` in row order (padded-row positions)."""
+        key = "cp_row_order"
+        if key not in self._cache:
+            K = self.num_rows
+            flat = self.cp_positions.permute(1, 0, 2).reshape(K, -1)
+            self._cache[key] = torch.argsort(flat, dim=1)
+        idx = self._cache[key].to(x.device)
+        return x.gather(1, idx.view(*idx.shape, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:]))
+
     def unpack_logprobs(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Per-sequence token log-probabilities, as if each sequence ran alone.
 
@@ -333,7 +351,7 @@ class PackedBatch:
         if self.cp is not None:
             lp = x if isinstance(x, torch.Tensor) and x.ndim == 2 else self.target_logprobs(x)
             self._check_rows_tensor(lp, "logprobs")
-            return self.cp_full.unpack_logprobs(gather_seq(lp, self.cp)[:, : self.plan.seq_len])
+            return self.cp_full.unpack_logprobs(self.cp_to_rows(gather_seq(lp, self.cp))[:, : self.plan.seq_len])
         lp = self.entry_logprobs(x)
         total = int(self.seq_ptr[-1])
         slot = torch.from_numpy(np.searchsorted(self.local_seqs, self.score_seq.cpu().numpy())).to(lp.device)

@@ -23,13 +23,20 @@ model (or None): a mask or bias the model built itself (Doge's learned dynamic m
 be replaced by the tree mask, so such a call is refused at run time, naming the layer.
 
 Under context parallelism (a batch that is one rank's shard of every row, ``batch.cp``)
-attention runs **Ulysses**: query, key and value go from sequence shards of every head to
-whole rows of ``H / cp`` heads (one all-to-all each), the tree attention above runs on the
-whole rows (``batch.cp_full``) for those heads, and the output goes back (one all-to-all).
-Every variant above is per head, so it runs as it does on one rank (sinks sliced to the
-rank's heads). With grouped-query attention, key/value heads are replicated to one per
-query head when there are fewer of them than CP ranks' worth; a layer whose query heads do
-not divide by the CP size is refused by name (:class:`~treepack.proto.errors.UnsupportedModelError`).
+attention runs one of two strategies (``batch.cp_strategy``; ``"auto"`` picks per layer:
+Ulysses where the query heads divide by the CP size, all-gather where they do not):
+
+- **Ulysses**: query, key and value go from sequence shards of every head to whole rows
+  of ``H / cp`` heads (one all-to-all each), the tree attention above runs on the whole
+  rows (``batch.cp_full``) for those heads, and the output goes back (one all-to-all).
+  Every variant above is per head, so it runs as it does on one rank (sinks sliced to the
+  rank's heads). With grouped-query attention, key/value heads are replicated to one per
+  query head when there are fewer of them than CP ranks' worth; with
+  ``cp_strategy="ulysses"`` a layer whose query heads do not divide by the CP size is
+  refused by name (:class:`~treepack.proto.errors.UnsupportedModelError`).
+- **all-gather** (:func:`~treepack.trainer.kernels.cp_attention.allgather_attention`):
+  each rank keeps its queries; keys and values are gathered over the group and the tree
+  mask is applied on the whole key axis. Every variant runs unchanged (all heads local).
 """
 
 from __future__ import annotations
@@ -45,12 +52,17 @@ import sys
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.kernels.attention import tree_attention
 from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
+from treepack.trainer.kernels.cp_attention import allgather_attention
 from treepack.trainer.hf.context import resolve_packed
 
-__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION"]
+__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION", "REFUSED_KEYWORDS"]
 
 # PackedContext.options key of the mask packed_forward handed the model (None for flash).
 TREE_MASK_OPTION = "tree_mask"
+
+#: Keywords of an attention call that carry a bias, sinks or a sparsity pattern built by
+#: the model, which tree attention does not apply: a call that sets one is refused.
+REFUSED_KEYWORDS = ("position_bias", "sinks", "block_indices")
 
 ATTN_IMPLEMENTATION = "treepack"
 
@@ -95,8 +107,17 @@ def treepack_attention(
             path="$.model",
             rule="unpatched_sparse_layer",
         )
+    foreign = [k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None]
+    if foreign:
+        why = f"passes its attention function {', '.join(k + '=' for k in foreign)} (a bias or selection the model built), which tree attention does not apply"
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) {why}, so the layer is refused",
+            path="$.model",
+            rule="model_built_mask",
+            refusals=(("", type(module).__name__, why),),
+        )
     opts = dict(ctx.options)
-    if TREE_MASK_OPTION in opts and attention_mask is not None and attention_mask is not opts[TREE_MASK_OPTION]:
+    if TREE_MASK_OPTION in opts and attention_mask is not None and not _is_tree_mask(attention_mask, opts[TREE_MASK_OPTION]):
         what = f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function a mask or bias "
@@ -108,9 +129,31 @@ def treepack_attention(
     if sliding_window is None:
         sliding_window = mask_builder_window(module)
     if ctx.batch.cp is not None:
+        if cp_layer_strategy(ctx.batch, query.shape[1]) == "allgather":
+            out = allgather_attention(
+                query, key, value, ctx.batch, backend=ctx.backend, scale=scaling, sliding_window=sliding_window, softcap=softcap,
+                varlen_fn=opts.get("varlen_fn"), compile=opts.get("compile"), sinks=kwargs.get("s_aux"), chunk_size=attention_chunk_size(module),
+            )  # fmt: skip
+            return out.transpose(1, 2).contiguous(), None
         return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
     out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _is_tree_mask(mask: Any, tree: Any) -> bool:
+    """``mask`` is the mask packed_forward built, or a detached alias of it (same storage,
+    shape, strides and dtype): reentrant checkpointing detaches a layer's tensor inputs
+    before the replay (GPT-2 passes its mask positionally)."""
+    if mask is tree:
+        return True
+    return (
+        isinstance(mask, torch.Tensor)
+        and isinstance(tree, torch.Tensor)
+        and mask.data_ptr() == tree.data_ptr()
+        and mask.shape == tree.shape
+        and mask.stride() == tree.stride()
+        and mask.dtype == tree.dtype
+    )
 
 
 def _tree(module, query, key, value, batch, ctx, opts, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
@@ -129,6 +172,16 @@ def _tree(module, query, key, value, batch, ctx, opts, scaling, sliding_window, 
         sinks=sinks,
         chunk_size=attention_chunk_size(module),
     )
+
+
+def cp_layer_strategy(batch: Any, num_heads: int) -> str:
+    """The strategy a layer with ``num_heads`` query heads runs on CP shard ``batch``:
+    the batch's (``cp_strategy``), and for ``"auto"`` Ulysses where the heads divide by the
+    CP size, else all-gather."""
+    s = batch.cp_strategy
+    if s == "auto":
+        return "ulysses" if ulysses_refusal(num_heads, batch.cp.size) is None else "allgather"
+    return s
 
 
 def ulysses_refusal(num_heads: int, cp_size: int) -> str | None:

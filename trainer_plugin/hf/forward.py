@@ -50,6 +50,7 @@ from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walk_info, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer.kernels.cp_attention import shard_mask
 
 __all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
@@ -87,12 +88,15 @@ def _check_args(backend: str, output: str) -> None:
         raise RequestError(f"output must be one of {OUTPUTS}, got {output!r}", path="$.output", rule="enum")
 
 
-def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
+def check_cp_layers(model: torch.nn.Module, cp_size: int, contiguous: bool = True) -> None:
     """Refuse, before compute, every layer of ``model`` that has no context-parallel path.
 
     Attention runs Ulysses (:mod:`treepack.trainer.hf.attention`); a kind of the layer
     registry runs under CP only when its ``shard`` slot says how, and only when that slot
     does not refuse the module over ``cp_size`` ranks (e.g. heads that do not divide).
+    The mixers' layout puts the ranks' shards end to end as whole rows, so with a split
+    that is not contiguous (``contiguous=False``: the all-gather plan's tiles) every kind of
+    the registry is refused.
 
     Raises:
         UnsupportedModelError: naming each refused module's path, class and why.
@@ -102,7 +106,9 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int) -> None:
         layer = handled_layer(mod)
         if layer is None:
             continue
-        if layer.shard is NOT_SHARDED:
+        if not contiguous:
+            why = f"layer kind {layer.kind!r} runs under CP on contiguous shards only; this plan's split is balanced for all-gather (plan with cp_attention 'auto' or 'ulysses')"
+        elif layer.shard is NOT_SHARDED:
             why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
         else:
             why = layer.shard.refuse(mod, cp_size)
@@ -132,6 +138,8 @@ def _mask(batch: PackedBatch, backend: str, scans: bool = False) -> Any:
     plan-derived structure the layers read (varlen metadata, with ``scans`` the tree schedule
     of the recurrent / conv layers), once per batch and on the batch's device."""
     if batch.cp is not None:
+        if batch.cp_strategy == "allgather":
+            return shard_mask(batch, backend)  # this shard's queries over the whole key axis
         batch = batch.cp_full  # Ulysses attention runs whole rows
     elif scans:
         batch.tree_schedule()
@@ -205,11 +213,11 @@ def packed_forward(
         # The walk once per model state and setup (treepack.trainer.hf.walk_cache): a model
         # changed since (hooks, patches, modules, modes, config) is walked, and judged, again.
         state = fingerprint(hf)
-        setup = ("check", backend, output, bool(patch_layers), batch.plan.seq_len, conv_width, bool(allow_dropout), batch.cp.size if batch.cp is not None else 0, _kwargs_key(kwargs))
+        setup = ("check", backend, output, bool(patch_layers), batch.plan.seq_len, conv_width, bool(allow_dropout), (batch.cp.size, batch.plan.ranks.contiguous) if batch.cp is not None else 0, _kwargs_key(kwargs))
         if not walked(hf, setup, state):
             check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=conv_width, allow_dropout=allow_dropout, **kwargs)
             if batch.cp is not None:
-                check_cp_layers(hf, batch.cp.size)
+                check_cp_layers(hf, batch.cp.size, batch.plan.ranks.contiguous)
             enable_tree_attention(hf, patch_layers=patch_layers)
             # Whether layers of the registry read the rows' tree schedule (built before the forward).
             remember_walk(hf, setup, info=bool(patch_layers) and any(handled_layer(m) is not None for m in hf.modules()))

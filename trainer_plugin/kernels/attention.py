@@ -240,19 +240,24 @@ def _differentiable_lse(fn: Callable, q: torch.Tensor, k: torch.Tensor, lse: tor
     return lse.detach().float() + (t - t.detach()).transpose(0, 1)
 
 
-def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
+def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_self=None, v_self=None):
+    """Varlen attention over ``meta``: ``q`` [K, H, L, D]; ``k``, ``v`` [K, Hkv, Lk, D]
+    (``meta.k_index`` flat in [K * Lk]); ``k_self``, ``v_self`` [K, Hkv, L, D] the keys and
+    values at the query positions, which padding attends (default ``k``, ``v``: Lk == L)."""
     if sinks is not None and softcap is not None:
         raise RequestError(_SINK_SOFTCAP.format(backend="flash"), path="$.backend", rule="unsupported")
     fn = varlen_fn if varlen_fn is not None else _flash_varlen()
     K, H, L, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
+    Hkv, Dv, Lk = k.shape[1], v.shape[-1], k.shape[2]
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     args = (meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
     kw = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=0.0 if softcap is None else float(softcap))
     with record_function("treepack::layout"):
         qf = q.transpose(1, 2).reshape(K * L, H, D)
-        kf = k.transpose(1, 2).reshape(K * L, Hkv, D)
-        vf = v.transpose(1, 2).reshape(K * L, Hkv, Dv)
+        kf = k.transpose(1, 2).reshape(K * Lk, Hkv, D)
+        vf = v.transpose(1, 2).reshape(K * Lk, Hkv, Dv)
+        ksf = kf if k_self is None else k_self.transpose(1, 2).reshape(K * L, Hkv, D)
+        vsf = vf if v_self is None else v_self.transpose(1, 2).reshape(K * L, Hkv, Dv)
         qg, kg, vg = qf[meta.q_index], kf[meta.k_index], vf[meta.k_index]
     if sinks is None:
         out = fn(qg, kg, vg, *args, **kw)
@@ -269,21 +274,15 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks):
         lse = _differentiable_lse(fn, qg, kg, lse, args, kw, scale)
         out = (out.float() * _sink_factor(lse, sinks, 0).transpose(0, 1)[..., None]).to(out.dtype)
     with record_function("treepack::layout"):
-        return _scatter_rows(out, qf, kf, vf, meta, sinks, scale, K, L)
-
-
-def _scatter_rows(out, qf, kf, vf, meta, sinks, scale, K, L):
-    """[K, H, L, Dv] rows from the kernel's [Tq, H, Dv] output, padding tokens attending themselves."""
-    H, Hkv, Dv = qf.shape[1], kf.shape[1], vf.shape[-1]
-    # NaN first so that a position the kernel did not write shows up.
-    res = scatter_filled(out, meta.q_index, K * L)
-    # A padding token attends only itself: its output is its own value (times its sink factor).
-    pad_v = _repeat_kv(vf[meta.pad_index], H // Hkv, 1).to(out.dtype)
-    if sinks is not None:
-        s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(kf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
-        pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
-    res = res.index_put((meta.pad_index,), pad_v)
-    return res.view(K, L, H, Dv).transpose(1, 2)
+        # NaN first so that a position the kernel did not write shows up.
+        res = scatter_filled(out, meta.q_index, K * L)
+        # A padding token attends only itself: its output is its own value (times its sink factor).
+        pad_v = _repeat_kv(vsf[meta.pad_index], H // Hkv, 1).to(out.dtype)
+        if sinks is not None:
+            s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(ksf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
+            pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
+        res = res.index_put((meta.pad_index,), pad_v)
+        return res.view(K, L, H, Dv).transpose(1, 2)
 
 
 def naive_varlen_attention(

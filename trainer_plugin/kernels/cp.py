@@ -1,8 +1,9 @@
 """Context parallelism: the group, and the autograd-correct collectives the CP path moves tensors with.
 
 A :class:`ContextParallel` wraps a ``torch.distributed`` process group of ``size`` ranks
-that share every row: CP rank ``k`` holds row positions ``[k * shard_len, (k + 1) *
-shard_len)`` (the plan's ``ranks.shard_len``). Following Megatron's and torchtitan's
+that share every row: CP rank ``k`` holds ``shard_len`` positions of each row, ``[k *
+shard_len, (k + 1) * shard_len)`` for contiguous shards, the plan's tiles under the
+all-gather split (``Ranks.shard_positions``). Following Megatron's and torchtitan's
 convention, the CP group is the inner dimension of a data-parallel x context-parallel mesh:
 the rows of one data-parallel rank (``plan.ranks.rank_rows[dp_rank]``) are materialized by
 every rank of its CP group, each taking its shard.
@@ -13,9 +14,9 @@ and ``all_reduce``; gloo on CPU included):
 
 - :func:`seq_to_heads` ``[K, H, Ls, D] -> [K, H/P, P*Ls, D]`` (Ulysses' first all-to-all;
   backward :func:`heads_to_seq`), and :func:`heads_to_seq`, its inverse;
-- :func:`gather_seq` ``[K, Ls, ...] -> [K, P*Ls, ...]`` (all-gather along the row; backward:
-  all-reduce of the gradient, then this rank's slice: every rank may use the whole gathered
-  tensor);
+- :func:`gather_seq` ``[K, Ls, ...] -> [K, P*Ls, ...]`` (all-gather along the row, shards
+  in rank order; backward: reduce-scatter of the gradient, every rank may use the whole
+  gathered tensor; on gloo, which has no reduce-scatter, all-reduce then this rank's slice);
 - for the recurrent and conv mixers, :func:`rows_of_heads` ``[K, Ls, H, D] -> [K*C, H/P, D]``
   (the flat whole-row layout of the tree scans, CP padding dropped) and its inverse
   :func:`shards_of_heads`, built on the two all-to-alls, and :func:`tree_conv_heads`, a
@@ -42,7 +43,7 @@ __all__ = [
     "CP_STRATEGIES",
 ]
 
-CP_STRATEGIES = ("ulysses",)
+CP_STRATEGIES = ("ulysses", "allgather")
 
 
 class ContextParallel:
@@ -50,9 +51,13 @@ class ContextParallel:
 
     Args:
         group: a ``torch.distributed`` process group (None: the default group).
-        strategy: how attention runs under CP: ``"auto"`` (the one there is: ``ulysses``),
-            or ``"ulysses"`` (each rank runs whole-row tree attention for ``H / size``
-            heads after an all-to-all; layers whose heads do not divide are refused by name).
+        strategy: how attention runs under CP: ``"ulysses"`` (each rank runs whole-row
+            tree attention for ``H / size`` heads after an all-to-all; layers whose heads
+            do not divide are refused by name), ``"allgather"`` (each rank keeps its
+            queries and attends over keys and values gathered from the group), or
+            ``"auto"``: the plan's ``cp_attention``, and where that is ``"auto"`` too, per
+            layer Ulysses where the heads divide by ``size``, else all-gather. A plan
+            made for one strategy is refused with a group asking for the other.
 
     Attributes:
         group: the process group. size: its ranks. rank: this rank's index in it.
@@ -67,7 +72,7 @@ class ContextParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.strategy = "ulysses" if strategy == "auto" else strategy
+        self.strategy = strategy
 
     def __repr__(self) -> str:
         return f"ContextParallel(size={self.size}, rank={self.rank}, strategy={self.strategy!r})"
@@ -131,9 +136,15 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         cp = ctx.cp
+        K, Ls = g.shape[0], g.shape[1] // cp.size
+        if dist.get_backend(cp.group) != "gloo":
+            # Shard j of every row to rank j, summed over the group: one reduce-scatter.
+            send = g.reshape(K, cp.size, Ls, *g.shape[2:]).transpose(0, 1).contiguous()
+            out = send.new_empty(send.shape[1:])
+            dist.reduce_scatter_tensor(out, send, group=cp.group)
+            return out, None
         g = g.contiguous()
         dist.all_reduce(g, group=cp.group)
-        Ls = g.shape[1] // cp.size
         return g[:, cp.rank * Ls : (cp.rank + 1) * Ls].contiguous(), None
 
 

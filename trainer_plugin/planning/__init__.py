@@ -9,16 +9,19 @@
 - :mod:`~treepack.trainer.planning.planner`: :func:`obtain_plan`, the one resolution of a
   ``planner`` argument (:class:`Planner`, a function, a sidecar URL or None);
 - :mod:`~treepack.trainer.planning.microbatch`: plan a whole generation batch once, deal its
-  rows to ranks and micro-batches (:func:`plan_microbatches`).
+  rows to ranks and micro-batches (:func:`plan_microbatches`);
+- :mod:`~treepack.trainer.planning.mesh`: a data-parallel x context-parallel ``DeviceMesh``
+  as the planning entry points read it (:func:`mesh_ranks`).
 
 What runs after the plan (:func:`~treepack.trainer.data.materialize` ->
 :class:`~treepack.trainer.data.PackedBatch`) is :mod:`treepack.trainer.data`.
 """
 
 from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded
+from treepack.trainer.planning.mesh import MeshRanks, mesh_ranks
 from treepack.trainer.planning.microbatch import MicroBatches, plan_microbatches
 from treepack.trainer.planning.planner import Planner, PlanFunction, obtain_plan
 from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.routing import routing_keys
 
-__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "Planner", "PlanFunction", "obtain_plan"]
+__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "MeshRanks", "mesh_ranks", "Planner", "PlanFunction", "obtain_plan"]

@@ -16,6 +16,9 @@ expects the value of completion token ``c`` of row ``b``, 0 at padding, differen
 
 :func:`from_labeled` reads an SFT batch (``input_ids``, ``attention_mask``, ``labels`` with
 -100 off the loss) the same way; its way back is HF's shifted ``[B, T - 1]`` layout.
+
+:func:`sequence_images` cuts TRL's batched image inputs (every image of the batch
+concatenated) into each row's own, as its processor gives them for that row alone.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 
-__all__ = ["PaddedSequences", "from_padded", "from_labeled", "prompt_groups"]
+__all__ = ["PaddedSequences", "from_padded", "from_labeled", "prompt_groups", "sequence_images"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,3 +249,81 @@ def from_labeled(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: 
         completion_width=max(T - 1, 0),
         flags=flags,
     )
+
+
+# TRL's per-token log-probability keywords for image inputs that tree rows do not take.
+_REFUSED_IMAGE_KWARGS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "image_position_ids")
+
+
+def sequence_images(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    image_token_id: int | None,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    num_images: list[int] | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    **other: Any,
+) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None] | None]:
+    """TRL's batched image inputs cut into each sequence's own (what its processor gives it alone).
+
+    TRL concatenates the batch's images: ``pixel_values`` holds every image's patch rows in
+    sequence order, ``image_grid_thw`` one ``[t, h, w]`` per image, ``num_images`` each
+    sequence's image count.
+
+    Args:
+        input_ids: [B, P + C] TRL's ids (left-padded prompts, right-padded completions).
+        attention_mask: [B, P + C] 0/1.
+        image_token_id: the model's image placeholder id (checked against ``mm_token_type_ids``).
+        pixel_values: [sum patches, D] or None (a text-only batch).
+        image_grid_thw: [sum images, 3]; required with ``pixel_values``.
+        num_images: [B] images per sequence; required with ``pixel_values``.
+        mm_token_type_ids: [B, P + C] or None: 1 on image placeholders, 0 elsewhere (2,
+            video, is refused); must mark exactly the ``image_token_id`` positions.
+        **other: TRL's other image keywords (``image_sizes``, ``pixel_attention_mask``, ...):
+            refused when given.
+
+    Returns:
+        (per sequence its ``pixel_values`` or None, per sequence its ``[m, 3]`` grids or None),
+        or (None, None) without images.
+
+    Raises:
+        RequestError: an unsupported image keyword, image inputs without grids or counts, or
+            counts that do not cover the inputs, naming what.
+    """
+    given = [k for k, v in other.items() if v is not None]
+    if given:
+        what = given[0]
+        why = "unknown to TreepackGRPOTrainer" if what not in _REFUSED_IMAGE_KWARGS else "supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)"
+        raise RequestError(f"TreepackGRPOTrainer got {what}: {why}", path=f"$.{what}", rule="unsupported")
+    if mm_token_type_ids is not None:
+        mm = mm_token_type_ids.to(attention_mask.device)
+        if bool((mm > 1).any()):
+            raise RequestError("mm_token_type_ids marks video tokens: video inputs are not supported on tree rows", path="$.mm_token_type_ids", rule="unsupported")
+        placeholders = (input_ids == image_token_id) & attention_mask.bool() if image_token_id is not None else torch.zeros_like(attention_mask, dtype=torch.bool)
+        if not torch.equal(mm.bool() & attention_mask.bool(), placeholders):
+            raise RequestError(f"mm_token_type_ids marks other positions than the image token {image_token_id}", path="$.mm_token_type_ids", rule="image_placeholders")
+    if pixel_values is None:
+        if image_grid_thw is not None:
+            raise RequestError("image_grid_thw given without pixel_values", path="$.image_grid_thw", rule="missing")
+        return None, None
+    if image_grid_thw is None or num_images is None:
+        what = "image_grid_thw" if image_grid_thw is None else "num_images"
+        raise RequestError(f"pixel_values without {what}: supported image inputs are pixel_values with image_grid_thw and num_images (Qwen-VL families)", path=f"$.{what}", rule="missing")
+    B = input_ids.shape[0]
+    counts = [int(n) for n in num_images]
+    if len(counts) != B or sum(counts) != image_grid_thw.shape[0]:
+        raise RequestError(f"num_images {counts} does not cover {B} sequences and {image_grid_thw.shape[0]} image grids", path="$.num_images", rule="length")
+    rows = image_grid_thw.prod(-1).tolist()
+    if sum(rows) != pixel_values.shape[0]:
+        raise RequestError(f"image_grid_thw covers {sum(rows)} patch rows, pixel_values has {pixel_values.shape[0]}", path="$.image_grid_thw", rule="shape")
+    pv: list[torch.Tensor | None] = []
+    thw: list[torch.Tensor | None] = []
+    img = row = 0
+    for n in counts:
+        r = sum(rows[img : img + n])
+        pv.append(pixel_values[row : row + r] if n else None)
+        thw.append(image_grid_thw[img : img + n] if n else None)
+        img, row = img + n, row + r
+    return pv, thw

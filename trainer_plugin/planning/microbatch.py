@@ -14,6 +14,14 @@ prompt's completions in the rows of its tree) and deals the plan's rows out inst
 Every rank gets the same number of micro-batches and every micro-batch the same number of
 rows (``-1`` for an empty padding row, which materializes as padding without loss), so
 collectives and gradient synchronisation line up.
+
+With a data-parallel x context-parallel ``DeviceMesh`` (``mesh=``, dims ``"dp"`` and
+``"cp"``; :mod:`~treepack.trainer.planning.mesh`) the rows are dealt to the DP ranks and
+every row is split over the CP group::
+
+    mb = plan_microbatches(seqs, num_microbatches=4, seq_len=C, mesh=mesh, ...)
+    for rows in mb.rows[mb.dp_rank]:
+        batch = materialize(mb.plan, seqs, rows=rows, cp=mb.cp, ...)   # this rank's shard
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import numpy as np
 
 from treepack.proto.errors import RequestError
 from treepack.proto.plan import Plan
+from treepack.trainer.planning.mesh import mesh_plan_options, mesh_ranks
 from treepack.trainer.planning.planner import PlannerArg, obtain_plan
 
 __all__ = ["MicroBatches", "split_rows", "plan_microbatches"]
@@ -39,11 +48,16 @@ class MicroBatches:
         plan: the plan of every sequence of the batch.
         rows: [P, M, k] int64 global rows of rank p's micro-batch m, -1 for empty padding rows.
         plan_ms: wall time of planning, milliseconds.
+        dp_rank: with a mesh, this process's data-parallel rank (its rows are ``rows[dp_rank]``), else 0.
+        cp: with a mesh whose CP dimension is > 1, this process's
+            :class:`~treepack.trainer.kernels.cp.ContextParallel` group, else None.
     """
 
     plan: Plan
     rows: np.ndarray
     plan_ms: float
+    dp_rank: int = 0
+    cp: Any = None
 
     @property
     def num_microbatches(self) -> int:
@@ -88,6 +102,7 @@ def plan_microbatches(
     *,
     num_microbatches: int,
     planner: PlannerArg = None,
+    mesh: Any = None,
     **plan_kwargs: Any,
 ) -> MicroBatches:
     """Plan a whole generation batch once and deal its rows to ranks and micro-batches.
@@ -99,11 +114,20 @@ def plan_microbatches(
             embedded ``Packer()``).
         **plan_kwargs: ``Packer.pack``'s arguments: ``seq_len`` (required),
             ``trainable``, ``groups``, ``num_ranks``, ``min_shared_len``, ...
+        mesh: a DP x CP ``DeviceMesh`` (module docstring): ``num_ranks`` is then its DP
+            size and ``cp_size`` its CP size (given ones must agree).
 
     Returns:
         The :class:`MicroBatches`.
     """
+    m = None
+    if mesh is not None:
+        m = mesh_ranks(mesh)
+        plan_kwargs = mesh_plan_options(m, plan_kwargs)
     t0 = time.perf_counter()
     plan = obtain_plan(sequences, planner=planner, **plan_kwargs)
     ms = (time.perf_counter() - t0) * 1e3
-    return MicroBatches(plan=plan, rows=split_rows(plan, num_microbatches), plan_ms=ms)
+    rows = split_rows(plan, num_microbatches)
+    if m is None:
+        return MicroBatches(plan=plan, rows=rows, plan_ms=ms)
+    return MicroBatches(plan=plan, rows=rows, plan_ms=ms, dp_rank=m.dp_rank, cp=m.cp)

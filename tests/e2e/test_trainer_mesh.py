@@ -1,0 +1,105 @@
+"""DDP over the data-parallel dimension of a 2 x 2 (dp, cp) mesh of gloo ranks equals one process.
+
+Four ranks build ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))``;
+``plan_and_broadcast(mesh=...)`` plans on rank 0 with ``num_ranks`` 2 (DP) and ``cp_size``
+2, deals rows to the DP ranks and splits each over its CP group; every rank materializes
+its shard of its DP rank's rows and steps a DDP model synchronised over the ``dp`` group.
+DDP averages over DP ranks, so each rank's loss (normalized over the whole batch) is
+scaled by the DP size; the CP group's gradients are summed. The summed loss and the
+gradients must equal one process running every row (1e-5). ``plan_microbatches(mesh=)``
+gives the same plan and rows. A model with 3 query heads runs all-gather attention.
+Negative control: the gradients without the CP reduction differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from helpers.ranks import run_ranks
+from helpers.trainer_cases import mixed_batch, plan_of, tiny_model
+
+TIMEOUT_S = 420  # a safety net on a loaded machine; the runs take far less
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from treepack.proto.plan_wire import plan_differences
+    from treepack.trainer import materialize
+    from treepack.trainer.distributed import plan_and_broadcast
+    from treepack.trainer.hf import packed_forward
+    from treepack.trainer.losses import ppo_clip_loss
+    from treepack.trainer.planning import plan_microbatches
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=timedelta(seconds=90))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        c = mixed_batch()
+        seqs = c["sequences"]
+        rng = np.random.default_rng(7)
+        old = [rng.normal(-4.6, 0.4, len(s)) for s in seqs]
+        adv = torch.from_numpy(rng.normal(0, 1, len(seqs)))
+        kw = dict(seq_len=64, min_shared_len=6)
+        req = dict(trainable=c["trainable"], groups=c["groups"]) if rank == 0 else {}
+        rp = plan_and_broadcast(seqs if rank == 0 else None, mesh=mesh, **kw, **req)
+        mb = plan_microbatches(seqs, num_microbatches=1, mesh=mesh, trainable=c["trainable"], groups=c["groups"], **kw)
+        same_plan = plan_differences(rp.plan, mb.plan) == [] and np.array_equal(mb.rows[mb.dp_rank, 0], rp.rows) and mb.dp_rank == rp.rank
+        batch = rp.materialize(seqs, payloads={"old": old})
+        model = tiny_model("qwen3", heads=(3, 1))
+        ddp = DDP(model, process_group=mesh.get_group("dp"))
+
+        def loss_of(b, logits):
+            return ppo_clip_loss(b.target_logprobs(logits), b, advantages=adv, old_logprobs="old", normalization="sequence")
+
+        loss = loss_of(batch, packed_forward(ddp, batch, verify=False))
+        (loss * mesh.size(0)).backward()  # DDP averages over the DP ranks
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        dp_only = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: g.clone() for n, g in dp_only.items()}
+        for g in grads.values():
+            dist.all_reduce(g, group=mesh.get_group("cp"))
+        result = {
+            "dp_rank": rp.rank, "cp_rank": rp.cp.rank, "rows": rp.rows.tolist(), "shape": list(batch.input_ids.shape),
+            "strategy": batch.cp_strategy, "same_plan": bool(same_plan), "loss": float(total), "cp_size": rp.plan.ranks.cp_size,
+            "num_ranks": rp.plan.ranks.num_ranks, "shard_len": rp.plan.ranks.shard_len, "seq_len": rp.plan.seq_len,
+        }  # fmt: skip
+        # The same step in one process over all rows.
+        ref_model = tiny_model("qwen3", heads=(3, 1))
+        plan1 = plan_of(c)  # the same rows, not split
+        assert np.array_equal(plan1.segments.row, rp.plan.segments.row)
+        full = materialize(plan1, seqs, payloads={"old": old})
+        ref = loss_of(full, packed_forward(ref_model, full, verify=False))
+        ref.backward()
+        result["ref_loss"] = float(ref.detach())
+        rel = lambda gs: max(float((gs[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in ref_model.named_parameters())  # noqa: E731
+        result["grad_rel"], result["control_grad_rel"] = rel(grads), rel(dp_only)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_over_dp_of_a_2x2_mesh_matches_one_process(tmp_path):
+    results = run_ranks(_worker, tmp_path, TIMEOUT_S, nprocs=4)
+    assert sorted((r["dp_rank"], r["cp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in results:
+        assert r["num_ranks"] == 2 and r["cp_size"] == 2 and r["same_plan"], r
+        assert r["shape"][1] == r["shard_len"] < r["seq_len"] and r["strategy"] == "auto"
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), r
+        assert r["grad_rel"] <= 1e-5, r
+        assert r["control_grad_rel"] > 1e-3, r  # the CP group's gradients must be summed
+    # Rows dealt to DP ranks: the CP ranks of one DP rank share its rows; the DP ranks hold every row once.
+    by_dp = {r["dp_rank"]: r["rows"] for r in results}
+    assert all(r["rows"] == by_dp[r["dp_rank"]] for r in results)
+    held = sorted(x for rows in by_dp.values() for x in rows if x >= 0)
+    assert held == list(range(len(held))) and len(held) >= 2
