@@ -113,13 +113,19 @@ def timed(fn, model, repeats: int, now=time.perf_counter) -> tuple[float, torch.
     return statistics.median(times), loss, grads
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched", clock: str = "wall") -> dict:
+def golden_plans(scale: int, vocab: int) -> tuple[dict, dict]:
+    """(the scaled golden case, its validated ``tree`` (auto) and ``no_share`` plans)."""
     case = scaled_golden(scale, vocab=vocab)
-    model = build_model(vocab, hidden, layers)
     kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
     plans = {"tree": plan_batch(case["sequences"], placement="auto", **kw), "no_share": plan_batch(case["sequences"], placement="no_share", **kw)}
     for p in plans.values():
         validate_plan(p, case["sequences"], trainable=case["trainable"])
+    return case, plans
+
+
+def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched", clock: str = "wall") -> dict:
+    case, plans = golden_plans(scale, vocab)
+    model = build_model(vocab, hidden, layers)
     batches = {k: materialize(p, case["sequences"], trainable=case["trainable"], groups=case["groups"]) for k, p in plans.items()}
     unpacked_tokens = sum(len(s) for s in case["sequences"])
     now = CLOCK[clock]

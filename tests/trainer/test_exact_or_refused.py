@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.families import model_support, oracle, window_case
+from helpers.families import mixing_hook, model_support, oracle, window_case
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
@@ -90,14 +90,6 @@ def test_model_built_attention_bias_is_refused(case):
         packed_forward(model, case[1])
 
 
-def _mixing(calls):
-    def mixing_hook(module, args, out):
-        calls.append(module)
-        return out + 0.5 * out.cumsum(1)
-
-    return mixing_hook
-
-
 def _refused_before_compute(model, batch, match, calls):
     with pytest.raises(UnsupportedModelError, match=match) as e:
         packed_forward(model, batch)
@@ -138,7 +130,7 @@ def test_class_patched_forward_is_refused(case, monkeypatch):
 def test_hooks_from_unknown_code_are_refused(case, kind):
     model = ms.build_causal_lm("qwen3")
     calls = []
-    hook = _mixing(calls)
+    hook = mixing_hook(calls)
     mlp = model.model.layers[0].mlp
     if kind == "forward":
         handle = mlp.register_forward_hook(hook)

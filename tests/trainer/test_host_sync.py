@@ -131,3 +131,18 @@ def test_kernel_metadata_is_ready_before_the_first_layer(backend):
     packed_forward(model, batch, backend=backend, varlen_fn=varlen_attention, verify=False)
     assert len(seen) == 1 and seen[0] == sorted(map(str, batch._cache)), (before, seen, sorted(map(str, batch._cache)))
     assert seen[0] != before  # the mask or varlen metadata was built, before layer 0
+
+
+def test_tree_schedule_is_ready_before_the_first_layer():
+    from helpers.families import model_support
+    from helpers.mixers import mixer_case
+    from treepack.trainer.hf.layers import handled_layer
+
+    model = model_support().build_causal_lm("mamba2")
+    _, _, plan, batch = mixer_case(4)
+    first = next(m for m in model.modules() if handled_layer(m) is not None)
+    seen = []
+    first.register_forward_pre_hook(trust_hook(lambda mod, args: seen.append("tree_schedule" in batch._cache)))
+    assert "tree_schedule" not in batch._cache
+    packed_forward(model, batch, verify=False)
+    assert seen and seen[0], "the first recurrent layer built the tree schedule mid-forward"

@@ -39,3 +39,13 @@ def test_cost_model_smoke():
     assert {r["batch"] for r in out["results"]} == {"golden", "medium", "none"}
     assert all(r["measured_ms"] > 0 and math.isfinite(r["error"]) for r in out["results"])
     assert [c["batch"] for c in out["choices"]] == ["golden", "medium", "none"]
+
+
+def test_overhead_smoke():
+    out = _load("overhead").main(["--smoke"])
+    res = {r["variant"]: r for r in out["results"]}
+    assert set(res) == {"tree/varlen", "tree/sdpa"}
+    # Each category is found where it exists and nowhere else (the attribution works).
+    assert res["tree/varlen"]["layout_ms"] > 0 and res["tree/sdpa"]["layout_ms"] == 0
+    assert res["tree/sdpa"]["metadata_ms"] > 0 and all(r["loss_ms"] > 0 and r["dispatch_ms"] > 0 for r in res.values())
+    assert all(0 < r["share"] < 1 for r in res.values())

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention
@@ -81,10 +82,11 @@ def _enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     ctx = kwargs.get(BATCH_KWARG)
     if ctx is None:
         return None
-    scope = use_packed(ctx)
-    scope.__enter__()
-    saved = _switch(module.__dict__.get(_CONFIGS_ATTR, ()))
-    module.__dict__.setdefault(_SAVED_ATTR, []).append((scope, saved))
+    with record_function("treepack::dispatch"):
+        scope = use_packed(ctx)
+        scope.__enter__()
+        saved = _switch(module.__dict__.get(_CONFIGS_ATTR, ()))
+        module.__dict__.setdefault(_SAVED_ATTR, []).append((scope, saved))
     return None
 
 
@@ -94,9 +96,10 @@ def _leave(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> N
         return None
     stack = module.__dict__.get(_SAVED_ATTR)
     if stack:
-        scope, saved = stack.pop()
-        _restore(saved)
-        scope.__exit__(None, None, None)
+        with record_function("treepack::dispatch"):
+            scope, saved = stack.pop()
+            _restore(saved)
+            scope.__exit__(None, None, None)
     return None
 
 

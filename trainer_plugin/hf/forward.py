@@ -33,6 +33,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.packed_batch import PackedBatch
@@ -46,6 +47,7 @@ from treepack.trainer.hf.layers.spec import NOT_SHARDED
 from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
 from treepack.trainer.hf.vision import image_inputs
+from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walk_info, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
 from treepack.trainer.kernels.cp_attention import shard_mask
@@ -117,11 +119,30 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int, contiguous: bool = Tru
         raise UnsupportedModelError(f"context parallelism over {cp_size} ranks refused: {lines}", rule="cp_unsupported_layer", refusals=tuple(refusals))
 
 
-def _mask(batch: PackedBatch, backend: str) -> Any:
+def _kwargs_key(kwargs: dict) -> tuple:
+    """The model-call keyword arguments as a walk's setup key (values that are not plain: by type)."""
+    return tuple(sorted((k, v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__) for k, v in kwargs.items()))
+
+
+def _numerics(hf: torch.nn.Module) -> tuple:
+    """What a probe depends on beyond the model's modules: dtype and device of its
+    parameters, gradient mode, autocast (:func:`~treepack.trainer.hf.probe.probe_signature`)."""
+    p = next(hf.parameters(), None)
+    dev = p.device.type if p is not None else "cpu"
+    autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+    return (str(p.dtype) if p is not None else "", str(p.device) if p is not None else "", torch.is_grad_enabled(), autocast)
+
+
+def _mask(batch: PackedBatch, backend: str, scans: bool = False) -> Any:
+    """The attention mask handed to the model; builds, before the first layer runs, every
+    plan-derived structure the layers read (varlen metadata, with ``scans`` the tree schedule
+    of the recurrent / conv layers), once per batch and on the batch's device."""
     if batch.cp is not None:
         if batch.cp_strategy == "allgather":
             return shard_mask(batch, backend)  # this shard's queries over the whole key axis
         batch = batch.cp_full  # Ulysses attention runs whole rows
+    elif scans:
+        batch.tree_schedule()
     if backend == "sdpa":
         return batch.dense_mask()
     if backend == "flex":
@@ -150,6 +171,11 @@ def packed_forward(
     The first call for a setup (model, backend, train/eval, gradient checkpointing, dtype,
     device) first proves packing exact on a small probe batch against every sequence alone,
     forward and gradients (:mod:`treepack.trainer.hf.probe`); later calls of that setup skip it.
+    The model walk (the support check, the guards, the dispatch hooks and layer patches) runs
+    once per model state: a later call on a model changed in anything the guards read (a
+    hook, a patch, a module, the mode, dropout, the config) walks and judges it again
+    (:mod:`treepack.trainer.hf.walk_cache`). Every plan-derived structure the layers read
+    (mask, varlen metadata, tree schedule) is built once per batch, before the first layer.
 
     Args:
         model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
@@ -182,14 +208,30 @@ def packed_forward(
     """
     _check_args(backend, output)
     hf = unwrap_model(model)
-    check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=allow_dropout, **kwargs)
-    if batch.cp is not None:
-        check_cp_layers(hf, batch.cp.size, batch.plan.ranks.contiguous)
-    enable_tree_attention(hf, patch_layers=patch_layers)
-    if verify:
-        verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=batch.plan.gdn.conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+    conv_width = batch.plan.gdn.conv_width
+    with record_function("treepack::walk"):
+        # The walk once per model state and setup (treepack.trainer.hf.walk_cache): a model
+        # changed since (hooks, patches, modules, modes, config) is walked, and judged, again.
+        state = fingerprint(hf)
+        setup = ("check", backend, output, bool(patch_layers), batch.plan.seq_len, conv_width, bool(allow_dropout), (batch.cp.size, batch.plan.ranks.contiguous) if batch.cp is not None else 0, _kwargs_key(kwargs))
+        if not walked(hf, setup, state):
+            check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=conv_width, allow_dropout=allow_dropout, **kwargs)
+            if batch.cp is not None:
+                check_cp_layers(hf, batch.cp.size, batch.plan.ranks.contiguous)
+            enable_tree_attention(hf, patch_layers=patch_layers)
+            # Whether layers of the registry read the rows' tree schedule (built before the forward).
+            remember_walk(hf, setup, info=bool(patch_layers) and any(handled_layer(m) is not None for m in hf.modules()))
+            state = None
+        probed = ("probe", backend, bool(patch_layers), conv_width, bool(allow_dropout), *_numerics(hf))
+        if verify and not walked(hf, probed, state):
+            verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+            # The probe's own recording hooks, registered and removed, moved torch's hook
+            # count: the model is the one just walked.
+            remember_walk(hf, setup, info=walk_info(hf, setup))
+            remember_walk(hf, probed)
     mm = image_inputs(hf, batch, kwargs)
-    mask = _mask(batch, backend)
+    with record_function("treepack::metadata"):
+        mask = _mask(batch, backend, scans=bool(walk_info(hf, setup)))
     ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
     inputs = dict(
         input_ids=batch.input_ids,

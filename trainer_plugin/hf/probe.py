@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
+from treepack.trainer.hf.walk_cache import forget_walks
 
 __all__ = ["ProbeReport", "verify_packing", "dropout_off", "run_probe", "probe_signature", "probe_sequences", "declared_sizes", "forget_probes"]
 
@@ -193,7 +194,8 @@ def dropout_off(hf: torch.nn.Module) -> Iterator[None]:
 
 
 def forget_probes(hf: torch.nn.Module | None = None) -> None:
-    """Drop the remembered probes (of ``hf``, or all): the next packed call probes again."""
+    """Drop the remembered probes and model walks (of ``hf``, or all): the next packed call walks and probes again."""
+    forget_walks(hf)
     if hf is None:
         _VERIFIED.clear()
     else:

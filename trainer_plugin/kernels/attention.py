@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.index import scatter_filled
@@ -248,19 +249,20 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
     fn = varlen_fn if varlen_fn is not None else _flash_varlen()
     K, H, L, D = q.shape
     Hkv, Dv, Lk = k.shape[1], v.shape[-1], k.shape[2]
-    qf = q.transpose(1, 2).reshape(K * L, H, D)
-    kf = k.transpose(1, 2).reshape(K * Lk, Hkv, D)
-    vf = v.transpose(1, 2).reshape(K * Lk, Hkv, Dv)
-    ksf = kf if k_self is None else k_self.transpose(1, 2).reshape(K * L, Hkv, D)
-    vsf = vf if v_self is None else v_self.transpose(1, 2).reshape(K * L, Hkv, Dv)
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     args = (meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
     kw = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=0.0 if softcap is None else float(softcap))
-    qg, kg = qf[meta.q_index], kf[meta.k_index]
+    with record_function("treepack::layout"):
+        qf = q.transpose(1, 2).reshape(K * L, H, D)
+        kf = k.transpose(1, 2).reshape(K * Lk, Hkv, D)
+        vf = v.transpose(1, 2).reshape(K * Lk, Hkv, Dv)
+        ksf = kf if k_self is None else k_self.transpose(1, 2).reshape(K * L, Hkv, D)
+        vsf = vf if v_self is None else v_self.transpose(1, 2).reshape(K * L, Hkv, Dv)
+        qg, kg, vg = qf[meta.q_index], kf[meta.k_index], vf[meta.k_index]
     if sinks is None:
-        out = fn(qg, kg, vf[meta.k_index], *args, **kw)
+        out = fn(qg, kg, vg, *args, **kw)
     else:
-        out, lse, _ = fn(qg, kg, vf[meta.k_index], *args, return_attn_probs=True, **kw)
+        out, lse, _ = fn(qg, kg, vg, *args, return_attn_probs=True, **kw)
         if tuple(lse.shape) != (H, qg.shape[0]):
             # Older flash-attn returned a padded [B, H, max_seqlen_q] LSE for varlen calls.
             raise RequestError(
@@ -271,15 +273,16 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
             )
         lse = _differentiable_lse(fn, qg, kg, lse, args, kw, scale)
         out = (out.float() * _sink_factor(lse, sinks, 0).transpose(0, 1)[..., None]).to(out.dtype)
-    # NaN first so that a position the kernel did not write shows up.
-    res = scatter_filled(out, meta.q_index, K * L)
-    # A padding token attends only itself: its output is its own value (times its sink factor).
-    pad_v = _repeat_kv(vsf[meta.pad_index], H // Hkv, 1).to(out.dtype)
-    if sinks is not None:
-        s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(ksf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
-        pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
-    res = res.index_put((meta.pad_index,), pad_v)
-    return res.view(K, L, H, Dv).transpose(1, 2)
+    with record_function("treepack::layout"):
+        # NaN first so that a position the kernel did not write shows up.
+        res = scatter_filled(out, meta.q_index, K * L)
+        # A padding token attends only itself: its output is its own value (times its sink factor).
+        pad_v = _repeat_kv(vsf[meta.pad_index], H // Hkv, 1).to(out.dtype)
+        if sinks is not None:
+            s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(ksf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
+            pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
+        res = res.index_put((meta.pad_index,), pad_v)
+        return res.view(K, L, H, Dv).transpose(1, 2)
 
 
 def naive_varlen_attention(
