@@ -125,4 +125,4 @@ bench: venv
 	$(BIN)/treepack bench
 
 clean:
-	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) .venv-build build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis
