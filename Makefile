@@ -32,9 +32,11 @@ demo: venv
 	@echo "  $(BIN)/treepack plan examples/batch.jsonl --seq-len 512"
 
 # Set up everything the tests need (torch 2.13.0: see TORCH above) and run them.
+# --no-compile: byte-compiling every module of torch and transformers at install costs about
+# half a minute of CPU; the tests import a small part of them, compiled on first import.
 test: venv
-	$(PIP) install $(TORCH_PIP)
-	$(PIP) install -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
+	$(PIP) install --no-compile $(TORCH_PIP)
+	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
 	$(BIN)/python -m pytest -q
 
 # A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).

@@ -59,7 +59,7 @@ def _validate_every_plan(monkeypatch):
 
 
 def pytest_sessionfinish(session):
-    """Under pytest-xdist (``make test`` runs two workers) each worker hands its count back."""
+    """Under pytest-xdist (``-n``, when installed) each worker hands its count back."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["validated_plans"] = VALIDATED["plans"]
