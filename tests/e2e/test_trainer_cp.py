@@ -26,19 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.cp_oracle import (
-    CONTROL_GAP,
-    assert_same_summed_loss,
-    assert_shard_size,
-    assert_step_matches,
-    gloo_group,
-    lp_diff,
-    reference_step,
-    shard_mixed_batch,
-    shard_record,
-    step_record,
-    write_result,
-)
+from helpers import cp_oracle as oracle
 from helpers.ranks import run_ranks
 from helpers.trainer_cases import VOCAB, tiny_gpt_oss, tiny_llama4, tiny_model
 
@@ -159,8 +147,8 @@ def _windows_and_chunks_past_the_rows(model):
 def _worker(rank: int, port: int, out_dir: str) -> None:
     cfg = json.load(open(os.path.join(out_dir, "world.json")))
     world = cfg["world"]
-    with gloo_group(rank, port, world, timeout_s=90):
-        write_result(out_dir, rank, {mode: _run_mode(world, mode, runs) for mode, runs in cfg["modes"].items()})
+    with oracle.gloo_group(rank, port, world, timeout_s=90):
+        oracle.write_result(out_dir, rank, {mode: _run_mode(world, mode, runs) for mode, runs in cfg["modes"].items()})
 
 
 def _run_mode(world, cp_attention, runs):
@@ -171,20 +159,20 @@ def _run_mode(world, cp_attention, runs):
     from treepack.trainer.kernels.attention import naive_varlen_attention
     from treepack.trainer.kernels.cp import gather_seq
 
-    s = shard_mixed_batch(world, cp_attention=cp_attention)
+    s = oracle.shard_mixed_batch(world, cp_attention=cp_attention)
     cp, mine, C = s.cp, s.mine, s.plan.seq_len
-    result = {**shard_record(s), "strategy": mine.cp_strategy, "runs": []}
+    result = {**oracle.shard_record(s), "strategy": mine.cp_strategy, "runs": []}
     result["contiguous"] = bool(np.all(np.diff(mine.cp_positions[cp.rank].numpy(), axis=1) == 1))
     for family, backend, *ckpt in runs:
         kw = {"varlen_fn": naive_varlen_attention} if backend == "flash" else {}
-        ref = reference_step(functools.partial(_build, family), s)
+        ref = oracle.reference_step(functools.partial(_build, family), s)
         model = _build(family)
         if ckpt:  # activation checkpointing: layers recomputed (collectives included) in backward
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt[0] == "reentrant"})
             model.train()
         calls = []
         # flex runs forward only (PyTorch has no CPU backward for it).
-        step = step_record(model, s, ref, grads=backend != "flex", around_backward=_counting_cp_attention(calls), backend=backend, **kw)
+        step = oracle.step_record(model, s, ref, grads=backend != "flex", around_backward=_counting_cp_attention(calls), backend=backend, **kw)
         ran = cp_layer_strategy(mine, model.config.num_attention_heads)
         with torch.no_grad():
             if ran == "ulysses":
@@ -195,10 +183,10 @@ def _run_mode(world, cp_attention, runs):
                 with _no_remote_keys():
                     ctl_lps = mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw))
             with _windows_and_chunks_past_the_rows(model) as masked:
-                unmasked = lp_diff(mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw)), ref.lp) if masked else None
+                unmasked = oracle.lp_diff(mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw)), ref.lp) if masked else None
         result["runs"].append({
             **step, "family": family, "backend": backend, "ckpt": ckpt, "ran": ran, "backward_attention_calls": len(calls),
-            "layers": model.config.num_hidden_layers, "control_lp_diff": lp_diff(ctl_lps, ref.lp),
+            "layers": model.config.num_hidden_layers, "control_lp_diff": oracle.lp_diff(ctl_lps, ref.lp),
             "unmasked_lp_diff": unmasked,
         })  # fmt: skip
     if world == 2:
@@ -220,7 +208,7 @@ def test_cp_matches_one_process(tmp_path, world, modes):
 
 def _check_mode(world, cp_attention, runs, results):
     for r in results:
-        assert_shard_size(r, world)
+        oracle.assert_shard_size(r, world)
         assert r["strategy"] == ("allgather" if cp_attention == "allgather" else "auto")
         if "gdn" in r:  # refused by name, before compute
             why = "contiguous shards only" if cp_attention == "allgather" else f"3 value heads do not divide over {world}"
@@ -229,11 +217,11 @@ def _check_mode(world, cp_attention, runs, results):
         for f in r["runs"]:
             what = (cp_attention, f["family"], f["backend"], *f["ckpt"])
             assert f["ran"] == _expected_strategy(cp_attention, f["family"], world), what
-            assert_step_matches(f, r["shard_len"], what)
-            assert f["control_lp_diff"] > CONTROL_GAP, (what, f)  # remote keys matter
+            oracle.assert_step_matches(f, r["shard_len"], what)
+            assert f["control_lp_diff"] > oracle.CONTROL_GAP, (what, f)  # remote keys matter
             # The windows and chunks matter at these sizes: without them the CP step differs.
             assert (f["unmasked_lp_diff"] is None) == (f["family"] not in WINDOWED), what
-            assert f["unmasked_lp_diff"] is None or f["unmasked_lp_diff"] > CONTROL_GAP, (what, f)
+            assert f["unmasked_lp_diff"] is None or f["unmasked_lp_diff"] > oracle.CONTROL_GAP, (what, f)
             # Checkpointed layers run attention again in backward (its collectives included).
             assert f["backward_attention_calls"] == (f["layers"] if f["ckpt"] else 0), what
     # The all-gather plan's shards are tiles dealt by work, not contiguous ranges (where a
@@ -241,7 +229,7 @@ def _check_mode(world, cp_attention, runs, results):
     if results[0]["shard_len"] > results[0]["align"]:
         assert any(not r["contiguous"] for r in results) == (cp_attention == "allgather")
     for i in range(len(runs)):
-        assert_same_summed_loss([r["runs"][i] for r in results])
+        oracle.assert_same_summed_loss([r["runs"][i] for r in results])
 
 
 def _readme_block():

@@ -25,19 +25,7 @@ import os
 import pytest
 import torch
 
-from helpers.cp_oracle import (
-    CONTROL_GAP,
-    assert_same_summed_loss,
-    assert_shard_size,
-    assert_step_matches,
-    gloo_group,
-    lp_diff,
-    reference_step,
-    shard_mixed_batch,
-    shard_record,
-    step_record,
-    write_result,
-)
+from helpers import cp_oracle as oracle
 from helpers.ranks import run_ranks
 from helpers.trainer_cases import VOCAB
 
@@ -219,14 +207,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     cfg = json.load(open(os.path.join(out_dir, "world.json")))
     world, families = cfg["world"], cfg["families"]
-    with gloo_group(rank, port, world, timeout_s=120):
-        s = shard_mixed_batch(world)
+    with oracle.gloo_group(rank, port, world, timeout_s=120):
+        s = oracle.shard_mixed_batch(world)
         mine = s.mine
-        result = {**shard_record(s), "families": {}}
+        result = {**oracle.shard_record(s), "families": {}}
         for family in families:
-            ref = reference_step(functools.partial(_seeded, FAMILIES[family]), s)
+            ref = oracle.reference_step(functools.partial(_seeded, FAMILIES[family]), s)
             model = _seeded(FAMILIES[family])
-            step = step_record(model, s, ref)
+            step = oracle.step_record(model, s, ref)
             mods = [importlib.import_module("treepack.trainer.kernels.cp")] + [importlib.import_module(f"treepack.trainer.hf.layers.{m}") for m in MIXER_MODULES]
             saved = [(mods[0], {"seq_to_heads": mods[0].seq_to_heads})]
             saved += [(m, {k: getattr(m, k) for k in ("seq_to_heads", "gather_seq") if hasattr(m, k)}) for m in mods[1:]]
@@ -241,7 +229,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 for m, names in saved:
                     for k, v in names.items():
                         setattr(m, k, v)
-            result["families"][family] = {**step, "control_lp_diff": lp_diff(ctl_lp, ref.lp)}
+            result["families"][family] = {**step, "control_lp_diff": oracle.lp_diff(ctl_lp, ref.lp)}
         if world in REFUSED:
             build, cls, why = REFUSED[world]
             try:
@@ -249,7 +237,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 result["refused"] = "ran"
             except UnsupportedModelError as e:
                 result["refused"] = str(e)
-        write_result(out_dir, rank, result)
+        oracle.write_result(out_dir, rank, result)
 
 
 @pytest.mark.parametrize("world,families", CASES, ids=[f"cp{w}-{'-'.join(f)}" for w, f in CASES])
@@ -257,13 +245,13 @@ def test_cp_mixers_match_one_process(tmp_path, world, families):
     (tmp_path / "world.json").write_text(json.dumps({"world": world, "families": families}))
     results = run_ranks(_worker, tmp_path, TIMEOUT_S, nprocs=world)
     for r in results:
-        assert_shard_size(r, world)
+        oracle.assert_shard_size(r, world)
         if world in REFUSED:
             _, cls, why = REFUSED[world]
             assert cls in r["refused"] and why in r["refused"], r["refused"]
         assert sorted(r["families"]) == sorted(families)
         for family, f in r["families"].items():
-            assert_step_matches(f, r["shard_len"], family)
-            assert f["control_lp_diff"] > CONTROL_GAP, (family, f)  # the other ranks' positions matter
+            oracle.assert_step_matches(f, r["shard_len"], family)
+            assert f["control_lp_diff"] > oracle.CONTROL_GAP, (family, f)  # the other ranks' positions matter
     for family in families:
-        assert_same_summed_loss([r["families"][family] for r in results])
+        oracle.assert_same_summed_loss([r["families"][family] for r in results])
