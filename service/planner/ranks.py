@@ -18,19 +18,28 @@ attention work into few runs of consecutive tiles (:func:`balance_tiles`): every
 tile's. Few runs matter to the ``flash`` path, where each run of a rank's queries in a
 varlen sequence copies that sequence's keys.
 
-The split: ranks in turn take a window of ``n = shard_len / CP_ALIGN`` consecutive tiles of
-what is left, read as a cycle (the row's end joins its start, and the tiles around a window
-taken close up), the window whose work is nearest the work left per rank. The ``m`` windows
-of a cycle of ``m`` tiles hold every tile ``n`` times, so they average exactly that share,
-and neighbouring windows differ by one tile in and one out: the nearest is within half the
-heaviest tile of it. The last rank takes what is left; with two ranks the two are the
-share plus and minus that half, within the bound. Every window cuts the cycle at its two
-ends, so the row has at most ``2 P - 1`` runs of one rank's tiles. With more ranks the
-shares drift as windows miss them, and a row may (rarely) end outside the bound: its
-heaviest and lightest ranks then swap the tile pair that best halves their gap, up to
-``P`` times (4 more runs at most per swap), and a row still outside falls back to the deal
-that always meets the bound: tiles heaviest first, in snake order (0, 1, .., P-1, P-1, ..,
-0, 0, ..), which scatters every rank over the row.
+The split of a row, ``n = shard_len / CP_ALIGN`` tiles per rank: the first of these that
+meets the bound.
+
+1. Zigzag: the row cut into ``2 P`` chunks, rank r holding chunks r and ``2 P - 1 - r``
+   (``ceil(n / 2)`` tiles in the first half, ``floor(n / 2)`` in the second): the usual
+   load-balanced CP layout, even when work grows steadily along the row (one long
+   sequence), rarely for trees, whose work rises and falls.
+2. Windows: ranks in turn take the window of ``n`` consecutive tiles of what is left, read
+   as a cycle (the row's end joins its start, and the tiles around a window taken close
+   up), whose work is nearest the work left per rank. The ``m`` windows of a cycle of
+   ``m`` tiles hold every tile ``n`` times, so they average exactly that share, and
+   neighbouring windows differ by one tile in and one out: the nearest is within half the
+   heaviest tile of it. The last rank takes what is left; with two ranks the two are the
+   share plus and minus that half, always within the bound. With more, the shares drift
+   as windows miss them, and a row may (rarely) end outside.
+3. Swaps: the heaviest and lightest ranks swap the tile pair that best halves their gap,
+   up to ``P`` times (each adds at most 4 runs).
+4. The deal that always meets the bound: tiles heaviest first, in snake order (0, 1, ..,
+   P-1, P-1, .., 0, 0, ..), which scatters every rank over the row.
+
+Zigzag and windows cut the row at most ``2 (P - 1)`` places (a window at its two ends), so
+a row split by either has at most ``2 P - 1`` runs of one rank's tiles.
 """
 
 from __future__ import annotations
@@ -78,8 +87,11 @@ def balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = None) 
     R = work.shape[0]
     T = work.shape[1] // CP_ALIGN
     tile_work = np.rint(work.reshape(R, T, CP_ALIGN).sum(-1)).astype(np.int64)
-    tiles = _window_split(tile_work, cp_size)
-    for r in np.flatnonzero(_spread(tile_work, tiles, cp_size) > tile_work.max(1, initial=0)).tolist():
+    heaviest = tile_work.max(1, initial=0)
+    tiles = np.array(np.broadcast_to(_zigzag(T, cp_size), (R, T)))
+    off = _spread(tile_work, tiles, cp_size) > heaviest
+    tiles[off] = _window_split(tile_work[off], cp_size)
+    for r in np.flatnonzero(_spread(tile_work, tiles, cp_size) > heaviest).tolist():
         tiles[r] = _repair(tile_work[r], tiles[r], cp_size, cp_size if max_swaps is None else max_swaps)
     return tiles
 
@@ -91,8 +103,14 @@ def naive_balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = 
     T = work.shape[1] // CP_ALIGN
     n = T // cp_size
     out = np.zeros((R, T), dtype=np.int32)
+    half = (n + 1) // 2
     for r in range(R):
         tw = [round(float(work[r, t * CP_ALIGN : (t + 1) * CP_ALIGN].sum())) for t in range(T)]
+        for t in range(T):  # zigzag
+            out[r, t] = t // half if t < cp_size * half else cp_size - 1 - (t - cp_size * half) // (n - half)
+        loads = [sum(tw[t] for t in range(T) if out[r, t] == k) for k in range(cp_size)]
+        if max(loads) - min(loads) <= max(tw, default=0):
+            continue
         left = list(range(T))  # the tiles no rank holds yet, in cycle order
         for k in range(cp_size - 1):
             rest, m = sum(tw[t] for t in left), len(left)
@@ -108,6 +126,14 @@ def naive_balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = 
         if max(loads) - min(loads) > max(tw, default=0):
             out[r] = _repair(np.array(tw, dtype=np.int64), out[r], cp_size, cp_size if max_swaps is None else max_swaps)
     return out
+
+
+def _zigzag(T: int, P: int) -> np.ndarray:
+    """[T] int32: chunks r and 2P-1-r of the row to rank r (module docstring)."""
+    n = T // P
+    half = (n + 1) // 2
+    t = np.arange(T)
+    return np.where(t < P * half, t // half, P - 1 - (t - P * half) // max(n - half, 1)).astype(np.int32)
 
 
 def _window_split(tile_work: np.ndarray, P: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The all-gather CP split (``balance_tiles``): every rank ``T / P`` tiles of every row, the
 ranks' attention work within the heaviest tile's of each other, and few runs of one rank's
-consecutive tiles (at most ``2 P - 1`` in a row the window split balances; a row it does
-not is repaired by pair swaps, or dealt heaviest first in snake order).
+consecutive tiles (at most ``2 P - 1`` in a row the zigzag or the window split balances; a
+row neither does is repaired by pair swaps, or dealt heaviest first in snake order).
 
 The fast split equals its one-row-at-a-time reference on random and adversarial work
 profiles; the bound and the run count hold on Hypothesis profiles and on planned trees
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from helpers.trees import tree_sequences
 from treepack.proto.options import CP_ALIGN
 from treepack.service.planner import plan_batch, validate_plan
-from treepack.service.planner.ranks import _snake, _window_split, attention_work, balance_tiles, naive_balance_tiles
+from treepack.service.planner.ranks import _snake, _window_split, _zigzag, attention_work, balance_tiles, naive_balance_tiles
 
 # Off balance after the windows (P = 6, two tiles each): three heavy tiles side by side
 # among light ones, so windows jump a heavy tile at a time; loads [13, 88, 10, 78, 81, 3],
@@ -42,6 +42,16 @@ def _loads(tiles: np.ndarray, tile_work: np.ndarray, P: int) -> np.ndarray:
 def _runs(tiles: np.ndarray) -> np.ndarray:
     """[R] maximal runs of one rank's consecutive tiles, per row."""
     return 1 + (np.diff(tiles, axis=1) != 0).sum(1)
+
+
+def _unrepaired(tw: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """([R, T] the zigzag where it meets the bound, else the window split; [R] bool: within
+    the bound)."""
+    R, T = tw.shape
+    tiles = np.array(np.broadcast_to(_zigzag(T, P), (R, T)))
+    off = np.ptp(_loads(tiles, tw, P), axis=1) > tw.max(1)
+    tiles[off] = _window_split(tw[off], P)
+    return tiles, np.ptp(_loads(tiles, tw, P), axis=1) <= tw.max(1)
 
 
 def _check_split(tiles: np.ndarray, tile_work: np.ndarray, P: int) -> None:
@@ -83,9 +93,8 @@ def test_balance_tiles_equals_reference(kind):
 def test_off_balance_row_is_repaired_or_dealt_heaviest_first():
     tw = np.array([OFF_BALANCE])
     P = 6
-    windows = _window_split(tw, P)
-    load = _loads(windows, tw, P)
-    assert load.max() - load.min() > tw.max(), "the example no longer needs a repair: the test shows nothing"
+    windows, fits = _unrepaired(tw, P)
+    assert not fits[0], "the example no longer needs a repair: the test shows nothing"
     assert _runs(windows)[0] <= 2 * P - 1
     fallback = balance_tiles(_work(tw), P, max_swaps=0)
     _check_split(fallback, tw, P)
@@ -118,21 +127,21 @@ def test_split_bound_and_runs_hold_on_any_profile(P, n, data):
     tw = np.array([data.draw(st.lists(st.integers(0, heavy), min_size=P * n, max_size=P * n))], dtype=np.int64)
     tiles = balance_tiles(_work(tw), P)
     _check_split(tiles, tw, P)
-    windows = _window_split(tw, P)
     # Every window cuts the cycle at its two ends: at most 2 (P - 1) rank changes in a row.
-    assert _runs(windows)[0] <= 2 * P - 1
-    load = _loads(windows, tw, P)
-    if load.max() - load.min() <= tw.max():
-        assert np.array_equal(tiles, windows)
+    assert _runs(_window_split(tw, P))[0] <= 2 * P - 1 and _runs(_zigzag(P * n, P)[None])[0] <= 2 * P - 1
+    first, fits = _unrepaired(tw, P)
+    if fits[0]:
+        assert np.array_equal(tiles, first)
     else:  # repaired (P swaps at most, 4 rank changes each) or dealt heaviest first
         assert _runs(tiles)[0] <= 2 * P - 1 + 4 * P or np.array_equal(tiles, _snake(tw, P))
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
 def test_planned_trees_split_in_few_runs(cp):
-    """Rows of random trees: validate_plan's bound holds, and the rows the windows balance
-    (all but rare ones) have at most 2 cp - 1 runs where the snake deal scatters them."""
-    windowed = scattered = 0
+    """Rows of random trees: validate_plan's bound holds, and the rows the zigzag or the
+    windows balance (all but rare ones) have at most 2 cp - 1 runs where the snake deal
+    scatters them."""
+    few = scattered = 0
     for seed in range(4):
         seqs = tree_sequences(seed, trees=3, depth=4, max_len=300)
         plan = plan_batch(seqs, seq_len=512, min_shared_len=2, cp_size=cp, cp_attention="allgather")
@@ -140,10 +149,23 @@ def test_planned_trees_split_in_few_runs(cp):
         rk = plan.ranks
         work = attention_work(plan.segments, plan.num_rows, rk.padded_len)
         tw = np.rint(work.reshape(plan.num_rows, -1, CP_ALIGN).sum(-1)).astype(np.int64)
-        windows = _window_split(tw, cp)
-        fits = np.ptp(_loads(windows, tw, cp), axis=1) <= tw.max(1)
-        assert np.array_equal(rk.cp_tiles[fits], windows[fits])
+        first, fits = _unrepaired(tw, cp)
+        assert np.array_equal(rk.cp_tiles[fits], first[fits])
         assert np.all(_runs(rk.cp_tiles[fits]) <= 2 * cp - 1)
-        windowed += int(fits.sum())
+        few += int(fits.sum())
         scattered += int(np.sum(_runs(_snake(tw, cp)) > 2 * cp - 1))
-    assert windowed > 0 and scattered > 0, "no row shows the difference: the test shows nothing"
+    assert few > 0 and scattered > 0, "no row shows the difference: the test shows nothing"
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_kept_where_it_balances(cp):
+    """One sequence a row: work grows steadily along it, and each rank holds chunks r and
+    2 cp - 1 - r, the usual load-balanced layout (so no rank holds one range)."""
+    rng = np.random.default_rng(cp)
+    seqs = [rng.integers(0, 97, 1024) for _ in range(3)]
+    plan = plan_batch(seqs, seq_len=1024, cp_size=cp, cp_attention="allgather")
+    validate_plan(plan, seqs)
+    T = plan.ranks.padded_len // CP_ALIGN
+    assert np.array_equal(plan.ranks.cp_tiles, np.broadcast_to(_zigzag(T, cp), (plan.num_rows, T)))
+    pos = plan.ranks.shard_positions(np.arange(plan.num_rows))
+    assert not np.all(np.diff(pos[0], axis=-1) == 1)
