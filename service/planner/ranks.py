@@ -23,8 +23,8 @@ meets the bound.
 
 1. Zigzag: the row cut into ``2 P`` chunks, rank r holding chunks r and ``2 P - 1 - r``
    (``ceil(n / 2)`` tiles in the first half, ``floor(n / 2)`` in the second): the usual
-   load-balanced CP layout, even when work grows steadily along the row (one long
-   sequence), rarely for trees, whose work rises and falls.
+   load-balanced CP layout, balanced where work grows steadily along the row (one long
+   sequence), rarely in trees, whose work rises and falls along the row.
 2. Windows: ranks in turn take the window of ``n`` consecutive tiles of what is left, read
    as a cycle (the row's end joins its start, and the tiles around a window taken close
    up), whose work is nearest the work left per rank. The ``m`` windows of a cycle of
@@ -160,9 +160,9 @@ def _window_split(tile_work: np.ndarray, P: int) -> np.ndarray:
 def _spread(tile_work: np.ndarray, tiles: np.ndarray, P: int) -> np.ndarray:
     """[R] the heaviest rank's work minus the lightest's, per row."""
     R = tiles.shape[0]
-    load = np.zeros((R, P), dtype=np.int64)
-    np.add.at(load, (np.arange(R)[:, None], tiles), tile_work)
-    return load.max(1) - load.min(1)
+    flat = (np.arange(R)[:, None] * P + tiles).ravel()
+    load = np.bincount(flat, weights=tile_work.ravel(), minlength=R * P).reshape(R, P)  # integers below 2**53: exact
+    return (load.max(1) - load.min(1)).astype(np.int64)
 
 
 def _repair(tw: np.ndarray, tiles: np.ndarray, P: int, max_swaps: int) -> np.ndarray:
