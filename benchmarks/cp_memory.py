@@ -12,8 +12,9 @@ a random Qwen3 (``--layers`` layers, ``--hidden`` hidden, 4 query / 2 key-value 
 segment, so no row-squared mask is built). One step = forward, token-mean NLL over the
 completions, backward.
 
-Per CP size (1: no CP) and strategy (Ulysses, all-gather; the all-gather plan deals
-16-token tiles by attention work), on ``cp`` gloo ranks of this machine:
+Per CP size (1: no CP) and strategy (Ulysses, all-gather; the all-gather plan splits the
+row into 16-token tiles, a few runs per rank, balanced by attention work), on ``cp`` gloo
+ranks of this machine:
 
 - peak activation memory of each rank: the process's resident set sampled every 2 ms
   during the step, minus the resident set just before it (model, batch and imports

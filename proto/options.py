@@ -48,8 +48,8 @@ class PlanOptions:
             ``"ulysses"`` (all-to-all to whole rows of ``H / cp_size`` heads) or
             ``"allgather"`` (each rank keeps its queries, keys and values gathered over the
             group), both with contiguous shards except ``"allgather"``, whose shards are
-            ``CP_ALIGN``-token tiles dealt to balance attention work (visible keys per
-            query; ``ranks.cp_tiles``); ``"auto"``: contiguous shards, Ulysses where a
+            ``CP_ALIGN``-token tiles in a few runs per rank, balancing attention work
+            (visible keys per query; ``ranks.cp_tiles``); ``"auto"``: contiguous shards, Ulysses where a
             layer's heads divide by ``cp_size``, all-gather where they do not.
         conv_width: GDN short-conv width W, in [1, MAX_CONV_WIDTH].
         share_trainable: the generalized sharing mode.

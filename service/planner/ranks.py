@@ -12,10 +12,34 @@ processing time first: heaviest row to the least-loaded rank that still has a fr
 Under context parallelism each row is split over a CP group. With all-gather attention
 (``cp_attention="allgather"``) a rank's compute is the keys its queries see, which grows
 along the row (a token sees its whole ancestor chain), so contiguous shards would leave
-the first rank idle; the row is cut into ``CP_ALIGN``-token tiles instead, and the tiles,
-heaviest first, are dealt in snake order (0, 1, .., P-1, P-1, .., 0, 0, ..): every rank
-gets ``shard_len / CP_ALIGN`` tiles, and any two ranks' work differs by at most the
-heaviest tile's (:func:`balance_tiles`).
+the first rank idle; the row is cut into ``CP_ALIGN``-token tiles instead, and split by
+attention work into few runs of consecutive tiles (:func:`balance_tiles`): every rank gets
+``shard_len / CP_ALIGN`` tiles, and any two ranks' work differs by at most the heaviest
+tile's. Few runs matter to the ``flash`` path, where each run of a rank's queries in a
+varlen sequence copies that sequence's keys.
+
+The split of a row, ``n = shard_len / CP_ALIGN`` tiles per rank: the first of these that
+meets the bound.
+
+1. Zigzag: the row cut into ``2 P`` chunks, rank r holding chunks r and ``2 P - 1 - r``
+   (``ceil(n / 2)`` tiles in the first half, ``floor(n / 2)`` in the second): the usual
+   load-balanced CP layout, balanced where work grows steadily along the row (one long
+   sequence), rarely in trees, whose work rises and falls along the row.
+2. Windows: ranks in turn take the window of ``n`` consecutive tiles of what is left, read
+   as a cycle (the row's end joins its start, and the tiles around a window taken close
+   up), whose work is nearest the work left per rank. The ``m`` windows of a cycle of
+   ``m`` tiles hold every tile ``n`` times, so they average exactly that share, and
+   neighbouring windows differ by one tile in and one out: the nearest is within half the
+   heaviest tile of it. The last rank takes what is left; with two ranks the two are the
+   share plus and minus that half, always within the bound. With more, the shares drift
+   as windows miss them, and a row may (rarely) end outside.
+3. Swaps: the heaviest and lightest ranks swap the tile pair that best halves their gap,
+   up to ``P`` times (each adds at most 4 runs).
+4. The deal that always meets the bound: tiles heaviest first, in snake order (0, 1, ..,
+   P-1, P-1, .., 0, 0, ..), which scatters every rank over the row.
+
+Zigzag and windows cut the row at most ``2 (P - 1)`` places (a window at its two ends), so
+a row split by either has at most ``2 P - 1`` runs of one rank's tiles.
 """
 
 from __future__ import annotations
@@ -28,7 +52,7 @@ from treepack.proto.index import ragged_arange
 from treepack.proto.options import CP_ALIGN, cp_shard_len
 from treepack.proto.plan import Ranks, Segments
 
-__all__ = ["assign_ranks", "row_cost", "attention_work", "balance_tiles"]
+__all__ = ["assign_ranks", "row_cost", "attention_work", "balance_tiles", "naive_balance_tiles"]
 
 
 def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> np.ndarray:
@@ -50,21 +74,131 @@ def attention_work(seg: Segments, num_rows: int, length: int) -> np.ndarray:
     return work
 
 
-def balance_tiles(work: np.ndarray, cp_size: int) -> np.ndarray:
+def balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = None) -> np.ndarray:
     """[R, T] int32 CP rank of each ``CP_ALIGN``-token tile (module docstring).
 
     Args:
         work: [R, T * CP_ALIGN] per-position work (:func:`attention_work`); T a multiple
             of ``cp_size``.
         cp_size: P.
+        max_swaps: repair swaps a row may take before it falls back to the snake deal
+            (default P).
     """
     R = work.shape[0]
     T = work.shape[1] // CP_ALIGN
-    tile_work = work.reshape(R, T, CP_ALIGN).sum(-1)
+    tile_work = np.rint(work.reshape(R, T, CP_ALIGN).sum(-1)).astype(np.int64)
+    heaviest = tile_work.max(1, initial=0)
+    tiles = np.array(np.broadcast_to(_zigzag(T, cp_size), (R, T)))
+    off = _spread(tile_work, tiles, cp_size) > heaviest
+    tiles[off] = _window_split(tile_work[off], cp_size)
+    for r in np.flatnonzero(_spread(tile_work, tiles, cp_size) > heaviest).tolist():
+        tiles[r] = _repair(tile_work[r], tiles[r], cp_size, cp_size if max_swaps is None else max_swaps)
+    return tiles
+
+
+def naive_balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = None) -> np.ndarray:
+    """:func:`balance_tiles`, one row and one window at a time (the reference; a row outside
+    the bound takes the same repair)."""
+    R = work.shape[0]
+    T = work.shape[1] // CP_ALIGN
+    n = T // cp_size
+    out = np.zeros((R, T), dtype=np.int32)
+    half = (n + 1) // 2
+    for r in range(R):
+        tw = [round(float(work[r, t * CP_ALIGN : (t + 1) * CP_ALIGN].sum())) for t in range(T)]
+        for t in range(T):  # zigzag
+            out[r, t] = t // half if t < cp_size * half else cp_size - 1 - (t - cp_size * half) // (n - half)
+        loads = [sum(tw[t] for t in range(T) if out[r, t] == k) for k in range(cp_size)]
+        if max(loads) - min(loads) <= max(tw, default=0):
+            continue
+        left = list(range(T))  # the tiles no rank holds yet, in cycle order
+        for k in range(cp_size - 1):
+            rest, m = sum(tw[t] for t in left), len(left)
+            loads = [sum(tw[left[(s + i) % m]] for i in range(n)) for s in range(m)]
+            # Nearest the share rest / (cp_size - k), first on ties (integers: exact).
+            best = min(range(m), key=lambda s: (abs(loads[s] * (cp_size - k) - rest), s))
+            for i in range(n):
+                out[r, left[(best + i) % m]] = k
+            left = [left[(best + n + i) % m] for i in range(m - n)]
+        for t in left:
+            out[r, t] = cp_size - 1
+        loads = [sum(tw[t] for t in range(T) if out[r, t] == k) for k in range(cp_size)]
+        if max(loads) - min(loads) > max(tw, default=0):
+            out[r] = _repair(np.array(tw, dtype=np.int64), out[r], cp_size, cp_size if max_swaps is None else max_swaps)
+    return out
+
+
+def _zigzag(T: int, P: int) -> np.ndarray:
+    """[T] int32: chunks r and 2P-1-r of the row to rank r (module docstring)."""
+    n = T // P
+    half = (n + 1) // 2
+    t = np.arange(T)
+    return np.where(t < P * half, t // half, P - 1 - (t - P * half) // max(n - half, 1)).astype(np.int32)
+
+
+def _window_split(tile_work: np.ndarray, P: int) -> np.ndarray:
+    """[R, T] int32: the window split of every row at once (module docstring)."""
+    R, T = tile_work.shape
+    n = T // P
+    rows = np.arange(R)
+    tiles = np.full((R, T), P - 1, dtype=np.int32)
+    left = np.broadcast_to(np.arange(T), (R, T))  # tiles no rank holds yet, in cycle order
+    rest = tile_work.sum(1)
+    for k in range(P - 1):
+        m = left.shape[1]
+        w = np.take_along_axis(tile_work, left, axis=1)
+        c = np.zeros((R, m + n + 1), dtype=np.int64)
+        np.cumsum(np.concatenate([w, w[:, :n]], axis=1), axis=1, out=c[:, 1:])
+        win = c[:, n : n + m] - c[:, :m]  # the window starting at each tile of the cycle
+        s = np.argmin(np.abs(win * (P - k) - rest[:, None]), axis=1)  # nearest the share (exact integers)
+        tiles[rows[:, None], np.take_along_axis(left, (s[:, None] + np.arange(n)) % m, axis=1)] = k
+        rest = rest - win[rows, s]
+        left = np.take_along_axis(left, (s[:, None] + n + np.arange(m - n)) % m, axis=1)
+    return tiles
+
+
+def _spread(tile_work: np.ndarray, tiles: np.ndarray, P: int) -> np.ndarray:
+    """[R] the heaviest rank's work minus the lightest's, per row."""
+    R = tiles.shape[0]
+    flat = (np.arange(R)[:, None] * P + tiles).ravel()
+    load = np.bincount(flat, weights=tile_work.ravel(), minlength=R * P).reshape(R, P)  # integers below 2**53: exact
+    return (load.max(1) - load.min(1)).astype(np.int64)
+
+
+def _repair(tw: np.ndarray, tiles: np.ndarray, P: int, max_swaps: int) -> np.ndarray:
+    """One row's split within the bound: swaps between the heaviest and lightest rank, or
+    the snake deal (module docstring)."""
+    t = tiles.copy()
+    for _ in range(max_swaps):
+        load = np.bincount(t, weights=tw, minlength=P)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = int(load[hi]) - int(load[lo])
+        if gap <= tw.max():
+            return t
+        a, b = np.flatnonzero(t == hi), np.flatnonzero(t == lo)
+        b = b[np.argsort(tw[b], kind="stable")]
+        # Swapping a for b moves tw[a] - tw[b] from hi to lo; best: nearest half the gap,
+        # tw[b] nearest tw[a] - gap / 2 (doubled: integers).
+        want = 2 * tw[a] - gap
+        j = np.searchsorted(2 * tw[b], want)
+        below, above = np.maximum(j - 1, 0), np.minimum(j, b.shape[0] - 1)
+        j = np.where(np.abs(2 * tw[b[below]] - want) <= np.abs(2 * tw[b[above]] - want), below, above)
+        i = int(np.argmin(np.abs(gap - 2 * (tw[a] - tw[b[j]]))))
+        t[a[i]], t[b[j[i]]] = lo, hi
+    load = np.bincount(t, weights=tw, minlength=P)
+    if load.max() - load.min() <= tw.max():
+        return t
+    return _snake(tw[None], P)[0]
+
+
+def _snake(tile_work: np.ndarray, P: int) -> np.ndarray:
+    """[R, T] int32: tiles heaviest first, dealt 0, 1, .., P-1, P-1, .., 0, 0, .. (always
+    within the bound, any profile)."""
+    R, T = tile_work.shape
     order = np.argsort(-tile_work, axis=1, kind="stable")
     s = np.arange(T)
-    rnd, j = s // cp_size, s % cp_size
-    snake = np.where(rnd % 2 == 0, j, cp_size - 1 - j).astype(np.int32)
+    rnd, j = s // P, s % P
+    snake = np.where(rnd % 2 == 0, j, P - 1 - j).astype(np.int32)
     tiles = np.empty((R, T), dtype=np.int32)
     np.put_along_axis(tiles, order, np.broadcast_to(snake, (R, T)), axis=1)
     return tiles

@@ -10,8 +10,9 @@ row) and key j at ``kpos[j]`` (every rank's shard, in rank order), with the cont
 ``position_ids``) over the row padded to ``cp * shard_len`` (padding sees itself).
 
 Unlike Ulysses this runs with any head count (nothing is split by heads), and it runs on
-whatever split the plan made: the all-gather plan deals 16-token tiles to ranks by
-attention work (``Ranks.cp_tiles``), so a shard's positions need not be contiguous.
+whatever split the plan made: the all-gather plan splits rows into 16-token tiles, held
+in a few runs per rank and balanced by attention work (``Ranks.cp_tiles``), so a shard's
+positions need not be contiguous.
 
 Per backend, the mask in that kernel's form, over [shard_len] queries x [cp * shard_len] keys:
 
