@@ -224,8 +224,8 @@ def _check_mode(world, cp_attention, runs, results):
             assert f["unmasked_lp_diff"] is None or f["unmasked_lp_diff"] > oracle.CONTROL_GAP, (what, f)
             # Checkpointed layers run attention again in backward (its collectives included).
             assert f["backward_attention_calls"] == (f["layers"] if f["ckpt"] else 0), what
-    # The all-gather plan's shards are tiles dealt by work, not contiguous ranges (where a
-    # shard holds more than one tile).
+    # The all-gather plan's shards are runs of tiles balanced by work (zigzag at these sizes),
+    # not one contiguous range each (where a shard holds more than one tile).
     if results[0]["shard_len"] > results[0]["align"]:
         assert any(not r["contiguous"] for r in results) == (cp_attention == "allgather")
     for i in range(len(runs)):
