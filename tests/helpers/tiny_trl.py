@@ -273,12 +273,14 @@ def run_sft(
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history, "trainer": trainer}
 
 
-def vl_sft_dataset(seed: int = 0) -> Any:
+def vl_sft_dataset(seed: int = 0, messages: bool = False) -> Any:
     """Image prompt/completion samples for SFT, as plain text with the Qwen image part.
 
     One text over three different 16x16 images: three samples hold image 0 (three
     completions), two hold image 1 and one holds image 2 (the same prompt ids as image 0's
-    samples, different images), and one holds image 0 under another text.
+    samples, different images), and one holds image 0 under another text. ``messages=True``:
+    the same samples as conversations (TRL's language-modeling collator: every token,
+    image placeholders included, carries a label).
     """
     import numpy as np
     from datasets import Dataset
@@ -290,6 +292,9 @@ def vl_sft_dataset(seed: int = 0) -> Any:
     rows = [(same, 0), (same, 0), (same, 0), (same, 1), (same, 1), (same, 2), (other, 0)]
     r = random.Random(seed)
     completions = [" ".join(r.choice(WORDS) for _ in range(r.randint(2, 5))) for _ in rows]
+    if messages:
+        chats = [[{"role": "user", "content": t.split("> ", 1)[1]}, {"role": "assistant", "content": c}] for (t, _), c in zip(rows, completions)]
+        return Dataset.from_dict({"messages": chats, "image": [imgs[i] for _, i in rows]})
     return Dataset.from_dict({"prompt": [t for t, _ in rows], "completion": completions, "image": [imgs[i] for _, i in rows]})
 
 

@@ -9,11 +9,15 @@ step (vision tower included) within 1e-4 relative. The plan shared the common pr
 the image tokens exactly once per distinct image (never across different images).
 Dropping the packed forward's 3-D positions moves every parameter's gradient by over 100%
 of its largest entry (while the loss moves by 2e-6 only: the gradients are the oracle here).
+The same samples as conversations (TRL's language-modeling collator: labels on every token,
+image placeholders included) are exact too; nothing is shared there (every token is trained).
 Negative control: planned without image keys, the identical-id prompts would share their
 image tokens; the packed forward refuses that before computing anything.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -29,7 +33,7 @@ from helpers.tiny_trl import run_sft, tiny_vl_processor, vl_sft_dataset  # noqa:
 from helpers.tolerance import assert_close  # noqa: E402
 from helpers.vlm import IMAGE_TOKEN, tiny_vlm  # noqa: E402
 
-from treepack.proto.errors import RequestError  # noqa: E402
+from treepack.proto.errors import RequestError, TreepackWarning  # noqa: E402
 from treepack.service.planner import validate_plan  # noqa: E402
 from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
 from treepack.trainer.hf import vision_savings  # noqa: E402
@@ -59,10 +63,10 @@ class _Recording(TreepackSFTTrainer):
         return super()._packed_fused(model, batch)
 
 
-def _run(cls, tmp_path, name, steps=STEPS, **kw):
+def _run(cls, tmp_path, name, steps=STEPS, messages=False, **kw):
     grads = _Grads()
     out = run_sft(
-        cls, workdir=str(tmp_path / name), steps=steps, model=tiny_vlm("qwen2_vl"), train_dataset=vl_sft_dataset(),
+        cls, workdir=str(tmp_path / name), steps=steps, model=tiny_vlm("qwen2_vl"), train_dataset=vl_sft_dataset(messages=messages),
         processing_class=tiny_vl_processor(), callbacks=[grads], per_device_train_batch_size=7, max_length=None,
         # SGD: step 2's gradients compare models that differ only by step 1's fp32 noise (Adam would amplify it).
         optim="sgd", **kw,
@@ -70,10 +74,13 @@ def _run(cls, tmp_path, name, steps=STEPS, **kw):
     return out | {"grads": grads.steps}
 
 
-def test_vlm_sft_matches_stock(tmp_path):
-    stock = _run(trl.SFTTrainer, tmp_path, "stock")
+@pytest.mark.parametrize("messages", [False, True], ids=["prompt_completion", "messages"])
+def test_vlm_sft_matches_stock(tmp_path, messages):
+    stock = _run(trl.SFTTrainer, tmp_path, "stock", messages=messages)
     # The probe (verify) on VLMs is proven by the VLM oracle tests; off here to keep this test short.
-    packed = _run(_Recording, tmp_path, "packed", trainer_kwargs={"packing": PackingConfig(verify=False)})
+    # Every token trained (messages): nothing to share, and treepack says so.
+    with pytest.warns(TreepackWarning, match="shares no token") if messages else contextlib.nullcontext():
+        packed = _run(_Recording, tmp_path, "packed", messages=messages, trainer_kwargs={"packing": PackingConfig(verify=False)})
     assert len(stock["loss"]) == STEPS and len(stock["grads"]) == STEPS
     assert packed["loss"] == pytest.approx(stock["loss"], **TOL)
     assert packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
@@ -84,10 +91,15 @@ def test_vlm_sft_matches_stock(tmp_path):
     seen = packed["trainer"].seen
     assert len(seen) == STEPS
     for plan, vs in seen:
+        # The vision tower runs once per distinct image either way.
+        assert (vs.images, vs.distinct_images, vs.vision_tokens) == (7, 3, 7 * 16)
+        if messages:
+            # Every token carries a label (placeholders too): nothing is shared, still exact.
+            assert vs.vision_tokens_packed == 7 * 16
+            continue
         assert plan.stats.saved_fraction > 0.3, plan.stats  # the shared prompt was held once: not a trivial comparison
         # 7 samples over 3 distinct images of 16 placeholder tokens each: every image's tokens
         # sit in the rows exactly once, so no two different images shared a position.
-        assert (vs.images, vs.distinct_images, vs.vision_tokens) == (7, 3, 7 * 16)
         assert vs.vision_tokens_packed == 3 * 16
 
 
