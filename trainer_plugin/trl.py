@@ -46,7 +46,7 @@ own image inputs, the plan is made with :func:`~treepack.trainer.planning.images
 two samples have identical token ids) and the rows run as ``packed_forward`` runs them
 (:mod:`treepack.trainer.hf.vision`: the vision tower once per distinct image, each
 sequence's own 3-D positions). Supported: models whose processor gives ``image_grid_thw``
-(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) with images in the prompts; other image
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) with images in the prompts (SFT: anywhere in a sample); other image
 arguments (LLaVA-style, tiled, ``token_type_ids``), video and the MoE auxiliary loss are
 refused by name.
 
