@@ -233,7 +233,18 @@ class _PackedRows:
         Returns:
             (per sequence ``pixel_values``, per sequence grids, per sequence keys), or
             (None, None, None) for a batch without images.
+
+        Raises:
+            RequestError: images without ``image_grid_thw`` (LLaVA-style models), naming the
+                model class; what :func:`~treepack.trainer.planning.bridge.sequence_images` refuses.
         """
+        if extra.get("pixel_values") is not None and extra.get("image_grid_thw") is None:
+            raise RequestError(
+                f"{type(unwrap_model(model)).__name__}'s images come without image_grid_thw: tree rows take images as "
+                "pixel_values with image_grid_thw (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)",
+                path="$.image_grid_thw",
+                rule="unsupported",
+            )
         image_token = _image_token_of(model) if extra.get("pixel_values") is not None else None
         pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
         if pv is None:

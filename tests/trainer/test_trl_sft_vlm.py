@@ -121,3 +121,8 @@ def test_sft_refuses_other_model_inputs_by_name(tmp_path):
         with pytest.raises(RequestError, match=name) as e:
             trainer._sft_forward(trainer.model, fused_lm_head=True, **batch, **{name: value})
         assert e.value.path == f"$.{name}"
+    # A model whose processor gives no image_grid_thw (LLaVA-style): refused naming the model.
+    text_only = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    with pytest.raises(RequestError, match="LlavaForConditionalGeneration's images come without image_grid_thw") as e:
+        trainer._sft_forward(tiny_vlm("llava"), fused_lm_head=True, pixel_values=torch.zeros(2, 3, 8, 8), **text_only)
+    assert e.value.path == "$.image_grid_thw"
