@@ -38,14 +38,15 @@ replays the packed layers in backward.
 call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.planning.bridge.from_labeled`).
 
 Vision-language models (TRL's multimodal path: a ``ProcessorMixin`` as ``processing_class``,
-an ``image``/``images`` column): TRL hands the method the batch's ``pixel_values``,
-``image_grid_thw`` and ``num_images``; :func:`~treepack.trainer.planning.bridge.sequence_images` cuts them into each sequence's
+an ``image``/``images`` column), in both trainers: TRL hands the forward the batch's
+``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (GRPO also ``num_images``);
+:func:`~treepack.trainer.planning.bridge.sequence_images` cuts them into each sequence's
 own image inputs, the plan is made with :func:`~treepack.trainer.planning.images.image_keys`
-(a prompt's image tokens are shared only with sequences holding the same image, even where
-two prompts have identical token ids) and the rows run as ``packed_forward`` runs them
+(an image's tokens are shared only with sequences holding the same image, even where
+two samples have identical token ids) and the rows run as ``packed_forward`` runs them
 (:mod:`treepack.trainer.hf.vision`: the vision tower once per distinct image, each
 sequence's own 3-D positions). Supported: models whose processor gives ``image_grid_thw``
-(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) with images in the prompts; other image
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) with images in the prompts (SFT: anywhere in a sample); other image
 arguments (LLaVA-style, tiled, ``token_type_ids``), video and the MoE auxiliary loss are
 refused by name.
 
@@ -220,6 +221,36 @@ class _PackedRows:
         metrics["treepack/plan_ms"].append(float(mb.plan_ms))
         return mb
 
+    def _images(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sequences: list[np.ndarray], extra: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """Each sequence's own image inputs and the planner keys that tell images apart.
+
+        Args:
+            model: the (wrapped) model (its ``image_token_id``).
+            input_ids, attention_mask: TRL's padded ``[B, T]`` batch.
+            sequences: the B sequences read from it.
+            extra: TRL's image keywords (:func:`~treepack.trainer.planning.bridge.sequence_images`).
+
+        Returns:
+            (per sequence ``pixel_values``, per sequence grids, per sequence keys), or
+            (None, None, None) for a batch without images.
+
+        Raises:
+            RequestError: images without ``image_grid_thw`` (LLaVA-style models), naming the
+                model class; what :func:`~treepack.trainer.planning.bridge.sequence_images` refuses.
+        """
+        if extra.get("pixel_values") is not None and extra.get("image_grid_thw") is None:
+            raise RequestError(
+                f"{type(unwrap_model(model)).__name__}'s images come without image_grid_thw: tree rows take images as "
+                "pixel_values with image_grid_thw (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)",
+                path="$.image_grid_thw",
+                rule="unsupported",
+            )
+        image_token = _image_token_of(model) if extra.get("pixel_values") is not None else None
+        pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
+        if pv is None:
+            return None, None, None
+        return pv, thw, image_keys(sequences, pixel_values=pv, image_grid_thw=thw, image_token_id=image_token)
+
     def _packed_fused(self, model: Any, batch: Any) -> Any:
         """TRL's fused-head output (``log_probs``, ``entropy``, ... as [K, L]) of ``batch``'s rows.
 
@@ -311,11 +342,9 @@ class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
         C = int(logits_to_keep)
         padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
         B = padded.batch_size
-        image_token = _image_token_of(model) if extra.get("pixel_values") is not None else None
-        pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
-        keys, groups = None, padded.groups
+        pv, thw, keys = self._images(model, input_ids, attention_mask, padded.sequences, extra)
+        groups = padded.groups
         if pv is not None:
-            keys = image_keys(padded.sequences, pixel_values=pv, image_grid_thw=thw, image_token_id=image_token)
             # A prompt is its ids and its images: identical ids over different images are two groups.
             groups = prompt_groups([np.concatenate([s[:p], k[:p].view(np.int64)]) for s, k, p in zip(padded.sequences, keys, padded.prompt_lens.tolist())])
         mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), groups.tolist(), keys)
@@ -347,7 +376,9 @@ class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
     """``trl.SFTTrainer`` whose loss forward runs on tree-packed rows.
 
     Several completions of one prompt (distillation, rejection sampling) hold the prompt
-    once per row. The batch must be padded (``padding_free=False``, ``packing=False``: TRL's
+    once per row; with images (TRL's vision collator, Qwen-VL families) a prompt's image
+    tokens are shared only between samples holding the same image, and the vision tower
+    runs once per distinct image, as in :class:`TreepackGRPOTrainer`. The batch must be padded (``padding_free=False``, ``packing=False``: TRL's
     own packing concatenates sequences without a tree); TRL's loss (``nll``, ``dft``),
     entropy and token-accuracy metrics run on the fused-head outputs scattered back to
     TRL's ``[B, T - 1]`` layout. ``compute_loss_func`` and label smoothing need full logits
@@ -371,8 +402,31 @@ class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
         call = lambda **kw: self._sft_forward(model, **kw)  # noqa: E731
         return super().compute_loss(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
-    def _sft_forward(self, model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, fused_lm_head: bool = False, use_cache: Any = None, **rest: Any) -> Any:
+    def _sft_forward(
+        self,
+        model: Any,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        fused_lm_head: bool = False,
+        use_cache: Any = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        **rest: Any,
+    ) -> Any:
         """TRL's fused-head output for ``[B, T]`` inputs, computed on tree rows.
+
+        Args:
+            input_ids, attention_mask, labels: TRL's ``[B, T]`` batch.
+            fused_lm_head: must be True (TRL's SFT loss path).
+            use_cache: ignored (TRL passes False).
+            pixel_values, image_grid_thw, mm_token_type_ids: what TRL's vision collator gives
+                for processors with ``image_grid_thw`` (Qwen-VL families): the batch's images,
+                cut into each sequence's own (:func:`~treepack.trainer.planning.bridge.sequence_images`)
+                and planned with :func:`~treepack.trainer.planning.images.image_keys`.
+            **rest: any other keyword is refused by name.
 
         Returns:
             A ``FusedCausalLMOutput`` with ``log_probs``, ``entropy``, ``is_top1`` and
@@ -381,11 +435,19 @@ class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
         given = sorted(k for k, v in rest.items() if v is not None)
         if not fused_lm_head or given:
             what = given[0] if given else "fused_lm_head"
-            raise RequestError(f"TreepackSFTTrainer packs text-only fused-head calls; got {what}", path=f"$.{what}", rule="unsupported")
+            raise RequestError(
+                f"TreepackSFTTrainer packs fused-head calls of text, or of images as pixel_values with image_grid_thw (Qwen-VL families); got {what}",
+                path=f"$.{what}",
+                rule="unsupported",
+            )
         padded = from_labeled(input_ids, attention_mask, labels)
-        mb = self._plan(padded, 1, None)
+        extra = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids)
+        pv, thw, keys = self._images(model, input_ids, attention_mask, padded.sequences, extra)
+        mb = self._plan(padded, 1, None, keys)
         rows = mb.rows[0, 0]
-        batch = materialize(mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, rows=rows[rows >= 0])
+        batch = materialize(
+            mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, rows=rows[rows >= 0], pixel_values=pv, image_grid_thw=thw
+        )
         out = self._packed_fused(model, batch)
         fields = {}
         for name in ("log_probs", "entropy", "is_top1"):

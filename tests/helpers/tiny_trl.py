@@ -1,5 +1,5 @@
 """A tiny local TRL setup: a word-level tokenizer built in code, a random Qwen3, a prompt set;
-and for vision-language GRPO a Qwen2-VL processor built the same way, with image prompts.
+and for vision-language GRPO and SFT a Qwen2-VL processor built the same way, with image prompts.
 
 Nothing is downloaded. :func:`run_grpo` trains ``trl.GRPOTrainer`` or a subclass for a few
 optimizer steps and returns what a side-by-side comparison needs.
@@ -222,11 +222,26 @@ def run_grpo(
     }
 
 
-def run_sft(trainer_cls: type, *, workdir: str, steps: int = 3, **config: Any) -> dict[str, Any]:
+def run_sft(
+    trainer_cls: type,
+    *,
+    workdir: str,
+    steps: int = 3,
+    model: Any = None,
+    train_dataset: Any = None,
+    processing_class: Any = None,
+    callbacks: Any = None,
+    **config: Any,
+) -> dict[str, Any]:
     """Train ``trainer_cls`` (SFTTrainer or a subclass) on prompt/completion pairs, 4 completions per prompt.
 
+    Args:
+        model, train_dataset, processing_class: default :func:`tiny_model`, 6 prompts of 24
+            words with 4 completions each, :func:`tiny_tokenizer` (right padding).
+        callbacks: ``TrainerCallback`` list.
+
     Returns:
-        {"loss": [steps], "grad_norm": [steps], "logs": log_history}.
+        {"loss": [steps], "grad_norm": [steps], "logs": log_history, "trainer": the trainer}.
     """
     from datasets import Dataset
     from trl import SFTConfig
@@ -238,19 +253,49 @@ def run_sft(trainer_cls: type, *, workdir: str, steps: int = 3, **config: Any) -
         for _ in range(4):
             ps.append(p)
             cs.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))))
+    if train_dataset is None:
+        train_dataset = Dataset.from_dict({"prompt": ps, "completion": cs})
     base = dict(
         output_dir=workdir, per_device_train_batch_size=8, max_steps=steps, learning_rate=1e-2, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
         shuffle_dataset=False, bf16=False,
     )
     base.update(config)
-    model = tiny_model()
-    tok = tiny_tokenizer()
-    tok.padding_side = "right"
-    trainer = trainer_cls(model=model, args=SFTConfig(**base), train_dataset=Dataset.from_dict({"prompt": ps, "completion": cs}), processing_class=tok, **trainer_kwargs)
+    if processing_class is None:
+        processing_class = tiny_tokenizer()
+        processing_class.padding_side = "right"
+    trainer = trainer_cls(
+        model=tiny_model() if model is None else model, args=SFTConfig(**base), train_dataset=train_dataset,
+        processing_class=processing_class, callbacks=callbacks, **trainer_kwargs,
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history}
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history, "trainer": trainer}
+
+
+def vl_sft_dataset(seed: int = 0, messages: bool = False) -> Any:
+    """Image prompt/completion samples for SFT, as plain text with the Qwen image part.
+
+    One text over three different 16x16 images: three samples hold image 0 (three
+    completions), two hold image 1 and one holds image 2 (the same prompt ids as image 0's
+    samples, different images), and one holds image 0 under another text. ``messages=True``:
+    the same samples as conversations (TRL's language-modeling collator: every token,
+    image placeholders included, carries a label).
+    """
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    imgs = [Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)) for _ in range(3)]
+    same, other = ("<|vision_start|><|image_pad|><|vision_end|> " + p for p in prompts(2, 8, seed=seed))
+    rows = [(same, 0), (same, 0), (same, 0), (same, 1), (same, 1), (same, 2), (other, 0)]
+    r = random.Random(seed)
+    completions = [" ".join(r.choice(WORDS) for _ in range(r.randint(2, 5))) for _ in rows]
+    if messages:
+        chats = [[{"role": "user", "content": t.split("> ", 1)[1]}, {"role": "assistant", "content": c}] for (t, _), c in zip(rows, completions)]
+        return Dataset.from_dict({"messages": chats, "image": [imgs[i] for _, i in rows]})
+    return Dataset.from_dict({"prompt": [t for t, _ in rows], "completion": completions, "image": [imgs[i] for _, i in rows]})
 
 
 def group_shuffle_reference(batch: dict[str, Any]) -> dict[str, Any]:

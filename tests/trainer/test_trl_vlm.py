@@ -91,6 +91,10 @@ def test_sequence_images_give_each_sequence_what_its_processor_gives_it_alone():
         num_images=[len(i) for i in per_seq], mm_token_type_ids=batch["mm_token_type_ids"],
     )
     assert pv[1] is None and thw[1] is None
+    # SFT's collator gives no num_images: read from the placeholders, the same cut.
+    pv2, thw2 = sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    assert [None if x is None else x.tolist() for x in thw2] == [None if x is None else x.tolist() for x in thw]
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(pv, pv2))
     for s, (text, imgs) in enumerate(zip(texts, per_seq)):
         if not imgs:
             continue
@@ -115,3 +119,11 @@ def test_sequence_images_refuse_what_tree_rows_do_not_take():
     with pytest.raises(RequestError, match="num_images"):
         sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[2])
     assert sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[1])[1][0].tolist() == [[1, 2, 2]]
+    # Without num_images: rows whose placeholders do not cover whole images (a cut image) are refused.
+    two = torch.tensor([[5, IMAGE_TOKEN, IMAGE_TOKEN, 6], [5, IMAGE_TOKEN, 6, 7]])
+    pv2, grids = torch.zeros(12, 24), torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]])
+    assert [len(g) for g in sequence_images(two, torch.ones_like(two), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids)[1]] == [2, 1]
+    with pytest.raises(RequestError, match=r"row 0's image placeholder tokens do not cover whole images"):
+        sequence_images(two, torch.ones_like(two), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=torch.tensor([[1, 2, 2], [1, 2, 4]]))
+    with pytest.raises(RequestError, match="do not split over 3 images"):
+        sequence_images(two[:1], torch.ones_like(two[:1]), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids)

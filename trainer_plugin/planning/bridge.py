@@ -269,8 +269,10 @@ def sequence_images(
     """TRL's batched image inputs cut into each sequence's own (what its processor gives it alone).
 
     TRL concatenates the batch's images: ``pixel_values`` holds every image's patch rows in
-    sequence order, ``image_grid_thw`` one ``[t, h, w]`` per image, ``num_images`` each
-    sequence's image count.
+    sequence order, ``image_grid_thw`` one ``[t, h, w]`` per image, ``num_images`` (GRPO)
+    each sequence's image count. Without ``num_images`` (SFT's collator gives none) each
+    row takes the next images whose placeholder tokens its own placeholders cover
+    (:func:`_image_counts`).
 
     Args:
         input_ids: [B, P + C] TRL's ids (left-padded prompts, right-padded completions).
@@ -278,7 +280,7 @@ def sequence_images(
         image_token_id: the model's image placeholder id (checked against ``mm_token_type_ids``).
         pixel_values: [sum patches, D] or None (a text-only batch).
         image_grid_thw: [sum images, 3]; required with ``pixel_values``.
-        num_images: [B] images per sequence; required with ``pixel_values``.
+        num_images: [B] images per sequence, or None: read from the placeholders.
         mm_token_type_ids: [B, P + C] or None: 1 on image placeholders, 0 elsewhere (2,
             video, is refused); must mark exactly the ``image_token_id`` positions.
         **other: TRL's other image keywords (``image_sizes``, ``pixel_attention_mask``, ...):
@@ -295,8 +297,8 @@ def sequence_images(
     given = [k for k, v in other.items() if v is not None]
     if given:
         what = given[0]
-        why = "unknown to TreepackGRPOTrainer" if what not in _REFUSED_IMAGE_KWARGS else "supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)"
-        raise RequestError(f"TreepackGRPOTrainer got {what}: {why}", path=f"$.{what}", rule="unsupported")
+        why = "not a model input tree rows take" if what not in _REFUSED_IMAGE_KWARGS else "supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)"
+        raise RequestError(f"the packed forward got {what}: {why}", path=f"$.{what}", rule="unsupported")
     if mm_token_type_ids is not None:
         mm = mm_token_type_ids.to(attention_mask.device)
         if bool((mm > 1).any()):
@@ -308,16 +310,15 @@ def sequence_images(
         if image_grid_thw is not None:
             raise RequestError("image_grid_thw given without pixel_values", path="$.image_grid_thw", rule="missing")
         return None, None
-    if image_grid_thw is None or num_images is None:
-        what = "image_grid_thw" if image_grid_thw is None else "num_images"
-        raise RequestError(f"pixel_values without {what}: supported image inputs are pixel_values with image_grid_thw and num_images (Qwen-VL families)", path=f"$.{what}", rule="missing")
+    if image_grid_thw is None:
+        raise RequestError("pixel_values without image_grid_thw: supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)", path="$.image_grid_thw", rule="missing")
     B = input_ids.shape[0]
-    counts = [int(n) for n in num_images]
-    if len(counts) != B or sum(counts) != image_grid_thw.shape[0]:
-        raise RequestError(f"num_images {counts} does not cover {B} sequences and {image_grid_thw.shape[0]} image grids", path="$.num_images", rule="length")
     rows = image_grid_thw.prod(-1).tolist()
     if sum(rows) != pixel_values.shape[0]:
         raise RequestError(f"image_grid_thw covers {sum(rows)} patch rows, pixel_values has {pixel_values.shape[0]}", path="$.image_grid_thw", rule="shape")
+    counts = _image_counts(input_ids, attention_mask, image_token_id, rows) if num_images is None else [int(n) for n in num_images]
+    if len(counts) != B or sum(counts) != image_grid_thw.shape[0]:
+        raise RequestError(f"num_images {counts} does not cover {B} sequences and {image_grid_thw.shape[0]} image grids", path="$.num_images", rule="length")
     pv: list[torch.Tensor | None] = []
     thw: list[torch.Tensor | None] = []
     img = row = 0
@@ -327,3 +328,35 @@ def sequence_images(
         thw.append(image_grid_thw[img : img + n] if n else None)
         img, row = img + n, row + r
     return pv, thw
+
+
+def _image_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int | None, patches: list[int]) -> list[int]:
+    """[B] images of each row, read from its placeholder tokens (images in row order).
+
+    Every image takes ``patches / m`` placeholders, ``m`` the batch's patches per
+    placeholder (one spatial merge for all images, as :func:`~treepack.trainer.planning.images.placeholder_counts`
+    assumes); row b takes the next images until their placeholders make its own count.
+
+    Raises:
+        RequestError: placeholders that do not cover the images image by image (e.g. cut by
+            truncation), naming the row.
+    """
+    per_row = ((input_ids == image_token_id) & attention_mask.bool()).sum(1).tolist() if image_token_id is not None else [0] * input_ids.shape[0]
+    total = sum(per_row)
+    m = sum(patches) // total if total else 0
+    if not m or m * total != sum(patches) or any(p % m for p in patches):
+        raise RequestError(
+            f"the rows hold {total} image placeholder tokens, which do not split over {len(patches)} images of {patches} patches (truncated by max_length?)",
+            path="$.input_ids",
+            rule="image_placeholders",
+        )
+    counts, img = [], 0
+    for b, n in enumerate(per_row):
+        start = img
+        while n > 0 and img < len(patches):
+            n -= patches[img] // m
+            img += 1
+        if n != 0:
+            raise RequestError(f"row {b}'s image placeholder tokens do not cover whole images (truncated by max_length?)", path=f"$.input_ids[{b}]", rule="image_placeholders")
+        counts.append(img - start)
+    return counts
