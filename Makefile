@@ -113,13 +113,15 @@ dist: venv
 	$(BIN)/python -m build --outdir dist .
 
 # The wheel in a fresh venv of its own, with the trainer extra and torch as above: the demo
-# runs and the trainer imports (what `pip install ".[trainer]"` gives a training environment).
+# and a plan run from the wheel's own files and the trainer imports (what `pip install ".[trainer]"` gives a training environment).
 WVENV ?= .venv-wheel
 wheel-check: dist
 	rm -rf $(WVENV) && $(PY) -m venv $(WVENV)
 	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile $(TORCH_PIP)
 	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile "$$(ls dist/treepack-*.whl)[trainer]" $(TORCH)
 	cd $(WVENV) && bin/treepack demo --groups 96
+	cd $(WVENV) && bin/treepack plan $(CURDIR)/examples/batch.jsonl --seq-len 512 --json | grep -q '"rows": 2'
+	cd $(WVENV) && bin/python -c "import sys, treepack.service; f = treepack.service.__file__; sys.exit(None if f.startswith(sys.prefix) else 'treepack imports from ' + f + ', not the wheel')"
 	cd $(WVENV) && bin/python -c "import treepack.trainer, torch; print('treepack.trainer imports with torch', torch.__version__)"
 
 bench: venv
