@@ -15,13 +15,10 @@ without the CP reduction differ.
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import timedelta
-
 import numpy as np
 import torch
 
+from helpers import cp_oracle as oracle
 from helpers.ranks import run_ranks
 from helpers.trainer_cases import mixed_batch, plan_of, tiny_model
 
@@ -74,12 +71,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from treepack.trainer import materialize
     from treepack.trainer.distributed import plan_and_broadcast
     from treepack.trainer.hf import packed_forward
-    from treepack.trainer.losses import ppo_clip_loss
     from treepack.trainer.planning import plan_microbatches
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=timedelta(seconds=90))
-    try:
+    with oracle.gloo_group(rank, port, 4, timeout_s=90):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         c = mixed_batch()
         seqs = c["sequences"]
@@ -94,7 +88,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         batch = rp.materialize(seqs, payloads={"old": old})
 
         def loss_of(b, logits):
-            return ppo_clip_loss(b.target_logprobs(logits), b, advantages=adv, old_logprobs="old", normalization="sequence")
+            return oracle.ppo_loss(b, logits, adv)
 
         # The same step in one process over all rows.
         ref_model = tiny_model("qwen3", heads=(3, 1))
@@ -120,11 +114,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             raw, summed = _grads(model, mesh.get_group("cp") if kind != "fsdp2_dp_cp" else None)
             sharded = sorted({type(p).__name__ for p in model.parameters()})
             result["wraps"][kind] = {"loss": float(total), "grad_rel": rel(summed), "raw_grad_rel": rel(raw), "param_types": sharded}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        oracle.write_result(out_dir, rank, result)
 
 
 def test_ddp_and_fsdp2_over_a_2x2_mesh_match_one_process(tmp_path):
