@@ -143,7 +143,7 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, rounds: i
     cost = fit_cost_model(X, measured[: len(cal)], backend="flash", mixers=probe.mixers, chunk_size=probe.chunk_size, description=f"{name} benchmark")
     bench_s = time.perf_counter() - t0
     rows = []
-    for j, (bname, label, plan, seqs) in enumerate(held):
+    for j, (bname, label, plan, _seqs) in enumerate(held):
         m = measured[len(cal) + j]
         p = cost.predict_ms(plan)
         rows.append(dict(batch=bname, plan=label, rows=plan.num_rows, segments=plan.segments.num_segments, saved=plan.stats.saved_fraction,

@@ -83,7 +83,7 @@ class _PeakRss:
             self.peak = max(self.peak, self.now())
             time.sleep(0.002)
 
-    def __enter__(self) -> "_PeakRss":
+    def __enter__(self) -> _PeakRss:
         self._t.start()
         return self
 
@@ -102,7 +102,7 @@ class _Traffic:
         self.dist, self.P, self.bytes = dist, world, 0
         self.real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter_tensor")}
 
-    def __enter__(self) -> "_Traffic":
+    def __enter__(self) -> _Traffic:
         P, d = self.P, self.dist
         share = (P - 1) / P
         size = lambda t: t.numel() * t.element_size()  # noqa: E731

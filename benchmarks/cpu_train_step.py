@@ -43,8 +43,8 @@ from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize, naive_varlen_attention  # noqa: E402
-from treepack.trainer.kernels.varlen import varlen_attention  # noqa: E402
 from treepack.trainer.hf import packed_forward  # noqa: E402
+from treepack.trainer.kernels.varlen import varlen_attention  # noqa: E402
 from treepack.trainer.losses import sft_loss  # noqa: E402
 
 

@@ -48,11 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT / "tests" / "triton_interp")]
 
 from cases import KERNELS, make_inputs, run_case  # noqa: E402
-from helpers.trees import tree_plan  # noqa: E402
 
 from treepack.service.planner import plan_batch  # noqa: E402
-from treepack.trainer.kernels.tree_scan import tree_schedule  # noqa: E402
 from treepack.trainer.kernels import gpu  # noqa: E402
+from treepack.trainer.kernels.tree_scan import tree_schedule  # noqa: E402
+
+from helpers.trees import tree_plan  # noqa: E402
 
 #: relative tolerance per dtype (outputs and gradients vs the fp64 reference)
 TOL = {"bfloat16": 5e-2, "float16": 2e-2, "float32": 2e-3}
@@ -127,7 +128,7 @@ def _time_case(kernel: str, dtype: str, args, big) -> dict:
         gen = torch.Generator().manual_seed(1)
         toks, params = make_inputs(kernel, sched.num_positions, DTYPES[dtype], gen, shape=args.shape, device=args.device)
 
-        def step():
+        def step(toks=toks, params=params):
             y = run_case(kernel, plan, sched, toks, params, mode=args.mode, shape=args.shape)
             torch.autograd.grad(y.float().nan_to_num().square().mean(), list(toks.values()) + list(params.values()), allow_unused=True)
 
@@ -213,7 +214,13 @@ def gdn(args) -> dict:
 
 def sparse(args) -> dict:
     from treepack.trainer import materialize
-    from treepack.trainer.kernels.sparse import indexer_scores, naive_sparse_attention, naive_tree_topk, sparse_attention, tree_topk
+    from treepack.trainer.kernels.sparse import (
+        indexer_scores,
+        naive_sparse_attention,
+        naive_tree_topk,
+        sparse_attention,
+        tree_topk,
+    )
 
     dt = torch.float32 if args.cpu_smoke else torch.bfloat16
     res = {}

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.service.planner import plan_batch
-from treepack.trainer.kernels.tree_scan import tree_schedule
 from treepack.trainer.kernels.gdn import select_kernel, tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule
+from treepack.trainer.kernels.tree_scan import tree_schedule
 
 SHAPES = {
     "gpu": dict(Hk=16, Hv=32, K=128, V=128, W=4),

@@ -20,7 +20,6 @@ capability that turns the refusal into a pass (:func:`expected`).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -203,7 +203,7 @@ def _is_none(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def causal_lm_modules() -> frozenset[str]:
     """The modeling packages that define a class of transformers' causal-LM mapping."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -216,7 +216,7 @@ def causal_lm_modules() -> frozenset[str]:
     return frozenset(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scan_transformers() -> tuple[Hit, ...]:
     """Every hit in the installed transformers' ``models/*/modeling_*.py``."""
     hits: list[Hit] = []

@@ -53,7 +53,6 @@ import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
 
-from helpers.hard_instances import HARD_FAMILIES, hard_instance  # noqa: E402
 from treepack.proto.batch import normalize_batch
 from treepack.service.cli import workloads as W
 from treepack.service.planner.api import plan_normalized
@@ -61,6 +60,8 @@ from treepack.service.planner.bounds import lower_bound_rows, min_copies
 from treepack.service.planner.exact import exact_min_rows
 from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.tree import build_tree
+
+from helpers.hard_instances import HARD_FAMILIES, hard_instance  # noqa: E402
 
 
 def _adversarial(seed: int, n_rows: int, kind: str) -> W.Workload:

@@ -46,9 +46,9 @@ import msgpack
 import numpy as np
 
 from treepack.client import Packer
-from treepack.proto.codec import encode_body
 from treepack.proto.batch import PackInput
 from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.codec import encode_body
 from treepack.service.cli.workloads import agentic, curriculum, distillation
 
 
@@ -229,7 +229,7 @@ def _sums(metrics: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _breakdown(server: "Server", remote: Packer, b: dict[str, Any], repeats: int) -> dict[str, float]:
+def _breakdown(server: Server, remote: Packer, b: dict[str, Any], repeats: int) -> dict[str, float]:
     """Where an HTTP round trip's time goes: the client's steps timed here (medians), the
     server's from its histograms (means over the same requests)."""
     from treepack.client.http import decode_pack, pack_body

@@ -40,14 +40,20 @@ from typing import Any
 
 import httpx
 import msgpack
-import numpy as np
 
-from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
-from treepack.proto.errors import OverloadedError, RequestError, ServerError, TransportError, TreepackError, error_from_payload
-from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
 from treepack.proto.batch import PackInput
 from treepack.proto.batch_columns import BodyChunks
 from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
+from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
+from treepack.proto.errors import (
+    OverloadedError,
+    RequestError,
+    ServerError,
+    TransportError,
+    TreepackError,
+    error_from_payload,
+)
+from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
 from treepack.proto.plan import Plan
 from treepack.proto.plan_wire import plan_from_wire
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult

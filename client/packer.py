@@ -16,7 +16,8 @@ request objects each call builds once (:class:`~treepack.proto.batch.PackInput`,
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from treepack.client.protocols import AsyncBackend, Backend, InThread
 from treepack.proto.batch import PackInput
@@ -159,7 +160,7 @@ class Packer(_Packers):
     def close(self) -> None:
         self._b.close()
 
-    def __enter__(self) -> "Packer":
+    def __enter__(self) -> Packer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -192,7 +193,7 @@ class AsyncPacker(_Packers):
     async def close(self) -> None:
         await self._b.close()
 
-    async def __aenter__(self) -> "AsyncPacker":
+    async def __aenter__(self) -> AsyncPacker:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

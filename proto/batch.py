@@ -12,8 +12,9 @@ input already has the right dtype (the wire's columnar buffer is sliced, not cop
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,7 @@ class PackInput:
         tags: Sequence[str | None] | None = None,
         record: bool = True,
         **option_kwargs: Any,
-    ) -> "PackInput":
+    ) -> PackInput:
         """The request from ``plan_batch``-style arguments (the attributes above).
 
         Args:

@@ -26,14 +26,15 @@ miss costs a full vectorized comparison.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 
-from treepack.proto.messages import MAX_SEQ_LEN
 from treepack.proto.batch import normalize_batch
+from treepack.proto.messages import MAX_SEQ_LEN
 
 __all__ = ["Column", "BatchColumns", "BodyChunks", "batch_columns", "prefix_refs", "naive_prefix_refs", "msgpack_parts", "msgpack_body"]
 

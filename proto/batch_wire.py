@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from treepack.proto.batch import PackInput
+from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
 from treepack.proto.buffers import Format, decode_buffer, encode_request_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
 from treepack.proto.messages import PackRequest
 from treepack.proto.options import OPTION_NAMES, PlanOptions
-from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, msgpack_parts
-from treepack.proto.batch import PackInput
 
 __all__ = ["Limits", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
 

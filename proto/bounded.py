@@ -27,7 +27,8 @@ or JSON's text counted in) plus ``ALLOWANCE``.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Union
 
 import msgpack
 

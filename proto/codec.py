@@ -21,7 +21,6 @@ from typing import Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from treepack.proto.version import WIRE_VERSION
 from treepack.proto.errors import (
     DecodeError,
     InputTypeError,
@@ -29,6 +28,7 @@ from treepack.proto.errors import (
     UnsupportedMediaTypeError,
     UnsupportedVersionError,
 )
+from treepack.proto.version import WIRE_VERSION
 
 __all__ = [
     "MSGPACK",

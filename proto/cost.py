@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -253,7 +254,7 @@ class CostModel:
         }
 
     @classmethod
-    def from_dict(cls, d: Any) -> "CostModel":
+    def from_dict(cls, d: Any) -> CostModel:
         """Read the JSON form, checking every field.
 
         Raises:

@@ -24,8 +24,18 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
+from treepack.proto.options import (
+    CP_ATTENTION,
+    MAX_CONV_WIDTH,
+    MAX_CP_SIZE,
+    MAX_RANKS,
+    MAX_REPAIR_MS,
+    MAX_SEQ_LEN,
+    ON_OVERFLOW,
+    PLACEMENTS,
+    REPAIR_MS,
+)
 from treepack.proto.version import WIRE_VERSION
-from treepack.proto.options import CP_ATTENTION, MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, REPAIR_MS
 
 __all__ = [
     "Buffer",
@@ -347,7 +357,7 @@ class Composition(_Model):
     by_tag: Optional[dict[Annotated[str, Field(max_length=256)], Annotated[int, Field(ge=0, le=1_000_000)]]] = None
 
     @model_validator(mode="after")
-    def _one_of(self) -> "Composition":
+    def _one_of(self) -> Composition:
         if (self.groups is None) == (self.by_tag is None):
             raise PydanticCustomError("one_of", "give exactly one of `groups` and `by_tag`")
         if self.by_tag is not None and sum(self.by_tag.values()) < 1:

@@ -11,6 +11,7 @@ the wire codecs carry them, the client and the trainer read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from treepack.proto.index import ragged_arange, segment_rows, segment_tokens

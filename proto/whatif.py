@@ -7,8 +7,9 @@ planner (:mod:`treepack.service.planner.whatif`), the codecs in :mod:`~.whatif_w
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -89,7 +90,7 @@ class WhatIfQuery:
         history_batches: int | None = None,
         shapes: Sequence[BatchShape] | None = None,
         **option_kwargs: Any,
-    ) -> "WhatIfQuery":
+    ) -> WhatIfQuery:
         """The query from the clients' ``whatif`` arguments (the attributes above).
 
         Args:
@@ -114,7 +115,7 @@ class Distribution:
     max: float
 
     @classmethod
-    def of(cls, values: np.ndarray) -> "Distribution":
+    def of(cls, values: np.ndarray) -> Distribution:
         v = np.asarray(values, dtype=np.float64)
         p50, p90 = np.percentile(v, [50, 90])
         return cls(mean=float(v.mean()), p50=float(p50), p90=float(p90), min=float(v.min()), max=float(v.max()))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treepack.proto import WIRE_VERSION
 from treepack.proto.codec import json_path
-from treepack.proto.errors import AuthError, DeadlineError, OverloadedError, RequestError, ServerError, TreepackError, http_status
+from treepack.proto.errors import (
+    AuthError,
+    DeadlineError,
+    OverloadedError,
+    RequestError,
+    ServerError,
+    TreepackError,
+    http_status,
+)
 from treepack.service.metrics import MetricsMiddleware
 from treepack.service.openapi import OFFLINE_DOCS, install_openapi
 from treepack.service.planning import PlanningService

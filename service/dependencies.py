@@ -15,12 +15,20 @@ import asyncio
 import hashlib
 import hmac
 import time
-from typing import AsyncIterator, NamedTuple
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import Request
 
 from treepack.proto.codec import Format, request_format, response_format
-from treepack.proto.errors import AuthError, BodyTimeoutError, DecodeError, PayloadTooLargeError, RequestError, UnsupportedMediaTypeError
+from treepack.proto.errors import (
+    AuthError,
+    BodyTimeoutError,
+    DecodeError,
+    PayloadTooLargeError,
+    RequestError,
+    UnsupportedMediaTypeError,
+)
 from treepack.service.planning import PlanningService
 
 __all__ = ["Formats", "service", "authorize", "negotiate", "accept_format", "read_body", "idempotency_key"]

@@ -29,15 +29,16 @@ Exported (``GET /metrics``, text format):
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from treepack.service.recorder import HistoryRecorder
 from treepack.proto.plan import Plan
 from treepack.service.pool import PlanPool
+from treepack.service.recorder import HistoryRecorder
 
 __all__ = ["ServiceMetrics", "MetricsMiddleware", "ROUTES"]
 

@@ -12,30 +12,31 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from treepack.proto import WIRE_VERSION
+from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
 from treepack.proto.codec import Format, encode_body, parse_message
 from treepack.proto.cost import load_cost_model
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
-from treepack.proto.batch_wire import Limits, decode_pack_request
+from treepack.proto.history import HistoryDamaged, HistoryStore, empty_summary, move_aside
 from treepack.proto.messages import PackRequest, WhatIfRequest
 from treepack.proto.options import OPTION_NAMES, PlanOptions
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire
 from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
-from treepack.proto.history import HistoryDamaged, HistoryStore, empty_summary, move_aside
-from treepack.service.recorder import HistoryRecorder
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job
 from treepack.service.planner.options import check_options
 from treepack.service.planner.whatif import GroupPool, build_pool, whatif
 from treepack.service.pool import IntakeBudget, PlanPool
+from treepack.service.recorder import HistoryRecorder
 from treepack.service.replay import ReplayCache
 from treepack.service.settings import Settings
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from treepack.proto.errors import DeadlineError, OverloadedError
 
@@ -139,7 +140,7 @@ class PlanPool:
         with self._lock:
             self._admitted -= 1
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Admit and start ``fn(*args)``, or raise :class:`OverloadedError` when full."""
         with self._lock:
             if self._admitted >= self.max_concurrent + self.max_queue:

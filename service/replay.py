@@ -17,8 +17,8 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from fastapi.responses import Response
 
@@ -31,7 +31,7 @@ __all__ = ["ReplayCache", "request_digest"]
 class _Entry:
     digest: bytes
     created: float
-    future: "asyncio.Future[Response]"
+    future: asyncio.Future[Response]
     nbytes: int = field(default=0)
 
 

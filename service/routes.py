@@ -9,7 +9,8 @@ Function names and docstrings are the OpenAPI operation ids, summaries and descr
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -18,7 +19,15 @@ from treepack.proto import WIRE_VERSION
 from treepack.proto import messages as m
 from treepack.proto.codec import Format, content_type, encode_body
 from treepack.proto.errors import AuthError
-from treepack.service.dependencies import Formats, accept_format, authorize, idempotency_key, negotiate, read_body, service
+from treepack.service.dependencies import (
+    Formats,
+    accept_format,
+    authorize,
+    idempotency_key,
+    negotiate,
+    read_body,
+    service,
+)
 from treepack.service.openapi import body_spec
 from treepack.service.planning import PlanningService
 from treepack.service.pool import Ticket

@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["add_serve_parser", "add_serve_arguments", "settings_from_args", "run_serve", "main"]
 
@@ -112,9 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from treepack.service.protocol import guarded_protocol
-
         import treepack.service.app  # noqa: F401  (fail here, clearly, without FastAPI)
+        from treepack.service.protocol import guarded_protocol
     except ImportError as exc:
         print(f"treepack serve needs the service extra: pip install 'treepack[service]' ({exc})", file=sys.stderr)
         return 2

@@ -138,7 +138,7 @@ class Settings(BaseSettings):
         return min(1 << 20, self.intake_reserve_bytes)
 
     @model_validator(mode="after")
-    def _clean_token(self) -> "Settings":
+    def _clean_token(self) -> Settings:
         """Strip the token (from the environment or ``token_file``); refuse an empty or non-ASCII one."""
         raw, where = None, "TREEPACK_TOKEN"
         if self.token_file is not None:

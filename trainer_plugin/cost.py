@@ -19,7 +19,8 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -24,8 +24,9 @@ Flow (every rank calls the same functions, collectives inside)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,11 +35,11 @@ from treepack.proto import WIRE_VERSION
 from treepack.proto.buffers import DTYPES, array_from_wire, array_to_wire
 from treepack.proto.codec import decode_body, encode_body
 from treepack.proto.errors import InputTypeError, RequestError, TreepackError, error_from_payload
-from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
 from treepack.proto.plan import Plan
+from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
 from treepack.trainer.data.materialize import materialize
-from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.data.sequences import group_codes, normalize_trainable
 from treepack.trainer.planning.mesh import mesh_plan_options, mesh_ranks
 from treepack.trainer.planning.planner import PlannerArg, obtain_plan
 

@@ -33,7 +33,8 @@ with plain loops.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,13 +85,13 @@ def _weights_from_counts(counts: torch.Tensor, groups: torch.Tensor, normalizati
     raise RequestError(f"normalization must be one of {NORMALIZATIONS} or a positive number, got {normalization!r}", path="$.normalization", rule="enum")
 
 
-def entry_weights(batch: "PackedBatch", normalization: Any = "token") -> torch.Tensor:
+def entry_weights(batch: PackedBatch, normalization: Any = "token") -> torch.Tensor:
     """[T] float64 normalization weight of every scored entry (module docstring)."""
     w = _weights_from_counts(batch.score_counts, batch.groups, normalization)
     return w[batch.score_seq]
 
 
-def entry_values(batch: "PackedBatch", x: Any, *, what: str) -> torch.Tensor:
+def entry_values(batch: PackedBatch, x: Any, *, what: str) -> torch.Tensor:
     """[T] per-entry values of ``x`` (payload name, [S], [K, L] or a number)."""
     if isinstance(x, str):
         if x not in batch.entry_payloads:
@@ -108,13 +109,13 @@ def entry_values(batch: "PackedBatch", x: Any, *, what: str) -> torch.Tensor:
     raise RequestError(f"{what} must have shape [{S}] (per sequence) or [{K}, {L}] (packed), got {tuple(x.shape)}", path=f"$.{what}", rule="shape")
 
 
-def position_sum(batch: "PackedBatch", values: torch.Tensor) -> torch.Tensor:
+def position_sum(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor:
     """[K, L] sum over the sharers of each position of their entries' ``values`` ([T])."""
     K, L = batch.num_rows, batch.seq_len
     return torch.zeros(K * L, dtype=values.dtype, device=values.device).index_add(0, batch.score_flat, values).view(K, L)
 
 
-def entry_logprobs(batch: "PackedBatch", logprobs: torch.Tensor) -> torch.Tensor:
+def entry_logprobs(batch: PackedBatch, logprobs: torch.Tensor) -> torch.Tensor:
     """[T] the log-probability of every scored entry's token (a gather of the predicting positions).
 
     Args:
@@ -130,12 +131,12 @@ def entry_logprobs(batch: "PackedBatch", logprobs: torch.Tensor) -> torch.Tensor
     return logprobs.reshape(-1)[batch.score_flat]
 
 
-def _entries_like(batch: "PackedBatch", x: Any, *, what: str, like: torch.Tensor) -> torch.Tensor:
+def _entries_like(batch: PackedBatch, x: Any, *, what: str, like: torch.Tensor) -> torch.Tensor:
     """[T] per-entry values of ``x`` in ``like``'s dtype."""
     return entry_values(batch, x, what=what).to(like.dtype)
 
 
-def sft_loss(logprobs: torch.Tensor, batch: "PackedBatch", *, weights: Any = None, normalization: Any = "token") -> torch.Tensor:
+def sft_loss(logprobs: torch.Tensor, batch: PackedBatch, *, weights: Any = None, normalization: Any = "token") -> torch.Tensor:
     """Negative log-likelihood of the scored tokens.
 
     Args:
@@ -156,7 +157,7 @@ def sft_loss(logprobs: torch.Tensor, batch: "PackedBatch", *, weights: Any = Non
 
 def ppo_clip_loss(
     logprobs: torch.Tensor,
-    batch: "PackedBatch",
+    batch: PackedBatch,
     *,
     advantages: Any,
     old_logprobs: Any = None,
@@ -205,7 +206,7 @@ def ppo_clip_loss(
 
 def cispo_loss(
     logprobs: torch.Tensor,
-    batch: "PackedBatch",
+    batch: PackedBatch,
     *,
     advantages: Any,
     old_logprobs: Any,

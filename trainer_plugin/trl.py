@@ -67,11 +67,7 @@ from trl.trainer import grpo_trainer as _grpo
 from trl.trainer.utils import FusedCausalLMOutput
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups, sequence_images
 from treepack.trainer.data.materialize import materialize
-from treepack.trainer.planning.microbatch import plan_microbatches
-from treepack.trainer.planning.images import image_keys
-from treepack.trainer.planning.planner import PlannerArg
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.forward import enable_tree_attention, verify_model
@@ -79,6 +75,10 @@ from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded, prompt_groups, sequence_images
+from treepack.trainer.planning.images import image_keys
+from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.planner import PlannerArg
 
 __all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
 

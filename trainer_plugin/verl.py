@@ -81,7 +81,7 @@ class VerlPacking:
             raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
 
     @classmethod
-    def from_env(cls) -> "VerlPacking":
+    def from_env(cls) -> VerlPacking:
         """``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` / ``TREEPACK_VERL_MAX_SEQ_LEN`` over the defaults."""
         env = os.environ
         return cls(

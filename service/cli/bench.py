@@ -15,14 +15,15 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
-from treepack.service.cli.workloads import Workload, agentic, curriculum, distillation, golden_example
 from treepack.proto.batch import SequenceBatch, normalize_batch
 from treepack.proto.options import PLACEMENTS, PlanOptions
+from treepack.service.cli.workloads import Workload, agentic, curriculum, distillation, golden_example
 from treepack.service.planner.api import plan_with_tree
-from treepack.service.planner.options import check_options
 from treepack.service.planner.baselines import naive_place
+from treepack.service.planner.options import check_options
 from treepack.service.planner.tree import build_tree
 
 __all__ = ["run_benchmark", "add_bench_parser"]

@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from treepack.service.cli.bench import add_bench_parser
 from treepack.service.cli.demo import add_demo_parser

@@ -11,10 +11,10 @@ import importlib.util
 import sys
 from typing import Any
 
+from treepack.proto.options import PLACEMENTS
 from treepack.service.cli.report import PLOT_HINT, draw_rows, plans_table
 from treepack.service.cli.workloads import curriculum, golden_example
 from treepack.service.planner import plan_batch
-from treepack.proto.options import PLACEMENTS
 
 __all__ = ["run_demo", "add_demo_parser"]
 

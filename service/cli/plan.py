@@ -14,14 +14,15 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from treepack.proto.errors import RequestError
+from treepack.proto.options import PLACEMENTS
 from treepack.service.cli.report import plan_summary, plans_table, rows_table
 from treepack.service.planner import plan_batch
-from treepack.proto.options import PLACEMENTS
 
 __all__ = ["read_jsonl", "run_plan", "add_plan_parser"]
 

@@ -5,7 +5,8 @@ No FastAPI here: this module only formats what the planner returns.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

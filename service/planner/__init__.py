@@ -3,13 +3,13 @@
 Entry point: :func:`plan_batch`. Invariants: :func:`validate_plan`.
 """
 
+from treepack.proto.options import PLACEMENTS
 from treepack.service.planner.api import PlanResult, plan_batch, plan_normalized, plan_with_tree
+from treepack.service.planner.baselines import naive_place
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.layout import layout_rows
-from treepack.proto.options import PLACEMENTS
 from treepack.service.planner.options import check_options
 from treepack.service.planner.placement import place_leaves
-from treepack.service.planner.baselines import naive_place
 from treepack.service.planner.tree import Tree, build_tree, naive_build_tree
 from treepack.service.planner.validate import PlanInvariantError, naive_tree_mask, validate_plan
 

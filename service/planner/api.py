@@ -9,8 +9,9 @@ the embedded client's what-if), never as part of the plan.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from treepack.proto.batch import PackInput, SequenceBatch
 from treepack.proto.cost import CostModel

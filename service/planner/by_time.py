@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from treepack.proto.batch import SequenceBatch
 from treepack.proto.cost import CostModel, CostWarning

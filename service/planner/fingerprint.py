@@ -7,7 +7,7 @@ shape type, its run hash and the tokens made back from it are the contract's
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treepack.proto.index import ancestor_chains, ragged_arange, segment_tokens
+from treepack.proto.index import ancestor_chains
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, Segments
 
 __all__ = ["attention_meta", "gdn_meta", "naive_conv_context"]

@@ -7,7 +7,17 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.options import CP_ATTENTION, MAX_CONV_WIDTH, MAX_CP_SIZE, MAX_RANKS, MAX_REPAIR_MS, MAX_SEQ_LEN, ON_OVERFLOW, PLACEMENTS, PlanOptions
+from treepack.proto.options import (
+    CP_ATTENTION,
+    MAX_CONV_WIDTH,
+    MAX_CP_SIZE,
+    MAX_RANKS,
+    MAX_REPAIR_MS,
+    MAX_SEQ_LEN,
+    ON_OVERFLOW,
+    PLACEMENTS,
+    PlanOptions,
+)
 
 __all__ = ["check_options"]
 

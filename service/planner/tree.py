@@ -21,13 +21,13 @@ Two builders with one output:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from treepack.proto.index import ancestor_chains, forest_depth
 from treepack.proto.batch import SequenceBatch
+from treepack.proto.index import ancestor_chains, forest_depth
 
 __all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree"]
 

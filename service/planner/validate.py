@@ -24,14 +24,15 @@ checks them against the tokens:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from treepack.proto.batch import SequenceBatch, normalize_batch
-from treepack.service.planner.metadata import naive_conv_context
 from treepack.proto.options import CP_ALIGN
 from treepack.proto.plan import Plan
+from treepack.service.planner.metadata import naive_conv_context
 
 __all__ = ["PlanInvariantError", "validate_plan", "naive_tree_mask", "interval_mask"]
 

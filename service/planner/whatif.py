@@ -27,20 +27,21 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from treepack.proto.batch import PackInput
 from treepack.proto.cost import CostModel, CostWarning
 from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestError
-from treepack.proto.batch import PackInput
-from treepack.proto.options import PlanOptions, as_options
-from treepack.service.planner.api import plan_with_tree
-from treepack.service.planner.options import check_options
 from treepack.proto.index import csr_gather, csr_index
+from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.shape import BatchShape, run_tokens
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult
+from treepack.service.planner.api import plan_with_tree
+from treepack.service.planner.options import check_options
 
 _TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from helpers.service import assert_same_plan, free_port, running_server
 
-from helpers.trees import plan_result
 from treepack.client import AsyncPacker, Composition, Packer
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError, TransportError, UnsupportedVersionError
 from treepack.service import Settings, create_app
-from treepack.service.planner import validate_plan
 from treepack.service.cli.workloads import agentic, curriculum, golden_example
+from treepack.service.planner import validate_plan
+
+from helpers.service import assert_same_plan, free_port, running_server
+from helpers.trees import plan_result
 
 
 def _batches():
@@ -66,7 +67,7 @@ async def test_three_backends_give_identical_plans(server, app, fmt):
     embedded = Packer()
     with Packer(server, fmt=fmt) as remote:
         async with AsyncPacker("http://asgi", transport=httpx.ASGITransport(app), fmt=fmt) as asgi:
-            for name, kwargs, tags in BATCHES:
+            for _name, kwargs, tags in BATCHES:
                 p_emb = embedded.pack(**kwargs, tags=tags)
                 p_asgi = await asgi.pack(**kwargs, tags=tags)
                 p_http = remote.pack(**kwargs, tags=tags)
@@ -171,9 +172,9 @@ def test_errors_are_the_same_exceptions(server, kwargs, exc, path, rule, message
 
 def test_server_side_errors_keep_kind_message_and_path(server):
     # A request the client does not check itself: the server's error arrives intact.
-    from treepack.proto.codec import encode_body
     from treepack.proto.batch import PackInput
     from treepack.proto.batch_wire import encode_pack_request
+    from treepack.proto.codec import encode_body
 
     msg = encode_pack_request(PackInput.of([np.arange(5)], seq_len=64))
     msg["version"] = 7

@@ -11,12 +11,13 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from helpers.service import running_server
 
 from treepack.client import AsyncPacker, Packer
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.options import OPTION_NAMES
 from treepack.service import Settings, create_app
+
+from helpers.service import running_server
 
 SEQS = [np.arange(40, dtype=np.uint32), np.arange(30, dtype=np.uint32)]
 MAX_SEQ_LEN = 2**31 - 1

@@ -25,10 +25,11 @@ import time
 import httpx
 import msgpack
 import numpy as np
-from helpers.service import pack_body, rss_bytes, running_server, small_batch
 
 from treepack.client import Packer
 from treepack.service.cli.workloads import curriculum
+
+from helpers.service import pack_body, rss_bytes, running_server, small_batch
 
 SUITE_S = 120.0
 RSS_BOUND = 160 << 20
@@ -53,7 +54,7 @@ def _closed_within(s: socket.socket, limit: float) -> float | None:
             data = s.recv(65536)
             if not data or b"\r\n\r\n" in data:
                 return time.monotonic() - t0
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return None
     except ConnectionError:
         return time.monotonic() - t0

@@ -11,12 +11,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-from helpers.service import assert_same_plan, pack_body, plan_kwargs, running_server, small_batch
 
 from treepack.client import Packer
 from treepack.proto.codec import encode_body
-from treepack.service.planner import plan_batch
 from treepack.service.cli.workloads import curriculum
+from treepack.service.planner import plan_batch
+
+from helpers.service import assert_same_plan, pack_body, plan_kwargs, running_server, small_batch
 
 
 def _summary(url):

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.messages import PlanMessage
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
+
 from helpers.ranks import run_ranks
+from helpers.trainer_cases import mixed_batch, plan_of
 
 TIMEOUT_S = 240
 
@@ -117,11 +118,12 @@ def test_obtain_plan_through_a_sidecar_url():
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from helpers.trainer_cases import tiny_model
     from treepack.trainer import materialize
     from treepack.trainer.distributed import plan_and_broadcast
     from treepack.trainer.hf import packed_forward
     from treepack.trainer.losses import ppo_clip_loss
+
+    from helpers.trainer_cases import tiny_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))

@@ -9,8 +9,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from helpers.trainer_cases import mixed_batch, plan_of
 from helpers.ranks import run_ranks
+from helpers.trainer_cases import mixed_batch, plan_of
 
 TIMEOUT_S = 300
 WRAPS = ("ddp", "fsdp2")
@@ -53,8 +53,9 @@ def _full_grads(model):
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from helpers.trainer_cases import tiny_model
     from treepack.trainer import materialize
+
+    from helpers.trainer_cases import tiny_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=90))

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from helpers.extras import require
-
 from helpers.service import free_port
 
 require("trl")

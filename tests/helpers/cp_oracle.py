@@ -25,8 +25,9 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

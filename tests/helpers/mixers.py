@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from helpers.trainer_cases import unchecked_packed_logits
-from helpers.trees import scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.layers import unpatch_layers
 from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.layers import unpatch_layers
+
+from helpers.trainer_cases import unchecked_packed_logits
+from helpers.trees import scored_loss_pair, tree_features, tree_plan
 
 VOCAB = 97
 

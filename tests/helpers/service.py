@@ -12,17 +12,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
 
 from treepack.proto.batch import PackInput
-from treepack.proto.codec import encode_body
 from treepack.proto.batch_wire import encode_pack_request
-from treepack.proto.plan_wire import plan_differences
+from treepack.proto.codec import encode_body
 from treepack.proto.plan import Plan
+from treepack.proto.plan_wire import plan_differences
 from treepack.service.planner import validate_plan
 
 REPO = Path(__file__).resolve().parents[2]

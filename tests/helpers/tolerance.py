@@ -14,7 +14,8 @@ by parameter name; the keys must agree).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

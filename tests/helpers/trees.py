@@ -19,7 +19,6 @@ from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.planner.api import PlanResult, plan_request
 
 
-
 def plan_result(sequences, *, trainable=None, groups=None, keys=None, **options) -> PlanResult:
     """``plan_batch`` with the batch and tree beside the plan (what the history records from)."""
     return plan_request(PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=PlanOptions(**options)))

@@ -12,7 +12,14 @@ import pytest
 
 from treepack.proto.batch import normalize_batch
 from treepack.proto.errors import CapacityError
-from treepack.service.planner import PLACEMENTS, build_tree, lower_bound_rows, naive_build_tree, plan_batch, validate_plan
+from treepack.service.planner import (
+    PLACEMENTS,
+    build_tree,
+    lower_bound_rows,
+    naive_build_tree,
+    plan_batch,
+    validate_plan,
+)
 
 MSL = 8
 

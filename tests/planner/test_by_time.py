@@ -58,7 +58,7 @@ def test_short_sharing_that_does_not_pay_warns():
     # shared segments cost more than the tokens they save.
     rng = np.random.default_rng(2)
     seqs = []
-    for i in range(10):
+    for _i in range(10):
         head = rng.integers(0, 999, 40).tolist()
         seqs += [head + rng.integers(0, 999, 300).tolist() for _ in range(2)]
     prompt = [41] * len(seqs)
@@ -91,9 +91,9 @@ def test_larger_min_shared_len_wins_where_short_shared_segments_cost():
     rng = np.random.default_rng(1)
     head = rng.integers(0, 999, 200).tolist()
     seqs = []
-    for i in range(6):
+    for _i in range(6):
         mid = rng.integers(0, 999, 8).tolist()
-        for j in range(2):
+        for _j in range(2):
             seqs.append(head + mid + rng.integers(0, 999, 30).tolist())
     prompt = [len(head) + 8 + 1] * len(seqs)
     first = plan_batch(seqs, trainable=prompt, seq_len=1024, min_shared_len=4)

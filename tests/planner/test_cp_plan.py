@@ -10,12 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.codec import decode_body, encode_body
-from treepack.proto.options import CP_ALIGN, cp_shard_len
-from treepack.proto.plan_wire import plan_from_wire, plan_to_wire, plan_differences
 from treepack.proto.errors import RequestError
+from treepack.proto.options import CP_ALIGN, cp_shard_len
+from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
 from treepack.service.planner import PlanInvariantError, validate_plan
+
+from helpers.trainer_cases import mixed_batch, plan_of
 
 
 @pytest.mark.parametrize("cp,num_ranks", [(1, 1), (2, 1), (2, 2), (4, 1), (3, 2)])
@@ -82,10 +83,10 @@ def test_allgather_split_balances_attention_work(cp):
     """The all-gather split: every rank holds ``shard_len`` positions of every row (1/cp plus
     alignment padding), and the ranks' attention work (visible keys per query, from the
     tree) differs by at most one tile's, where the token split can be far apart."""
+    from treepack.service.planner import plan_batch
     from treepack.service.planner.validate import naive_attention_work
 
     from helpers.trees import tree_sequences
-    from treepack.service.planner import plan_batch
 
     seqs = tree_sequences(7, trees=4, depth=3, max_len=120)
     plan = plan_batch(seqs, seq_len=256, min_shared_len=2, cp_size=cp, cp_attention="allgather")

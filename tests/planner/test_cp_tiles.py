@@ -18,10 +18,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.trees import tree_sequences
 from treepack.proto.options import CP_ALIGN
 from treepack.service.planner import plan_batch, validate_plan
-from treepack.service.planner.ranks import _snake, _window_split, _zigzag, attention_work, balance_tiles, naive_balance_tiles
+from treepack.service.planner.ranks import (
+    _snake,
+    _window_split,
+    _zigzag,
+    attention_work,
+    balance_tiles,
+    naive_balance_tiles,
+)
+
+from helpers.trees import tree_sequences
 
 # Off balance after the windows (P = 6, two tiles each): three heavy tiles side by side
 # among light ones, so windows jump a heavy tile at a time; loads [13, 88, 10, 78, 81, 3],

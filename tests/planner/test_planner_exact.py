@@ -25,15 +25,29 @@ import pytest
 from treepack.proto.batch import normalize_batch
 from treepack.proto.errors import RequestError
 from treepack.proto.plan_wire import plan_from_wire, plan_to_wire
-from treepack.service.planner import PlanInvariantError, build_tree, lower_bound_rows, place_leaves, plan_batch, validate_plan
+from treepack.service.planner import (
+    PlanInvariantError,
+    build_tree,
+    lower_bound_rows,
+    place_leaves,
+    plan_batch,
+    repair,
+    validate_plan,
+)
 from treepack.service.planner.auto import unit_place
 from treepack.service.planner.baselines import bfd_candidate
-from treepack.service.planner.bounds import big_leaf_rows, big_leaf_thresholds, bin_packing_l2, leaf_children_rows, min_copies
+from treepack.service.planner.bounds import (
+    big_leaf_rows,
+    big_leaf_thresholds,
+    bin_packing_l2,
+    leaf_children_rows,
+    min_copies,
+)
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, naive_min_rows
 from treepack.service.planner.items import leaf_items
-from treepack.service.planner.rows import row_costs
-from treepack.service.planner import repair
 from treepack.service.planner.repair import repair_rows
+from treepack.service.planner.rows import row_costs
+
 from helpers.hard_instances import HARD_FAMILIES, TINY_LEAVES, hard_instance
 
 FAMILIES = ("grpo", "curriculum", "agentic", "distill", "sft", "adversarial")
@@ -258,7 +272,7 @@ def test_big_leaf_bound_never_exceeds_brute_force_at_any_threshold():
 
 def test_repair_pass_removes_a_stranded_row_deterministically():
     found = fewer = 0
-    for family, kw in suite(per_family=80):
+    for _family, kw in suite(per_family=80):
         batch, tree = _tree(kw)
         C = kw["seq_len"]
         greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
@@ -283,7 +297,7 @@ def test_repair_pass_removes_a_stranded_row_deterministically():
 
 def test_repair_rows_keeps_a_valid_placement():
     seen: Counter = Counter()
-    for family, kw in suite(per_family=20):
+    for _family, kw in suite(per_family=20):
         batch, tree = _tree(kw)
         C = kw["seq_len"]
         start = place_leaves(tree, batch, C, "in_order")
@@ -299,7 +313,7 @@ def test_repair_rows_keeps_a_valid_placement():
 
 def test_abandoned_candidates_could_not_have_won():
     seen: Counter = Counter()
-    for family, kw in suite(per_family=20):
+    for _family, kw in suite(per_family=20):
         batch, tree = _tree(kw)
         C = kw["seq_len"]
         full = bfd_candidate(tree, batch, C)
@@ -324,9 +338,9 @@ def test_repair_budget_is_checked(bad):
 
 
 def test_sharing_by_saving_fast_tree_equals_naive():
-    from helpers.trees import tree_sequences
-
     from treepack.service.planner import naive_build_tree
+
+    from helpers.trees import tree_sequences
 
     seen: Counter = Counter()
     rng = np.random.default_rng(3)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.trees import plan_result
 from treepack.service.planner import PLACEMENTS, lower_bound_rows, plan_batch, validate_plan
+
+from helpers.trees import plan_result
 
 
 def _groups_in_rows(plan, groups):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.trees import plan_result
 from treepack.proto.batch import normalize_batch
-from treepack.service.planner import build_tree, naive_place, place_leaves, plan_batch, validate_plan
 from treepack.service.cli import workloads as W
+from treepack.service.planner import build_tree, naive_place, place_leaves, plan_batch, validate_plan
+
+from helpers.trees import plan_result
 
 SMALL = {
     "curriculum": lambda: W.curriculum(48, seq_len=32768),
@@ -56,7 +57,7 @@ def test_distillation_header_is_not_shared():
     """The 24-token header is shorter than min_shared_len: rule 4 keeps it unshared."""
     w = W.distillation(6, seq_len=32768)
     result = plan_result(**w.plan_kwargs())
-    plan, tree = result.plan, result.tree
+    tree = result.tree
     roots = np.flatnonzero(tree.parent < 0)
     assert len(roots) == 6  # one tree per source, none for the header
     assert bool(np.all(tree.length[roots] >= 64))

@@ -13,20 +13,23 @@ validator's source and fails when a check has no case here (a new check needs it
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import inspect
 import re
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from helpers.trees import tree_sequences
 from treepack.proto.plan import Plan
 from treepack.service.planner import PlanInvariantError, plan_batch, validate_plan
 from treepack.service.planner import validate as validate_mod
+
+from helpers.trees import tree_sequences
 
 
 def _base(share_trainable: bool = False) -> tuple[list[np.ndarray], list[np.ndarray], Plan]:
@@ -734,7 +737,12 @@ def test_the_bases_are_valid(bases):
 def _validator_messages() -> list[str]:
     """The message of every ``_check(...)`` call in the validator's source (f-strings as written)."""
     src = inspect.getsource(validate_mod)
-    return re.findall(r'_check\(.*,\s*f?"((?:[^"\\]|\\.)*)"\)', src)
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_check" and len(node.args) >= 2:
+            text = ast.get_source_segment(src, node.args[1])
+            out.append(re.sub(r'^f?"(.*)"$', r"\1", text, flags=re.S))
+    return out
 
 
 def test_every_check_of_the_validator_has_a_forged_plan(bases, monkeypatch):
@@ -742,7 +750,7 @@ def test_every_check_of_the_validator_has_a_forged_plan(bases, monkeypatch):
     messages = _validator_messages()
     assert len(messages) >= 55, f"the source scan found only {len(messages)} checks: the pattern no longer matches the validator"
     said: list[str] = []
-    for name, case in CASES.items():
+    for _name, case in CASES.items():
         plan, seqs, flags, keys = _forge(case, bases)
         with monkeypatch.context() as m, pytest.raises(PlanInvariantError) as e:
             _run(case, plan, seqs, flags, keys, m)

@@ -9,18 +9,19 @@ import msgpack
 import numpy as np
 import pytest
 
-from helpers.trees import plan_result
-from treepack.proto.codec import encode_body
-from treepack.proto.errors import CapacityError, RequestError
-from treepack.service import Settings, create_app
 from treepack.proto.batch import PackInput, normalize_batch
 from treepack.proto.batch_wire import encode_pack_request
+from treepack.proto.codec import encode_body
+from treepack.proto.errors import CapacityError, RequestError
 from treepack.proto.shape_wire import shape_to_wire
+from treepack.proto.whatif import Composition
+from treepack.service import Settings, create_app
+from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 from treepack.service.planner import build_tree, plan_batch, validate_plan
 from treepack.service.planner.fingerprint import shape_of
-from treepack.proto.whatif import Composition
 from treepack.service.planner.whatif import build_pool, sample_groups, synthesize, whatif
-from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
+
+from helpers.trees import plan_result
 
 TREE_FIELDS = ("parent", "start", "length", "sharers", "source", "depth", "leaf_of", "path_ptr", "path_nodes")
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from helpers.trees import tree_sequences
 from treepack.proto.cost import (
     COST_FORMAT,
     CostModel,
     CostModelError,
+    CostWarning,
     cost_terms,
     fit_cost_model,
     load_cost_model,
@@ -20,8 +20,9 @@ from treepack.proto.cost import (
     plan_features,
 )
 from treepack.proto.errors import TreepackWarning
-from treepack.proto.cost import CostWarning
 from treepack.service.planner import plan_batch
+
+from helpers.trees import tree_sequences
 
 # Two sequences share [1, 2, 3]; token 4 opens both leaves (the join token, duplicated).
 HAND = dict(sequences=[[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], trainable=[4, 4], seq_len=16, min_shared_len=1)

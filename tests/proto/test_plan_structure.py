@@ -16,11 +16,12 @@ import re
 import numpy as np
 import pytest
 
-from helpers.trees import tree_sequences
-from treepack.proto.errors import RequestError
 from treepack.proto import plan_wire
+from treepack.proto.errors import RequestError
 from treepack.proto.plan_wire import check_plan_structure, plan_from_wire, plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
+
+from helpers.trees import tree_sequences
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.service import pack_message, small_batch
 
+from treepack.proto.batch import PackInput, normalize_batch
+from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_request
 from treepack.proto.buffers import array_from_wire, array_to_wire, decode_buffer
 from treepack.proto.codec import decode_body, encode_body, parse_message, response_format
 from treepack.proto.errors import DecodeError, InputTypeError, RequestError, UnsupportedMediaTypeError
 from treepack.proto.messages import PackRequest
-from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
-from treepack.proto.batch import PackInput, normalize_batch
-from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_request
 from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
-from treepack.service.planner import plan_batch, validate_plan
+from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
+from treepack.service.planner import plan_batch, validate_plan
+
+from helpers.service import pack_message, small_batch
 
 FORMATS = ("msgpack", "json")
 

@@ -11,7 +11,6 @@ import pytest
 from treepack.service.cli import main
 from treepack.service.planner import plan_batch, validate_plan
 
-
 _find_spec = importlib.util.find_spec
 
 
@@ -107,7 +106,7 @@ def _binary(path):
     ],
 )
 def test_plan_trainable_said_explicitly(tmp_path, capsys, flag, line, trainable_tokens):
-    from treepack.service.cli.plan import read_jsonl, _DEFAULTS
+    from treepack.service.cli.plan import _DEFAULTS, read_jsonl
 
     path = tmp_path / "b.jsonl"
     path.write_text(line + "\n")

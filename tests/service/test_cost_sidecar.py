@@ -7,7 +7,6 @@ import httpx
 import msgpack
 import pytest
 
-from helpers.trees import plan_result
 from treepack.proto.batch import PackInput
 from treepack.proto.batch_wire import encode_pack_request
 from treepack.proto.codec import encode_body
@@ -18,6 +17,8 @@ from treepack.service.cli.workloads import agentic
 from treepack.service.planner import plan_batch
 from treepack.service.planner.fingerprint import shape_of
 from treepack.service.planner.whatif import whatif
+
+from helpers.trees import plan_result
 
 COST = CostModel(backend="flash", coefficients={t: 0.0 for t in cost_terms("flash")} | {"step": 2.0, "positions": 1e-3, "segments": 0.1, "attention_pairs": 1e-7})
 
@@ -115,9 +116,10 @@ def test_embedded_packer_with_a_cost_model():
 def test_whatif_keeps_the_asked_repair_budget(monkeypatch):
     # A what-if plans many trials: the cost model's larger per-row repair budget (what
     # /v1/pack spends) would multiply by the trials, so each trial keeps the asked repair_ms.
-    from treepack.service.planner import api, whatif as whatif_module
-    from treepack.service.planner.by_time import repair_budget_ms
     from treepack.proto.options import PlanOptions
+    from treepack.service.planner import api
+    from treepack.service.planner import whatif as whatif_module
+    from treepack.service.planner.by_time import repair_budget_ms
 
     heavy = CostModel(backend="flash", coefficients=COST.coefficients | {"positions": 0.05, "rows": 1.0})
     assert repair_budget_ms(heavy, PlanOptions(seq_len=8192)) > PlanOptions(seq_len=8192).repair_ms  # the pack budget is larger

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import re
-import tomllib
 from pathlib import PurePosixPath
 
 import pytest
+import tomllib
 import yaml
-from helpers.deploy import compose, container_env, dockerfile, pod, probe_commands, probe_url, served_paths
-from helpers.service import REPO
 
 from treepack.service.serve import add_serve_arguments
 from treepack.service.settings import Settings
+
+from helpers.deploy import compose, container_env, dockerfile, pod, probe_commands, probe_url, served_paths
+from helpers.service import REPO
 
 ROUTES = served_paths()
 SETTINGS = set(Settings.model_fields)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from helpers.service import REPO
-
 from treepack.proto import errors
 from treepack.service.settings import Settings
+
+from helpers.service import REPO
 
 DOC = (REPO / "docs" / "service.md").read_text()
 

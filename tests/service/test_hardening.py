@@ -13,12 +13,13 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import asgi_request, pack_body, small_batch
 from pydantic import ValidationError
 
 from treepack.client import AsyncPacker
 from treepack.proto.errors import RequestError
 from treepack.service import Settings, create_app
+
+from helpers.service import asgi_request, pack_body, small_batch
 
 MP = {"content-type": "application/msgpack"}
 

@@ -14,11 +14,12 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import asgi_request, pack_message, small_batch
 
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import DeadlineError, TreepackError, http_status
 from treepack.service import Settings, create_app
+
+from helpers.service import asgi_request, pack_message, small_batch
 
 MP = {"content-type": "application/msgpack"}
 

@@ -8,14 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from helpers.trees import plan_result
 from treepack.proto.history import HistoryStore
-from treepack.service.recorder import HistoryRecorder
-from treepack.proto.batch import normalize_batch
-from treepack.service.planner import plan_batch
 from treepack.proto.shape import BatchShape
-from treepack.service.planner.fingerprint import shape_job, shape_of
 from treepack.service.cli.workloads import curriculum
+from treepack.service.planner.fingerprint import shape_job, shape_of
+from treepack.service.recorder import HistoryRecorder
+
+from helpers.trees import plan_result
 
 
 def _shape(n_groups: int = 4, seed: int = 0) -> tuple[BatchShape, object]:

@@ -9,10 +9,11 @@ import sqlite3
 import httpx
 import msgpack
 import pytest
-from helpers.service import pack_body, small_batch
 
-from treepack.service import Settings, create_app
 from treepack.proto.history import HistoryDamaged, HistoryPathError, HistoryStore, history_path_problem
+from treepack.service import Settings, create_app
+
+from helpers.service import pack_body, small_batch
 
 MP = {"content-type": "application/msgpack", "accept": "application/json"}
 WHATIF = msgpack.packb({"version": 1, "seq_len": 512, "trials": 2, "compositions": [{"groups": 1}]})

@@ -8,13 +8,14 @@ import threading
 import httpx
 import msgpack
 import pytest
-from helpers.service import assert_same_plan, pack_body, plan_kwargs, small_batch
 
 from treepack.client import AsyncPacker
 from treepack.proto.errors import OverloadedError
-from treepack.service import Settings, create_app
 from treepack.proto.plan_wire import plan_from_wire
+from treepack.service import Settings, create_app
 from treepack.service.planner import plan_batch
+
+from helpers.service import assert_same_plan, pack_body, plan_kwargs, small_batch
 
 
 @pytest.fixture

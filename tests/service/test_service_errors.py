@@ -15,14 +15,14 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from helpers.service import pack_body, pack_message, small_batch
 
-from treepack.proto import codec, errors
+from treepack.proto import batch_wire, codec, errors
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import HTTP_STATUS
-from treepack.proto import batch_wire
 from treepack.service import Settings, create_app, dependencies, planning, pool, replay
 from treepack.service import app as app_module
+
+from helpers.service import pack_body, pack_message, small_batch
 
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -16,7 +16,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers.service import pack_message, plan_kwargs, small_batch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,8 @@ from treepack.service.planner import plan_batch
 from treepack.service.planner.fingerprint import shape_job
 from treepack.service.planning import PlanningService
 from treepack.service.pool import Ticket
+
+from helpers.service import pack_message, plan_kwargs, small_batch
 
 EXTREMES = [0, 1, -1, 2, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**53 + 1, 2**62, 2**63 - 1, -(2**63), 2**63, 2**64 - 1, 2**64, -(2**64)]
 _DTYPE = {"tokens": "<u4", "offsets": "<i8", "prompt_lens": "<i8", "keys": "<u8", "prefix_src": "<i8", "prefix_len": "<i8", "trainable": "|u1",
@@ -137,9 +138,9 @@ def _materialize(msg: dict) -> dict:
 
 def _base_whatif() -> dict:
     plan_input = small_batch()
-    from treepack.service.planner.api import plan_request
     from treepack.proto.batch import PackInput
     from treepack.proto.options import PlanOptions
+    from treepack.service.planner.api import plan_request
 
     opts = PlanOptions(seq_len=512, min_shared_len=8)
     result = plan_request(PackInput(sequences=plan_input["sequences"], trainable=plan_input["trainable"], groups=plan_input["groups"], options=opts))

@@ -19,12 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.trainer_cases import plan_of, random_batch
-from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.masks import dense_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
+
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.trainer_cases import plan_of, random_batch
+from helpers.trees import tree_plan
 
 H, HKV, D = 4, 2, 8
 SCALE = D**-0.5

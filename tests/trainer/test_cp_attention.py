@@ -10,15 +10,15 @@ flex (forward), against SDPA over that mask; the multi-process oracle is
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.trainer import materialize
 from treepack.trainer.kernels.attention import _flash, _flex, _sdpa, naive_varlen_attention
 from treepack.trainer.kernels.cp_attention import cp_block_mask, cp_dense_mask, cp_varlen_meta, padded_rows
 from treepack.trainer.kernels.masks import dense_mask
+
+from helpers.trainer_cases import mixed_batch, plan_of
 
 VARIANTS = [dict(), dict(sliding_window=5), dict(chunk_size=8), dict(sliding_window=7, chunk_size=16)]
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.families import mixing_hook, model_support, oracle, window_case
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import check_model, materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
+
+from helpers.families import mixing_hook, model_support, oracle, window_case
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.trainer_cases import plan_of
 
 ms = model_support()
 LOGPROB_TOL = 1e-5

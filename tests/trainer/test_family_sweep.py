@@ -24,13 +24,14 @@ import re
 import pytest
 import torch
 
-from helpers.families import model_support
-from helpers.tolerance import assert_close
-from helpers.trainer_cases import plan_of, trainable_flags
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import check_model, materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import naive_sft_loss, sft_loss
+
+from helpers.families import model_support
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import plan_of, trainable_flags
 
 ms = model_support()
 

@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
-from treepack.trainer.kernels.tree_scan import tree_schedule
 from treepack.trainer.kernels.gdn import (
     naive_tree_causal_conv1d,
     naive_tree_gated_delta_rule,
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
-from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import naive_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule
+from treepack.trainer.kernels.tree_scan import tree_schedule
+
+from helpers.trees import tree_plan
 
 F64 = torch.float64
 

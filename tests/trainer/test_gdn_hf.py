@@ -16,14 +16,15 @@ import math
 import pytest
 import torch
 
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
-from helpers.trainer_cases import unchecked_packed_logits
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.layers import patch_layers, unpatch_layers
 from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.layers import patch_layers, unpatch_layers
+
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.trainer_cases import unchecked_packed_logits
+from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
 
 VOCAB = 97
 # Dimensions both tiny hybrids share: layers 0, 1, 3 Gated DeltaNet, layer 2 full attention.

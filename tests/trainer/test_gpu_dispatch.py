@@ -59,8 +59,9 @@ def test_wrappers_with_stock_stand_ins_match_the_tree_oracle(kernel):
     states the same wrapper misses the oracle (negative control)."""
     import torch
 
-    from helpers.trees import tree_plan
     from treepack.trainer.kernels.tree_scan import tree_schedule
+
+    from helpers.trees import tree_plan
 
     cases = _cases()
     _, _, plan = tree_plan(0, trees=2, depth=3, max_len=140)

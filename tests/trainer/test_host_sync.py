@@ -68,7 +68,7 @@ class SyncCounter:
         if site is not None:
             self.sites[(what, *site)] += 1
 
-    def __enter__(self) -> "SyncCounter":
+    def __enter__(self) -> SyncCounter:
         for m in self._modes:
             m.__enter__()
         return self
@@ -134,9 +134,10 @@ def test_kernel_metadata_is_ready_before_the_first_layer(backend):
 
 
 def test_tree_schedule_is_ready_before_the_first_layer():
+    from treepack.trainer.hf.layers import handled_layer
+
     from helpers.families import model_support
     from helpers.mixers import mixer_case
-    from treepack.trainer.hf.layers import handled_layer
 
     model = model_support().build_causal_lm("mamba2")
     _, _, plan, batch = mixer_case(4)

@@ -15,14 +15,23 @@ import pytest
 import torch
 
 import treepack.trainer.hf.layers as layers
-from helpers.tiny_conv import TINY_CONV, TinyConvMixer
-from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.context import PackedContext, use_packed
-from treepack.trainer.hf.layers import TreeLayer, layer_of, patch_layers, register, registered, unpatch_layers, unregister
+from treepack.trainer.hf.layers import (
+    TreeLayer,
+    layer_of,
+    patch_layers,
+    register,
+    registered,
+    unpatch_layers,
+    unregister,
+)
 from treepack.trainer.hf.layers.spec import ContextShard
 from treepack.trainer.hf.support import check_model
+
+from helpers.tiny_conv import TINY_CONV, TinyConvMixer
+from helpers.trees import tree_plan
 
 HIDDEN, VOCAB, PLAN_W = 8, 97, 4
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.trainer_cases import mixed_batch, plan_of
 from treepack.proto.errors import RequestError
 from treepack.service.planner import plan_batch
 from treepack.trainer import materialize
+
+from helpers.trainer_cases import mixed_batch, plan_of
 
 FIELDS = ("input_ids", "position_ids", "subtree_end", "targets", "loss_mask", "owner", "score_seq", "score_pos", "score_counts", "groups")
 
@@ -56,7 +57,7 @@ def test_disagreeing_flags_raise_naming_the_sequence(case):
 def test_disagreeing_groups_raise(case):
     c, plan = case
     with pytest.raises(RequestError, match="groups disagree with the plan at sequence 1 ") as e:
-        materialize(plan, c["sequences"], groups=None if False else list(range(len(c["sequences"])))) 
+        materialize(plan, c["sequences"], groups=None if False else list(range(len(c["sequences"]))))
     assert e.value.rule == "plan_mismatch"
     relabelled = [None if g is None else f"x{g}" for g in c["groups"]]  # same partition, other labels
     assert torch.equal(materialize(plan, c["sequences"], groups=relabelled).groups, materialize(plan, c["sequences"]).groups)

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers, unhandled_reason
 from treepack.trainer.hf.layers.stock import forward_fingerprint
-from treepack.trainer.hf.layers import is_handled, mixer_kind, unhandled_reason
+
+from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 
 GDN_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 

@@ -13,14 +13,15 @@ import functools
 import pytest
 import torch
 
-from helpers.trees import tree_plan
 from treepack.trainer.kernels.gpu import kda_level
 from treepack.trainer.kernels.gpu_varlen import causal_conv1d_varlen, mamba_chunk_scan_varlen, selective_scan_with_state
 from treepack.trainer.kernels.kda import torch_chunk_kda, tree_kda
 from treepack.trainer.kernels.mamba import torch_selective_scan, tree_selective_scan
 from treepack.trainer.kernels.mamba2 import torch_ssd_chunk_scan, tree_ssd_scan
-from treepack.trainer.kernels.short_conv import torch_causal_conv1d, select_causal_conv1d
+from treepack.trainer.kernels.short_conv import select_causal_conv1d, torch_causal_conv1d
 from treepack.trainer.kernels.tree_scan import tree_conv, tree_schedule
+
+from helpers.trees import tree_plan
 
 F64 = torch.float64
 

@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+from treepack.trainer.kernels.kda import naive_recurrent_kda, torch_chunk_kda, tree_kda
+from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
+
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from helpers.trees import tree_plan
-from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
-from treepack.trainer.kernels.kda import torch_chunk_kda, naive_recurrent_kda, tree_kda
-from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
 
 F64 = torch.float64
 
@@ -50,7 +51,10 @@ def test_kda_chunked_equals_naive_with_gradients(B, T, chunk, cu, h0, HV):
 
 
 def test_kda_equals_hf_slow_paths():
-    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention, recurrent_kimi_delta_attention
+    from transformers.models.kimi_linear.modeling_kimi_linear import (
+        chunk_kimi_delta_attention,
+        recurrent_kimi_delta_attention,
+    )
 
     xs = _inputs(2, 75, dtype=torch.float32)
     h0 = torch.randn(2, 2, 4, 3)

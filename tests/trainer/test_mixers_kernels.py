@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d
 from treepack.trainer.kernels.mamba2 import naive_ssd_scan, torch_ssd_chunk_scan, tree_ssd_scan
-from treepack.trainer.kernels.short_conv import torch_causal_conv1d, naive_causal_conv1d
+from treepack.trainer.kernels.short_conv import naive_causal_conv1d, torch_causal_conv1d
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_conv, tree_schedule
+
+from helpers.trees import tree_plan
 
 F64 = torch.float64
 

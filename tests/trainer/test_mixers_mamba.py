@@ -13,11 +13,12 @@ import math
 import pytest
 import torch
 
-from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from helpers.trees import tree_plan
 from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from treepack.trainer.kernels.mamba import naive_selective_scan, torch_selective_scan, tree_selective_scan
 from treepack.trainer.kernels.tree_scan import naive_tree_scan, tree_schedule
+
+from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
+from helpers.trees import tree_plan
 
 F64 = torch.float64
 

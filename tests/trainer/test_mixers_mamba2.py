@@ -14,9 +14,10 @@ import math
 import pytest
 import torch
 
-from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
-from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
+
+from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 
 CHUNK = 16
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=CHUNK)

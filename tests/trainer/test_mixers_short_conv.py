@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from treepack.trainer.kernels.short_conv import torch_gated_short_conv
+
+from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08)
 

@@ -120,11 +120,12 @@ def test_an_unhandled_hit_fails_the_scan_test():
 
 def test_refused_keywords_are_refused_by_tree_attention():
     """The run-time half of pattern 3's handling: a call carrying a bias keyword is refused."""
-    from helpers.trainer_cases import plan_of
     from treepack.proto.errors import UnsupportedModelError
     from treepack.trainer import materialize
     from treepack.trainer.hf.attention import REFUSED_KEYWORDS, TREE_MASK_OPTION, treepack_attention
     from treepack.trainer.hf.context import BATCH_KWARG, PackedContext
+
+    from helpers.trainer_cases import plan_of
 
     c = ms.small_case()
     batch = materialize(plan_of(c), c["sequences"], trainable=c["trainable"], groups=c["groups"])

@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.families import model_support, window_case
-from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf import attention as tree_attention_mod
-from treepack.trainer.hf import dispatch
+from treepack.trainer.hf import dispatch, packed_forward
 from treepack.trainer.hf.forward import verify_model
 from treepack.trainer.hf.probe import declared_sizes, probe_sequences
+
+from helpers.families import model_support, window_case
+from helpers.trainer_cases import plan_of
 
 ms = model_support()
 

@@ -16,14 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tolerance import assert_close
-from helpers.trainer_cases import VOCAB, plan_of, reference_logprobs, shared_trainable_batch, tiny_model, trainable_flags
 from treepack.proto.errors import RequestError
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.planning import routing_keys
 from treepack.trainer.data.materialize import PayloadMismatchError
-from treepack.trainer.planning.routing import naive_routing_keys
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import (
     cispo_loss,
@@ -32,6 +28,18 @@ from treepack.trainer.losses import (
     naive_sft_loss,
     ppo_clip_loss,
     sft_loss,
+)
+from treepack.trainer.planning import routing_keys
+from treepack.trainer.planning.routing import naive_routing_keys
+
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import (
+    VOCAB,
+    plan_of,
+    reference_logprobs,
+    shared_trainable_batch,
+    tiny_model,
+    trainable_flags,
 )
 
 NORMS = ["token", "sequence", "group", "sum", 5.0]

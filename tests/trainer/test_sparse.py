@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.trees import tree_plan
 from treepack.proto.errors import RequestError
 from treepack.service.planner import naive_tree_mask
 from treepack.trainer.kernels.sparse import (
@@ -23,6 +22,8 @@ from treepack.trainer.kernels.sparse import (
     tree_topk,
     tree_visibility,
 )
+
+from helpers.trees import tree_plan
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import treepack.trainer.hf.layers.dsa as dsa
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.layers import patch_layers
 from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.layers import patch_layers
+
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
 
 VOCAB = 97
 TOPK = 8

@@ -7,10 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treepack.trainer import materialize, naive_varlen_attention, tree_attention
+from treepack.trainer.kernels.masks import (
+    block_mask,
+    naive_block_mask,
+    naive_dense_mask,
+    naive_varlen_meta,
+    varlen_meta,
+)
+
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import mixed_batch, plan_of, random_batch
-from treepack.trainer import materialize, naive_varlen_attention, tree_attention
-from treepack.trainer.kernels.masks import block_mask, naive_block_mask, naive_dense_mask, naive_varlen_meta, varlen_meta
 
 
 def _batch(case, **kw):

@@ -16,7 +16,7 @@ def _blocks():
     out = []
     for doc in DOCS:
         text = (ROOT / doc).read_text()
-        for i, m in enumerate(re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)):
+        for _i, m in enumerate(re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)):
             line = text[: m.start()].count("\n") + 1
             if "ContextParallel(" in m.group(1):
                 continue  # needs a process group of several ranks: tests/e2e/test_trainer_cp.py runs it

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tolerance import assert_close
-from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, tiny_model
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.head import output_head
+
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
+
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 
 LOGPROB_TOL = 1e-5
 GRAD_RTOL = 1e-4

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, trainable_flags
 from treepack.trainer import materialize
 from treepack.trainer.losses import (
     cispo_loss,
@@ -24,6 +23,8 @@ from treepack.trainer.losses import (
     ppo_clip_loss,
     sft_loss,
 )
+
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, trainable_flags
 
 NORMS = ["token", "sequence", "group", "sum", 7.0]
 

@@ -8,11 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.index import local_row_index, localize_flat
 from treepack.trainer import materialize
 from treepack.trainer.kernels.masks import naive_dense_mask
+
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch, trainable_flags
 
 
 def _check_batch(case, plan, batch) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.tolerance import assert_close
-from helpers.trainer_cases import mixed_batch, plan_of, tiny_model
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import packed, packed_forward
+
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import mixed_batch, plan_of, tiny_model
 
 CASES = [("qwen3", "sdpa"), ("qwen3", "flash"), ("qwen3", "flex"), ("llama", "sdpa"), ("gemma2", "flash"), ("gemma2", "sdpa")]
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.extras import require
-from helpers.tolerance import assert_close
-from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.head import output_head
 from treepack.trainer.hf.wrapped import unwrap_model
+
+from helpers.extras import require
+from helpers.tolerance import assert_close
+from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny_model, trainable_flags
 
 peft = require("peft")
 

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.extras import require
 from treepack.client import Packer
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.planning.bridge import from_padded
 from treepack.trainer.planning.microbatch import plan_microbatches, split_rows
+
+from helpers.extras import require
 
 
 def _padded(seqs_p, seqs_c, *, prompt_side="left", completion_side="right"):
@@ -59,9 +60,9 @@ def test_round_trip_puts_each_value_under_its_completion_token():
 
 
 def test_matches_unpacked_model_logprobs():
-    from helpers.tiny_trl import tiny_model
-
     from treepack.trainer import packed_forward
+
+    from helpers.tiny_trl import tiny_model
 
     model = tiny_model()
     pid, pm, cid, cm = _padded(PROMPTS, COMPLETIONS)
@@ -127,9 +128,9 @@ def test_group_shuffle_order_is_the_seeded_draw():
     ignores the draw) fails, and the chosen seed's draw is checked to differ from both.
     """
     require("trl")
-    from helpers.tiny_trl import group_shuffle_reference
-
     from treepack.trainer.trl import _shuffle_keeping_groups
+
+    from helpers.tiny_trl import group_shuffle_reference
 
     prompts = [[5, 6, 7], [8, 9], [3, 4, 5, 6], [7]] * 4  # rows of a group are not adjacent
     pid, pm, cid, cm = _padded(prompts, [[1, 2]] * 16)

@@ -18,11 +18,11 @@ from helpers.extras import require
 trl = require("trl")
 require("peft")
 
-from helpers.tiny_trl import run_grpo, tiny_tokenizer  # noqa: E402
-
 from treepack.proto.errors import UnsupportedModelError  # noqa: E402
 from treepack.trainer.hf import unwrap_model  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackGRPOTrainer  # noqa: E402
+
+from helpers.tiny_trl import run_grpo, tiny_tokenizer  # noqa: E402
 
 TOL = dict(rel=1e-5, abs=1e-7)  # abs: a loss of exactly 0 rounds to +-3e-8 in fp32
 LOGGED = ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy")
@@ -129,8 +129,9 @@ def test_several_micro_batches_per_generation_match_stock(tmp_path, monkeypatch)
     from scratch (:func:`helpers.tiny_trl.group_shuffle_reference`), and the two stock runs
     differ (the order matters here, so the comparison is not vacuous).
     """
-    from helpers.tiny_trl import group_shuffle_reference
     from trl.trainer import grpo_trainer
+
+    from helpers.tiny_trl import group_shuffle_reference
 
     config = dict(steps=3, steps_per_generation=2, beta=0.05, loss_type="grpo")
     stock = run_grpo(trl.GRPOTrainer, workdir=str(tmp_path / "stock"), **config)

@@ -8,10 +8,10 @@ from helpers.extras import require
 
 trl = require("trl")
 
-from helpers.tiny_trl import run_sft  # noqa: E402
-
 from treepack.proto.errors import RequestError  # noqa: E402
 from treepack.trainer.trl import TreepackSFTTrainer  # noqa: E402
+
+from helpers.tiny_trl import run_sft  # noqa: E402
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])

@@ -29,15 +29,15 @@ require("PIL")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from helpers.tiny_trl import run_sft, tiny_vl_processor, vl_sft_dataset  # noqa: E402
-from helpers.tolerance import assert_close  # noqa: E402
-from helpers.vlm import IMAGE_TOKEN, tiny_vlm  # noqa: E402
-
 from treepack.proto.errors import RequestError, TreepackWarning  # noqa: E402
 from treepack.service.planner import validate_plan  # noqa: E402
 from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
 from treepack.trainer.hf import vision_savings  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackSFTTrainer  # noqa: E402
+
+from helpers.tiny_trl import run_sft, tiny_vl_processor, vl_sft_dataset  # noqa: E402
+from helpers.tolerance import assert_close  # noqa: E402
+from helpers.vlm import IMAGE_TOKEN, tiny_vlm  # noqa: E402
 
 TOL = dict(rel=1e-5, abs=1e-7)
 GRAD_RTOL = 1e-4

@@ -20,13 +20,13 @@ from helpers.extras import require
 trl = require("trl")
 require("PIL")
 
-from helpers.tiny_trl import run_grpo, tiny_vl_processor, vl_dataset  # noqa: E402
-from helpers.vlm import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, tiny_vlm  # noqa: E402
-
 from treepack.proto.errors import RequestError  # noqa: E402
 from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
 from treepack.trainer.planning.bridge import sequence_images  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackGRPOTrainer  # noqa: E402
+
+from helpers.tiny_trl import run_grpo, tiny_vl_processor, vl_dataset  # noqa: E402
+from helpers.vlm import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, tiny_vlm  # noqa: E402
 
 TOL = dict(rel=1e-5, abs=1e-7)
 # Completions must not hold vision tokens: a generated placeholder has no image behind it.

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import treepack.trainer.hf.attention as hf_attention
+from treepack.trainer import materialize, naive_varlen_attention
+from treepack.trainer.hf import packed_forward
+
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trainer_cases import tiny_gpt_oss, tiny_llama4
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_plan
-from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.hf import packed_forward
 
 VOCAB = 97
 CHUNK = 16

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tolerance import assert_close
-from helpers.trees import tree_plan
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.varlen import length_buckets, varlen_attention
+
+from helpers.tolerance import assert_close
+from helpers.trees import tree_plan
 
 CASES = [
     # (seed, heads, kv heads, causal, window, softcap, lse)

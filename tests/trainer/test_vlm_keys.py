@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.service import assert_same_plan
-from helpers.vlm import IMAGE_TOKEN, image, image_run, join_images, text
 from treepack.client import AsyncPacker, Packer
 from treepack.proto.errors import RequestError
 from treepack.service import Settings, create_app
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import image_keys
+
+from helpers.service import assert_same_plan
+from helpers.vlm import IMAGE_TOKEN, image, image_run, join_images, text
 
 
 def _seq(rng, family, imgs, pre=4, mid=2, post=3):

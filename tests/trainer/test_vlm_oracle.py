@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.tolerance import assert_close, assert_not_close
-from helpers.vlm import FAMILIES, IMAGE_TOKEN, image, image_run, join_images, reference_forward, text, tiny_vlm
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import image_keys, materialize, naive_varlen_attention
 from treepack.trainer.data.materialize import PayloadMismatchError
 from treepack.trainer.hf import packed_forward, vision_savings
+
+from helpers.tolerance import assert_close, assert_not_close
+from helpers.vlm import FAMILIES, IMAGE_TOKEN, image, image_run, join_images, reference_forward, text, tiny_vlm
 
 LOGPROB_TOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -57,7 +58,7 @@ def vlm_case(family: str) -> dict:
     return dict(family=family, sequences=seqs, trainable=prompts, pixel_values=list(pv), image_grid_thw=list(thw), weights=weights, distinct=5, same_ids=(4, 5))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(family: str) -> tuple[dict, torch.nn.Module, list[torch.Tensor], dict, int]:
     """(case, model, alone logprobs, alone grads, tower calls alone) of ``family``, built once."""
     case, model = vlm_case(family), tiny_vlm(family)

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.vlm import IMAGE_TOKEN, image, image_run, join_images, text, tiny_vlm
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import check_model, image_keys, materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.vision import image_inputs
 
+from helpers.vlm import IMAGE_TOKEN, image, image_run, join_images, text, tiny_vlm
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def model(family: str) -> torch.nn.Module:
     return tiny_vlm(family)
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.families import mixing_hook, model_support, window_case
-from helpers.trainer_cases import plan_of
 from treepack.proto.errors import UnsupportedModelError
 from treepack.service.planner import validate_plan
 from treepack.trainer import materialize
@@ -20,6 +18,9 @@ from treepack.trainer.hf import forward as forward_mod
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.probe import forget_probes
 from treepack.trainer.hf.walk_cache import forget_walks, model_state
+
+from helpers.families import mixing_hook, model_support, window_case
+from helpers.trainer_cases import plan_of
 
 ms = model_support()
 

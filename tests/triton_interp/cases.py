@@ -20,7 +20,6 @@ import math
 from functools import partial
 
 import torch
-
 from loop_refs import (
     loop_delta_rule,
     loop_mamba2,
@@ -33,8 +32,8 @@ from loop_refs import (
     stock_selective_scan_fn,
 )
 
-from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels import gpu
+from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
 
 __all__ = ["KERNELS", "SHAPES", "STOCK", "make_inputs", "run_case"]
 

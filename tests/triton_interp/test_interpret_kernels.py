@@ -19,11 +19,11 @@ import time
 
 import pytest
 import torch
-
 from cases import make_inputs, run_case
-from helpers.trees import tree_plan
 
 from treepack.trainer.kernels.tree_scan import tree_schedule
+
+from helpers.trees import tree_plan
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests: run `make test-triton` (TRITON_INTERPRET=1 in .venv-triton)")
 

@@ -11,13 +11,14 @@ dynamic batch size on/off, remove-padding on/off, gradient checkpointing on/off.
 from __future__ import annotations
 
 import pytest
-import torch
 from engines import PARITY, build, flags, grpo_batch, loss_fn, params, restore
-from helpers.tolerance import assert_close, assert_not_close
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
 from treepack.trainer.verl import TreepackFSDPEngine
+
+from helpers.tolerance import assert_close, assert_not_close
+
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-ckpt", "grad-ckpt"])
 def engines(request):

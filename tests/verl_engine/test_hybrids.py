@@ -25,10 +25,11 @@ import tempfile
 import pytest
 import torch
 from engines import PARITY, VOCAB, build, flags, grpo_batch, response_values, update
-from helpers.tolerance import assert_close, assert_not_close
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.trainer.verl import TreepackFSDPEngine
+
+from helpers.tolerance import assert_close, assert_not_close
 
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
 

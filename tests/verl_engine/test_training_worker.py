@@ -15,7 +15,6 @@ import os
 
 import pytest
 from engines import PARITY, configs, grpo_batch, loss_fn, params
-from helpers.tolerance import assert_close, assert_not_close
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import TrainingWorkerConfig
 from verl.workers.engine.base import EngineRegistry
@@ -25,6 +24,8 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from treepack.trainer import verl_plugin
 from treepack.trainer.verl import TreepackFSDPEngine
+
+from helpers.tolerance import assert_close, assert_not_close
 
 
 def _worker(treepack: bool) -> TrainingWorker:

@@ -18,9 +18,10 @@ import tempfile
 import pytest
 import torch
 from engines import PARITY, build, flags, grpo_batch, model_dir, update
-from helpers.tolerance import assert_close, assert_not_close
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from helpers.tolerance import assert_close, assert_not_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -49,7 +49,7 @@ def _checked(batch, options, **kwargs):
 
 for _name, _mod in list(sys.modules.items()):
     if _name.startswith("treepack.") and getattr(_mod, "plan_with_tree", None) is _original:
-        setattr(_mod, "plan_with_tree", _checked)
+        _mod.plan_with_tree = _checked
 
 
 def half(td):

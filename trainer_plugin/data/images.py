@@ -11,8 +11,9 @@ image and places the features where the rows hold that image's placeholder token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -31,8 +31,9 @@ Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -100,7 +100,7 @@ class PackedBatch:
     groups: torch.Tensor
     device: torch.device
     cp: Any = None
-    cp_full: "PackedBatch | None" = None
+    cp_full: PackedBatch | None = None
     cp_positions: torch.Tensor | None = None
     cp_strategy: str | None = None
     images: Any = None

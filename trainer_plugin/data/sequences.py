@@ -8,7 +8,8 @@ strings. Each is checked against the plan here, naming the offending entry.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

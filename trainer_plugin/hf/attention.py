@@ -41,19 +41,18 @@ Ulysses where the query heads divide by the CP size, all-gather where they do no
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from typing import Any
 
 import torch
 
-import functools
-import inspect
-import sys
-
 from treepack.proto.errors import RequestError, UnsupportedModelError
+from treepack.trainer.hf.context import resolve_packed
 from treepack.trainer.kernels.attention import tree_attention
 from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
 from treepack.trainer.kernels.cp_attention import allgather_attention
-from treepack.trainer.hf.context import resolve_packed
 
 __all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION", "REFUSED_KEYWORDS"]
 
@@ -235,7 +234,7 @@ def attention_chunk_size(module: torch.nn.Module) -> int | None:
     return c
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _builds_sliding_mask(module_name: str) -> bool:
     mod = sys.modules.get(module_name)
     try:

@@ -19,10 +19,11 @@ neither is set (a patched layer called outside ``packed_forward``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from treepack.trainer.data.packed_batch import PackedBatch
@@ -42,7 +43,7 @@ class PackedContext:
         options: backend options (e.g. ``varlen_fn`` for ``flash``), passed through.
     """
 
-    batch: "PackedBatch"
+    batch: PackedBatch
     backend: str = "sdpa"
     options: Mapping[str, Any] = field(default_factory=dict)
 

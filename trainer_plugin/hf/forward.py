@@ -29,23 +29,25 @@ Nothing about the model is left switched: after ``packed_forward`` returns, unpa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.profiler import record_function
 
 from treepack.proto.errors import RequestError, UnsupportedModelError
+from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
-from treepack.trainer.data.materialize import materialize
-from treepack.trainer.hf.layer_masks import attention_mask_for
-from treepack.trainer.hf.probe import ProbeReport, dropout_off, verify_packing
-from treepack.trainer.hf.layers import handled_layer, patch_layers as patch_layers_of
-from treepack.trainer.hf.layers.spec import NOT_SHARDED
-from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.dispatch import install_dispatch
+from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.layers import handled_layer
+from treepack.trainer.hf.layers import patch_layers as patch_layers_of
+from treepack.trainer.hf.layers.spec import NOT_SHARDED
+from treepack.trainer.hf.probe import ProbeReport, dropout_off, verify_packing
+from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.walk_cache import fingerprint, remember_walk, walk_info, walked
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits, unwrap_model

@@ -28,7 +28,8 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def _rate(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_source(cls: type) -> str:
     out = []
     for base in cls.__mro__:

@@ -20,8 +20,9 @@ never silently wrong. The verdict is cached on the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

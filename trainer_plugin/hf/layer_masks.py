@@ -22,7 +22,7 @@ from treepack.trainer.hf.support import ATTENTION_LAYER_TYPES
 __all__ = ["attention_mask_for", "takes_mask_mapping"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def takes_mask_mapping(cls: type) -> bool:
     """True when ``cls.forward`` uses an ``attention_mask`` that is a ``{layer_type: mask}`` dict as it is."""
     try:

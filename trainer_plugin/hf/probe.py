@@ -41,9 +41,10 @@ from __future__ import annotations
 import re
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ _SIZE_FIELD = re.compile(r"window|chunk|conv_kernel|d_conv|conv_L_cache|conv_wid
 _DROPOUT = re.compile(r"dropout|pdrop|drop_rate|drop_prob", re.I)
 _SUBCONFIGS = ("text_config", "decoder", "language_config", "llm_config")
 
-_VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]]" = weakref.WeakKeyDictionary()
+_VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +276,7 @@ def _projected_grads(hf: torch.nn.Module, loss: torch.Tensor, reentrant: bool, w
         grads = list(torch.autograd.grad(loss, params, allow_unused=True))
     norms = torch.zeros(len(params), dtype=torch.float64)
     proj = torch.zeros(len(params), _PROJECTIONS, dtype=torch.float64)
-    for i, (p, g) in enumerate(zip(params, grads)):
+    for i, g in enumerate(grads):
         if g is None:
             continue
         flat = g.detach().reshape(-1).float()

@@ -105,7 +105,7 @@ class SupportReport:
     refusals: list[Refusal] = field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dispatches_attention(cls: type) -> bool:
     """True when ``cls.forward`` calls HF's attention interface (so the tree attention runs it)."""
     try:

@@ -37,7 +37,7 @@ __all__ = ["model_state", "fingerprint", "walked", "walk_info", "remember_walk",
 
 _CONFIG_ATTRS = ("text_config", "decoder", "language_config", "llm_config")
 # model -> (dropout-like attributes watched, {setup key: (fingerprint after the walk, info)})
-_WALKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]]" = weakref.WeakKeyDictionary()
+_WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]] = weakref.WeakKeyDictionary()
 
 
 def _frozen(v: Any) -> Any:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F

@@ -27,7 +27,8 @@ Per backend, the mask in that kernel's form, over [shard_len] queries x [cp * sh
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -26,14 +26,14 @@ references (segment by segment, walking parent pointers); tests compare both pat
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.plan import Plan
-from treepack.trainer.kernels.gdn_ref import torch_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from treepack.trainer.kernels.gdn_ref import naive_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv, tree_scan
 
 __all__ = [

@@ -38,7 +38,7 @@ import importlib.util
 import math
 import sys
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

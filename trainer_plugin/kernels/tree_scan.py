@@ -30,8 +30,8 @@ sequence (conv) or zeros (scan), never NaN (``0 * NaN`` would leak through later
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ class TreeLevel:
     conv_seq_idx: torch.Tensor
     conv_keep: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "TreeLevel":
+    def to(self, device: torch.device | str) -> TreeLevel:
         return TreeLevel(depth=self.depth, **{f: getattr(self, f).to(device) for f in _LEVEL_TENSORS})
 
 
@@ -118,7 +118,7 @@ class TreeSchedule:
             win[lv.token_idx] = lv.conv_idx[lv.conv_keep[:, None] + back[None, :]]
         return win
 
-    def to(self, device: torch.device | str) -> "TreeSchedule":
+    def to(self, device: torch.device | str) -> TreeSchedule:
         """The same schedule with every tensor on ``device``."""
         return TreeSchedule(
             num_rows=self.num_rows,

@@ -18,10 +18,10 @@ What runs after the plan (:func:`~treepack.trainer.data.materialize` ->
 """
 
 from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded
+from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.mesh import MeshRanks, mesh_ranks
 from treepack.trainer.planning.microbatch import MicroBatches, plan_microbatches
-from treepack.trainer.planning.planner import Planner, PlanFunction, obtain_plan
-from treepack.trainer.planning.images import image_keys
+from treepack.trainer.planning.planner import PlanFunction, Planner, obtain_plan
 from treepack.trainer.planning.routing import routing_keys
 
 __all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "MeshRanks", "mesh_ranks", "Planner", "PlanFunction", "obtain_plan"]

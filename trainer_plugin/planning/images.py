@@ -24,7 +24,8 @@ How a sequence's ``pixel_values`` split into images (:func:`split_images`): with
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -10,7 +10,8 @@ signature), a sidecar URL (``str``), or None for an embedded ``Packer()``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, Union, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, Union, runtime_checkable
 
 from treepack.proto.errors import InputTypeError
 from treepack.proto.plan import Plan

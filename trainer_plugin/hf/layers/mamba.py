@@ -20,7 +20,14 @@ import torch
 
 from treepack.trainer.hf.layers.spec import ContextShard, TreeLayer, check_rows, check_shard_rows, conv1d_width
 from treepack.trainer.hf.layers.stock import depthwise_conv, has_attrs
-from treepack.trainer.kernels.cp import divide_refusal, gather_seq, head_slice, rows_of_heads, shards_of_heads, tree_conv_heads
+from treepack.trainer.kernels.cp import (
+    divide_refusal,
+    gather_seq,
+    head_slice,
+    rows_of_heads,
+    shards_of_heads,
+    tree_conv_heads,
+)
 from treepack.trainer.kernels.mamba import tree_selective_scan
 from treepack.trainer.kernels.tree_scan import TreeSchedule, tree_conv
 

@@ -14,8 +14,9 @@ call is unchanged.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -169,7 +170,7 @@ def layer_name(module: torch.nn.Module) -> str:
 
 def conv1d_width(module: torch.nn.Module) -> int:
     """The kernel width of a mixer's depthwise causal conv (``conv1d``, else ``conv``)."""
-    conv = getattr(module, "conv1d", None) or getattr(module, "conv")
+    conv = getattr(module, "conv1d", None) or module.conv
     return int(conv.weight.shape[-1])
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import types
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -70,7 +70,7 @@ def forward_fingerprint(fn: Callable) -> tuple:
     return (top, tuple(sorted(seen.items())))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _stock_fingerprints(stock: tuple[tuple[str, str], ...]) -> dict:
     """fingerprint -> stock class name, for the installed ones of ``stock`` ((module, class) pairs)."""
     out = {}
@@ -83,7 +83,7 @@ def _stock_fingerprints(stock: tuple[tuple[str, str], ...]) -> dict:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _class_fingerprint(fn: Callable) -> tuple:
     return forward_fingerprint(fn)  # per class forward, computed once (patched layers ask every call)
 
