@@ -95,7 +95,9 @@ def held_out(seq_len: int, vocab: int) -> dict[str, dict]:
     lens = rng.integers(seq_len // 16, seq_len // 2, 14)
     none = [rng.integers(0, vocab, n).tolist() for n in lens]
     return {
-        "golden": dict(sequences=g["sequences"], trainable=g["trainable"], groups=g["groups"], min_shared_len=g["min_shared_len"]),
+        "golden": dict(
+            sequences=g["sequences"], trainable=g["trainable"], groups=g["groups"], min_shared_len=g["min_shared_len"]
+        ),
         "medium": dict(sequences=med, trainable=med_prompt, groups=med_groups, min_shared_len=8),
         "none": dict(sequences=none, trainable=[n // 2 for n in lens], groups=None, min_shared_len=8),
     }
@@ -107,11 +109,25 @@ def _plans(model, seq_len: int, vocab: int, conv: int) -> tuple[list, list]:
     cal = []
     for b in calibration_batches(seq_len, vocab=vocab, seed=0):
         for placement in ("auto", "no_share"):
-            plan = plan_batch(b["sequences"], trainable=b["trainable"], groups=b["groups"], seq_len=seq_len, min_shared_len=msl, conv_width=conv, placement=placement)
+            plan = plan_batch(
+                b["sequences"],
+                trainable=b["trainable"],
+                groups=b["groups"],
+                seq_len=seq_len,
+                min_shared_len=msl,
+                conv_width=conv,
+                placement=placement,
+            )
             cal.append((b["name"], placement, plan, b["sequences"]))
     held = []
     for bname, b in held_out(seq_len, vocab).items():
-        kw = dict(trainable=b["trainable"], groups=b["groups"], seq_len=seq_len, min_shared_len=b["min_shared_len"], conv_width=conv)
+        kw = dict(
+            trainable=b["trainable"],
+            groups=b["groups"],
+            seq_len=seq_len,
+            min_shared_len=b["min_shared_len"],
+            conv_width=conv,
+        )
         tree = plan_batch(b["sequences"], **kw)
         held.append((bname, "tree", tree, b["sequences"]))
         for label, opts in time_candidates(tree):
@@ -138,9 +154,21 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, rounds: i
             times[r, i] = time_step(model, plan, seqs, repeats=1, warmup=0, clock=clock)
     measured = np.median(times, axis=0)
     spread = (times.max(axis=0) - times.min(axis=0)) / measured
-    probe = CostModel(backend="flash", mixers=model_mixers(model), chunk_size=_chunk(model), coefficients={t: 0.0 for t in cost_terms("flash", model_mixers(model))})
+    probe = CostModel(
+        backend="flash",
+        mixers=model_mixers(model),
+        chunk_size=_chunk(model),
+        coefficients={t: 0.0 for t in cost_terms("flash", model_mixers(model))},
+    )
     X = np.stack([probe.features(p) for _, _, p, _ in cal])
-    cost = fit_cost_model(X, measured[: len(cal)], backend="flash", mixers=probe.mixers, chunk_size=probe.chunk_size, description=f"{name} benchmark")
+    cost = fit_cost_model(
+        X,
+        measured[: len(cal)],
+        backend="flash",
+        mixers=probe.mixers,
+        chunk_size=probe.chunk_size,
+        description=f"{name} benchmark",
+    )
     bench_s = time.perf_counter() - t0
     rows = []
     for j, (bname, label, plan, _seqs) in enumerate(held):
@@ -153,14 +181,30 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, rounds: i
         b = held_out(seq_len, vocab)[bname]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CostWarning)
-            chosen = plan_batch(b["sequences"], trainable=b["trainable"], groups=b["groups"], seq_len=seq_len, min_shared_len=b["min_shared_len"], conv_width=conv, cost_model=cost)
+            chosen = plan_batch(
+                b["sequences"],
+                trainable=b["trainable"],
+                groups=b["groups"],
+                seq_len=seq_len,
+                min_shared_len=b["min_shared_len"],
+                conv_width=conv,
+                cost_model=cost,
+            )
         mine = [r for r in rows if r["batch"] == bname]
         label = chosen.strategy.split(" by time")[0]
         hit = next((r for r in mine if r["plan"] == label or (r["plan"] == "plain" and label == "no_share")), mine[0])
         fastest = min(mine, key=lambda r: r["measured_ms"])
         choices.append(dict(batch=bname, strategy=chosen.strategy, chosen=hit["plan"], chosen_ms=hit["measured_ms"],
                             plain_ms=next(r["measured_ms"] for r in mine if r["plan"] == "plain"), fastest=fastest["plan"], fastest_ms=fastest["measured_ms"]))  # fmt: skip
-    return dict(model=name, seconds=bench_s, rounds=rounds, fit=dict(cost.fit), cost=cost.to_dict(), results=rows, choices=choices)
+    return dict(
+        model=name,
+        seconds=bench_s,
+        rounds=rounds,
+        fit=dict(cost.fit),
+        cost=cost.to_dict(),
+        results=rows,
+        choices=choices,
+    )
 
 
 def _chunk(model) -> int:
@@ -177,7 +221,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each plan's median over them is kept")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu", help="cpu: process CPU time (stable on a shared machine)")
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="cpu", help="cpu: process CPU time (stable on a shared machine)"
+    )
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     args = ap.parse_args(argv)
@@ -202,7 +248,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("| batch | auto with the cost model | its plan, measured | plain packing, measured | fastest measured |")
         print("|---|---|---:|---:|---|")
         for c in r["choices"]:
-            print(f"| {c['batch']} | {c['strategy']} | {c['chosen']} {c['chosen_ms']:.1f} ms | {c['plain_ms']:.1f} ms | {c['fastest']} {c['fastest_ms']:.1f} ms |")
+            print(
+                f"| {c['batch']} | {c['strategy']} | {c['chosen']} {c['chosen_ms']:.1f} ms | {c['plain_ms']:.1f} ms | {c['fastest']} {c['fastest_ms']:.1f} ms |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -100,7 +100,9 @@ class _Traffic:
         import torch.distributed as dist
 
         self.dist, self.P, self.bytes = dist, world, 0
-        self.real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter_tensor")}
+        self.real = {
+            n: getattr(dist, n) for n in ("all_to_all_single", "all_gather", "all_reduce", "reduce_scatter_tensor")
+        }
 
     def __enter__(self) -> _Traffic:
         P, d = self.P, self.dist
@@ -140,11 +142,20 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from treepack.trainer.kernels.attention import naive_varlen_attention
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=1800)
+    )
     try:
         seqs = _row(args["tokens"])
         strategy = args["strategy"]
-        plan = plan_batch(seqs, seq_len=args["tokens"], min_shared_len=16, trainable=[len(s) - 64 for s in seqs], cp_size=world, cp_attention=strategy if world > 1 else "auto")
+        plan = plan_batch(
+            seqs,
+            seq_len=args["tokens"],
+            min_shared_len=16,
+            trainable=[len(s) - 64 for s in seqs],
+            cp_size=world,
+            cp_attention=strategy if world > 1 else "auto",
+        )
         assert plan.num_rows == 1
         cp = ContextParallel(strategy=strategy) if world > 1 else None
         batch = materialize(plan, seqs, trainable=[len(s) - 64 for s in seqs], cp=cp, advise=False)
@@ -180,11 +191,23 @@ def _run(world: int, strategy: str, args: dict) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, port, {**args, "strategy": strategy}, out), nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(
+            _worker,
+            args=(world, port, {**args, "strategy": strategy}, out),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     peak = [max(r["mem"][i] for r in ranks) for i in range(args["repeats"])]
     moved = [max(r["moved"][i] for r in ranks) for i in range(args["repeats"])]
-    return {"cp": world, "strategy": strategy if world > 1 else "none", "shard_tokens": ranks[0]["shard"], "peak_mib": [p / 2**20 for p in peak], "moved_mib_per_layer": [m / 2**20 for m in moved]}
+    return {
+        "cp": world,
+        "strategy": strategy if world > 1 else "none",
+        "shard_tokens": ranks[0]["shard"],
+        "peak_mib": [p / 2**20 for p in peak],
+        "moved_mib_per_layer": [m / 2**20 for m in moved],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     args = {"tokens": a.tokens, "repeats": a.repeats, "hidden": a.hidden, "layers": a.layers}
     rows = []
     for world in a.cp:
-        for strategy in (["ulysses", "allgather"] if world > 1 else ["auto"]):
+        for strategy in ["ulysses", "allgather"] if world > 1 else ["auto"]:
             rows.append(_run(world, strategy, args))
             r = rows[-1]
             print(
@@ -209,7 +232,11 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     base = np.median(rows[0]["peak_mib"]) if rows[0]["cp"] == 1 else None
-    report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}", "args": args, "rows": rows}
+    report = {
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}",
+        "args": args,
+        "rows": rows,
+    }
     if base:
         for r in rows:
             r["peak_ratio"] = float(np.median(r["peak_mib"]) / base)

@@ -48,10 +48,21 @@ def build_model(vocab: int, hidden: int, layers: int, chunk: int):
     torch.manual_seed(0)
     heads = max(2, hidden // 32)
     cfg = BambaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), attn_layer_indices=list(range(1, layers, 4)),
-        mamba_n_heads=heads * 2, mamba_d_head=hidden // heads, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=CONV,
-        mamba_expand=2, mamba_chunk_size=chunk, max_position_embeddings=8192,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        attn_layer_indices=list(range(1, layers, 4)),
+        mamba_n_heads=heads * 2,
+        mamba_d_head=hidden // heads,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=CONV,
+        mamba_expand=2,
+        mamba_chunk_size=chunk,
+        max_position_embeddings=8192,
     )
     model = BambaForCausalLM(cfg).float()
     with torch.no_grad():
@@ -65,7 +76,12 @@ def build_model(vocab: int, hidden: int, layers: int, chunk: int):
 def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, chunk: int) -> dict:
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers, chunk)
-    kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
+    kw = dict(
+        seq_len=case["seq_len"],
+        min_shared_len=case["min_shared_len"],
+        trainable=case["trainable"],
+        groups=case["groups"],
+    )
     plan = plan_batch(case["sequences"], placement="auto", conv_width=CONV, **kw)
     validate_plan(plan, case["sequences"], trainable=case["trainable"])
     batch = materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
@@ -74,8 +90,22 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, chunk: i
     t, loss, grads = timed(lambda: packed_step(model, batch, "flash"), model, repeats)
     rel = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in base_grads.items() if g.abs().max() > 0)
     rows = [
-        dict(variant="unpacked", rows=len(case["sequences"]), tokens=unpacked_tokens, time_s=t_base, loss=float(base_loss), max_grad_rel=0.0),
-        dict(variant="tree", rows=batch.num_rows, tokens=int(plan.stats.packed_tokens), time_s=t, loss=float(loss), max_grad_rel=rel),
+        dict(
+            variant="unpacked",
+            rows=len(case["sequences"]),
+            tokens=unpacked_tokens,
+            time_s=t_base,
+            loss=float(base_loss),
+            max_grad_rel=0.0,
+        ),
+        dict(
+            variant="tree",
+            rows=batch.num_rows,
+            tokens=int(plan.stats.packed_tokens),
+            time_s=t,
+            loss=float(loss),
+            max_grad_rel=rel,
+        ),
     ]
     for r in rows:
         r["time_ratio"] = r["time_s"] / t_base
@@ -86,7 +116,14 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, chunk: i
         seq_len=case["seq_len"],
         levels=len(plan.gdn.levels),
         segments=int(plan.segments.num_segments),
-        model=dict(family="bamba", hidden=hidden, layers=layers, vocab=vocab, chunk=chunk, mamba_layers=sum(hasattr(x, "mamba") for x in model.model.layers)),
+        model=dict(
+            family="bamba",
+            hidden=hidden,
+            layers=layers,
+            vocab=vocab,
+            chunk=chunk,
+            mamba_layers=sum(hasattr(x, "mamba") for x in model.model.layers),
+        ),
         repeats=repeats,
         results=rows,
     )
@@ -107,8 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.scale, args.hidden, args.layers, args.vocab, args.repeats, args.chunk = 512, 32, 2, 128, 1, 16
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, args.chunk)
     m = out["model"]
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}, {out['levels']} depth levels, {out['segments']} segments), "
-          f"Bamba hidden {m['hidden']} x {m['layers']} layers ({m['mamba_layers']} Mamba2, chunk {m['chunk']}), median of {args.repeats}")
+    print(
+        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}, {out['levels']} depth levels, {out['segments']} segments), "
+        f"Bamba hidden {m['hidden']} x {m['layers']} layers ({m['mamba_layers']} Mamba2, chunk {m['chunk']}), median of {args.repeats}"
+    )
     report(out, args.json)
     return out
 

@@ -116,27 +116,67 @@ def timed(fn, model, repeats: int, now=time.perf_counter) -> tuple[float, torch.
 def golden_plans(scale: int, vocab: int) -> tuple[dict, dict]:
     """(the scaled golden case, its validated ``tree`` (auto) and ``no_share`` plans)."""
     case = scaled_golden(scale, vocab=vocab)
-    kw = dict(seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
-    plans = {"tree": plan_batch(case["sequences"], placement="auto", **kw), "no_share": plan_batch(case["sequences"], placement="no_share", **kw)}
+    kw = dict(
+        seq_len=case["seq_len"],
+        min_shared_len=case["min_shared_len"],
+        trainable=case["trainable"],
+        groups=case["groups"],
+    )
+    plans = {
+        "tree": plan_batch(case["sequences"], placement="auto", **kw),
+        "no_share": plan_batch(case["sequences"], placement="no_share", **kw),
+    }
     for p in plans.values():
         validate_plan(p, case["sequences"], trainable=case["trainable"])
     return case, plans
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, variants: list[str], varlen: str = "batched", clock: str = "wall") -> dict:
+def run(
+    scale: int,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    repeats: int,
+    variants: list[str],
+    varlen: str = "batched",
+    clock: str = "wall",
+) -> dict:
     case, plans = golden_plans(scale, vocab)
     model = build_model(vocab, hidden, layers)
-    batches = {k: materialize(p, case["sequences"], trainable=case["trainable"], groups=case["groups"]) for k, p in plans.items()}
+    batches = {
+        k: materialize(p, case["sequences"], trainable=case["trainable"], groups=case["groups"])
+        for k, p in plans.items()
+    }
     unpacked_tokens = sum(len(s) for s in case["sequences"])
     now = CLOCK[clock]
     t_base, base_loss, base_grads = timed(lambda: unpacked_step(model, case), model, repeats, now)
-    rows = [dict(variant="unpacked", rows=len(case["sequences"]), tokens=unpacked_tokens, time_s=t_base, loss=float(base_loss), max_grad_rel=0.0)]
+    rows = [
+        dict(
+            variant="unpacked",
+            rows=len(case["sequences"]),
+            tokens=unpacked_tokens,
+            time_s=t_base,
+            loss=float(base_loss),
+            max_grad_rel=0.0,
+        )
+    ]
     for name in variants:
         layout, backend = name.split("/")
         batch = batches[layout]
-        t, loss, grads = timed(lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats, now)
+        t, loss, grads = timed(
+            lambda: packed_step(model, batch, "flash" if backend == "varlen" else backend, varlen), model, repeats, now
+        )
         rel = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in base_grads.items())
-        rows.append(dict(variant=f"{layout} / {backend}", rows=batch.num_rows, tokens=int(plans[layout].stats.packed_tokens), time_s=t, loss=float(loss), max_grad_rel=rel))
+        rows.append(
+            dict(
+                variant=f"{layout} / {backend}",
+                rows=batch.num_rows,
+                tokens=int(plans[layout].stats.packed_tokens),
+                time_s=t,
+                loss=float(loss),
+                max_grad_rel=rel,
+            )
+        )
     for r in rows:
         r["time_ratio"] = r["time_s"] / t_base
         r["token_ratio"] = r["tokens"] / unpacked_tokens
@@ -165,9 +205,16 @@ def workload_args(description: str, argv: list[str] | None, extra: Any = None) -
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--varlen", choices=sorted(VARLEN), default="batched", help="CPU varlen kernel of the varlen variants")
+    ap.add_argument(
+        "--varlen", choices=sorted(VARLEN), default="batched", help="CPU varlen kernel of the varlen variants"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="cpu: process CPU time (for a machine shared with other work; use --threads 1)")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCK),
+        default="wall",
+        help="cpu: process CPU time (for a machine shared with other work; use --threads 1)",
+    )
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny and fast: proves the script runs")
     if extra is not None:
@@ -184,7 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen, args.clock)
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel, {args.clock} clock")
+    print(
+        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel, {args.clock} clock"
+    )
     report(out, args.json)
     return out
 
@@ -194,7 +243,9 @@ def report(out: dict, json_path: str | None) -> None:
     print("| variant | rows | tokens | step s | time / unpacked | tokens / unpacked | loss | max grad rel diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
-        print(f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | {r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |")
+        print(
+            f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | {r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |"
+        )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=2)

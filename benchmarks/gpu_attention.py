@@ -51,7 +51,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def time_step(step: Callable[[], torch.Tensor], params: list[torch.Tensor], dev: torch.device, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
+def time_step(
+    step: Callable[[], torch.Tensor], params: list[torch.Tensor], dev: torch.device, warmup: int, iters: int
+) -> tuple[float, float, torch.Tensor]:
     """(median seconds per forward+backward, peak GiB, last output)."""
     out = None
     for _ in range(warmup):
@@ -80,7 +82,14 @@ def run(args: argparse.Namespace) -> dict:
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     case = scaled_golden(args.scale)
-    plan = plan_batch(case["sequences"], seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"], placement=args.placement)
+    plan = plan_batch(
+        case["sequences"],
+        seq_len=case["seq_len"],
+        min_shared_len=case["min_shared_len"],
+        trainable=case["trainable"],
+        groups=case["groups"],
+        placement=args.placement,
+    )
     batch = materialize(plan, case["sequences"], trainable=case["trainable"], device=dev)
     K, L = batch.num_rows, batch.seq_len
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
@@ -115,10 +124,31 @@ def run(args: argparse.Namespace) -> dict:
 
     variants: list[tuple[str, Callable[[], torch.Tensor], list[torch.Tensor], bool]] = []
     if varlen is not None:
-        variants.append(("flash unpacked", lambda: varlen(qu, ku, vu, cu, cu, int(lens.max()), int(lens.max()), causal=True), [qu, ku, vu], False))
-    variants.append(("flex tree", lambda: tree_attention(q, k, v, batch, backend="flex", compile=not args.cpu_smoke), [q, k, v], True))
+        variants.append(
+            (
+                "flash unpacked",
+                lambda: varlen(qu, ku, vu, cu, cu, int(lens.max()), int(lens.max()), causal=True),
+                [qu, ku, vu],
+                False,
+            )
+        )
+    variants.append(
+        (
+            "flex tree",
+            lambda: tree_attention(q, k, v, batch, backend="flex", compile=not args.cpu_smoke),
+            [q, k, v],
+            True,
+        )
+    )
     if varlen is not None:
-        variants.append(("flash gather tree", lambda: tree_attention(q, k, v, batch, backend="flash", varlen_fn=varlen), [q, k, v], True))
+        variants.append(
+            (
+                "flash gather tree",
+                lambda: tree_attention(q, k, v, batch, backend="flash", varlen_fn=varlen),
+                [q, k, v],
+                True,
+            )
+        )
     if args.dense or L <= 16384:
         variants.append(("sdpa dense tree", lambda: tree_attention(q, k, v, batch, backend="sdpa"), [q, k, v], True))
 
@@ -191,16 +221,22 @@ def main(argv: list[str] | None = None) -> dict:
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke on CPU")
     out = run(args)
-    print(f"# {out['device']}, torch {out['torch']}; golden / {out['scale']}: {out['rows']} rows of {out['seq_len']}, "
-          f"{out['packed_tokens']:,} packed of {out['unpacked_tokens']:,} tokens; heads {args.heads}/{args.kv_heads} x {args.head_dim}, {out['shape']['dtype']}")
-    print("| variant | ms fwd+bwd | tokens/s | unpacked tokens/s | peak GiB | time / baseline | tokens / unpacked | pairs / unpacked | max abs diff |")
+    print(
+        f"# {out['device']}, torch {out['torch']}; golden / {out['scale']}: {out['rows']} rows of {out['seq_len']}, "
+        f"{out['packed_tokens']:,} packed of {out['unpacked_tokens']:,} tokens; heads {args.heads}/{args.kv_heads} x {args.head_dim}, {out['shape']['dtype']}"
+    )
+    print(
+        "| variant | ms fwd+bwd | tokens/s | unpacked tokens/s | peak GiB | time / baseline | tokens / unpacked | pairs / unpacked | max abs diff |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
         if "time_ms" not in r:
             print(f"| {r['variant']} | {r.get('error', '-')} | | | | | | | {r.get('max_abs_diff', float('nan')):.2e} |")
             continue
-        print(f"| {r['variant']} | {r['time_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['unpacked_tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
-              f"{r['time_ratio']:.3f} | {r['token_ratio']:.3f} | {r['pair_ratio']:.3f} | {r['max_abs_diff']:.2e} |")
+        print(
+            f"| {r['variant']} | {r['time_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['unpacked_tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
+            f"{r['time_ratio']:.3f} | {r['token_ratio']:.3f} | {r['pair_ratio']:.3f} | {r['max_abs_diff']:.2e} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

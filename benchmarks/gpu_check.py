@@ -114,7 +114,10 @@ def _check_case(kernel: str, dtype: str, args, tree) -> dict:
     grads = torch.autograd.grad((out[real].double() * weight).sum(), leaves, allow_unused=True)
     ref = run_case(kernel, plan, sched, toks, params, mode="reference")
     ref_grads = torch.autograd.grad((ref[real] * weight).sum(), leaves, allow_unused=True)
-    errs = {name: (float("inf") if g is None else _rel(g, r)) for name, g, r in zip(list(toks) + list(params), grads, ref_grads)}
+    errs = {
+        name: (float("inf") if g is None else _rel(g, r))
+        for name, g, r in zip(list(toks) + list(params), grads, ref_grads)
+    }
     res = dict(out_rel_err=_rel(out[real], ref[real]), grad_rel_err=max(errs.values()), grad_rel_err_by_input=errs)
     res["nan_at_real"] = bool(torch.isnan(out[real]).any())
     res["ok"] = res["out_rel_err"] <= TOL[dtype] and res["grad_rel_err"] <= TOL[dtype] and not res["nan_at_real"]
@@ -126,15 +129,22 @@ def _time_case(kernel: str, dtype: str, args, big) -> dict:
     out = {}
     for name, (plan, sched) in big.items():
         gen = torch.Generator().manual_seed(1)
-        toks, params = make_inputs(kernel, sched.num_positions, DTYPES[dtype], gen, shape=args.shape, device=args.device)
+        toks, params = make_inputs(
+            kernel, sched.num_positions, DTYPES[dtype], gen, shape=args.shape, device=args.device
+        )
 
         def step(toks=toks, params=params):
             y = run_case(kernel, plan, sched, toks, params, mode=args.mode, shape=args.shape)
-            torch.autograd.grad(y.float().nan_to_num().square().mean(), list(toks.values()) + list(params.values()), allow_unused=True)
+            torch.autograd.grad(
+                y.float().nan_to_num().square().mean(), list(toks.values()) + list(params.values()), allow_unused=True
+            )
 
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        out[name] = dict(fwd_bwd_ms=round(_time_ms(step, args.device, args.iters, args.warmup), 3), tokens=int(plan.stats.packed_tokens))
+        out[name] = dict(
+            fwd_bwd_ms=round(_time_ms(step, args.device, args.iters, args.warmup), 3),
+            tokens=int(plan.stats.packed_tokens),
+        )
         if args.device == "cuda":
             out[name]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         del toks, params
@@ -176,7 +186,10 @@ def kernels(args) -> dict:
             except Exception as e:  # one broken kernel must not hide the others
                 r = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
             res[kernel][dtype] = r
-            print(f"  {kernel:16s} {dtype:9s} ok={r.get('ok')} out={r.get('out_rel_err', float('nan')):.2e} grad={r.get('grad_rel_err', float('nan')):.2e} {r.get('timing', r.get('error', ''))}", flush=True)
+            print(
+                f"  {kernel:16s} {dtype:9s} ok={r.get('ok')} out={r.get('out_rel_err', float('nan')):.2e} grad={r.get('grad_rel_err', float('nan')):.2e} {r.get('timing', r.get('error', ''))}",
+                flush=True,
+            )
     res["ok"] = all(r.get("ok") is not False for per in res.values() if isinstance(per, dict) for r in per.values())
     return res
 
@@ -203,7 +216,13 @@ def attention(args) -> dict:
 def gdn(args) -> dict:
     import gpu_gdn
 
-    ns = argparse.Namespace(cpu_smoke=args.cpu_smoke, scale=args.gdn_scale, iters=min(args.iters, 3) if args.cpu_smoke else args.iters, warmup=args.warmup, json=None)
+    ns = argparse.Namespace(
+        cpu_smoke=args.cpu_smoke,
+        scale=args.gdn_scale,
+        iters=min(args.iters, 3) if args.cpu_smoke else args.iters,
+        warmup=args.warmup,
+        json=None,
+    )
     try:
         info = gpu_gdn.run(ns)
     except SystemExit as e:  # the benchmark exits with a message when a check fails
@@ -244,11 +263,16 @@ def sparse(args) -> dict:
         if label == "check":
             scores = indexer_scores(qi, ki, w, D**-0.5)
             nidx, nvalid = naive_tree_topk(scores.cpu(), se.cpu(), pos.cpu(), k)
-            same = bool(torch.equal(valid.cpu(), nvalid) and torch.equal(torch.where(nvalid, idx.cpu(), -1), torch.where(nvalid, nidx, -1)))
+            same = bool(
+                torch.equal(valid.cpu(), nvalid)
+                and torch.equal(torch.where(nvalid, idx.cpu(), -1), torch.where(nvalid, nidx, -1))
+            )
             ref = naive_sparse_attention(q.float(), kk.float(), v.float(), idx, valid, D**-0.5)
             res[label] = dict(topk_equal=same, attn_rel_err=_rel(o, ref), rows=R, seq_len=T)
         else:
-            res[label] = dict(ms=round(_time_ms(step, args.device, args.iters, args.warmup), 3), rows=R, seq_len=T, topk=k)
+            res[label] = dict(
+                ms=round(_time_ms(step, args.device, args.iters, args.warmup), 3), rows=R, seq_len=T, topk=k
+            )
     res["ok"] = res["check"]["topk_equal"] and res["check"]["attn_rel_err"] <= TOL[str(dt).split(".")[-1]]
     return res
 
@@ -264,19 +288,31 @@ SECTIONS = {"probe": probe, "kernels": kernels, "gdn": gdn, "sparse": sparse, "a
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny, CPU, token-loop references in place of the GPU kernels")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny, CPU, token-loop references in place of the GPU kernels"
+    )
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
-    ap.add_argument("--dtypes", default="bfloat16,float16", help="checked dtypes (fp32 runs under the interpreter in CI)")
+    ap.add_argument(
+        "--dtypes", default="bfloat16,float16", help="checked dtypes (fp32 runs under the interpreter in CI)"
+    )
     ap.add_argument("--time-dtypes", default="bfloat16", help="dtypes also timed at layer shapes")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attention-scale", type=int, default=1)
     ap.add_argument("--gdn-scale", type=int, default=1)
-    ap.add_argument("--budget-s", type=float, default=360.0, help="sections and kernel cases starting after this many seconds are not run")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=360.0,
+        help="sections and kernel cases starting after this many seconds are not run",
+    )
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here. Run it on a machine with a GPU (make gpu-check), or --cpu-smoke for the CPU code paths.", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device here. Run it on a machine with a GPU (make gpu-check), or --cpu-smoke for the CPU code paths.",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     args.device, args.mode, args.shape = ("cpu", "smoke", "tiny") if args.cpu_smoke else ("cuda", "gpu", "layer")
     args.dtypes = ["float32"] if args.cpu_smoke else args.dtypes.split(",")
@@ -301,7 +337,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["sections"][name] = out
     report["seconds"] = round(time.perf_counter() - t_start, 2)
     report["ok"] = all(s.get("ok") is not False for s in report["sections"].values())
-    path = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json")
+    path = args.json or (
+        os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
+    )
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"gpu_check: {'ok' if report['ok'] else 'FAILED'} in {report['seconds']} s; report: {path}")

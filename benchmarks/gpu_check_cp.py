@@ -37,7 +37,16 @@ def _model(heads, device):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=32, max_position_embeddings=8192)
+    cfg = tf.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        head_dim=32,
+        max_position_embeddings=8192,
+    )
     return tf.Qwen3ForCausalLM(cfg).float().to(device)
 
 
@@ -60,14 +69,18 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         seqs, prompts = _batch()
         cp = ContextParallel()
         res = {}
         for mode in ("auto", "allgather"):
             plan1 = plan_batch(seqs, seq_len=4096, min_shared_len=64, trainable=prompts)
-            plan = plan_batch(seqs, seq_len=4096, min_shared_len=64, trainable=prompts, cp_size=world, cp_attention=mode)
+            plan = plan_batch(
+                seqs, seq_len=4096, min_shared_len=64, trainable=prompts, cp_size=world, cp_attention=mode
+            )
             full = materialize(plan1, seqs, trainable=prompts, device=device, advise=False)
             mine = materialize(plan, seqs, trainable=prompts, device=device, cp=cp, advise=False)
             for name, heads in MODELS.items():
@@ -87,7 +100,11 @@ def _worker(rank: int, world: int, port: int, out: str, backend: str) -> None:
                     _step(model, mine)
                 if backend == "nccl":
                     torch.cuda.synchronize()
-                res[f"{mode}/{name}"] = dict(loss_diff=abs(float(loss) - float(ref_loss)), grad_rel=rel, step_ms=(time.perf_counter() - t0) / 3 * 1e3)
+                res[f"{mode}/{name}"] = dict(
+                    loss_diff=abs(float(loss) - float(ref_loss)),
+                    grad_rel=rel,
+                    step_ms=(time.perf_counter() - t0) / 3 * 1e3,
+                )
         if rank == 0:
             with open(os.path.join(out, "cp.json"), "w") as f:
                 json.dump(res, f)

@@ -56,7 +56,16 @@ def _len(rng: np.random.Generator, lo: int, hi: int) -> int:
     return n + 1 if n % 64 == 0 else n
 
 
-def rollout_tree(seed: int, *, tasks: int, system: int, prompt: tuple[int, int], fan: tuple[int, ...], turn: tuple[int, int], leaf: tuple[int, int]) -> list[np.ndarray]:
+def rollout_tree(
+    seed: int,
+    *,
+    tasks: int,
+    system: int,
+    prompt: tuple[int, int],
+    fan: tuple[int, ...],
+    turn: tuple[int, int],
+    leaf: tuple[int, int],
+) -> list[np.ndarray]:
     """Tree-search rollouts: system -> task prompt -> ``len(fan)`` levels of branching turns.
 
     Level i of a task branches ``fan[i]`` ways with turns of ``turn`` tokens (the last level's
@@ -100,8 +109,14 @@ def _layer(x, a, b, w, sched, s, kernel):
     g = -0.1 * F.softplus(a.float())  # long memory: the state matters far down the chain
     beta = b.sigmoid()
     return tree_gated_delta_rule(
-        q.reshape(n, s["Hk"], s["K"]), k.reshape(n, s["Hk"], s["K"]), v.reshape(n, s["Hv"], s["V"]),
-        g, beta, sched, use_qk_l2norm_in_kernel=True, kernel=kernel,
+        q.reshape(n, s["Hk"], s["K"]),
+        k.reshape(n, s["Hk"], s["K"]),
+        v.reshape(n, s["Hv"], s["V"]),
+        g,
+        beta,
+        sched,
+        use_qk_l2norm_in_kernel=True,
+        kernel=kernel,
     )
 
 
@@ -135,9 +150,21 @@ def _check_kernel(kernel, device: str, dtype: torch.dtype) -> float:
     gg = -0.2 * torch.rand(1, T, H, generator=g)
     beta = torch.rand(1, T, H, generator=g)
     h0 = torch.randn(len(lens), H, K, K, generator=g) * 0.1
-    ref, ref_h = torch_chunk_gated_delta_rule(q, k, v, gg, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    ref, ref_h = torch_chunk_gated_delta_rule(
+        q, k, v, gg, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu
+    )
     dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    out, ht = kernel(dev(q), dev(k), dev(v), gg.to(device), dev(beta), initial_state=h0.to(device), output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.to(device))
+    out, ht = kernel(
+        dev(q),
+        dev(k),
+        dev(v),
+        gg.to(device),
+        dev(beta),
+        initial_state=h0.to(device),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu.to(device),
+    )
     return max(float((out.float().cpu() - ref).abs().max()), float((ht.float().cpu() - ref_h).abs().max()))
 
 
@@ -173,7 +200,9 @@ def run(args: argparse.Namespace) -> dict:
         seq_len = 2048
     else:
         sc = args.scale
-        seqs = rollout_tree(0, tasks=4 * sc, system=2000, prompt=(400, 1200), fan=(3, 3, 4), turn=(60, 500), leaf=(8, 200))
+        seqs = rollout_tree(
+            0, tasks=4 * sc, system=2000, prompt=(400, 1200), fan=(3, 3, 4), turn=(60, 500), leaf=(8, 200)
+        )
         seq_len = 65536
     t0 = time.perf_counter()
     tree_plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=64, conv_width=s["W"])

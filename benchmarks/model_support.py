@@ -33,25 +33,94 @@ MAX_PARAMS = 3_000_000
 
 # Sizes every tiny config gets where the key exists (HF spells the same size many ways).
 SIZES: dict[str, int] = {
-    "hidden_size": 32, "n_embd": 32, "d_model": 32, "dim": 32, "n_embed": 32, "embed_dim": 32,
-    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "ffn_hidden_size": 64, "mlp_hidden_size": 64,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "decoder_attention_heads": 4,
-    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "multi_query_group_num": 2,
-    "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
-    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "max_seq_len": 256,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "num_experts_per_token": 2,
-    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "expert_intermediate_size": 16,
-    "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "qk_head_dim": 16,
-    "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
-    "sliding_window": 6, "attention_chunk_size": 6,
-    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-    "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
-    "mamba_d_ssm": 64, "linear_head_dim": 8, "linear_num_heads": 4, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_conv": 4, "conv_kernel": 4, "mamba_expand": 2, "time_step_rank": 4,
-    "num_nextn_predict_layers": 0, "vocab_size": VOCAB, "decoder_sparse_step": 1, "num_codebooks": 1,
+    "hidden_size": 32,
+    "n_embd": 32,
+    "d_model": 32,
+    "dim": 32,
+    "n_embed": 32,
+    "embed_dim": 32,
+    "intermediate_size": 64,
+    "n_inner": 64,
+    "ffn_dim": 64,
+    "ffn_hidden_size": 64,
+    "mlp_hidden_size": 64,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "n_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "n_kv_heads": 2,
+    "multi_query_group_num": 2,
+    "head_dim": 8,
+    "kv_channels": 8,
+    "attention_head_dim": 8,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "n_ctx": 256,
+    "max_seq_len": 256,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "moe_k": 2,
+    "num_experts_per_token": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "expert_intermediate_size": 16,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "qk_head_dim": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "sliding_window": 6,
+    "attention_chunk_size": 6,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "mamba_d_state": 8,
+    "ssm_state_size": 8,
+    "state_size": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_d_ssm": 64,
+    "linear_head_dim": 8,
+    "linear_num_heads": 4,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_d_conv": 4,
+    "conv_kernel": 4,
+    "mamba_expand": 2,
+    "time_step_rank": 4,
+    "num_nextn_predict_layers": 0,
+    "vocab_size": VOCAB,
+    "decoder_sparse_step": 1,
+    "num_codebooks": 1,
 }
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "image_token_id", "image_token_index")
+TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "image_token_id",
+    "image_token_index",
+)
 
 
 def _layer_types(types: list[str]) -> list[str]:
@@ -90,7 +159,20 @@ def shrink_config(config: Any, keep_dropout: bool = False) -> Any:
             if k in keys and isinstance(getattr(cfg, k, None), int):
                 setattr(cfg, k, n)
         _agree(cfg, keys)
-        for k in () if keep_dropout else ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
+        for k in (
+            ()
+            if keep_dropout
+            else (
+                "attention_dropout",
+                "attn_pdrop",
+                "resid_pdrop",
+                "embd_pdrop",
+                "hidden_dropout",
+                "dropout",
+                "attention_probs_dropout_prob",
+                "hidden_dropout_prob",
+            )
+        ):
             if k in keys and isinstance(getattr(cfg, k, None), float):
                 setattr(cfg, k, 0.0)
     return config
@@ -142,7 +224,18 @@ def build_causal_lm(model_type: str, seed: int = 0, keep_dropout: bool = False, 
 
 
 HYBRID = r"scan over the whole row|Conv1d|token mixer|no tree-exact mixer"
-MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, n_group=2, topk_group=1)
+MLA = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    head_dim=8,
+    n_group=2,
+    topk_group=1,
+)
 
 
 @dataclass(frozen=True)
@@ -181,7 +274,12 @@ FAMILIES: tuple[Family, ...] = (
     F("Qwen2-MoE", "qwen2_moe", "MoE, shared expert"),
     F("Qwen3-MoE", "qwen3_moe", "MoE"),
     F("Gemma", "gemma", "dense, GeGLU"),
-    F("Gemma 2", "gemma2", "sliding/global, attention and final soft-caps", dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    F(
+        "Gemma 2",
+        "gemma2",
+        "sliding/global, attention and final soft-caps",
+        dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
     F("Gemma 3", "gemma3_text", "sliding/global, two RoPE bases"),
     F("Cohere", "cohere", "logit_scale", dict(logit_scale=0.5)),
     F("Cohere 2", "cohere2", "sliding/global, logit_scale"),
@@ -198,7 +296,12 @@ FAMILIES: tuple[Family, ...] = (
     F("GLM-4", "glm4", "dense"),
     F("GLM-4-MoE", "glm4_moe", "MoE"),
     F("DeepSeek-V3", "deepseek_v3", "MLA, MoE", MLA),
-    F("DeepSeek-V3.2", "deepseek_v32", "MLA, DSA sparse indexer", dict(MLA, index_topk=8, index_head_dim=16, index_n_heads=4)),
+    F(
+        "DeepSeek-V3.2",
+        "deepseek_v32",
+        "MLA, DSA sparse indexer",
+        dict(MLA, index_topk=8, index_head_dim=16, index_n_heads=4),
+    ),
     F("Qwen3-Next", "qwen3_next", "Gated DeltaNet hybrid, MoE"),
     F("Qwen3.5", "qwen3_5_text", "Gated DeltaNet hybrid"),
     F("SmolLM3", "smollm3", "NoPE layers"),
@@ -211,13 +314,48 @@ FAMILIES: tuple[Family, ...] = (
     F("Falcon-H1", "falcon_h1", "Mamba2 parallel hybrid", refused=HYBRID, lands_with="mixers"),
     F("Nemotron-H", "nemotron_h", "Mamba2 hybrid", refused=HYBRID, lands_with="mixers"),
     F("GraniteMoeHybrid", "granitemoehybrid", "Mamba2 hybrid, MoE", refused=HYBRID, lands_with="mixers"),
-    F("LFM2", "lfm2", "short causal conv hybrid", dict(layer_types=["conv", "full_attention"]), refused=HYBRID, lands_with="mixers"),
+    F(
+        "LFM2",
+        "lfm2",
+        "short causal conv hybrid",
+        dict(layer_types=["conv", "full_attention"]),
+        refused=HYBRID,
+        lands_with="mixers",
+    ),
     F("Kimi-Linear", "kimi_linear", "KDA hybrid, MLA", MLA, refused=HYBRID, lands_with="mixers"),
     F("OLMo-hybrid", "olmo_hybrid", "GDN hybrid", refused=HYBRID, lands_with="mixers"),
     F("Mamba", "mamba", "pure SSM", refused=r"position_ids|scan over the whole row|token mixer \(Mamba\)"),
-    F("Llama, dynamic NTK", "llama", "length-dependent RoPE", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), refused=r"length-dependent RoPE 'dynamic'"),
-    F("Phi-3, LongRoPE", "phi3", "length-dependent RoPE", dict(max_position_embeddings=256, original_max_position_embeddings=16, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}), refused=r"length-dependent RoPE 'longrope'"),
-    F("Mixtral, router logits", "mixtral", "MoE auxiliary loss", dict(output_router_logits=True), refused=r"auxiliary \(load-balancing\) loss"),
+    F(
+        "Llama, dynamic NTK",
+        "llama",
+        "length-dependent RoPE",
+        dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        refused=r"length-dependent RoPE 'dynamic'",
+    ),
+    F(
+        "Phi-3, LongRoPE",
+        "phi3",
+        "length-dependent RoPE",
+        dict(
+            max_position_embeddings=256,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        refused=r"length-dependent RoPE 'longrope'",
+    ),
+    F(
+        "Mixtral, router logits",
+        "mixtral",
+        "MoE auxiliary loss",
+        dict(output_router_logits=True),
+        refused=r"auxiliary \(load-balancing\) loss",
+    ),
     F("Bloom", "bloom", "ALiBi, own attention", refused=r"AttentionInterface|takes no position_ids"),
     F("BART decoder", "bart", "positions from the row", refused=r"takes no position_ids"),
     F("Doge", "doge", "learned dynamic attention mask", refused=r"mask or bias built by the model", at_run_time=True),
@@ -302,11 +440,21 @@ def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
     from treepack.trainer.hf import packed_forward
 
     c = small_case()
-    plan = plan_batch(c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"], groups=c["groups"])
+    plan = plan_batch(
+        c["sequences"],
+        seq_len=c["seq_len"],
+        min_shared_len=c["min_shared_len"],
+        trainable=c["trainable"],
+        groups=c["groups"],
+    )
     batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
     with torch.no_grad():
         ref = unpacked_logprobs(model, c["sequences"])
-        got = batch.unpack_logprobs(batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, compile=False)))
+        got = batch.unpack_logprobs(
+            batch.target_logprobs(
+                packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, compile=False)
+            )
+        )
     err = 0.0
     for r, g, t in zip(ref, got, c["trainable"]):
         g = g[1:]
@@ -400,7 +548,13 @@ def train_oracle(model: torch.nn.Module, setups=TRAIN_SETUPS) -> dict[str, tuple
     from treepack.trainer.hf import packed_forward
 
     c = small_case()
-    plan = plan_batch(c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"], groups=c["groups"])
+    plan = plan_batch(
+        c["sequences"],
+        seq_len=c["seq_len"],
+        min_shared_len=c["min_shared_len"],
+        trainable=c["trainable"],
+        groups=c["groups"],
+    )
     validate_plan(plan, c["sequences"], trainable=c["trainable"])
     batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
     weights, flags = _weights(c["sequences"]), _scored(c)
@@ -418,7 +572,10 @@ def train_oracle(model: torch.nn.Module, setups=TRAIN_SETUPS) -> dict[str, tuple
             logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, verify=False)
             packed = batch.unpack_logprobs(batch.target_logprobs(logits))
             sum((torch.nan_to_num(x) * w).sum() for x, w in zip(packed, weights)).backward()
-            out[f"{backend}, {'reentrant' if reentrant else 'non-reentrant'}"] = (_lp_error(ref_lp, [x.detach() for x in packed]), grad_error(ref_grads, _take_grads(model)))
+            out[f"{backend}, {'reentrant' if reentrant else 'non-reentrant'}"] = (
+                _lp_error(ref_lp, [x.detach() for x in packed]),
+                grad_error(ref_grads, _take_grads(model)),
+            )
         finally:
             model.activation_checkpointing_disable()
             model.zero_grad(set_to_none=True)
@@ -489,7 +646,12 @@ def sweep_one(model_type: str, tol: float = 1e-5) -> tuple[str, str]:
     except UnsupportedModelError as e:
         return "refused", e.refusals[0][2] if getattr(e, "refusals", None) else str(e)
     # What packed_forward checks for forward_oracle's plan: its row length and conv width.
-    report = check_model(model, raise_error=False, row_len=small_case()["seq_len"], conv_width=PlanOptions(seq_len=small_case()["seq_len"]).conv_width)
+    report = check_model(
+        model,
+        raise_error=False,
+        row_len=small_case()["seq_len"],
+        conv_width=PlanOptions(seq_len=small_case()["seq_len"]).conv_width,
+    )
     if report.refusals:
         return "refused", report.refusals[0].reason
     try:
@@ -507,7 +669,11 @@ def write_training(rows: tuple[Family, ...] = FAMILIES) -> dict[str, Any]:
 
     import transformers
 
-    out: dict[str, Any] = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "rows": {}}
+    out: dict[str, Any] = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "rows": {},
+    }
     for row in rows:
         if status_of(row)[0] != "exact":
             continue
@@ -546,7 +712,11 @@ def _scan_cell(hits: list[Any]) -> str:
     return "; ".join(dict.fromkeys(f"{SCAN_LABELS[h.pattern]} ({how(h)})" for h in hits)) or "-"
 
 
-SCAN_LABELS = {"kwargs_dropped": "drops kwargs", "window_by_mask_builder": "mask-builder window", "model_built_mask": "own mask or bias"}
+SCAN_LABELS = {
+    "kwargs_dropped": "drops kwargs",
+    "window_by_mask_builder": "mask-builder window",
+    "model_built_mask": "own mask or bias",
+}
 
 
 def render_table(statuses: dict[str, tuple[str, str, str]], training: dict[str, Any] | None = None) -> str:
@@ -560,7 +730,9 @@ def render_table(statuses: dict[str, tuple[str, str, str]], training: dict[str, 
     lines = [
         BEGIN,
         f"Generated by `python benchmarks/model_support.py --write-readme` with transformers {transformers.__version__}, "
-        "torch " + torch.__version__.split("+")[0] + "; checked by `tests/trainer/test_family_sweep.py` and `tests/trainer/test_modeling_scan.py` "
+        "torch "
+        + torch.__version__.split("+")[0]
+        + "; checked by `tests/trainer/test_family_sweep.py` and `tests/trainer/test_modeling_scan.py` "
         "(tiny random fp32 configs, every parameter perturbed by seeded N(0, 0.05²) noise so no bias or mask sits at its "
         "init value: packed logprobs within 1e-5 and gradients within 1e-4 relative of each sequence alone on `sdpa` and the "
         "`flash` reference, `flex` forward; refused rows raise `UnsupportedModelError` before any compute, or at the first "
@@ -623,8 +795,14 @@ def readme_section(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write-readme", action="store_true", help="rewrite the README's model-support section")
-    ap.add_argument("--auto", action="store_true", help="sweep every causal-LM architecture of the installed transformers")
-    ap.add_argument("--train", action="store_true", help=f"run the training setups on every exact row and record them in {TRAINING.name}")
+    ap.add_argument(
+        "--auto", action="store_true", help="sweep every causal-LM architecture of the installed transformers"
+    )
+    ap.add_argument(
+        "--train",
+        action="store_true",
+        help=f"run the training setups on every exact row and record them in {TRAINING.name}",
+    )
     args = ap.parse_args(argv)
     import transformers
 

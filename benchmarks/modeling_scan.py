@@ -50,10 +50,18 @@ ATTN_ATTRS = frozenset({"self_attn", "attn", "attention", "self_attention"})
 KNOWN_KEYWORDS = frozenset(
     {
         "attention_mask",  # checked by identity at run time (only the mask treepack built passes)
-        "scaling", "softcap", "sliding_window", "s_aux",  # applied by tree attention
+        "scaling",
+        "softcap",
+        "sliding_window",
+        "s_aux",  # applied by tree attention
         "dropout",  # refused unless 0 (check_model while training; tree attention at run time)
         "indices",  # DSA top-k: refused by tree attention unless the layer is patched
-        "position_ids", "output_attentions", "deterministic", "query", "key", "value",
+        "position_ids",
+        "output_attentions",
+        "deterministic",
+        "query",
+        "key",
+        "value",
         "is_causal",  # non-causal attention is refused by check_model
     }
 )
@@ -118,7 +126,9 @@ def _self_call(c: ast.Call, attrs: frozenset[str]) -> bool:
 
 def _own_checkpoint(src: str) -> bool:
     """The module calls torch's checkpoint itself (not through HF's ``_gradient_checkpointing_func``)."""
-    return "checkpoint(" in src and bool(re.search(r"(?<![\w.])checkpoint\(|torch\.utils\.checkpoint\.checkpoint\(", src))
+    return "checkpoint(" in src and bool(
+        re.search(r"(?<![\w.])checkpoint\(|torch\.utils\.checkpoint\.checkpoint\(", src)
+    )
 
 
 def scan_source(src: str, module: str, config_src: str = "") -> list[Hit]:
@@ -154,13 +164,20 @@ def scan_source(src: str, module: str, config_src: str = "") -> list[Hit]:
     return hits
 
 
-def _window_hits(name: str, fns: dict, interface: list[ast.Call], module: str, builds_windows: bool, config_window: bool) -> list[Hit]:
+def _window_hits(
+    name: str, fns: dict, interface: list[ast.Call], module: str, builds_windows: bool, config_window: bool
+) -> list[Hit]:
     keeps_window = "__init__" in fns and any(
-        isinstance(t, ast.Attribute) and t.attr == "sliding_window" for a in ast.walk(fns["__init__"]) if isinstance(a, ast.Assign) for t in a.targets
+        isinstance(t, ast.Attribute) and t.attr == "sliding_window"
+        for a in ast.walk(fns["__init__"])
+        if isinstance(a, ast.Assign)
+        for t in a.targets
     )
     if not (builds_windows or keeps_window):
         return []
-    passes = any(k.arg == "sliding_window" or k.arg is None and _names_window(k.value) for c in interface for k in c.keywords)
+    passes = any(
+        k.arg == "sliding_window" or k.arg is None and _names_window(k.value) for c in interface for k in c.keywords
+    )
     if passes:
         return []
     # mask_builder_window reads config.sliding_window where the module builds sliding masks.
@@ -169,21 +186,41 @@ def _window_hits(name: str, fns: dict, interface: list[ast.Call], module: str, b
     return [Hit("window_by_mask_builder", module, name, why, how)]
 
 
-def _mask_hits(name: str, fwd: ast.FunctionDef, nodes: list[ast.AST], interface: list[ast.Call], module: str) -> list[Hit]:
+def _mask_hits(
+    name: str, fwd: ast.FunctionDef, nodes: list[ast.AST], interface: list[ast.Call], module: str
+) -> list[Hit]:
     params = {a.arg for a in fwd.args.args + fwd.args.kwonlyargs}
-    reassigned = {t.id for n in nodes if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) for t in _targets(n) if isinstance(t, ast.Name)}
+    reassigned = {
+        t.id
+        for n in nodes
+        if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for t in _targets(n)
+        if isinstance(t, ast.Name)
+    }
     in_place = {
         n.func.value.id
         for n in nodes
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_") and not n.func.attr.startswith("_") and isinstance(n.func.value, ast.Name)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr.endswith("_")
+        and not n.func.attr.startswith("_")
+        and isinstance(n.func.value, ast.Name)
     } | {n.target.id for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)}
     hits = []
     for c in interface:
         mask = next((k.value for k in c.keywords if k.arg == "attention_mask"), c.args[4] if len(c.args) > 4 else None)
         if isinstance(mask, ast.Name) and mask.id in params and mask.id in in_place:
             hits.append(Hit("model_built_mask", module, name, f"modifies {mask.id} in place", None))
-        elif mask is not None and not _is_none(mask) and not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in reassigned):
-            hits.append(Hit("model_built_mask", module, name, f"attention_mask={ast.unparse(mask)}", HANDLED["model_built_mask"]))
+        elif (
+            mask is not None
+            and not _is_none(mask)
+            and not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in reassigned)
+        ):
+            hits.append(
+                Hit(
+                    "model_built_mask", module, name, f"attention_mask={ast.unparse(mask)}", HANDLED["model_built_mask"]
+                )
+            )
         for k in c.keywords:
             if k.arg is not None and k.arg not in KNOWN_KEYWORDS and not _is_none(k.value):
                 how = f"refused at run time: tree attention refuses {k.arg}=" if k.arg in REFUSED_KEYWORDS else None
@@ -222,7 +259,11 @@ def scan_transformers() -> tuple[Hit, ...]:
     hits: list[Hit] = []
     for path in sorted(_models_root().glob("*/modeling_*.py")):
         cfg = next(path.parent.glob("configuration_*.py"), None)
-        hits.extend(scan_source(path.read_text(encoding="utf-8"), path.parent.name, cfg.read_text(encoding="utf-8") if cfg else ""))
+        hits.extend(
+            scan_source(
+                path.read_text(encoding="utf-8"), path.parent.name, cfg.read_text(encoding="utf-8") if cfg else ""
+            )
+        )
     return tuple(hits)
 
 
@@ -240,7 +281,9 @@ def render_summary(hits: tuple[Hit, ...]) -> list[str]:
     lines = [
         f"Static scan (`python benchmarks/modeling_scan.py`): {files} modeling modules of this transformers read, {len(lm)} of them "
         f"define a causal-LM class; {len(mine)} hits there (vision-tower classes are not scanned: no causal-LM class builds one). "
-        "Patterns: " + "; ".join(f"**{k}**: {v}" for k, v in PATTERNS.items()) + ". A hit with no handling fails the tests.",
+        "Patterns: "
+        + "; ".join(f"**{k}**: {v}" for k, v in PATTERNS.items())
+        + ". A hit with no handling fails the tests.",
         "",
         "| pattern | hits | how treepack handles them | modules |",
         "|---|---|---|---|",

@@ -118,13 +118,31 @@ def one_round(model, case, plan, backend: str, now=time.perf_counter, plain: boo
         t_prof = time.perf_counter() - t0
     parts = breakdown(prof.events())
     ours = sum(parts[c] for c in OURS)
-    return dict(step_ms=t_step * 1e3, profiled_ms=t_prof * 1e3, materialize_ms=t_mat * 1e3, **{f"{c}_ms": v for c, v in parts.items()}, ours_ms=ours, share=ours / (t_prof * 1e3))
+    return dict(
+        step_ms=t_step * 1e3,
+        profiled_ms=t_prof * 1e3,
+        materialize_ms=t_mat * 1e3,
+        **{f"{c}_ms": v for c, v in parts.items()},
+        ours_ms=ours,
+        share=ours / (t_prof * 1e3),
+    )
 
 
-def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants: list[str], clock: str = "wall", plain: bool = True) -> dict:
+def run(
+    scale: int,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    rounds: int,
+    variants: list[str],
+    clock: str = "wall",
+    plain: bool = True,
+) -> dict:
     case, plans = golden_plans(scale, vocab)
     model = build_model(vocab, hidden, layers)
-    setups = {v: (plans[v.split("/")[0]], "flash" if v.split("/")[1] == "varlen" else v.split("/")[1]) for v in variants}
+    setups = {
+        v: (plans[v.split("/")[0]], "flash" if v.split("/")[1] == "varlen" else v.split("/")[1]) for v in variants
+    }
     for plan, backend in setups.values():  # warm-up: the first call of a setup probes it
         one_round(model, case, plan, backend, CLOCK[clock], plain)
     seen: dict[str, list[dict]] = {v: [] for v in variants}
@@ -140,7 +158,15 @@ def run(scale: int, hidden: int, layers: int, vocab: int, rounds: int, variants:
             row[key] = med
             row[key + "_spread"] = (max(xs) - min(xs)) / med if med == med and med else 0.0
         results.append(row)
-    return dict(machine=machine(), scale=scale, seq_len=case["seq_len"], model=dict(hidden=hidden, layers=layers, vocab=vocab), rounds=rounds, clock=clock, results=results)
+    return dict(
+        machine=machine(),
+        scale=scale,
+        seq_len=case["seq_len"],
+        model=dict(hidden=hidden, layers=layers, vocab=vocab),
+        rounds=rounds,
+        clock=clock,
+        results=results,
+    )
 
 
 def walk_costs(depths: list[int], calls: int, scale: int, vocab: int) -> list[dict]:
@@ -165,9 +191,19 @@ def walk_costs(depths: list[int], calls: int, scale: int, vocab: int) -> list[di
 def main(argv: list[str] | None = None) -> dict:
     def extra(ap):
         ap.add_argument("--rounds", type=int, default=5)
-        ap.add_argument("--variants", default="tree/varlen,tree/sdpa", help="comma-separated layout/backend pairs (tree|no_share / varlen|sdpa)")
-        ap.add_argument("--no-plain", action="store_true", help="profiled steps only (half the time; no unprofiled step time)")
-        ap.add_argument("--walk-depths", metavar="N,N", help="instead: the per-call model walk of hidden-64 Qwen3s this deep (e.g. 4,32,64)")
+        ap.add_argument(
+            "--variants",
+            default="tree/varlen,tree/sdpa",
+            help="comma-separated layout/backend pairs (tree|no_share / varlen|sdpa)",
+        )
+        ap.add_argument(
+            "--no-plain", action="store_true", help="profiled steps only (half the time; no unprofiled step time)"
+        )
+        ap.add_argument(
+            "--walk-depths",
+            metavar="N,N",
+            help="instead: the per-call model walk of hidden-64 Qwen3s this deep (e.g. 4,32,64)",
+        )
 
     args = workload_args(__doc__.splitlines()[0], argv, extra)
     if args.smoke:
@@ -175,16 +211,31 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.walk_depths:
-        walks = walk_costs([int(x) for x in args.walk_depths.split(",")], 21 if not args.smoke else 3, args.scale, args.vocab)
+        walks = walk_costs(
+            [int(x) for x in args.walk_depths.split(",")], 21 if not args.smoke else 3, args.scale, args.vocab
+        )
         print("| layers | walk per call, ms (median) | min | max |\n|---:|---:|---:|---:|")
         for w in walks:
             print(f"| {w['layers']} | {w['walk_ms']:.2f} | {w['walk_ms_min']:.2f} | {w['walk_ms_max']:.2f} |")
         return dict(machine=machine(), walks=walks)
-    out = run(args.scale, args.hidden, args.layers, args.vocab, args.rounds, args.variants.split(","), args.clock, not args.no_plain)
+    out = run(
+        args.scale,
+        args.hidden,
+        args.layers,
+        args.vocab,
+        args.rounds,
+        args.variants.split(","),
+        args.clock,
+        not args.no_plain,
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out["load_average"] = load
-    print(f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.rounds} rounds (spread), step clock {args.clock}, load {load:.1f}")
-    print("| variant | step ms | profiled ms | walk | metadata | layout | dispatch | treepack share | loss | materialize (loader) |")
+    print(
+        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.rounds} rounds (spread), step clock {args.clock}, load {load:.1f}"
+    )
+    print(
+        "| variant | step ms | profiled ms | walk | metadata | layout | dispatch | treepack share | loss | materialize (loader) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
         cell = lambda k: f"{r[k]:.1f} ({r[k + '_spread']:.0%})"  # noqa: E731

@@ -80,7 +80,13 @@ def _adversarial(seed: int, n_rows: int, kind: str) -> W.Workload:
         frac = {"half": 0.5, "third": 1 / 3, "quarter": 0.25}[kind]
         lens = np.maximum(1, (C * frac * rng.uniform(0.9, 1.15, n_rows * 2)).astype(np.int64) - prefix.shape[0])
     seqs = [np.concatenate([prefix, W._distinct_tokens(rng, int(n), i)]) for i, n in enumerate(lens)]
-    return W.Workload(name=f"adv-{kind}", sequences=seqs, trainable=[prefix.shape[0]] * len(seqs), groups=list(range(len(seqs))), seq_len=C)
+    return W.Workload(
+        name=f"adv-{kind}",
+        sequences=seqs,
+        trainable=[prefix.shape[0]] * len(seqs),
+        groups=list(range(len(seqs))),
+        seq_len=C,
+    )
 
 
 def _sft(seed: int, n: int) -> W.Workload:
@@ -88,7 +94,9 @@ def _sft(seed: int, n: int) -> W.Workload:
     C = 32768
     lens = np.clip(rng.lognormal(np.log(3000), 0.9, n), 64, C).astype(np.int64)
     seqs = [W._distinct_tokens(rng, int(x), i) for i, x in enumerate(lens)]
-    return W.Workload(name="sft", sequences=seqs, trainable=[min(200, int(x) - 1) for x in lens], groups=list(range(n)), seq_len=C)
+    return W.Workload(
+        name="sft", sequences=seqs, trainable=[min(200, int(x) - 1) for x in lens], groups=list(range(n)), seq_len=C
+    )
 
 
 def instances(per_family: int):
@@ -117,8 +125,19 @@ def quality(per_family: int, node_limit: int) -> dict:
         t = time.perf_counter()
         opt, proven = exact_min_rows(tree, C, bound, auto.num_rows, node_limit=node_limit)
         rows.append(
-            dict(family=family, leaves=len(w.sequences), bound=bound, old_bound=old_bound, auto=auto.num_rows, greedy=greedy,
-                 bfd=bfd, opt=opt, proven=proven, strategy=auto.strategy, exact_s=time.perf_counter() - t)
+            dict(
+                family=family,
+                leaves=len(w.sequences),
+                bound=bound,
+                old_bound=old_bound,
+                auto=auto.num_rows,
+                greedy=greedy,
+                bfd=bfd,
+                opt=opt,
+                proven=proven,
+                strategy=auto.strategy,
+                exact_s=time.perf_counter() - t,
+            )
         )
     by = Counter()
     for r in rows:
@@ -133,14 +152,22 @@ def quality(per_family: int, node_limit: int) -> dict:
             by[key, "old_bound=opt"] += r["proven"] and r["old_bound"] == r["opt"]
             by[key, "auto>bfd"] += r["auto"] > r["bfd"]
             by[key, "auto=bound"] += r["auto"] == r["bound"]
-    print(f"{'family':13s} {'n':>4s} {'proven':>6s} {'auto=opt':>8s} {'no-repair=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'old bound=opt':>13s} {'auto=bound':>10s} {'auto>bfd':>8s}")
+    print(
+        f"{'family':13s} {'n':>4s} {'proven':>6s} {'auto=opt':>8s} {'no-repair=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'old bound=opt':>13s} {'auto=bound':>10s} {'auto>bfd':>8s}"
+    )
     for key in ["all"] + sorted({r["family"] for r in rows}):
         g = lambda k: by[key, k]  # noqa: E731
-        print(f"{key:13s} {g('n'):4d} {g('proven'):6d} {g('auto=opt'):8d} {g('greedy=opt'):13d} {g('bfd=opt'):7d} {g('bound=opt'):9d} {g('old_bound=opt'):13d} {g('auto=bound'):10d} {g('auto>bfd'):8d}")
+        print(
+            f"{key:13s} {g('n'):4d} {g('proven'):6d} {g('auto=opt'):8d} {g('greedy=opt'):13d} {g('bfd=opt'):7d} {g('bound=opt'):9d} {g('old_bound=opt'):13d} {g('auto=bound'):10d} {g('auto>bfd'):8d}"
+        )
     gaps = Counter(r["auto"] - r["opt"] for r in rows if r["proven"])
     print("auto - optimum over proven instances:", dict(sorted(gaps.items())))
-    print(f"unproven: {sum(not r['proven'] for r in rows)} (auto - best found: {dict(Counter(r['auto'] - r['opt'] for r in rows if not r['proven']))})")
-    print(f"leaves per instance: {min(r['leaves'] for r in rows)}-{max(r['leaves'] for r in rows)}; total {time.perf_counter() - t_start:.1f}s")
+    print(
+        f"unproven: {sum(not r['proven'] for r in rows)} (auto - best found: {dict(Counter(r['auto'] - r['opt'] for r in rows if not r['proven']))})"
+    )
+    print(
+        f"leaves per instance: {min(r['leaves'] for r in rows)}-{max(r['leaves'] for r in rows)}; total {time.perf_counter() - t_start:.1f}s"
+    )
     return dict(rows=rows)
 
 
@@ -153,13 +180,26 @@ def hard(seeds: int, node_limit: int) -> dict:
         for size in (0, 1) if family == "grpo" else (0, 1, 2):
             for seed in range(seeds):
                 kw = hard_instance(family, seed, size)
-                batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw["trainable"], groups=kw["groups"])
+                batch = normalize_batch(
+                    kw["sequences"], seq_len=kw["seq_len"], trainable=kw["trainable"], groups=kw["groups"]
+                )
                 tree = build_tree(batch, kw["min_shared_len"])
                 C = kw["seq_len"]
                 bound = lower_bound_rows(tree, C)
-                rec = dict(family=family, size=size, seed=seed, leaves=len(kw["sequences"]), bound=bound, bfd=place_leaves(tree, batch, C, "bfd").num_rows)
+                rec = dict(
+                    family=family,
+                    size=size,
+                    seed=seed,
+                    leaves=len(kw["sequences"]),
+                    bound=bound,
+                    bfd=place_leaves(tree, batch, C, "bfd").num_rows,
+                )
                 levels = getattr(repair, "LEVELS", ())
-                for label, budget, lv in (("auto", 10.0, levels), ("auto1000", 1000.0, levels), ("narrow1000", 1000.0, tuple(x for x in levels if x[0] <= repair.MAX_ROWS))):
+                for label, budget, lv in (
+                    ("auto", 10.0, levels),
+                    ("auto1000", 1000.0, levels),
+                    ("narrow1000", 1000.0, tuple(x for x in levels if x[0] <= repair.MAX_ROWS)),
+                ):
                     saved = levels
                     if levels:
                         repair.LEVELS = lv
@@ -171,7 +211,9 @@ def hard(seeds: int, node_limit: int) -> dict:
                 best = min(rec["auto"], rec["auto1000"], rec["narrow1000"])
                 rec["opt"], rec["proven"] = exact_min_rows(tree, C, bound, best, node_limit=node_limit)
                 rows.append(rec)
-    print(f"{'class':9s} {'n':>3s} {'leaves':>7s} {'proven':>6s} {'auto=opt':>8s} {'auto 1s=opt':>11s} {'narrow 1s=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'auto>bfd':>8s} {'auto CPU ms':>12s} {'auto 1s CPU ms':>14s}")
+    print(
+        f"{'class':9s} {'n':>3s} {'leaves':>7s} {'proven':>6s} {'auto=opt':>8s} {'auto 1s=opt':>11s} {'narrow 1s=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'auto>bfd':>8s} {'auto CPU ms':>12s} {'auto 1s CPU ms':>14s}"
+    )
     keys = sorted({(r["family"], r["size"]) for r in rows}, key=lambda k: (HARD_FAMILIES.index(k[0]), k[1]))
     for key in keys + [("all", -1)]:
         g = [r for r in rows if key[0] == "all" or (r["family"], r["size"]) == key]
@@ -180,15 +222,19 @@ def hard(seeds: int, node_limit: int) -> dict:
         ms = lambda k: f"{np.median([r[k + '_ms'] for r in g]):5.1f}/{max(r[k + '_ms'] for r in g):6.1f}"  # noqa: E731
         name = "all" if key[0] == "all" else f"{key[0]}-{key[1]}"
         lv = f"{min(r['leaves'] for r in g)}-{max(r['leaves'] for r in g)}"
-        print(f"{name:9s} {len(g):3d} {lv:>7s} {len(p):6d} {n_opt('auto'):8d} {n_opt('auto1000'):11d} {n_opt('narrow1000'):13d} {n_opt('bfd'):7d} {n_opt('bound'):9d} "
-              f"{sum(r['auto'] > r['bfd'] or r['auto1000'] > r['bfd'] for r in g):8d} {ms('auto'):>12s} {ms('auto1000'):>14s}")
+        print(
+            f"{name:9s} {len(g):3d} {lv:>7s} {len(p):6d} {n_opt('auto'):8d} {n_opt('auto1000'):11d} {n_opt('narrow1000'):13d} {n_opt('bfd'):7d} {n_opt('bound'):9d} "
+            f"{sum(r['auto'] > r['bfd'] or r['auto1000'] > r['bfd'] for r in g):8d} {ms('auto'):>12s} {ms('auto1000'):>14s}"
+        )
     print(f"total {time.perf_counter() - t_start:.1f}s")
     return dict(rows=rows)
 
 
 def budget(repeats: int) -> dict:
     out = []
-    print(f"{'workload':18s} {'budget':>6s} {'rows':>5s} {'bound':>5s} {'plan CPU ms (median, min-max)':>30s} {'repair ms':>9s}")
+    print(
+        f"{'workload':18s} {'budget':>6s} {'rows':>5s} {'bound':>5s} {'plan CPU ms (median, min-max)':>30s} {'repair ms':>9s}"
+    )
     for w in (W.curriculum(768), W.agentic(256), W.distillation(512), W.golden_example()):
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
         for ms in (10.0, 1000.0):
@@ -198,9 +244,19 @@ def budget(repeats: int) -> dict:
                 plan = plan_normalized(batch, seq_len=w.seq_len, placement="auto", repair_ms=ms)
                 cpu.append((time.thread_time() - t) * 1e3)
                 rep.append(plan.stats.timings_ms["repair"])
-            rec = dict(workload=w.name, budget=ms, rows=plan.num_rows, bound=plan.stats.lower_bound_rows, cpu_ms=cpu, repair_ms=rep)
+            rec = dict(
+                workload=w.name,
+                budget=ms,
+                rows=plan.num_rows,
+                bound=plan.stats.lower_bound_rows,
+                cpu_ms=cpu,
+                repair_ms=rep,
+            )
             out.append(rec)
-            print(f"{w.name:18s} {ms:6.0f} {plan.num_rows:5d} {rec['bound']:5d} {np.median(cpu):14.1f} ({min(cpu):.1f}-{max(cpu):.1f}) {np.median(rep):9.1f}", flush=True)
+            print(
+                f"{w.name:18s} {ms:6.0f} {plan.num_rows:5d} {rec['bound']:5d} {np.median(cpu):14.1f} ({min(cpu):.1f}-{max(cpu):.1f}) {np.median(rep):9.1f}",
+                flush=True,
+            )
     return dict(budget=out)
 
 
@@ -210,20 +266,29 @@ def scaling(groups: list[int]) -> dict:
         t = time.perf_counter()
         w = W.curriculum(n)
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
-        print(f"[curriculum-{n}] {len(w.sequences):,} completions, {w.num_tokens:,} tokens, generated in {time.perf_counter() - t:.1f}s", flush=True)
+        print(
+            f"[curriculum-{n}] {len(w.sequences):,} completions, {w.num_tokens:,} tokens, generated in {time.perf_counter() - t:.1f}s",
+            flush=True,
+        )
         del w
         rec = {"groups": n, "completions": batch.num_sequences}
         for placement in ("bfd", "auto"):
             plan = plan_normalized(batch, seq_len=131072, placement=placement)
             tm = plan.stats.timings_ms
             rec[placement] = dict(rows=plan.num_rows, bound=plan.stats.lower_bound_rows, strategy=plan.strategy, **tm)
-            print(f"  {placement:5s} rows {plan.num_rows:5d} (bound {plan.stats.lower_bound_rows}, {plan.strategy})  "
-                  + "  ".join(f"{k} {v:8.1f}" for k, v in tm.items()), flush=True)
+            print(
+                f"  {placement:5s} rows {plan.num_rows:5d} (bound {plan.stats.lower_bound_rows}, {plan.strategy})  "
+                + "  ".join(f"{k} {v:8.1f}" for k, v in tm.items()),
+                flush=True,
+            )
             del plan
         a, b = rec["auto"], rec["bfd"]
         rec["auto_over_bfd_placement"] = a["placement"] / b["placement"]
         rec["auto_plan_over_tree"] = a["total"] / a["tree"]
-        print(f"  auto placement / bfd placement = {rec['auto_over_bfd_placement']:.2f}; auto plan_batch / its tree build = {rec['auto_plan_over_tree']:.2f}", flush=True)
+        print(
+            f"  auto placement / bfd placement = {rec['auto_over_bfd_placement']:.2f}; auto plan_batch / its tree build = {rec['auto_plan_over_tree']:.2f}",
+            flush=True,
+        )
         out.append(rec)
         del batch
     return dict(runs=out)
@@ -285,11 +350,20 @@ def short_question_grpo(num_groups: int = 512, *, seed: int = 0, seq_len: int = 
             seqs.append(np.concatenate([prompt, rng.integers(0, W.VOCAB, int(c), dtype=np.uint32)]))
             trainable.append(prompt.shape[0])
             groups.append(g)
-    return W.Workload(name=f"shortq-{num_groups}-answer{answer}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len)
+    return W.Workload(
+        name=f"shortq-{num_groups}-answer{answer}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len
+    )
 
 
-SHARING_RULES = (("min_shared_len=64 (default)", 64, 0), ("min_shared_len=16", 16, 0), ("min_shared_len=1", 1, 0),
-                 ("saving >= 32", 64, 32), ("saving >= 64", 64, 64), ("saving >= 128", 64, 128), ("saving >= 512", 64, 512))
+SHARING_RULES = (
+    ("min_shared_len=64 (default)", 64, 0),
+    ("min_shared_len=16", 16, 0),
+    ("min_shared_len=1", 1, 0),
+    ("saving >= 32", 64, 32),
+    ("saving >= 64", 64, 64),
+    ("saving >= 128", 64, 128),
+    ("saving >= 512", 64, 512),
+)
 
 
 def sharing() -> dict:
@@ -300,16 +374,29 @@ def sharing() -> dict:
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
         print(f"[{w.name}] {batch.num_sequences:,} sequences, {int(batch.lens.sum()):,} tokens, C = {w.seq_len:,}")
         unpacked = int(batch.lens.sum())
-        print(f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'saved':>6s} {'packed':>12s} {'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}")
+        print(
+            f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'saved':>6s} {'packed':>12s} {'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}"
+        )
         for label, msl, saving in SHARING_RULES:
             tree = build_tree(batch, msl, min_shared_saving=saving)
             placed = place_leaves(tree, batch, w.seq_len, "auto")
             seg = layout_rows(tree, placed.row_of, placed.num_rows)
             cost = trainer_cost(seg, w.seq_len)
-            rec = dict(workload=w.name, rule=label, rows=placed.num_rows, bound=lower_bound_rows(tree, w.seq_len),
-                       tree_tokens=tree.num_tokens, packed=int(seg.row_len.sum()), segments=int(seg.num_segments), **cost)
+            rec = dict(
+                workload=w.name,
+                rule=label,
+                rows=placed.num_rows,
+                bound=lower_bound_rows(tree, w.seq_len),
+                tree_tokens=tree.num_tokens,
+                packed=int(seg.row_len.sum()),
+                segments=int(seg.num_segments),
+                **cost,
+            )
             out.append(rec)
-            print(f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} {1 - rec['tree_tokens'] / unpacked:6.1%} {rec['packed']:12,} {rec['segments']:9,} {rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}", flush=True)
+            print(
+                f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} {1 - rec['tree_tokens'] / unpacked:6.1%} {rec['packed']:12,} {rec['segments']:9,} {rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}",
+                flush=True,
+            )
     return dict(sharing=out)
 
 
@@ -329,7 +416,9 @@ def main() -> None:
     h.add_argument("--node-limit", type=int, default=50_000)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.processor() or platform.machine()}  python {platform.python_version()}  {' '.join(sys.argv)}")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.processor() or platform.machine()}  python {platform.python_version()}  {' '.join(sys.argv)}"
+    )
     if args.what == "quality":
         res = quality(args.per_family, args.node_limit)
     elif args.what == "scaling":

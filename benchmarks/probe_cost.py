@@ -43,7 +43,13 @@ from treepack.trainer.hf.probe import forget_probes  # noqa: E402
 def setup(scale: int, hidden: int, layers: int, vocab: int):
     case = scaled_golden(scale, vocab=vocab)
     model = build_model(vocab, hidden, layers)
-    plan = plan_batch(case["sequences"], seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"])
+    plan = plan_batch(
+        case["sequences"],
+        seq_len=case["seq_len"],
+        min_shared_len=case["min_shared_len"],
+        trainable=case["trainable"],
+        groups=case["groups"],
+    )
     validate_plan(plan, case["sequences"], trainable=case["trainable"])
     return model, materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"])
 
@@ -107,10 +113,19 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
             model.gradient_checkpointing_disable()
             model.eval()
 
-    t = _interleaved({"step": lambda: packed_step(model, batch, "sdpa"), "eval": fresh_probe, "train": train_probe}, repeats)
+    t = _interleaved(
+        {"step": lambda: packed_step(model, batch, "sdpa"), "eval": fresh_probe, "train": train_probe}, repeats
+    )
     step, probe_eval, probe_train = t["step"], t["eval"], t["train"]
     args = [str(scale), str(hidden), str(layers), str(vocab)]
-    mem = {w: int(subprocess.run([sys.executable, __file__, "--child", w, *args], check=True, capture_output=True, text=True).stdout.split()[-1]) for w in ("step", "probe")}
+    mem = {
+        w: int(
+            subprocess.run(
+                [sys.executable, __file__, "--child", w, *args], check=True, capture_output=True, text=True
+            ).stdout.split()[-1]
+        )
+        for w in ("step", "probe")
+    }
     rows = [
         dict(what="one training step (tree / sdpa)", times=step),
         dict(what="probe, eval mode", times=probe_eval),
@@ -132,18 +147,28 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = workload_args(__doc__.splitlines()[0], argv, lambda ap: ap.add_argument("--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS))
+    args = workload_args(
+        __doc__.splitlines()[0],
+        argv,
+        lambda ap: ap.add_argument(
+            "--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS
+        ),
+    )
     if args.child:
         print(child(args.child[0], *map(int, args.child[1:])))
         return {}
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats)
-    print(f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), Qwen3 hidden {args.hidden} x {args.layers} layers, {args.repeats} repeats")
+    print(
+        f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), Qwen3 hidden {args.hidden} x {args.layers} layers, {args.repeats} repeats"
+    )
     print("| what | median s | range s | / one step |")
     print("|---|---:|---:|---:|")
     for r in out["results"]:
         print(f"| {r['what']} | {r['median_s']:.3f} | {min(r['times']):.3f}-{max(r['times']):.3f} | {r['ratio']:.2f} |")
     m = out["peak_rss_growth_kib"]
-    print(f"\npeak RSS growth: one step {m['step'] / 1024:.1f} MiB, one probe {m['probe'] / 1024:.1f} MiB ({m['probe'] / max(m['step'], 1):.2f} of a step)")
+    print(
+        f"\npeak RSS growth: one step {m['step'] / 1024:.1f} MiB, one probe {m['probe'] / 1024:.1f} MiB ({m['probe'] / max(m['step'], 1):.2f} of a step)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

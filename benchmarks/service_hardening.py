@@ -64,7 +64,19 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}
         if pythonpath:
             env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "treepack.service", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--no-history", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "treepack.service",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--no-history",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while True:
@@ -141,7 +153,9 @@ def bench_whatif(pythonpath: str | None, timeout: float) -> dict[str, Any]:
         "seq_len": run, "min_shared_len": 8, "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"), "run_hash": (7).to_bytes(8, "little"),
         "run_len": run.to_bytes(8, "little"), "first_trainable": b"\x00" * 8, "groups": [None],
     }  # fmt: skip
-    body = msgpack.packb({"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]})
+    body = msgpack.packb(
+        {"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]}
+    )
     server = Server(pythonpath, "--request-timeout-s", str(int(timeout) + 60))
     try:
         status, took = _post(server.url + "/v1/whatif", body, MP, timeout)
@@ -155,7 +169,9 @@ def bench_whatif(pythonpath: str | None, timeout: float) -> dict[str, Any]:
 def _stall(url: str, nbytes: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)), timeout=30)
-    s.sendall(f"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: {nbytes}\r\n\r\n".encode())
+    s.sendall(
+        f"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: {nbytes}\r\n\r\n".encode()
+    )
     return s
 
 
@@ -193,7 +209,10 @@ def bench_flood(pythonpath: str | None, idle: int, repeats: int) -> dict[str, An
                 t0 = time.perf_counter()
                 r = httpx.get(server.url + path, timeout=30)
                 got.append((r.status_code, time.perf_counter() - t0))
-            res[path] = {"statuses": sorted({s for s, _ in got}), "median_s": round(statistics.median(t for _, t in got), 4)}
+            res[path] = {
+                "statuses": sorted({s for s, _ in got}),
+                "median_s": round(statistics.median(t for _, t in got), 4),
+            }
     finally:
         for s in socks:
             s.close()
@@ -239,7 +258,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=["memory", "whatif", "stalled", "flood", "digest"], action="append")
     ap.add_argument("--mib", type=int, action="append", help="adversarial body sizes in MiB (default 16 and 64)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="cap of one request's answer time (reported as '> N s')")
+    ap.add_argument(
+        "--timeout", type=float, default=120.0, help="cap of one request's answer time (reported as '> N s')"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--pythonpath", default=None, help="run the server from this build (prepended to PYTHONPATH)")
     ap.add_argument("--json", default=None, help="also write the results here")

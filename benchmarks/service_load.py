@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=200, help="per client")
-    ap.add_argument("--load-groups", type=int, default=16, help="groups per curriculum load batch (agentic/distillation: half)")
+    ap.add_argument(
+        "--load-groups", type=int, default=16, help="groups per curriculum load batch (agentic/distillation: half)"
+    )
     ap.add_argument("--load-seq-len", type=int, default=32768)
     ap.add_argument("--max-seconds", type=float, default=600.0, help="stop issuing load requests after this")
     ap.add_argument("--sizes", default="100000,1000000,10000000", help="round-trip batch sizes in tokens")
@@ -323,8 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     if not args.skip_load:
         r = run_load(args.clients, args.requests, args.load_groups, args.load_seq_len, args.max_seconds)
-        print(f"\nload: {r['clients']} clients x {r['requests_per_client']} packs, batches of {r['mean_tokens']:,.0f} tokens on average")
-        print("| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |")
+        print(
+            f"\nload: {r['clients']} clients x {r['requests_per_client']} packs, batches of {r['mean_tokens']:,.0f} tokens on average"
+        )
+        print(
+            "| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print(f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | {r['wall_s']:.1f} | {r['throughput']:.1f} | "
               f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
@@ -334,14 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if sizes:
         print(f"\nround trip (msgpack over loopback vs embedded; median of {args.repeats}):")
-        print("| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | transport floor ms | server planner ms | HTTP ms, no dedup |")
+        print(
+            "| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | transport floor ms | server planner ms | HTTP ms, no dedup |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         rows = run_roundtrip(sizes, args.repeats)
         for row in rows:
             print(f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
                   f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |")  # fmt: skip
         print("\nwhere the HTTP time goes (client steps: medians; server: means from its histograms; same requests):")
-        print("| tokens | client encode ms | client request ms | server request ms | server decode ms | server planner ms | server encode ms | client decode ms |")
+        print(
+            "| tokens | client encode ms | client request ms | server request ms | server decode ms | server planner ms | server encode ms | client decode ms |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             d = row["breakdown"]

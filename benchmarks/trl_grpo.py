@@ -36,9 +36,18 @@ def _model(vocab: int, hidden: int, layers: int, path: str) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
-        max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(cfg).float().save_pretrained(path)
@@ -71,13 +80,29 @@ def run(trainer_cls, a: argparse.Namespace, workdir: str, **extra) -> dict:
     rng = random.Random(0)
     prompts = [" ".join(f"w{rng.randrange(a.words)}" for _ in range(a.prompt_len)) for _ in range(a.prompts * a.steps)]
     args = GRPOConfig(
-        output_dir=workdir, per_device_train_batch_size=8 * a.prompts, num_generations=8,
-        max_completion_length=a.completion_len, max_steps=a.steps, learning_rate=1e-4, beta=0.04,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+        output_dir=workdir,
+        per_device_train_batch_size=8 * a.prompts,
+        num_generations=8,
+        max_completion_length=a.completion_len,
+        max_steps=a.steps,
+        learning_rate=1e-4,
+        beta=0.04,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
     )
     model = _model(a.words + 3, a.hidden, a.layers, f"{workdir}/init")
-    trainer = trainer_cls(model=model, reward_funcs=lambda completions, **k: [len(c) % 7 for c in completions], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=_tokenizer(a.words), **extra)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=lambda completions, **k: [len(c) % 7 for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=_tokenizer(a.words),
+        **extra,
+    )
     t0 = time.perf_counter()
     trainer.train()
     return {"s": time.perf_counter() - t0, "gen_s": trainer_cls.gen_s, "logs": trainer.state.log_history}
@@ -106,10 +131,15 @@ def main() -> None:
     mean = sum(saved) / len(saved)
     train = lambda r: r["s"] - r["gen_s"]  # noqa: E731
     same = [h["reward"] for h in steps(stock)] == [h["reward"] for h in steps(packed)]
-    print("| steps | B (prompts x 8) | P / C tokens | model | wall s stock / treepack | generation s stock / treepack | training s (wall - generation) stock / treepack | training speedup | saved fraction | token ratio unpacked / packed | same rewards |")
+    print(
+        "| steps | B (prompts x 8) | P / C tokens | model | wall s stock / treepack | generation s stock / treepack | training s (wall - generation) stock / treepack | training speedup | saved fraction | token ratio unpacked / packed | same rewards |"
+    )
     print("|---:|---:|---|---|---|---|---|---:|---:|---:|---|")
-    print(f"| {a.steps} | {8 * a.prompts} | {a.prompt_len} / {a.completion_len} | Qwen3 {a.layers}x{a.hidden} | {stock['s']:.1f} / {packed['s']:.1f} | "
-          f"{stock['gen_s']:.1f} / {packed['gen_s']:.1f} | {train(stock):.1f} / {train(packed):.1f} | {train(stock) / train(packed):.2f}x | {mean:.3f} | {1 / (1 - mean):.2f} | {same} |")
+    print(
+        f"| {a.steps} | {8 * a.prompts} | {a.prompt_len} / {a.completion_len} | Qwen3 {a.layers}x{a.hidden} | {stock['s']:.1f} / {packed['s']:.1f} | "
+        f"{stock['gen_s']:.1f} / {packed['gen_s']:.1f} | {train(stock):.1f} / {train(packed):.1f} | {train(stock) / train(packed):.2f}x | {mean:.3f} | {1 / (1 - mean):.2f} | {same} |"
+    )
+
 
 if __name__ == "__main__":
     main()

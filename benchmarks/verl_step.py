@@ -52,10 +52,24 @@ def main() -> None:
 
     torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="treepack-verl-bench-model-")
-    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 32, num_key_value_heads=max(1, a.hidden // 64), max_position_embeddings=4096)
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=3 * a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.hidden // 32,
+        num_key_value_heads=max(1, a.hidden // 64),
+        max_position_embeddings=4096,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     n = 8
-    batch = lambda rmpad: flags(grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab), dynamic=False, rmpad=rmpad, micro=n, global_batch_size=a.groups * n)  # noqa: E731
+    batch = lambda rmpad: flags(
+        grpo_batch(groups=a.groups, n=n, seed=0, P=a.prompt_len, R=a.response_len, vocab=a.vocab),
+        dynamic=False,
+        rmpad=rmpad,
+        micro=n,
+        global_batch_size=a.groups * n,
+    )  # noqa: E731
     stock, tree = build(FSDPEngineWithLMHead, path=path), build(TreepackFSDPEngine, path=path)
     # name -> (engine, use_remove_padding); the treepack engine packs whatever the flag says.
     engines = {"stock remove-padding": (stock, True), "stock padded": (stock, False), "treepack": (tree, True)}
@@ -81,11 +95,15 @@ def main() -> None:
     token_ratio = 1 / (1 - statistics.mean(saved))
     cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
     print(f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
-    print(f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, vocab {a.vocab}; {a.repeats} repeats")
+    print(
+        f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, vocab {a.vocab}; {a.repeats} repeats"
+    )
     print("| stock layout | stock | treepack | stock / treepack | token ratio |")
     print("| --- | --- | --- | --- | --- |")
     for k in ("stock remove-padding", "stock padded"):
-        print(f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | {med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |")
+        print(
+            f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | {med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

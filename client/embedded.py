@@ -33,7 +33,9 @@ class EmbeddedBackend:
             step times; ``auto`` by time), as a sidecar with ``cost_model_path`` does.
     """
 
-    def __init__(self, history_path: str | None = None, *, history_max_batches: int = 1000, cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self, history_path: str | None = None, *, history_max_batches: int = 1000, cost_model: CostModel | None = None
+    ) -> None:
         self._store = None
         self._cost = cost_model
         self._max_batches = history_max_batches
@@ -47,7 +49,9 @@ class EmbeddedBackend:
             job = shape_job(result, request.tags)
             if job is not None:
                 st = result.plan.stats
-                self._store.record(job(), rows=st.rows, packed_tokens=st.packed_tokens, saved_fraction=st.saved_fraction)
+                self._store.record(
+                    job(), rows=st.rows, packed_tokens=st.packed_tokens, saved_fraction=st.saved_fraction
+                )
         return result.plan
 
     def whatif(self, query: WhatIfQuery) -> list[WhatIfResult]:
@@ -55,7 +59,15 @@ class EmbeddedBackend:
         shapes = query.shapes
         if shapes is None:
             shapes = [] if self._store is None else self._store.shapes(query.history_batches)
-        return whatif(list(shapes), list(query.compositions), query.options, trials=query.trials, seed=query.seed, max_rows=query.max_rows, cost_model=self._cost)
+        return whatif(
+            list(shapes),
+            list(query.compositions),
+            query.options,
+            trials=query.trials,
+            seed=query.seed,
+            max_rows=query.max_rows,
+            cost_model=self._cost,
+        )
 
     def history(self) -> dict[str, Any]:
         summary = empty_summary() if self._store is None else self._store.summary()

@@ -59,7 +59,14 @@ from treepack.proto.plan_wire import plan_from_wire
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
-__all__ = ["RetryPolicy", "HttpBackend", "AsyncHttpBackend", "raise_for_response", "transport_error", "parse_retry_after"]
+__all__ = [
+    "RetryPolicy",
+    "HttpBackend",
+    "AsyncHttpBackend",
+    "raise_for_response",
+    "transport_error",
+    "parse_retry_after",
+]
 
 # Failures before the request left: always safe to retry.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -140,7 +147,11 @@ class _Call:
             return self.timeout
         left = self.start + self.policy.total_timeout - time.monotonic()
         if left <= 0:
-            raise TransportError(f"request to {self.url} timed out: the total deadline of {self.policy.total_timeout:g} s passed", path="$", rule="total_timeout")
+            raise TransportError(
+                f"request to {self.url} timed out: the total deadline of {self.policy.total_timeout:g} s passed",
+                path="$",
+                rule="total_timeout",
+            )
         return min(self.timeout, left)
 
     def wait_for_retry(self, exc: BaseException | None, resp: httpx.Response | None) -> float | None:
@@ -213,7 +224,9 @@ def _decode(resp: httpx.Response, model: type) -> Any:
     try:
         return parse_message(model, decode_body(resp.content, fmt, unique_keys=False))
     except TreepackError as exc:
-        raise ServerError(f"the server sent an invalid {model.__name__}: {exc}", path=exc.path, rule="bad_response") from None
+        raise ServerError(
+            f"the server sent an invalid {model.__name__}: {exc}", path=exc.path, rule="bad_response"
+        ) from None
 
 
 # Bodies larger than this go out as BodyChunks: below it, one join into a fresh buffer
@@ -274,7 +287,9 @@ def _request_headers(fmt: Format, body: Any, accept: str | None, key: str | None
     return headers
 
 
-def _read_within(client: httpx.Client, method: str, path: str, body: Any, headers: dict[str, str], limit: float) -> httpx.Response:
+def _read_within(
+    client: httpx.Client, method: str, path: str, body: Any, headers: dict[str, str], limit: float
+) -> httpx.Response:
     """One sync attempt, its answer read whole, ended past ``limit`` seconds (checked between chunks)."""
     end = time.monotonic() + limit
     with client.stream(method, path, content=body, headers=headers, timeout=limit) as resp:
@@ -283,7 +298,11 @@ def _read_within(client: httpx.Client, method: str, path: str, body: Any, header
             parts.append(chunk)
             if time.monotonic() > end:
                 raise httpx.ReadTimeout(f"the answer did not arrive within {limit:g} s", request=resp.request)
-    kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+    kept = [
+        (k, v)
+        for k, v in resp.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
     return httpx.Response(resp.status_code, headers=kept, content=b"".join(parts), request=resp.request)
 
 
@@ -321,7 +340,9 @@ class _HttpBase:
         self.timeout = timeout
         self.dedup = dedup
         self.idempotent = idempotent
-        self._client = self._client_type(base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport)
+        self._client = self._client_type(
+            base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport
+        )
 
     def _call(self, method: str, path: str, safe: bool | None) -> _Call:
         """The deadlines and retries of one call; ``safe`` defaults to GET-only."""
@@ -335,7 +356,14 @@ class HttpBackend(_HttpBase):
     """Synchronous HTTP backend (a :class:`~treepack.client.protocols.Backend`)."""
 
     def request(
-        self, method: str, path: str, body: bytes | BodyChunks | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | BodyChunks | None = None,
+        *,
+        accept: str | None = None,
+        safe: bool | None = None,
+        key: str | None = None,
     ) -> httpx.Response:
         """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
@@ -375,7 +403,14 @@ class AsyncHttpBackend(_HttpBase):
     _client_type = httpx.AsyncClient
 
     async def request(
-        self, method: str, path: str, body: bytes | None = None, *, accept: str | None = None, safe: bool | None = None, key: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        accept: str | None = None,
+        safe: bool | None = None,
+        key: str | None = None,
     ) -> httpx.Response:
         """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
@@ -385,7 +420,11 @@ class AsyncHttpBackend(_HttpBase):
             try:
                 resp = await asyncio.wait_for(self._client.request(method, path, content=body, headers=headers), limit)
             except (asyncio.TimeoutError, TimeoutError):
-                raise TransportError(f"request to {self.url + path} timed out: no whole answer within {limit:g} s", path="$", rule="ReadTimeout") from None
+                raise TransportError(
+                    f"request to {self.url + path} timed out: no whole answer within {limit:g} s",
+                    path="$",
+                    rule="ReadTimeout",
+                ) from None
             except httpx.HTTPError as exc:
                 wait = call.retry_after_failure(exc)
             else:

@@ -72,7 +72,16 @@ class _Packers:
 
         policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
         cls = AsyncHttpBackend if self._asynchronous else HttpBackend
-        self._b = cls(url, token=token, timeout=timeout, policy=policy, fmt=fmt, transport=transport, dedup=dedup, idempotent=idempotent)
+        self._b = cls(
+            url,
+            token=token,
+            timeout=timeout,
+            policy=policy,
+            fmt=fmt,
+            transport=transport,
+            dedup=dedup,
+            idempotent=idempotent,
+        )
 
     @classmethod
     def from_env(cls: type[_P], **kwargs: Any) -> _P:
@@ -132,7 +141,9 @@ class Packer(_Packers):
         """
         return self._b.pack(PackInput.of(sequences, options, **kwargs))
 
-    def whatif(self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any) -> list[WhatIfResult]:
+    def whatif(
+        self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any
+    ) -> list[WhatIfResult]:
         """Row distributions of candidate compositions, from the history or ``shapes``.
 
         Args:
@@ -176,11 +187,15 @@ class AsyncPacker(_Packers):
     _asynchronous = True
     _b: AsyncBackend
 
-    async def pack(self, sequences: Sequence[Any] | PackInput, options: PlanOptions | None = None, **kwargs: Any) -> Plan:
+    async def pack(
+        self, sequences: Sequence[Any] | PackInput, options: PlanOptions | None = None, **kwargs: Any
+    ) -> Plan:
         """See :meth:`Packer.pack` (same arguments and defaults)."""
         return await self._b.pack(PackInput.of(sequences, options, **kwargs))
 
-    async def whatif(self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any) -> list[WhatIfResult]:
+    async def whatif(
+        self, compositions: Sequence[CompositionLike], options: PlanOptions | None = None, **kwargs: Any
+    ) -> list[WhatIfResult]:
         """See :meth:`Packer.whatif` (same arguments and defaults)."""
         return await self._b.whatif(WhatIfQuery.of(compositions, options, **kwargs))
 

@@ -44,9 +44,18 @@ def random_qwen3(path: str) -> str:
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
-        bos_token_id=None, tie_word_embeddings=False,
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
     )
     Qwen3ForCausalLM(cfg).float().save_pretrained(path)
     return path
@@ -76,21 +85,45 @@ def train(trainer_cls: type, args: argparse.Namespace, model: str, workdir: str,
         return reward(completions)
 
     config = GRPOConfig(
-        output_dir=workdir, per_device_train_batch_size=8, num_generations=4, max_completion_length=args.completion_len,
-        max_steps=args.steps, learning_rate=args.lr, beta=args.beta, loss_type=args.loss_type, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
-        disable_tqdm=True, dataloader_num_workers=0, **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
+        output_dir=workdir,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=args.completion_len,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=args.bf16,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
     )
-    tokenizer = word_tokenizer() if args.model is None else AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    tokenizer = (
+        word_tokenizer() if args.model is None else AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    )
     kwargs = {} if packing is None else {"packing": packing}
     trainer = trainer_cls(
-        model=model, reward_funcs=scored, args=config, processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": prompt_set(8, args.prompt_words)}), **kwargs,
+        model=model,
+        reward_funcs=scored,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompt_set(8, args.prompt_words)}),
+        **kwargs,
     )
     trainer.remove_callback(PrinterCallback)  # main prints its own line per step
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps], "completions": seen, "logs": steps}
+    return {
+        "loss": [h["loss"] for h in steps],
+        "grad_norm": [h["grad_norm"] for h in steps],
+        "completions": seen,
+        "logs": steps,
+    }
 
 
 def compare(packed: dict[str, Any], stock: dict[str, Any]) -> list[str]:
@@ -102,7 +135,9 @@ def compare(packed: dict[str, Any], stock: dict[str, Any]) -> list[str]:
         if not math.isclose(p, s, rel_tol=1e-4, abs_tol=1e-5)
     ]
     if len(packed["loss"]) != len(stock["loss"]) or packed["completions"] != stock["completions"]:
-        bad.append("the runs sampled different completions or ran different steps (the random stream or generation changed)")
+        bad.append(
+            "the runs sampled different completions or ran different steps (the random stream or generation changed)"
+        )
     return bad
 
 
@@ -110,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GRPO with TRL on tree-packed rows (docs/trl.md)")
     ap.add_argument("--model", help="a causal LM name or path (default: a tiny random Qwen3 built here)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    ap.add_argument("--check", action="store_true", help="also train stock TRL and compare every step; exit 1 on a mismatch")
+    ap.add_argument(
+        "--check", action="store_true", help="also train stock TRL and compare every step; exit 1 on a mismatch"
+    )
     ap.add_argument("--backend", default="sdpa", choices=("sdpa", "flex", "flash"), help="tree attention backend")
     ap.add_argument("--seq-len", type=int, default=None, help="row length (default: chosen per batch)")
     ap.add_argument("--min-shared-len", type=int, default=16)
@@ -146,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = compare(packed, stock)
     for line in bad:
         print(f"check: MISMATCH {line}")
-    print(f"check: {'FAILED' if bad else 'ok'}: {len(stock['loss'])} steps, loss and grad_norm within 1e-5 abs / 1e-4 rel of stock TRL, same completions")
+    print(
+        f"check: {'FAILED' if bad else 'ok'}: {len(stock['loss'])} steps, loss and grad_norm within 1e-5 abs / 1e-4 rel of stock TRL, same completions"
+    )
     return 1 if bad else 0
 
 

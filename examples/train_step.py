@@ -65,12 +65,25 @@ def main() -> None:
 
     seqs, trainable, groups = make_batch()
     print(f"planner: {'sidecar at ' + args.url if args.url else 'embedded Packer'}")
-    plan = obtain_plan(seqs, planner=args.url, seq_len=args.seq_len, min_shared_len=16, trainable=trainable, groups=groups)
+    plan = obtain_plan(
+        seqs, planner=args.url, seq_len=args.seq_len, min_shared_len=16, trainable=trainable, groups=groups
+    )
     st = plan.stats
-    print(f"plan: {st.sequences} sequences, {st.unpacked_tokens} tokens unpacked -> {st.rows} rows of {plan.seq_len} "
-          f"({st.packed_tokens} packed tokens, {st.saved_fraction:.0%} saved, lower bound {st.lower_bound_rows} rows)")
+    print(
+        f"plan: {st.sequences} sequences, {st.unpacked_tokens} tokens unpacked -> {st.rows} rows of {plan.seq_len} "
+        f"({st.packed_tokens} packed tokens, {st.saved_fraction:.0%} saved, lower bound {st.lower_bound_rows} rows)"
+    )
 
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     model = Qwen3ForCausalLM(cfg).float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_model = copy.deepcopy(model) if args.check else None
@@ -98,8 +111,10 @@ def main() -> None:
         check_grads = {n: p.grad.clone() for n, p in model.named_parameters()} if args.check else None
         opt.step()
         opt.zero_grad()
-        print(f"step: loss {float(loss.detach()):.6f}, grad norm {float(norm):.4f}, "
-              f"materialize+old logprobs {1e3 * (t1 - t0):.0f} ms, forward+backward+step {1e3 * (time.perf_counter() - t1):.0f} ms")
+        print(
+            f"step: loss {float(loss.detach()):.6f}, grad norm {float(norm):.4f}, "
+            f"materialize+old logprobs {1e3 * (t1 - t0):.0f} ms, forward+backward+step {1e3 * (time.perf_counter() - t1):.0f} ms"
+        )
     else:
         print(f"forward only (flex on CPU): loss {float(loss.detach()):.6f}")
 
@@ -108,15 +123,31 @@ def main() -> None:
         seq_lp = []
         for seq in seqs:
             x = torch.as_tensor(seq)[None]
-            lp = torch.log_softmax(ref_model(input_ids=x, use_cache=False).logits[0, :-1], -1).gather(1, x[0, 1:, None]).squeeze(1)
+            lp = (
+                torch.log_softmax(ref_model(input_ids=x, use_cache=False).logits[0, :-1], -1)
+                .gather(1, x[0, 1:, None])
+                .squeeze(1)
+            )
             seq_lp.append(torch.cat([lp.new_zeros(1), lp]))
         flags = [torch.arange(len(s)) >= p for s, p in zip(seqs, trainable)]
-        ref = naive_ppo_clip_loss(seq_lp, flags, advantages=adv, old_logprobs=[torch.nan_to_num(o) for o in old], groups=groups, normalization="token")
+        ref = naive_ppo_clip_loss(
+            seq_lp,
+            flags,
+            advantages=adv,
+            old_logprobs=[torch.nan_to_num(o) for o in old],
+            groups=groups,
+            normalization="token",
+        )
         diff_lp = max(float((a[1:][f[1:]] - b.detach()[1:][f[1:]]).abs().max()) for a, b, f in zip(old, seq_lp, flags))
-        print(f"check: packed loss {float(loss.detach()):.8f} vs unpacked {float(ref.detach()):.8f}; max |logprob diff| {diff_lp:.2e}")
+        print(
+            f"check: packed loss {float(loss.detach()):.8f} vs unpacked {float(ref.detach()):.8f}; max |logprob diff| {diff_lp:.2e}"
+        )
         if args.backend != "flex":
             ref.backward()
-            rel = max(float((check_grads[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in ref_model.named_parameters())
+            rel = max(
+                float((check_grads[n] - p.grad).abs().max() / p.grad.abs().max())
+                for n, p in ref_model.named_parameters()
+            )
             print(f"check: max relative gradient difference {rel:.2e}")
 
 

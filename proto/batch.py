@@ -71,7 +71,7 @@ class SequenceBatch:
         if self.trainable is not None:
             return self.trainable[s]
         out = np.zeros(int(self.lens[s]), dtype=bool)
-        out[int(self.prompt_lens[s]):] = True
+        out[int(self.prompt_lens[s]) :] = True
         return out
 
     def flat_trainable(self) -> np.ndarray | None:
@@ -147,15 +147,31 @@ class PackInput:
                 a :class:`PackInput` with more arguments.
         """
         if isinstance(sequences, PackInput):
-            if options is not None or option_kwargs or any(v is not None for v in (trainable, groups, keys, tags)) or record is not True:
-                raise InputTypeError("give a PackInput alone, or sequences with their arguments, not both", path="$", rule="exclusive")
+            if (
+                options is not None
+                or option_kwargs
+                or any(v is not None for v in (trainable, groups, keys, tags))
+                or record is not True
+            ):
+                raise InputTypeError(
+                    "give a PackInput alone, or sequences with their arguments, not both", path="$", rule="exclusive"
+                )
             return sequences
         opts = as_options(options, option_kwargs)
-        return cls(sequences=sequences, options=opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record)
+        return cls(
+            sequences=sequences, options=opts, trainable=trainable, groups=groups, keys=keys, tags=tags, record=record
+        )
 
     def normalize(self, seq_len: int, on_overflow: str) -> SequenceBatch:
         """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``."""
-        return normalize_batch(self.sequences, seq_len=seq_len, trainable=self.trainable, groups=self.groups, keys=self.keys, on_overflow=on_overflow)
+        return normalize_batch(
+            self.sequences,
+            seq_len=seq_len,
+            trainable=self.trainable,
+            groups=self.groups,
+            keys=self.keys,
+            on_overflow=on_overflow,
+        )
 
 
 def _as_tokens(x: Any, i: int) -> np.ndarray:
@@ -216,7 +232,11 @@ def as_trainable(x: Any, n: int, path: str, *, placed: int | None = None) -> tup
 
 
 def normalize_trainable(
-    trainable: Sequence[Any] | None, seq_lens: np.ndarray, orig_lens: np.ndarray | None = None, *, path: str = "$.trainable"
+    trainable: Sequence[Any] | None,
+    seq_lens: np.ndarray,
+    orig_lens: np.ndarray | None = None,
+    *,
+    path: str = "$.trainable",
 ) -> Callable[[int], np.ndarray]:
     """Per-sequence trainable flags cut to the placed lengths (the trainer's view of a plan).
 
@@ -235,7 +255,9 @@ def normalize_trainable(
     if trainable is None:
         return lambda s: np.zeros(int(seq_lens[s]), dtype=bool)
     if len(trainable) != S:
-        raise RequestError(f"trainable has {len(trainable)} entries for the plan's {S} sequences", path=path, rule="length_mismatch")
+        raise RequestError(
+            f"trainable has {len(trainable)} entries for the plan's {S} sequences", path=path, rule="length_mismatch"
+        )
 
     def flags(s: int) -> np.ndarray:
         n = int(seq_lens[s])
@@ -251,7 +273,9 @@ def _as_keys(x: Any, n: int, i: int) -> np.ndarray | None:
     path = f"$.sequences[{i}].keys"
     arr = np.asarray(x)
     if arr.ndim != 1 or arr.shape[0] != n:
-        raise RequestError(f"keys must be one uint64 per token ({n}), got shape {arr.shape}", path=path, rule="length_mismatch")
+        raise RequestError(
+            f"keys must be one uint64 per token ({n}), got shape {arr.shape}", path=path, rule="length_mismatch"
+        )
     if arr.dtype.kind not in "iu":
         raise InputTypeError(f"expected integer keys, got dtype {arr.dtype}", path=path, rule="dtype")
     if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
@@ -268,7 +292,9 @@ def group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple
     if groups is None:
         return np.arange(n, dtype=np.int64), (None,) * n
     if len(groups) != n:
-        raise RequestError(f"groups has {len(groups)} entries for {n} sequences", path="$.groups", rule="length_mismatch")
+        raise RequestError(
+            f"groups has {len(groups)} entries for {n} sequences", path="$.groups", rule="length_mismatch"
+        )
     codes = np.empty(n, dtype=np.int64)
     index: dict[Any, int] = {}
     labels: list[Any] = []
@@ -278,11 +304,17 @@ def group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple
             labels.append(None)
             continue
         if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str, np.integer)):
-            raise InputTypeError(f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type")
+            raise InputTypeError(
+                f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type"
+            )
         key = int(g) if isinstance(g, np.integer) else g
         # The wire's limits, so the embedded planner and the sidecar accept the same batches.
         if isinstance(key, str) and len(key) > MAX_GROUP_LABEL:
-            raise RequestError(f"group label has {len(key)} characters, at most {MAX_GROUP_LABEL}", path=f"$.groups[{s}]", rule="max_length")
+            raise RequestError(
+                f"group label has {len(key)} characters, at most {MAX_GROUP_LABEL}",
+                path=f"$.groups[{s}]",
+                rule="max_length",
+            )
         if isinstance(key, int) and not -(2**63) <= key < 2**63:
             raise RequestError(f"group id {key} does not fit int64", path=f"$.groups[{s}]", rule="int64")
         c = index.get(key)
@@ -331,7 +363,9 @@ def normalize_batch(
     train_tuple: tuple[np.ndarray, ...] | None = None
     prompt_lens: np.ndarray | None = prompt
     if trainable is not None and any(p.flags is not None for p in per):
-        train_tuple = tuple(p.flags if p.flags is not None else _prompt_mask(int(lens[s]), p.prompt) for s, p in enumerate(per))
+        train_tuple = tuple(
+            p.flags if p.flags is not None else _prompt_mask(int(lens[s]), p.prompt) for s, p in enumerate(per)
+        )
         prompt_lens = None
     codes, labels = group_codes(groups, n)
     return SequenceBatch(
@@ -356,7 +390,9 @@ def _check_counts(sequences: Any, trainable: Any, keys: Any) -> int:
     if n == 0:
         raise RequestError("the batch is empty: at least one sequence is needed", path="$.sequences", rule="non_empty")
     if trainable is not None and len(trainable) != n:
-        raise RequestError(f"trainable has {len(trainable)} entries for {n} sequences", path="$.trainable", rule="length_mismatch")
+        raise RequestError(
+            f"trainable has {len(trainable)} entries for {n} sequences", path="$.trainable", rule="length_mismatch"
+        )
     if keys is not None and len(keys) != n:
         raise RequestError(f"keys has {len(keys)} entries for {n} sequences", path="$.keys", rule="length_mismatch")
     return n

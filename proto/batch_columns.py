@@ -36,7 +36,16 @@ import numpy as np
 from treepack.proto.batch import normalize_batch
 from treepack.proto.messages import MAX_SEQ_LEN
 
-__all__ = ["Column", "BatchColumns", "BodyChunks", "batch_columns", "prefix_refs", "naive_prefix_refs", "msgpack_parts", "msgpack_body"]
+__all__ = [
+    "Column",
+    "BatchColumns",
+    "BodyChunks",
+    "batch_columns",
+    "prefix_refs",
+    "naive_prefix_refs",
+    "msgpack_parts",
+    "msgpack_body",
+]
 
 _U4, _U8, _I8, _BOOL = np.dtype("<u4"), np.dtype("<u8"), np.dtype("<i8"), np.dtype(np.bool_)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -94,7 +103,9 @@ def _wire_tokens(sequences: Sequence[Any]) -> list[np.ndarray] | None:
     return list(sequences)
 
 
-def _wire_trainable(trainable: Sequence[Any], lens: np.ndarray) -> tuple[np.ndarray | None, list[np.ndarray] | None] | None:
+def _wire_trainable(
+    trainable: Sequence[Any], lens: np.ndarray
+) -> tuple[np.ndarray | None, list[np.ndarray] | None] | None:
     """(prompt lengths, None) or (None, flag parts) when already in wire form, else None."""
     if not isinstance(trainable, (list, tuple)) or len(trainable) != lens.shape[0]:
         return None
@@ -161,7 +172,9 @@ def _lcp(a: np.ndarray, b: np.ndarray, m: int) -> int:
     return m
 
 
-def prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_prefix: int) -> tuple[np.ndarray, np.ndarray] | None:
+def prefix_refs(
+    tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_prefix: int
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Prefix references (module docstring).
 
     Args:
@@ -210,7 +223,9 @@ def prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_
     return (np.array(src, dtype=np.int64), np.array(plen, dtype=np.int64)) if found else None
 
 
-def naive_prefix_refs(tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_prefix: int) -> tuple[np.ndarray, np.ndarray] | None:
+def naive_prefix_refs(
+    tokens: Sequence[np.ndarray], groups: Sequence[Any] | None, min_prefix: int
+) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`prefix_refs` token by token (the reference the tests hold it to)."""
     n = len(tokens)
     src, plen = np.full(n, -1, np.int64), np.zeros(n, np.int64)
@@ -258,13 +273,22 @@ def batch_columns(
     slow = toks is None or (trainable is not None and train is None) or (keys is not None and key_parts is None)
     if slow or (groups is not None and grp is None):
         # Capacity is the server's check (it applies on_overflow): no seq_len limit here.
-        batch = normalize_batch(sequences, seq_len=MAX_SEQ_LEN, trainable=trainable, groups=groups, keys=keys, on_overflow="error")
+        batch = normalize_batch(
+            sequences, seq_len=MAX_SEQ_LEN, trainable=trainable, groups=groups, keys=keys, on_overflow="error"
+        )
         toks = [t if t.dtype == _U4 else t.astype(_U4) for t in batch.tokens]
         lens = batch.lens
         if trainable is not None:
-            train = (batch.prompt_lens, None) if batch.trainable is None else (None, [f.view(np.uint8) for f in batch.trainable])
+            train = (
+                (batch.prompt_lens, None)
+                if batch.trainable is None
+                else (None, [f.view(np.uint8) for f in batch.trainable])
+            )
         if batch.keys is not None:
-            key_parts = [np.zeros(int(m), _U8) if k is None else k.astype(_U8, copy=False) for k, m in zip(batch.keys, lens.tolist())]
+            key_parts = [
+                np.zeros(int(m), _U8) if k is None else k.astype(_U8, copy=False)
+                for k, m in zip(batch.keys, lens.tolist())
+            ]
         if groups is not None:
             grp = [int(g) if isinstance(g, np.integer) else g for g in groups]
     refs = prefix_refs(toks, grp, min_prefix) if dedup else None

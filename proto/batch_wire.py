@@ -50,7 +50,9 @@ def _offsets(msg: PackRequest, num_tokens: int) -> np.ndarray:
     step = np.diff(off)
     if step.size and step.min() < 0:
         i = int(np.argmax(step < 0)) + 1
-        raise RequestError(f"offsets must not decrease: {int(off[i])} after {int(off[i - 1])}", path=f"$.offsets[{i}]", rule="monotone")
+        raise RequestError(
+            f"offsets must not decrease: {int(off[i])} after {int(off[i - 1])}", path=f"$.offsets[{i}]", rule="monotone"
+        )
     if off[-1] != num_tokens:
         what = "points past the end of" if off[-1] > num_tokens else "leaves tokens unused at the end of"
         raise RequestError(
@@ -69,20 +71,34 @@ def _trainable_columns(msg: PackRequest, off: np.ndarray, num_tokens: int) -> np
     if msg.trainable is not None:
         flags = decode_buffer(msg.trainable, "|u1", "$.trainable")
         if flags.shape[0] != num_tokens:
-            raise RequestError(f"trainable has {flags.shape[0]} flags for {num_tokens} tokens", path="$.trainable", rule="length_mismatch")
+            raise RequestError(
+                f"trainable has {flags.shape[0]} flags for {num_tokens} tokens",
+                path="$.trainable",
+                rule="length_mismatch",
+            )
         if flags.size and flags.max() > 1:
             i = int(np.argmax(flags > 1))
-            raise RequestError(f"trainable flags must be 0 or 1, got {int(flags[i])}", path=f"$.trainable[{i}]", rule="flag")
+            raise RequestError(
+                f"trainable flags must be 0 or 1, got {int(flags[i])}", path=f"$.trainable[{i}]", rule="flag"
+            )
         return flags.view(np.bool_)  # 0/1 bytes are valid bools: no copy
     if msg.prompt_lens is not None:
         plen = decode_buffer(msg.prompt_lens, "<i8", "$.prompt_lens")
         if plen.shape[0] != s:
-            raise RequestError(f"prompt_lens has {plen.shape[0]} entries for {s} sequences", path="$.prompt_lens", rule="length_mismatch")
+            raise RequestError(
+                f"prompt_lens has {plen.shape[0]} entries for {s} sequences",
+                path="$.prompt_lens",
+                rule="length_mismatch",
+            )
         lens = np.diff(off)
         bad = (plen < 0) | (plen > lens)
         if bad.any():
             i = int(np.argmax(bad))
-            raise RequestError(f"prompt length must be in [0, {int(lens[i])}], got {int(plen[i])}", path=f"$.prompt_lens[{i}]", rule="range")
+            raise RequestError(
+                f"prompt length must be in [0, {int(lens[i])}], got {int(plen[i])}",
+                path=f"$.prompt_lens[{i}]",
+                rule="range",
+            )
         return plen
     return None
 
@@ -90,7 +106,11 @@ def _trainable_columns(msg: PackRequest, off: np.ndarray, num_tokens: int) -> np
 def _prefixes(msg: PackRequest, own: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(prefix_src, prefix_len) checked against the own lengths, or None when absent."""
     if (msg.prefix_src is None) != (msg.prefix_len is None):
-        raise RequestError("prefix_src and prefix_len go together", path="$.prefix_len" if msg.prefix_len is None else "$.prefix_src", rule="together")
+        raise RequestError(
+            "prefix_src and prefix_len go together",
+            path="$.prefix_len" if msg.prefix_len is None else "$.prefix_src",
+            rule="together",
+        )
     if msg.prefix_src is None:
         return None
     s = own.shape[0]
@@ -98,12 +118,18 @@ def _prefixes(msg: PackRequest, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     plen = decode_buffer(msg.prefix_len, "<i8", "$.prefix_len")
     for name, col in (("prefix_src", src), ("prefix_len", plen)):
         if col.shape[0] != s:
-            raise RequestError(f"{name} has {col.shape[0]} entries for {s} sequences", path=f"$.{name}", rule="length_mismatch")
+            raise RequestError(
+                f"{name} has {col.shape[0]} entries for {s} sequences", path=f"$.{name}", rule="length_mismatch"
+            )
     idx = np.arange(s)
     bad = (src < -1) | (src >= idx)
     if bad.any():
         i = int(np.argmax(bad))
-        raise RequestError(f"prefix_src[{i}] must be -1 or an earlier sequence, got {int(src[i])}", path=f"$.prefix_src[{i}]", rule="earlier")
+        raise RequestError(
+            f"prefix_src[{i}] must be -1 or an earlier sequence, got {int(src[i])}",
+            path=f"$.prefix_src[{i}]",
+            rule="earlier",
+        )
     full = plen + own
     limit = np.where(src >= 0, full[np.maximum(src, 0)], 0)
     bad = (plen < 0) | (plen > limit)
@@ -161,13 +187,19 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> PackInpu
     if msg.keys is not None:
         key_col = decode_buffer(msg.keys, "<u8", "$.keys")
         if key_col.shape[0] != t:
-            raise RequestError(f"keys has {key_col.shape[0]} entries for {t} tokens", path="$.keys", rule="length_mismatch")
+            raise RequestError(
+                f"keys has {key_col.shape[0]} entries for {t} tokens", path="$.keys", rule="length_mismatch"
+            )
     if msg.tags is not None and len(msg.tags) != s:
         raise RequestError(f"tags has {len(msg.tags)} entries for {s} sequences", path="$.tags", rule="length_mismatch")
     if limits.max_tokens is not None and t > limits.max_tokens:
-        raise PayloadTooLargeError(f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens")
+        raise PayloadTooLargeError(
+            f"{t} tokens, over the limit of {limits.max_tokens}", path="$.tokens", rule="max_tokens"
+        )
     if limits.max_sequences is not None and s > limits.max_sequences:
-        raise PayloadTooLargeError(f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences")
+        raise PayloadTooLargeError(
+            f"{s} sequences, over the limit of {limits.max_sequences}", path="$.offsets", rule="max_sequences"
+        )
     bounds = list(zip(full_off[:-1].tolist(), full_off[1:].tolist()))
     sequences = [tokens[a:b] for a, b in bounds] if pref is None else _rebuild(tokens, own_off, pref[0], pref[1])
     trainable = None
@@ -178,20 +210,49 @@ def decode_pack_request(msg: PackRequest, limits: Limits = Limits()) -> PackInpu
     keys = None if key_col is None else [key_col[a:b] for a, b in bounds]
     options = PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES})
     tags = None if msg.tags is None else tuple(msg.tags)
-    return PackInput(sequences=sequences, trainable=trainable, groups=msg.groups, keys=keys, options=options, record=msg.record, tags=tags)
+    return PackInput(
+        sequences=sequences,
+        trainable=trainable,
+        groups=msg.groups,
+        keys=keys,
+        options=options,
+        record=msg.record,
+        tags=tags,
+    )
 
 
 def _request_fields(request: PackInput, *, dedup: bool = True, min_prefix: int = 64) -> dict[str, Any]:
     """The ``PackRequest`` fields in order, buffers as :class:`Column` s or little-endian arrays."""
     opts = request.options.to_wire()
-    cols = batch_columns(request.sequences, trainable=request.trainable, groups=request.groups, keys=request.keys, dedup=dedup, min_prefix=min_prefix)
+    cols = batch_columns(
+        request.sequences,
+        trainable=request.trainable,
+        groups=request.groups,
+        keys=request.keys,
+        dedup=dedup,
+        min_prefix=min_prefix,
+    )
     record = request.record
     fields: dict[str, Any] = {
         "version": 1,
         "seq_len": opts["seq_len"],
         "tokens": cols.tokens,
         "offsets": _le(cols.offsets),
-        **{k: opts[k] for k in ("min_shared_len", "placement", "num_ranks", "on_overflow", "conv_width", "share_trainable", "min_shared_saving", "repair_ms", "cp_size", "cp_attention")},
+        **{
+            k: opts[k]
+            for k in (
+                "min_shared_len",
+                "placement",
+                "num_ranks",
+                "on_overflow",
+                "conv_width",
+                "share_trainable",
+                "min_shared_saving",
+                "repair_ms",
+                "cp_size",
+                "cp_attention",
+            )
+        },
         "record": bool(record) if isinstance(record, np.bool_) else record,
     }
     if cols.trainable is not None:
@@ -214,7 +275,9 @@ def _le(arr: np.ndarray) -> np.ndarray:
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
 
-def encode_pack_request(request: PackInput, *, fmt: Format = "msgpack", dedup: bool = True, min_prefix: int = 64) -> dict[str, Any]:
+def encode_pack_request(
+    request: PackInput, *, fmt: Format = "msgpack", dedup: bool = True, min_prefix: int = 64
+) -> dict[str, Any]:
     """Build a ``PackRequest`` message from a :class:`~treepack.proto.batch.PackInput` (client side).
 
     Only what cannot be written as its column is checked here (with the embedded

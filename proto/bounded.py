@@ -78,7 +78,14 @@ def _specs() -> tuple[Spec, Spec]:
     pack = _spec(m.PackRequest, {**{b: BUFFER for b in buffers}, "groups": SCALARS, "tags": SCALARS})
     shape = _spec(
         m.BatchShapeMessage,
-        {"seq_ptr": BUFFER, "run_hash": BUFFER, "run_len": BUFFER, "first_trainable": BUFFER, "groups": SCALARS, "tags": SCALARS},
+        {
+            "seq_ptr": BUFFER,
+            "run_hash": BUFFER,
+            "run_len": BUFFER,
+            "first_trainable": BUFFER,
+            "groups": SCALARS,
+            "tags": SCALARS,
+        },
     )
     comp = _spec(m.Composition, {"by_tag": STRMAP})
     whatif = _spec(m.WhatIfRequest, {"compositions": ListOf(comp), "shapes": ListOf(shape)})
@@ -149,7 +156,9 @@ class _Walk:
     def room(self, count: int, per_item: int) -> None:
         """A container announcing ``count`` items: each takes at least ``per_item`` bytes of what is left."""
         if count * per_item > self.n - self.u.tell():
-            raise DecodeError(f"malformed msgpack: a container of {count} items is longer than the body", path="$", rule="msgpack")
+            raise DecodeError(
+                f"malformed msgpack: a container of {count} items is longer than the body", path="$", rule="msgpack"
+            )
 
     def skip(self, kind: str) -> Any:
         self.u.skip()
@@ -264,7 +273,9 @@ def _msgpack(body: bytes | bytearray | memoryview, spec: Spec, check: Callable[[
         if walk.u.tell() != walk.n:
             raise DecodeError("msgpack body has trailing bytes after the first object", path="$", rule="msgpack")
     except msgpack.OutOfData:
-        raise DecodeError("malformed msgpack: the body ends in the middle of an object", path="$", rule="msgpack") from None
+        raise DecodeError(
+            "malformed msgpack: the body ends in the middle of an object", path="$", rule="msgpack"
+        ) from None
     except (DecodeError, PayloadTooLargeError):
         raise
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
@@ -285,7 +296,9 @@ def json_price(body: bytes | bytearray | memoryview) -> int:
     return len(b) + 240 * containers + 64 * items
 
 
-def decode_request(body: bytes | bytearray | memoryview, fmt: Format, spec: Spec, *, check: Callable[[], None] | None = None) -> Any:
+def decode_request(
+    body: bytes | bytearray | memoryview, fmt: Format, spec: Spec, *, check: Callable[[], None] | None = None
+) -> Any:
     """Decode a request body within :func:`decode_budget` of its size (module docstring).
 
     Args:

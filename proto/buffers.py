@@ -27,7 +27,16 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError, RequestError
 
-__all__ = ["DTYPES", "exact_sum", "decode_buffer", "encode_buffer", "encode_request_buffer", "array_to_wire", "array_from_wire", "Format"]
+__all__ = [
+    "DTYPES",
+    "exact_sum",
+    "decode_buffer",
+    "encode_buffer",
+    "encode_request_buffer",
+    "array_to_wire",
+    "array_from_wire",
+    "Format",
+]
 
 Format = Literal["msgpack", "json"]
 
@@ -199,18 +208,24 @@ def array_from_wire(obj: Any, *, dtype: str, ndim: int, path: str) -> np.ndarray
         try:
             got, shape, data = obj.dtype, obj.shape, obj.data
         except AttributeError:
-            raise InputTypeError(f"expected an array object, got {type(obj).__name__}", path=path, rule="type") from None
+            raise InputTypeError(
+                f"expected an array object, got {type(obj).__name__}", path=path, rule="type"
+            ) from None
     if got != dtype:
         raise RequestError(f"expected dtype {dtype}, got {got!r}", path=f"{path}.dtype", rule="dtype")
     if type(shape) is not list or len(shape) != ndim or any(type(d) is not int or d < 0 for d in shape):
-        raise RequestError(f"expected a shape of {ndim} non-negative ints, got {shape!r}", path=f"{path}.shape", rule="shape")
+        raise RequestError(
+            f"expected a shape of {ndim} non-negative ints, got {shape!r}", path=f"{path}.shape", rule="shape"
+        )
     if type(data) is bytes and len(data) % _ITEMSIZE[dtype] == 0:
         flat = np.frombuffer(data, dtype=dtype)  # the common case, msgpack; decode_buffer names any fault
     else:
         flat = decode_buffer(data, dtype, f"{path}.data")
     size = math.prod(shape)
     if flat.shape[0] != size:
-        raise RequestError(f"shape {shape} needs {size} items, data holds {flat.shape[0]}", path=f"{path}.data", rule="shape")
+        raise RequestError(
+            f"shape {shape} needs {size} items, data holds {flat.shape[0]}", path=f"{path}.data", rule="shape"
+        )
     out = np.empty(shape, dtype=flat.dtype.newbyteorder("="))
     out.reshape(-1)[:] = flat
     return out

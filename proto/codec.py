@@ -73,7 +73,9 @@ def request_format(header: str | None, *, default: Format = "msgpack") -> Format
     fmt = _TYPES.get(media)
     if fmt is None:
         raise UnsupportedMediaTypeError(
-            f"Content-Type {_clip(media)!r} is not spoken here; use {MSGPACK} or {JSON}", path="Content-Type", rule="media_type"
+            f"Content-Type {_clip(media)!r} is not spoken here; use {MSGPACK} or {JSON}",
+            path="Content-Type",
+            rule="media_type",
         )
     return fmt
 
@@ -107,7 +109,9 @@ def response_format(header: str | None, *, default: Format) -> Format:
             best = key
     if best is None:
         raise UnsupportedMediaTypeError(
-            f"Accept {_clip(header)!r} names no format spoken here; accept {MSGPACK} or {JSON}", path="Accept", rule="media_type"
+            f"Accept {_clip(header)!r} names no format spoken here; accept {MSGPACK} or {JSON}",
+            path="Accept",
+            rule="media_type",
         )
     return best[2]
 
@@ -172,18 +176,27 @@ def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = Tru
         except _DuplicateKey as exc:
             raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="duplicate_key") from None
         except msgpack.ExtraData:
-            raise DecodeError("msgpack body has trailing bytes after the first object", path="$", rule="msgpack") from None
+            raise DecodeError(
+                "msgpack body has trailing bytes after the first object", path="$", rule="msgpack"
+            ) from None
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             # Truncated data, bad type bytes, non-string map keys, invalid UTF-8 strings.
             raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="msgpack") from None
     try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=hook, parse_float=whole_number if whole_floats else None)
+        return json.loads(
+            body,
+            parse_constant=_reject_constant,
+            object_pairs_hook=hook,
+            parse_float=whole_number if whole_floats else None,
+        )
     except _DuplicateKey as exc:
         raise DecodeError(f"malformed JSON: {exc}", path="$", rule="duplicate_key") from None
     except UnicodeDecodeError as exc:
         raise DecodeError(f"JSON body is not UTF-8: {exc.reason} at byte {exc.start}", path="$", rule="json") from None
     except json.JSONDecodeError as exc:
-        raise DecodeError(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", path="$", rule="json") from None
+        raise DecodeError(
+            f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", path="$", rule="json"
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise DecodeError(f"malformed JSON: {exc}", path="$", rule="json") from None
 
@@ -206,15 +219,21 @@ def check_version(obj: Any) -> None:
     if not isinstance(obj, dict):
         raise InputTypeError(f"expected a map (object) at the top level, got {_type_name(obj)}", path="$", rule="type")
     if "version" not in obj:
-        raise RequestError(f"missing required field `version` (this build speaks {WIRE_VERSION})", path="$.version", rule="required")
+        raise RequestError(
+            f"missing required field `version` (this build speaks {WIRE_VERSION})", path="$.version", rule="required"
+        )
     v = obj["version"]
     if type(v) is not int:
         raise InputTypeError(f"version must be an integer, got {_type_name(v)}", path="$.version", rule="type")
     if v != WIRE_VERSION:
-        raise UnsupportedVersionError(f"wire version {v} is not supported; this build speaks {WIRE_VERSION}", path="$.version", rule="version")
+        raise UnsupportedVersionError(
+            f"wire version {v} is not supported; this build speaks {WIRE_VERSION}", path="$.version", rule="version"
+        )
 
 
-_TAG = re.compile(r"^(constrained-|function-|lax-|json-or-python|tagged-union|nullable|literal\[|list\[|dict\[|(int|str|float|bool|bytes|none)$)")
+_TAG = re.compile(
+    r"^(constrained-|function-|lax-|json-or-python|tagged-union|nullable|literal\[|list\[|dict\[|(int|str|float|bool|bytes|none)$)"
+)
 
 
 def json_path(loc: tuple[Any, ...]) -> str:
@@ -240,7 +259,9 @@ def _clip(text: str) -> str:
 
 
 def _type_name(v: Any) -> str:
-    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "null"}.get(type(v), type(v).__name__)
+    return {dict: "map", list: "array", str: "string", bytes: "binary", type(None): "null"}.get(
+        type(v), type(v).__name__
+    )
 
 
 def _short(v: Any) -> str:
@@ -266,7 +287,9 @@ def _convert(err: ValidationError) -> RequestError:
     kind = first["type"]
     got = first.get("input")
     if kind == "missing":
-        return RequestError(f"missing required field `{_clip(str(first['loc'][-1]))}`{tail}", path=path, rule="required")
+        return RequestError(
+            f"missing required field `{_clip(str(first['loc'][-1]))}`{tail}", path=path, rule="required"
+        )
     if kind == "extra_forbidden":
         return RequestError(f"unknown field `{_clip(str(first['loc'][-1]))}`{tail}", path=path, rule="unknown_field")
     if all(e["type"].endswith("_type") or e["type"] == "none_required" for e in same):

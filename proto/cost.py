@@ -79,7 +79,9 @@ def cost_terms(backend: str, mixers: Sequence[str] = ()) -> tuple[str, ...]:
     terms = list(BASE_TERMS) + (["gathered_keys"] if backend == "flash" else [])
     for i, kind in enumerate(mixers):
         if kind not in MIXER_KINDS:
-            raise CostModelError(f"mixer kind must be one of {MIXER_KINDS}, got {kind!r}", path=f"$.mixers[{i}]", rule="enum")
+            raise CostModelError(
+                f"mixer kind must be one of {MIXER_KINDS}, got {kind!r}", path=f"$.mixers[{i}]", rule="enum"
+            )
         terms += ["sparse.pairs"] if kind == "sparse" else [f"{kind}.{t}" for t in _RECURRENT_TERMS]
     if len(set(terms)) != len(terms):
         raise CostModelError(f"mixer kinds repeat: {list(mixers)}", path="$.mixers", rule="unique")
@@ -201,13 +203,19 @@ class CostModel:
         extra = [t for t in self.coefficients if t not in terms]
         if missing or extra:
             what = f"missing {missing}" if missing else f"unknown {extra}"
-            raise CostModelError(f"coefficients must be exactly {list(terms)}: {what}", path="$.coefficients", rule="terms")
+            raise CostModelError(
+                f"coefficients must be exactly {list(terms)}: {what}", path="$.coefficients", rule="terms"
+            )
         for t in terms:
             v = self.coefficients[t]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise CostModelError(f"coefficient must be a finite number >= 0, got {v!r}", path=f"$.coefficients.{t}", rule="range")
+                raise CostModelError(
+                    f"coefficient must be a finite number >= 0, got {v!r}", path=f"$.coefficients.{t}", rule="range"
+                )
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise CostModelError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}", path="$.chunk_size", rule="range")
+            raise CostModelError(
+                f"chunk_size must be an integer >= 1, got {self.chunk_size!r}", path="$.chunk_size", rule="range"
+            )
 
     @property
     def terms(self) -> tuple[str, ...]:
@@ -263,7 +271,11 @@ class CostModel:
         if not isinstance(d, dict):
             raise CostModelError(f"a cost model is a JSON object, got {type(d).__name__}", path="$", rule="type")
         if d.get("format") != COST_FORMAT:
-            raise CostModelError(f"not a treepack cost model: format is {d.get('format')!r}, expected {COST_FORMAT!r}", path="$.format", rule="format")
+            raise CostModelError(
+                f"not a treepack cost model: format is {d.get('format')!r}, expected {COST_FORMAT!r}",
+                path="$.format",
+                rule="format",
+            )
         if d.get("version") != COST_VERSION:
             raise CostModelError(
                 f"cost model version {d.get('version')!r} is not supported (this build reads {COST_VERSION}); recalibrate",
@@ -276,12 +288,16 @@ class CostModel:
             raise CostModelError(f"unknown field {unknown[0]!r}", path=f"$.{unknown[0]}", rule="unknown")
         for name, typ in (("backend", str), ("mixers", list), ("coefficients", dict)):
             if not isinstance(d.get(name), typ):
-                raise CostModelError(f"{name} must be a {typ.__name__}, got {type(d.get(name)).__name__}", path=f"$.{name}", rule="type")
+                raise CostModelError(
+                    f"{name} must be a {typ.__name__}, got {type(d.get(name)).__name__}", path=f"$.{name}", rule="type"
+                )
         for name in ("device", "description"):
             if not isinstance(d.get(name, ""), str):
                 raise CostModelError(f"{name} must be a string", path=f"$.{name}", rule="type")
         fit = d.get("fit", {})
-        if not isinstance(fit, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in fit.values()):
+        if not isinstance(fit, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in fit.values()
+        ):
             raise CostModelError("fit must be an object of numbers", path="$.fit", rule="type")
         return cls(
             backend=d["backend"],
@@ -379,7 +395,11 @@ def fit_cost_model(
     X = np.asarray(features, dtype=np.float64)
     t = np.asarray(times_ms, dtype=np.float64)
     if X.ndim != 2 or X.shape[1] != len(terms) or t.shape != (X.shape[0],):
-        raise CostModelError(f"features must be [batches, {len(terms)}] and times [batches], got {X.shape} and {t.shape}", path="$.features", rule="shape")
+        raise CostModelError(
+            f"features must be [batches, {len(terms)}] and times [batches], got {X.shape} and {t.shape}",
+            path="$.features",
+            rule="shape",
+        )
     if X.shape[0] == 0 or not (np.isfinite(t).all() and (t > 0).all()):
         raise CostModelError("need at least one batch, every time finite and > 0", path="$.times_ms", rule="range")
     A = X / t[:, None]

@@ -80,7 +80,13 @@ class TreepackError(Exception):
 
     def to_payload(self) -> dict:
         """The error as the service sends it: ``{"version", "error": kind, "message", "path", "rule"}``."""
-        return {"version": WIRE_VERSION, "error": self.kind, "message": self.message, "path": self.path, "rule": self.rule}
+        return {
+            "version": WIRE_VERSION,
+            "error": self.kind,
+            "message": self.message,
+            "path": self.path,
+            "rule": self.rule,
+        }
 
 
 class RequestError(TreepackError, ValueError):

@@ -189,7 +189,14 @@ class HistoryStore:
         HistoryDamaged: the file cannot be opened as a history (module docstring).
     """
 
-    def __init__(self, path: str | Path | None, *, max_batches: int = 1000, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        max_batches: int = 1000,
+        max_age_s: float | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.path = None if path is None else str(path)
         self.max_batches = max_batches
         self.max_age_s = max_age_s
@@ -205,11 +212,16 @@ class HistoryStore:
             if problem is not None:
                 raise HistoryPathError(problem)
             if Path(self.path).exists() and Path(self.path).stat().st_size == 0:
-                raise HistoryDamaged(f"history database {where} is an empty (zero-length) file, not a history", "an empty (zero-length) file")
+                raise HistoryDamaged(
+                    f"history database {where} is an empty (zero-length) file, not a history",
+                    "an empty (zero-length) file",
+                )
         try:
             self._conn = sqlite3.connect(where, check_same_thread=False, isolation_level=None, timeout=30.0)
         except (OSError, sqlite3.Error) as exc:
-            raise HistoryDamaged(f"history database {where}: cannot open: {_one_line(exc)}", f"cannot open: {_one_line(exc)}") from None
+            raise HistoryDamaged(
+                f"history database {where}: cannot open: {_one_line(exc)}", f"cannot open: {_one_line(exc)}"
+            ) from None
         self._conn.create_function("treepack_checksum", 1, _checksum_or_none, deterministic=True)
         try:
             self._open()
@@ -233,11 +245,17 @@ class HistoryStore:
                 raise HistoryDamaged(f"history database {self.path}: {cause}", cause)
             version = c.execute("PRAGMA user_version").fetchone()[0]
             app_id = c.execute("PRAGMA application_id").fetchone()[0]
-            tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
+            tables = {
+                r[0]
+                for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
+            }
             foreign = sorted(tables - {"batches"}) if version == 0 else []
             if app_id not in (0, APPLICATION_ID) or foreign:
                 held = f" (it holds tables {', '.join(foreign[:4])})" if foreign else f" (application id {app_id:#x})"
-                raise HistoryDamaged(f"history database {self.path} is another application's database{held}", "another application's database")
+                raise HistoryDamaged(
+                    f"history database {self.path} is another application's database{held}",
+                    "another application's database",
+                )
             if version not in (0, 1, SCHEMA_VERSION):
                 cause = f"schema version {version}; this build reads {SCHEMA_VERSION}"
                 raise HistoryDamaged(f"history database {self.path} has {cause}", cause)
@@ -252,7 +270,9 @@ class HistoryStore:
                 c.execute("UPDATE batches SET checksum = treepack_checksum(shape)")
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             c.execute(f"PRAGMA application_id={APPLICATION_ID}")
-            bad = c.execute("SELECT id FROM batches WHERE checksum IS NULL OR checksum IS NOT treepack_checksum(shape)").fetchall()
+            bad = c.execute(
+                "SELECT id FROM batches WHERE checksum IS NULL OR checksum IS NOT treepack_checksum(shape)"
+            ).fetchall()
             for (bid,) in bad:
                 self._skip(bid, "its shape does not match its checksum")
 
@@ -269,7 +289,9 @@ class HistoryStore:
         log.error("%s", self.damaged)
         return HistoryDamaged(self.damaged, self.damaged_reason)
 
-    def record(self, shape: BatchShape, *, rows: int, packed_tokens: int, saved_fraction: float, created: float | None = None) -> int:
+    def record(
+        self, shape: BatchShape, *, rows: int, packed_tokens: int, saved_fraction: float, created: float | None = None
+    ) -> int:
         """Store one batch's shape and apply retention, in one transaction.
 
         Returns:
@@ -341,7 +363,9 @@ class HistoryStore:
 
     def stored_bytes(self) -> int:
         """Bytes of the stored shape blobs (what ``max_bytes`` bounds)."""
-        return int(self._query(lambda c: c.execute("SELECT COALESCE(SUM(LENGTH(shape)), 0) FROM batches").fetchone()[0]))
+        return int(
+            self._query(lambda c: c.execute("SELECT COALESCE(SUM(LENGTH(shape)), 0) FROM batches").fetchone()[0])
+        )
 
     def _query(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         """``fn(connection)`` under the lock; a database error marks the store damaged."""
@@ -392,12 +416,19 @@ class HistoryStore:
         """
 
         def read(c: sqlite3.Connection) -> tuple[list[int], list[Any]]:
-            ids = [r[0] for r in c.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))]
+            ids = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),)
+                )
+            ]
             missing = [i for i in ids if i not in self._decoded and i not in self._bad]
             rows = []
             for k in range(0, len(missing), 500):  # stay under SQLite's bound-parameter limit
                 part = missing[k : k + 500]
-                rows += c.execute(f"SELECT id, shape, checksum FROM batches WHERE id IN ({','.join('?' * len(part))})", part).fetchall()
+                rows += c.execute(
+                    f"SELECT id, shape, checksum FROM batches WHERE id IN ({','.join('?' * len(part))})", part
+                ).fetchall()
             return ids, rows
 
         ids, rows = self._query(read)
@@ -465,5 +496,14 @@ def _decode_row(bid: int, blob: Any) -> BatchShape | None:
 def empty_summary() -> dict[str, Any]:
     """The summary of a disabled history."""
     return dict(
-        batches=0, sequences=0, groups=0, tokens=0, oldest=None, newest=None, seq_lens=[], tags={}, mean_rows=None, mean_saved_fraction=None
+        batches=0,
+        sequences=0,
+        groups=0,
+        tokens=0,
+        oldest=None,
+        newest=None,
+        seq_lens=[],
+        tags={},
+        mean_rows=None,
+        mean_saved_fraction=None,
     )

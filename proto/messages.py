@@ -76,7 +76,11 @@ def _check_buffer(value: Any) -> Any:
     # names the offending index; here only the container type.
     if isinstance(value, (bytes, bytearray, memoryview, str, list)):
         return value
-    raise PydanticCustomError("buffer_type", "expected a buffer (msgpack bin, base64 string or list of numbers), got {got}", {"got": type(value).__name__})
+    raise PydanticCustomError(
+        "buffer_type",
+        "expected a buffer (msgpack bin, base64 string or list of numbers), got {got}",
+        {"got": type(value).__name__},
+    )
 
 
 Buffer = Annotated[
@@ -85,7 +89,11 @@ Buffer = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "string", "contentEncoding": "base64", "description": "little-endian items, base64 (JSON); msgpack sends a bin"},
+                {
+                    "type": "string",
+                    "contentEncoding": "base64",
+                    "description": "little-endian items, base64 (JSON); msgpack sends a bin",
+                },
                 {"type": "array", "items": {"type": "number"}},
             ]
         }
@@ -103,8 +111,15 @@ _ITEM_SCHEMA = {
 def _typed_buffer(dtype: str, *, min_items: int = 0, item_min: int | None = None) -> Any:
     """A request's buffer field of one dtype: its schema states the item type and range the
     server checks (a list of other numbers is refused), so a schema-valid list is accepted."""
-    listed: dict[str, Any] = {"type": "array", "items": {**_ITEM_SCHEMA[dtype], **({} if item_min is None else {"minimum": item_min})}}
-    text: dict[str, Any] = {"type": "string", "contentEncoding": "base64", "description": f"{dtype} items, little-endian, base64 (JSON); msgpack sends a bin"}
+    listed: dict[str, Any] = {
+        "type": "array",
+        "items": {**_ITEM_SCHEMA[dtype], **({} if item_min is None else {"minimum": item_min})},
+    }
+    text: dict[str, Any] = {
+        "type": "string",
+        "contentEncoding": "base64",
+        "description": f"{dtype} items, little-endian, base64 (JSON); msgpack sends a bin",
+    }
     if min_items:
         listed["minItems"] = min_items
         text["minLength"] = 4 * ((min_items * int(dtype[-1]) + 2) // 3)
@@ -123,7 +138,10 @@ Version = Annotated[Literal[1], Field(description=f"wire version; this build spe
 SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="row capacity C in tokens")]
 MinShared = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="no shared segment shorter than this (SPEC rule 4)")]
 NumRanks = Annotated[int, Field(ge=1, le=MAX_RANKS, description="ranks to deal rows to")]
-CpSize = Annotated[int, Field(ge=1, le=MAX_CP_SIZE, description="context-parallel group size: each row split into this many equal shards")]
+CpSize = Annotated[
+    int,
+    Field(ge=1, le=MAX_CP_SIZE, description="context-parallel group size: each row split into this many equal shards"),
+]
 ConvWidth = Annotated[int, Field(ge=1, le=MAX_CONV_WIDTH, description="GDN short-conv width W")]
 Count = Annotated[int, Field(ge=0, le=_INT64[1])]
 
@@ -135,28 +153,83 @@ def _option(schema: dict[str, Any]) -> Any:
     return Annotated[Any, WithJsonSchema(schema)]
 
 
-SeqLenOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "description": "row capacity C in tokens"})
-MinSharedOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "default": 64, "description": "no shared segment shorter than this (SPEC rule 4)"})
+SeqLenOption = _option(
+    {"type": "integer", "minimum": 1, "maximum": MAX_SEQ_LEN, "description": "row capacity C in tokens"}
+)
+MinSharedOption = _option(
+    {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_SEQ_LEN,
+        "default": 64,
+        "description": "no shared segment shorter than this (SPEC rule 4)",
+    }
+)
 PlacementOption = _option({"enum": list(PLACEMENTS), "default": "auto"})
-NumRanksOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"})
-CpSizeOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CP_SIZE, "default": 1, "description": "context-parallel group size: each row split into this many equal, aligned shards (num_ranks is then the data-parallel size)"})
-CpAttentionOption = _option({"enum": list(CP_ATTENTION), "default": "auto", "description": "attention under CP: ulysses, allgather (shards balanced by attention work), or auto (contiguous shards; ulysses where heads divide)"})
-ConvWidthOption = _option({"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"})
+NumRanksOption = _option(
+    {"type": "integer", "minimum": 1, "maximum": MAX_RANKS, "default": 1, "description": "ranks to deal rows to"}
+)
+CpSizeOption = _option(
+    {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_CP_SIZE,
+        "default": 1,
+        "description": "context-parallel group size: each row split into this many equal, aligned shards (num_ranks is then the data-parallel size)",
+    }
+)
+CpAttentionOption = _option(
+    {
+        "enum": list(CP_ATTENTION),
+        "default": "auto",
+        "description": "attention under CP: ulysses, allgather (shards balanced by attention work), or auto (contiguous shards; ulysses where heads divide)",
+    }
+)
+ConvWidthOption = _option(
+    {"type": "integer", "minimum": 1, "maximum": MAX_CONV_WIDTH, "default": 4, "description": "GDN short-conv width W"}
+)
 OverflowOption = _option({"enum": list(ON_OVERFLOW), "default": "error"})
-SavingOption = _option({"type": "integer", "minimum": 0, "maximum": MAX_SEQ_LEN, "default": 0, "description": "0: off; else also share a run shorter than min_shared_len when (sharers - 1) x length >= this"})
-RepairOption = _option({"type": "number", "minimum": 0, "maximum": MAX_REPAIR_MS, "default": REPAIR_MS, "description": "budget of auto's repair pass in ms (0: none)"})
-ShareOption = _option({"type": "boolean", "default": False, "description": "generalized sharing mode: trainable tokens shared up to a scored divergence"})
+SavingOption = _option(
+    {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": MAX_SEQ_LEN,
+        "default": 0,
+        "description": "0: off; else also share a run shorter than min_shared_len when (sharers - 1) x length >= this",
+    }
+)
+RepairOption = _option(
+    {
+        "type": "number",
+        "minimum": 0,
+        "maximum": MAX_REPAIR_MS,
+        "default": REPAIR_MS,
+        "description": "budget of auto's repair pass in ms (0: none)",
+    }
+)
+ShareOption = _option(
+    {
+        "type": "boolean",
+        "default": False,
+        "description": "generalized sharing mode: trainable tokens shared up to a scored divergence",
+    }
+)
 Index = Annotated[int, Field(ge=-1, le=_INT64[1])]
 GroupId = Union[Annotated[int, Field(ge=_INT64[0], le=_INT64[1])], Annotated[str, Field(max_length=256)], None]
 # A request's group ids are judged by the planner's normalisation (treepack.proto.batch.group_codes),
 # which gives the embedded planner's errors; the schema documents the same limits.
-GroupIdInput = Annotated[Any, WithJsonSchema({
-    "anyOf": [
-        {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]},
-        {"type": "string", "maxLength": 256},
-        {"type": "null"},
-    ]
-})]
+GroupIdInput = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]},
+                {"type": "string", "maxLength": 256},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 Tag = Optional[Annotated[str, Field(max_length=256)]]
 
 
@@ -170,10 +243,18 @@ class PackRequest(_Model):
     version: Version
     seq_len: SeqLenOption
     tokens: TokensBuffer = Field(description="<u4 [T]: all token ids, sequence after sequence")
-    offsets: OffsetsBuffer = Field(description="<i8 [S+1]: sequence i is tokens[offsets[i]:offsets[i+1]]; 0 first, T last, non-decreasing")
-    trainable: Optional[FlagsBuffer] = Field(None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens")
-    prompt_lens: Optional[CountBuffer] = Field(None, description="<i8 [S]: tokens prompt_lens[i].. of sequence i are trainable; exclusive with trainable")
-    keys: Optional[U8Buffer] = Field(None, description="<u8 [T]: per-token keys that must also match to share (default all 0)")
+    offsets: OffsetsBuffer = Field(
+        description="<i8 [S+1]: sequence i is tokens[offsets[i]:offsets[i+1]]; 0 first, T last, non-decreasing"
+    )
+    trainable: Optional[FlagsBuffer] = Field(
+        None, description="|u1 [T]: 1 where a token is a loss target (0/1); exclusive with prompt_lens"
+    )
+    prompt_lens: Optional[CountBuffer] = Field(
+        None, description="<i8 [S]: tokens prompt_lens[i].. of sequence i are trainable; exclusive with trainable"
+    )
+    keys: Optional[U8Buffer] = Field(
+        None, description="<u8 [T]: per-token keys that must also match to share (default all 0)"
+    )
     prefix_src: Optional[I8Buffer] = Field(
         None,
         description="<i8 [S]: sequence i starts with the first prefix_len[i] tokens of sequence prefix_src[i] (< i; -1: none), "
@@ -181,7 +262,9 @@ class PackRequest(_Model):
     )
     prefix_len: Optional[I8Buffer] = Field(None, description="<i8 [S]: see prefix_src (0 where prefix_src is -1)")
     groups: Optional[list[GroupIdInput]] = Field(None, description="[S] group id (int, string or null) per sequence")
-    tags: Optional[list[Tag]] = Field(None, description="[S] task tag per sequence (recorded in history for what-if by tag)")
+    tags: Optional[list[Tag]] = Field(
+        None, description="[S] task tag per sequence (recorded in history for what-if by tag)"
+    )
     min_shared_len: MinSharedOption = 64
     placement: PlacementOption = "auto"
     num_ranks: NumRanksOption = 1
@@ -250,9 +333,14 @@ class RanksMessage(_Model):
 
     num_ranks: NumRanks
     cp_size: CpSize = 1
-    shard_len: Optional[Count] = Field(None, description="tokens of each CP rank's shard of a row (seq_len when cp_size is 1)")
+    shard_len: Optional[Count] = Field(
+        None, description="tokens of each CP rank's shard of a row (seq_len when cp_size is 1)"
+    )
     cp_attention: Literal["auto", "ulysses", "allgather"] = "auto"
-    cp_tiles: Optional[ArrayMessage] = Field(None, description="<i4 [R, cp_size * shard_len / 16]: the CP rank holding each 16-token tile of each row (allgather's balanced split; absent: contiguous shards)")
+    cp_tiles: Optional[ArrayMessage] = Field(
+        None,
+        description="<i4 [R, cp_size * shard_len / 16]: the CP rank holding each 16-token tile of each row (allgather's balanced split; absent: contiguous shards)",
+    )
     rank_rows: ArrayMessage
     row_cost: ArrayMessage
     rank_cost: ArrayMessage
@@ -294,11 +382,16 @@ class PlanMessage(_Model):
     seq_lens: ArrayMessage
     orig_lens: ArrayMessage
     row_of: ArrayMessage
-    first_trainable: ArrayMessage = Field(description="<i8 [S]: index of each sequence's first trainable placed token (its length if none)")
-    trainable: Optional[ArrayMessage] = Field(
-        None, description="|u1 [sum seq_lens]: trainable flags of the placed tokens when given as flags (null: from first_trainable on)"
+    first_trainable: ArrayMessage = Field(
+        description="<i8 [S]: index of each sequence's first trainable placed token (its length if none)"
     )
-    group_codes: ArrayMessage = Field(description="<i8 [S]: dense group code per sequence, in order of first appearance")
+    trainable: Optional[ArrayMessage] = Field(
+        None,
+        description="|u1 [sum seq_lens]: trainable flags of the placed tokens when given as flags (null: from first_trainable on)",
+    )
+    group_codes: ArrayMessage = Field(
+        description="<i8 [S]: dense group code per sequence, in order of first appearance"
+    )
     segments: SegmentsMessage
     attention: AttentionMessage
     gdn: GdnMessage
@@ -412,7 +505,9 @@ class WhatIfResultMessage(_Model):
     max_rows: Optional[Count]
     p_rows_over: Optional[float] = Field(description="fraction of trials with rows > max_rows")
     row_counts: list[Count] = Field(description="rows of each trial, in trial order")
-    step_ms: Optional[Distribution] = Field(None, description="predicted step time over the trials, ms (with a cost model)")
+    step_ms: Optional[Distribution] = Field(
+        None, description="predicted step time over the trials, ms (with a cost model)"
+    )
 
 
 class PoolMessage(_Model):

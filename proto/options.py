@@ -16,7 +16,22 @@ import numpy as np
 
 from treepack.proto.errors import InputTypeError
 
-__all__ = ["PlanOptions", "PLACEMENTS", "ON_OVERFLOW", "MAX_SEQ_LEN", "MAX_RANKS", "MAX_CONV_WIDTH", "MAX_CP_SIZE", "CP_ALIGN", "CP_ATTENTION", "cp_shard_len", "REPAIR_MS", "MAX_REPAIR_MS", "OPTION_NAMES", "as_options"]
+__all__ = [
+    "PlanOptions",
+    "PLACEMENTS",
+    "ON_OVERFLOW",
+    "MAX_SEQ_LEN",
+    "MAX_RANKS",
+    "MAX_CONV_WIDTH",
+    "MAX_CP_SIZE",
+    "CP_ALIGN",
+    "CP_ATTENTION",
+    "cp_shard_len",
+    "REPAIR_MS",
+    "MAX_REPAIR_MS",
+    "OPTION_NAMES",
+    "as_options",
+]
 
 PLACEMENTS = ("auto", "bfd", "in_order", "no_share")
 ON_OVERFLOW = ("error", "truncate", "drop")
@@ -112,11 +127,15 @@ def as_options(options: PlanOptions | None, kwargs: dict[str, Any]) -> PlanOptio
     """
     unknown = sorted(set(kwargs) - set(OPTION_NAMES))
     if unknown:
-        raise InputTypeError(f"unknown option {unknown[0]!r}; options are {OPTION_NAMES}", path=f"$.{unknown[0]}", rule="unknown")
+        raise InputTypeError(
+            f"unknown option {unknown[0]!r}; options are {OPTION_NAMES}", path=f"$.{unknown[0]}", rule="unknown"
+        )
     if options is None:
         if "seq_len" not in kwargs:
             raise InputTypeError("seq_len is required", path="$.seq_len", rule="required")
         return PlanOptions(**kwargs)
     if kwargs:
-        raise InputTypeError(f"give options or option keywords, not both (got {sorted(kwargs)})", path="$", rule="exclusive")
+        raise InputTypeError(
+            f"give options or option keywords, not both (got {sorted(kwargs)})", path="$", rule="exclusive"
+        )
     return options

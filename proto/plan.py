@@ -184,7 +184,6 @@ class Ranks:
         return out
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanStats:
     """Summary figures of a plan.

@@ -44,7 +44,8 @@ _STATS = tuple(f for f in PlanStats.__dataclass_fields__ if f not in ("timings_m
 
 
 _SECTIONS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    sec: tuple((f, dt, nd) for (s, f), (dt, nd) in ARRAYS.items() if s == sec) for sec in dict.fromkeys(s for s, _ in ARRAYS)
+    sec: tuple((f, dt, nd) for (s, f), (dt, nd) in ARRAYS.items() if s == sec)
+    for sec in dict.fromkeys(s for s, _ in ARRAYS)
 }
 
 
@@ -96,7 +97,9 @@ def _arrays(msg: Any, section: str, path: str) -> dict[str, np.ndarray]:
     # The validated ArrayMessages are read as they are (dumping each to a dict cost more
     # than decoding it).
     prefix = path or "$"
-    return {f: array_from_wire(getattr(msg, f), dtype=dt, ndim=nd, path=f"{prefix}.{f}") for f, dt, nd in _SECTIONS[section]}
+    return {
+        f: array_from_wire(getattr(msg, f), dtype=dt, ndim=nd, path=f"{prefix}.{f}") for f, dt, nd in _SECTIONS[section]
+    }
 
 
 def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
@@ -125,7 +128,11 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
             path="$.ranks.shard_len",
             rule="cp_shard",
         )
-    tiles = np.zeros((0, 0), dtype=np.int32) if msg.ranks.cp_tiles is None else array_from_wire(msg.ranks.cp_tiles, dtype=_I4, ndim=2, path="$.ranks.cp_tiles")
+    tiles = (
+        np.zeros((0, 0), dtype=np.int32)
+        if msg.ranks.cp_tiles is None
+        else array_from_wire(msg.ranks.cp_tiles, dtype=_I4, ndim=2, path="$.ranks.cp_tiles")
+    )
     ranks = Ranks(
         num_ranks=msg.ranks.num_ranks,
         cp_size=msg.ranks.cp_size,
@@ -135,7 +142,9 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         **_arrays(msg.ranks, "ranks", "$.ranks"),
     )
     st = msg.stats
-    stats = PlanStats(**{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms)
+    stats = PlanStats(
+        **{f: getattr(st, f) for f in _STATS}, timings_ms=dict(st.timings_ms), predicted_ms=st.predicted_ms
+    )
     options = PlanOptions(
         seq_len=msg.seq_len,
         min_shared_len=msg.min_shared_len,
@@ -202,7 +211,15 @@ def check_plan_structure(plan: Plan) -> None:
     seg, c = plan.segments, plan.seq_len
     s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(seg.row.shape[0])
     _sizes({f: getattr(plan, f) for f in ("orig_lens", "row_of", "first_trainable", "group_codes")}, s, "", "sequences")
-    _sizes({f: getattr(seg, f) for f in ("row_start", "length", "seq", "seq_start", "parent", "depth", "subtree_end", "sharers")}, g, "segments.", "segments")
+    _sizes(
+        {
+            f: getattr(seg, f)
+            for f in ("row_start", "length", "seq", "seq_start", "parent", "depth", "subtree_end", "sharers")
+        },
+        g,
+        "segments.",
+        "segments",
+    )
     _need(seg.row_ptr.shape[0] == r + 1 and seg.row_len.shape[0] == r, f"row tables for {r} rows", "$.segments.row_ptr")
     _csr(seg.row_ptr, g, "$.segments.row_ptr")
     _need(seg.seq_ptr.shape[0] == s + 1, f"seq_ptr for {s} sequences", "$.segments.seq_ptr")
@@ -220,18 +237,35 @@ def check_plan_structure(plan: Plan) -> None:
     _in(seg.seq_start, 0, 2**48, "$.segments.seq_start")
     # A segment reads its source's positions seq_start .. seq_start + length - 1: past the
     # source's length the trainer's flat gathers would read the next sequence's payloads.
-    _need(bool(np.all(seg.seq_start + seg.length <= plan.seq_lens[seg.seq])), "segments run past their source sequence's seq_lens", "$.segments.seq_start")
+    _need(
+        bool(np.all(seg.seq_start + seg.length <= plan.seq_lens[seg.seq])),
+        "segments run past their source sequence's seq_lens",
+        "$.segments.seq_start",
+    )
     _in(plan.row_of, -1, r, "$.row_of")
-    _need(bool(np.all((plan.first_trainable >= 0) & (plan.first_trainable <= plan.seq_lens))), "first_trainable outside [0, seq_lens]", "$.first_trainable")
+    _need(
+        bool(np.all((plan.first_trainable >= 0) & (plan.first_trainable <= plan.seq_lens))),
+        "first_trainable outside [0, seq_lens]",
+        "$.first_trainable",
+    )
     att = plan.attention
-    _need(att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g, f"attention tables for {g} segments", "$.attention.anc_ptr")
+    _need(
+        att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g,
+        f"attention tables for {g} segments",
+        "$.attention.anc_ptr",
+    )
     _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
     _in(att.anc_segs, 0, g, "$.attention.anc_segs")
     prev = 0
     for d, lv in enumerate(plan.gdn.levels):
         n = int(lv.segs.shape[0])
         where = f"$.gdn.levels[{d}]"
-        _sizes({"parent": lv.parent, "parent_slot": lv.parent_slot, "conv_context": lv.conv_context}, n, f"gdn.levels[{d}].", "segments")
+        _sizes(
+            {"parent": lv.parent, "parent_slot": lv.parent_slot, "conv_context": lv.conv_context},
+            n,
+            f"gdn.levels[{d}].",
+            "segments",
+        )
         _need(lv.cu_seqlens.shape[0] == n + 1, f"cu_seqlens for {n} segments", f"{where}.cu_seqlens")
         _in(lv.segs, 0, g, f"{where}.segs")
         _in(lv.conv_context, -1, r * c, f"{where}.conv_context")
@@ -240,12 +274,24 @@ def check_plan_structure(plan: Plan) -> None:
         _csr(lv.cu_seqlens, int(seg.length[lv.segs].sum()), f"{where}.cu_seqlens")
         prev = n
     rk = plan.ranks
-    _need(rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks, f"rank tables for {rk.num_ranks} ranks", "$.ranks.rank_rows")
+    _need(
+        rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks,
+        f"rank tables for {rk.num_ranks} ranks",
+        "$.ranks.rank_rows",
+    )
     _need(rk.row_cost.shape[0] == r, f"row_cost for {r} rows", "$.ranks.row_cost")
     _in(rk.rank_rows, -1, r, "$.ranks.rank_rows")
     tiles = (r, rk.padded_len // CP_ALIGN)
-    want = f"none or {list(tiles)} (one entry per {CP_ALIGN}-token tile of each row)" if rk.cp_size > 1 else "none without CP"
-    _need(rk.contiguous or (rk.cp_size > 1 and rk.cp_tiles.shape == tiles), f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}", "$.ranks.cp_tiles")
+    want = (
+        f"none or {list(tiles)} (one entry per {CP_ALIGN}-token tile of each row)"
+        if rk.cp_size > 1
+        else "none without CP"
+    )
+    _need(
+        rk.contiguous or (rk.cp_size > 1 and rk.cp_tiles.shape == tiles),
+        f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}",
+        "$.ranks.cp_tiles",
+    )
     _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
@@ -254,7 +300,11 @@ def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:
         return None
     flags = array_from_wire(obj, dtype="|u1", ndim=1, path="$.trainable")
     if flags.shape[0] != num_tokens:
-        raise RequestError(f"trainable has {flags.shape[0]} flags for {num_tokens} placed tokens", path="$.trainable", rule="length_mismatch")
+        raise RequestError(
+            f"trainable has {flags.shape[0]} flags for {num_tokens} placed tokens",
+            path="$.trainable",
+            rule="length_mismatch",
+        )
     if flags.size and flags.max() > 1:
         raise RequestError("trainable flags must be 0 or 1", path="$.trainable", rule="flag")
     return flags.view(np.bool_)
@@ -285,10 +335,17 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
     if (a.trainable is None) != (b.trainable is None):
-        out.append(f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}")
+        out.append(
+            f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}"
+        )
     elif a.trainable is not None and b.trainable is not None:
         _diff_array("trainable", a.trainable, b.trainable, out)
-    sources = {"": (a, b), "segments": (a.segments, b.segments), "attention": (a.attention, b.attention), "ranks": (a.ranks, b.ranks)}
+    sources = {
+        "": (a, b),
+        "segments": (a.segments, b.segments),
+        "attention": (a.attention, b.attention),
+        "ranks": (a.ranks, b.ranks),
+    }
     for (sec, f), _ in ARRAYS.items():
         if sec in sources:
             x, y = sources[sec]

@@ -59,7 +59,11 @@ def write_schemas(folder: Path = HERE) -> list[Path]:
 
 def stale_schemas(folder: Path = HERE) -> list[str]:
     """Names whose file is missing or differs from the models."""
-    return [n for n in SCHEMAS if not path_of(n, folder).exists() or path_of(n, folder).read_text(encoding="utf-8") != schema_text(n)]
+    return [
+        n
+        for n in SCHEMAS
+        if not path_of(n, folder).exists() or path_of(n, folder).read_text(encoding="utf-8") != schema_text(n)
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     stale = stale_schemas()
     if stale:
-        print("stale JSON Schema files: " + ", ".join(stale) + " (run python -m treepack.proto.schema --write)", file=sys.stderr)
+        print(
+            "stale JSON Schema files: " + ", ".join(stale) + " (run python -m treepack.proto.schema --write)",
+            file=sys.stderr,
+        )
         return 1
     print("JSON Schema files are current")
     return 0

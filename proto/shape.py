@@ -87,12 +87,20 @@ class BatchShape:
             raise RequestError(f"seq_ptr must run from 0 to the run count {p}", path=f"{path}.seq_ptr", rule="bounds")
         if np.any(np.diff(ptr) < 1):
             i = int(np.argmax(np.diff(ptr) < 1))
-            raise RequestError(f"sequence {i} has no runs (seq_ptr must increase)", path=f"{path}.seq_ptr[{i + 1}]", rule="monotone")
+            raise RequestError(
+                f"sequence {i} has no runs (seq_ptr must increase)", path=f"{path}.seq_ptr[{i + 1}]", rule="monotone"
+            )
         if self.run_len.shape[0] != p:
-            raise RequestError(f"run_len has {self.run_len.shape[0]} entries for {p} runs", path=f"{path}.run_len", rule="length_mismatch")
+            raise RequestError(
+                f"run_len has {self.run_len.shape[0]} entries for {p} runs",
+                path=f"{path}.run_len",
+                rule="length_mismatch",
+            )
         if p and self.run_len.min() < 1:
             i = int(np.argmax(self.run_len < 1))
-            raise RequestError(f"run length must be >= 1, got {int(self.run_len[i])}", path=f"{path}.run_len[{i}]", rule="range")
+            raise RequestError(
+                f"run length must be >= 1, got {int(self.run_len[i])}", path=f"{path}.run_len[{i}]", rule="range"
+            )
         if self.first_trainable.shape[0] != s:
             raise RequestError(
                 f"first_trainable has {self.first_trainable.shape[0]} entries for {s} sequences",
@@ -108,9 +116,15 @@ class BatchShape:
                 rule="range",
             )
         if len(self.groups) != s:
-            raise RequestError(f"groups has {len(self.groups)} entries for {s} sequences", path=f"{path}.groups", rule="length_mismatch")
+            raise RequestError(
+                f"groups has {len(self.groups)} entries for {s} sequences",
+                path=f"{path}.groups",
+                rule="length_mismatch",
+            )
         if self.tags is not None and len(self.tags) != s:
-            raise RequestError(f"tags has {len(self.tags)} entries for {s} sequences", path=f"{path}.tags", rule="length_mismatch")
+            raise RequestError(
+                f"tags has {len(self.tags)} entries for {s} sequences", path=f"{path}.tags", rule="length_mismatch"
+            )
 
 
 def run_hash(tokens: np.ndarray, keys: np.ndarray | None = None) -> int:
@@ -121,7 +135,9 @@ def run_hash(tokens: np.ndarray, keys: np.ndarray | None = None) -> int:
         keys: [n] uint64 the run's keys, or None; all-zero keys hash like no keys, as
             the tree treats them alike.
     """
-    h = hashlib.blake2b(memoryview(np.ascontiguousarray(tokens, dtype=np.uint32)).cast("B"), digest_size=8, person=_PERSON)
+    h = hashlib.blake2b(
+        memoryview(np.ascontiguousarray(tokens, dtype=np.uint32)).cast("B"), digest_size=8, person=_PERSON
+    )
     if keys is not None and keys.shape[0] and keys.any():
         h.update(b"keys")
         h.update(memoryview(np.ascontiguousarray(keys, dtype=np.uint64)).cast("B"))

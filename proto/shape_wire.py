@@ -51,7 +51,11 @@ def shape_from_wire(msg: BatchShapeMessage, path: str = "$") -> BatchShape:
         raise RequestError(f"run length must be >= 1, got {int(run_len[i])}", path=f"{path}.run_len[{i}]", rule="range")
     total = exact_sum(run_len)
     if total > MAX_SHAPE_TOKENS:
-        raise RequestError(f"the runs sum to {total} tokens, over the limit of {MAX_SHAPE_TOKENS}", path=f"{path}.run_len", rule="max_tokens")
+        raise RequestError(
+            f"the runs sum to {total} tokens, over the limit of {MAX_SHAPE_TOKENS}",
+            path=f"{path}.run_len",
+            rule="max_tokens",
+        )
     shape = BatchShape(
         seq_len=msg.seq_len,
         min_shared_len=msg.min_shared_len,

@@ -49,9 +49,13 @@ def as_composition(c: CompositionLike, i: int = 0) -> Composition:
     if isinstance(c, Mapping):
         unknown = set(c) - {"name", "groups", "by_tag"}
         if unknown:
-            raise InputTypeError(f"unknown composition field(s) {sorted(unknown)}", path=f"$.compositions[{i}]", rule="unknown_field")
+            raise InputTypeError(
+                f"unknown composition field(s) {sorted(unknown)}", path=f"$.compositions[{i}]", rule="unknown_field"
+            )
         return Composition(name=c.get("name", ""), groups=c.get("groups"), by_tag=c.get("by_tag"))
-    raise InputTypeError(f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type")
+    raise InputTypeError(
+        f"expected a Composition, an int or a dict, got {type(c).__name__}", path=f"$.compositions[{i}]", rule="type"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +105,15 @@ class WhatIfQuery:
         """
         comps = tuple(as_composition(c, i) for i, c in enumerate(compositions))
         opts = as_options(options, option_kwargs)
-        return cls(compositions=comps, options=opts, trials=trials, seed=seed, max_rows=max_rows, history_batches=history_batches, shapes=shapes)
+        return cls(
+            compositions=comps,
+            options=opts,
+            trials=trials,
+            seed=seed,
+            max_rows=max_rows,
+            history_batches=history_batches,
+            shapes=shapes,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,7 +16,13 @@ from treepack.proto.shape_wire import shape_to_wire
 from treepack.proto.version import WIRE_VERSION
 from treepack.proto.whatif import Composition, Distribution, WhatIfQuery, WhatIfResult
 
-__all__ = ["composition_to_wire", "composition_from_wire", "whatif_request", "whatif_result_to_wire", "whatif_result_from_wire"]
+__all__ = [
+    "composition_to_wire",
+    "composition_from_wire",
+    "whatif_request",
+    "whatif_result_to_wire",
+    "whatif_result_from_wire",
+]
 
 
 def composition_to_wire(c: Composition) -> dict[str, Any]:
@@ -30,8 +36,17 @@ def composition_from_wire(c: CompositionMessage) -> Composition:
 def whatif_request(query: WhatIfQuery, fmt: Format) -> dict[str, Any]:
     """A ``WhatIfRequest`` dict: the compositions, the plan options as given (the server
     checks them), inline shapes if any, the other fields given (None = the server's default)."""
-    msg: dict[str, Any] = {"version": WIRE_VERSION, "compositions": [composition_to_wire(c) for c in query.compositions], **query.options.to_wire()}
-    fields = {"trials": query.trials, "seed": query.seed, "max_rows": query.max_rows, "history_batches": query.history_batches}
+    msg: dict[str, Any] = {
+        "version": WIRE_VERSION,
+        "compositions": [composition_to_wire(c) for c in query.compositions],
+        **query.options.to_wire(),
+    }
+    fields = {
+        "trials": query.trials,
+        "seed": query.seed,
+        "max_rows": query.max_rows,
+        "history_batches": query.history_batches,
+    }
     msg.update({k: v for k, v in fields.items() if v is not None})
     if query.shapes is not None:
         msg["shapes"] = [shape_to_wire(s, fmt) for s in query.shapes]

@@ -69,13 +69,21 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
     """FastAPI's own validation (no route declares a validated parameter today): as a :class:`RequestError`."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": "invalid"}
     loc = tuple(p for p in first.get("loc", ()) if p not in ("body", "query", "path", "header"))
-    return _error_response(request, RequestError(str(first.get("msg")), path=json_path(loc), rule=str(first.get("type"))))
+    return _error_response(
+        request, RequestError(str(first.get("msg")), path=json_path(loc), rule=str(first.get("type")))
+    )
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Routing errors (404 unknown route, 405 wrong method) in the same body shape."""
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    payload = {"version": WIRE_VERSION, "error": kind, "message": f"{exc.detail}: {request.method} {request.url.path}", "path": "$", "rule": kind}
+    payload = {
+        "version": WIRE_VERSION,
+        "error": kind,
+        "message": f"{exc.detail}: {request.method} {request.url.path}",
+        "path": "$",
+        "rule": kind,
+    }
     request.app.state.service.metrics.errors.labels(kind).inc()
     return JSONResponse(payload, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -83,7 +91,9 @@ async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONRe
 async def on_bug(request: Request, exc: Exception) -> JSONResponse:
     """Anything else is a bug: logged with its traceback, answered as a 500 :class:`ServerError`."""
     log.exception("unhandled error", exc_info=exc)
-    return _error_response(request, ServerError(f"internal error ({type(exc).__name__}); please report it", path="$", rule="bug"))
+    return _error_response(
+        request, ServerError(f"internal error ({type(exc).__name__}); please report it", path="$", rule="bug")
+    )
 
 
 @asynccontextmanager
@@ -118,7 +128,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     svc = PlanningService(settings)
     swagger = settings.docs == "swagger"
     app = FastAPI(
-        title="treepack", version=version("treepack"), description=DESCRIPTION, lifespan=lifespan, docs_url="/docs" if swagger else None, redoc_url=None
+        title="treepack",
+        version=version("treepack"),
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url="/docs" if swagger else None,
+        redoc_url=None,
     )
     if settings.docs == "offline":
         app.add_api_route("/docs", _offline_docs, methods=["GET"], include_in_schema=False)

@@ -93,7 +93,9 @@ def idempotency_key(request: Request) -> str | None:
         return None
     key = key.strip()
     if not 1 <= len(key) <= 128 or not key.isascii() or not key.isprintable():
-        raise RequestError("Idempotency-Key must be 1 to 128 printable ASCII characters", path="Idempotency-Key", rule="header")
+        raise RequestError(
+            "Idempotency-Key must be 1 to 128 printable ASCII characters", path="Idempotency-Key", rule="header"
+        )
     return key
 
 
@@ -102,7 +104,9 @@ def _announced(request: Request, limit: int) -> int | None:
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise UnsupportedMediaTypeError(
-            f"Content-Encoding {encoding[:64]!r} is not supported; send the body uncompressed", path="Content-Encoding", rule="content_encoding"
+            f"Content-Encoding {encoding[:64]!r} is not supported; send the body uncompressed",
+            path="Content-Encoding",
+            rule="content_encoding",
         )
     declared = request.headers.get("content-length")
     if declared is None:
@@ -115,7 +119,9 @@ def _announced(request: Request, limit: int) -> int | None:
     return n
 
 
-async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float, *, first: bool = False) -> bytes | None:
+async def _next_chunk(
+    chunks: AsyncIterator[bytes], deadline: float, timeout_s: float, *, first: bool = False
+) -> bytes | None:
     """The next non-empty chunk, None at the end; :class:`BodyTimeoutError` past ``deadline``."""
     while True:
         try:
@@ -125,9 +131,13 @@ async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float, timeout_s: 
         except (asyncio.TimeoutError, TimeoutError):
             if first:
                 raise BodyTimeoutError(
-                    f"no byte of the body arrived within {timeout_s:g} s (body_first_byte_s)", path="$", rule="body_first_byte"
+                    f"no byte of the body arrived within {timeout_s:g} s (body_first_byte_s)",
+                    path="$",
+                    rule="body_first_byte",
                 ) from None
-            raise BodyTimeoutError(f"the body did not arrive within {timeout_s:g} s", path="$", rule="body_timeout") from None
+            raise BodyTimeoutError(
+                f"the body did not arrive within {timeout_s:g} s", path="$", rule="body_timeout"
+            ) from None
         if chunk:
             return chunk
 
@@ -176,7 +186,9 @@ async def read_body(request: Request) -> AsyncIterator[bytes | bytearray]:
             if got + len(chunk) > (limit if n is None else n):
                 if n is None:
                     raise PayloadTooLargeError(f"body over the limit of {limit} bytes", path="$", rule="max_body_bytes")
-                raise DecodeError(f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header")
+                raise DecodeError(
+                    f"the body is longer than its Content-Length of {n}", path="Content-Length", rule="header"
+                )
             intake.acquire(len(chunk), held=reserved, small=small)
             reserved += len(chunk)
             if digest is not None:

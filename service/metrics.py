@@ -43,7 +43,27 @@ from treepack.service.recorder import HistoryRecorder
 __all__ = ["ServiceMetrics", "MetricsMiddleware", "ROUTES"]
 
 ROUTES = ("/v1/pack", "/v1/whatif", "/v1/history", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _SAVED = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -57,23 +77,47 @@ class _StateCollector(Collector):
         self.service = service
 
     def collect(self) -> Iterable[Any]:
-        yield GaugeMetricFamily("treepack_queue_depth", "planner jobs waiting for a worker", value=self.pool.queue_depth)
+        yield GaugeMetricFamily(
+            "treepack_queue_depth", "planner jobs waiting for a worker", value=self.pool.queue_depth
+        )
         yield GaugeMetricFamily("treepack_plans_running", "planner jobs running", value=self.pool.running)
-        yield CounterMetricFamily("treepack_overloaded", "requests refused with 503 (queue full)", value=self.pool.rejected)
+        yield CounterMetricFamily(
+            "treepack_overloaded", "requests refused with 503 (queue full)", value=self.pool.rejected
+        )
         rec = self.recorder
         yield CounterMetricFamily("treepack_history_recorded", "batch shapes written", value=rec.recorded if rec else 0)
-        yield CounterMetricFamily("treepack_history_skipped", "batch shapes not recorded: writer backlog full", value=rec.skipped if rec else 0)
-        yield CounterMetricFamily("treepack_history_failed", "batch shapes that failed to record", value=rec.failed if rec else 0)
-        yield GaugeMetricFamily("treepack_history_pending", "batch shapes waiting for the writer", value=rec.pending if rec else 0)
+        yield CounterMetricFamily(
+            "treepack_history_skipped",
+            "batch shapes not recorded: writer backlog full",
+            value=rec.skipped if rec else 0,
+        )
+        yield CounterMetricFamily(
+            "treepack_history_failed", "batch shapes that failed to record", value=rec.failed if rec else 0
+        )
+        yield GaugeMetricFamily(
+            "treepack_history_pending", "batch shapes waiting for the writer", value=rec.pending if rec else 0
+        )
         svc = self.service
         if svc is None:
             return
         store = svc.store
-        yield CounterMetricFamily("treepack_history_undecodable", "stored shapes skipped: they fail their checksum or do not decode", value=store.undecodable if store else 0)
-        yield GaugeMetricFamily("treepack_history_damaged", "1 while the history is damaged", value=int(svc.history_damage() is not None))
-        yield GaugeMetricFamily("treepack_intake_bytes", "bytes of request bodies being read or held", value=svc.intake.in_flight)
-        yield CounterMetricFamily("treepack_intake_refused", "bodies refused with 503 before reading", value=svc.intake.rejected)
-        yield CounterMetricFamily("treepack_idempotent_replays", "packs answered from the idempotency cache", value=svc.replay.replayed)
+        yield CounterMetricFamily(
+            "treepack_history_undecodable",
+            "stored shapes skipped: they fail their checksum or do not decode",
+            value=store.undecodable if store else 0,
+        )
+        yield GaugeMetricFamily(
+            "treepack_history_damaged", "1 while the history is damaged", value=int(svc.history_damage() is not None)
+        )
+        yield GaugeMetricFamily(
+            "treepack_intake_bytes", "bytes of request bodies being read or held", value=svc.intake.in_flight
+        )
+        yield CounterMetricFamily(
+            "treepack_intake_refused", "bodies refused with 503 before reading", value=svc.intake.rejected
+        )
+        yield CounterMetricFamily(
+            "treepack_idempotent_replays", "packs answered from the idempotency cache", value=svc.replay.replayed
+        )
 
 
 class ServiceMetrics:
@@ -82,19 +126,27 @@ class ServiceMetrics:
     def __init__(self, pool: PlanPool, recorder: HistoryRecorder | None, service: Any = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("treepack_requests", "HTTP requests", ["route", "method", "status"], registry=r)
-        self.latency = Histogram("treepack_request_seconds", "HTTP request latency", ["route"], buckets=_LATENCY, registry=r)
-        self.plan_seconds = Histogram("treepack_plan_seconds", "planner time per packed batch", buckets=_LATENCY, registry=r)
+        self.latency = Histogram(
+            "treepack_request_seconds", "HTTP request latency", ["route"], buckets=_LATENCY, registry=r
+        )
+        self.plan_seconds = Histogram(
+            "treepack_plan_seconds", "planner time per packed batch", buckets=_LATENCY, registry=r
+        )
         self.pack_phase = Histogram(
             "treepack_pack_phase_seconds", "pack work besides planning: decode (body to batch), encode (plan to body)", ["phase"],
             buckets=_LATENCY, registry=r,
         )  # fmt: skip
         self.tokens_in = Counter("treepack_tokens_in", "unpacked tokens of packed batches", registry=r)
         self.packed_tokens = Counter("treepack_packed_tokens", "tokens laid out in rows", registry=r)
-        self.saved = Histogram("treepack_saved_fraction", "1 - packed/unpacked tokens, per batch", buckets=_SAVED, registry=r)
+        self.saved = Histogram(
+            "treepack_saved_fraction", "1 - packed/unpacked tokens, per batch", buckets=_SAVED, registry=r
+        )
         self.rows = Histogram("treepack_rows", "rows per packed batch", buckets=_ROWS, registry=r)
         self.errors = Counter("treepack_errors", "error responses by kind", ["kind"], registry=r)
         self.whatif_trials = Counter("treepack_whatif_trials", "planner runs made by what-if requests", registry=r)
-        self.work_stopped = Counter("treepack_work_stopped", "planning stopped: deadline or client gone", ["reason"], registry=r)
+        self.work_stopped = Counter(
+            "treepack_work_stopped", "planning stopped: deadline or client gone", ["reason"], registry=r
+        )
         r.register(_StateCollector(pool, recorder, service))
 
     def observe_plan(self, plan: Plan) -> None:

@@ -98,7 +98,12 @@ EXAMPLES: dict[str, dict[str, Any]] = {"PackRequest": PACK_EXAMPLE, "WhatIfReque
 
 
 def body_spec(
-    request: type | None, response: type, statuses: tuple[int, ...], *, both: bool = True, description: str = "the answer"
+    request: type | None,
+    response: type,
+    statuses: tuple[int, ...],
+    *,
+    both: bool = True,
+    description: str = "the answer",
 ) -> dict[str, Any]:
     """``openapi_extra`` for one operation: request body, 200 and error responses.
 
@@ -110,7 +115,10 @@ def body_spec(
     """
     media = (JSON, MSGPACK) if both else (JSON,)
     spec: dict[str, Any] = {
-        "responses": {"200": {"description": description, "content": {t: {"schema": _ref(response)} for t in media}}, **_error_responses(statuses)}
+        "responses": {
+            "200": {"description": description, "content": {t: {"schema": _ref(response)} for t in media}},
+            **_error_responses(statuses),
+        }
     }
     if request is not None:
         content: dict[str, Any] = {t: {"schema": _ref(request)} for t in (JSON, MSGPACK)}
@@ -125,7 +133,9 @@ def _apply_limits(schemas: dict[str, Any], settings: Any) -> None:
     then passes them): what-if trials, sequences per list, compositions per request."""
     whatif = schemas.get("WhatIfRequest", {}).get("properties", {})
     if "trials" in whatif:
-        whatif["trials"]["maximum"] = min(whatif["trials"].get("maximum", settings.whatif_max_trials), settings.whatif_max_trials)
+        whatif["trials"]["maximum"] = min(
+            whatif["trials"].get("maximum", settings.whatif_max_trials), settings.whatif_max_trials
+        )
     if "compositions" in whatif:
         whatif["compositions"]["maxItems"] = min(whatif["compositions"].get("maxItems", 64), settings.whatif_max_trials)
     pack = schemas.get("PackRequest", {}).get("properties", {})
@@ -146,7 +156,9 @@ def install_openapi(app: FastAPI, *, description: str, bearer: bool, settings: A
         if app.openapi_schema:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, description=description, routes=app.routes)
-        _, defs = models_json_schema([(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}")
+        _, defs = models_json_schema(
+            [(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}"
+        )
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
         if settings is not None:
             _apply_limits(doc["components"]["schemas"], settings)
@@ -160,7 +172,6 @@ def install_openapi(app: FastAPI, *, description: str, bearer: bool, settings: A
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
-
 
 
 # /docs without a network: a page of this file only, listing the operations of

@@ -68,7 +68,10 @@ def whatif_work(pool: GroupPool, compositions: list[Any], trials: int) -> int:
         if comp.groups is not None:
             top = np.sort(sizes)[::-1][: comp.groups]
         else:
-            top = np.concatenate([np.sort(sizes[tag_arr == t])[::-1][:k] for t, k in (comp.by_tag or {}).items()] or [np.zeros(0, np.int64)])
+            top = np.concatenate(
+                [np.sort(sizes[tag_arr == t])[::-1][:k] for t, k in (comp.by_tag or {}).items()]
+                or [np.zeros(0, np.int64)]
+            )
         total += trials * sum(int(x) for x in top.tolist())
     return total
 
@@ -94,7 +97,9 @@ class PlanningService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pool = PlanPool(settings.max_concurrent_plans, settings.max_queue, settings.retry_after_s)
-        self.intake = IntakeBudget(settings.intake_budget_bytes, settings.retry_after_s, reserve=settings.intake_reserve_bytes)
+        self.intake = IntakeBudget(
+            settings.intake_budget_bytes, settings.retry_after_s, reserve=settings.intake_reserve_bytes
+        )
         self.replay = ReplayCache(max_bytes=settings.idempotency_cache_bytes, ttl_s=settings.idempotency_ttl_s)
         self.store: HistoryStore | None = None
         self.recorder: HistoryRecorder | None = None
@@ -119,7 +124,12 @@ class PlanningService:
         s = self.settings
 
         def open_store() -> HistoryStore:
-            return HistoryStore(s.history_path, max_batches=s.history_max_batches, max_age_s=s.history_max_age_s, max_bytes=s.history_max_bytes)
+            return HistoryStore(
+                s.history_path,
+                max_batches=s.history_max_batches,
+                max_age_s=s.history_max_age_s,
+                max_bytes=s.history_max_bytes,
+            )
 
         try:
             return open_store()
@@ -159,7 +169,11 @@ class PlanningService:
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
         result = plan_request(request, check=check, cost_model=self.cost_model)
         plan = result.plan
-        recorded = bool(request.record and self.recorder is not None and self.recorder.submit(shape_job(result, request.tags), plan.stats))
+        recorded = bool(
+            request.record
+            and self.recorder is not None
+            and self.recorder.submit(shape_job(result, request.tags), plan.stats)
+        )
         self.metrics.observe_plan(plan)
         t0 = time.perf_counter()
         out = encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
@@ -178,7 +192,9 @@ class PlanningService:
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
         options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
-        inline = None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
+        inline = (
+            None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
+        )
         runs = msg.trials * len(msg.compositions)
         if runs > self.settings.whatif_max_trials:
             raise PayloadTooLargeError(
@@ -187,13 +203,19 @@ class PlanningService:
                 path="$.trials",
                 rule="max_trials",
             )
-        source, shapes = ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
+        source, shapes = (
+            ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
+        )
         comps = [composition_from_wire(c) for c in msg.compositions]
         pool = build_pool(shapes)
         work = whatif_work(pool, comps, msg.trials)
         limit = self.settings.whatif_work_limit
         if work > limit:
-            setting = "whatif_max_work" if self.settings.whatif_max_work is not None else "whatif_max_work, unset: 4 x max_tokens"
+            setting = (
+                "whatif_max_work"
+                if self.settings.whatif_max_work is not None
+                else "whatif_max_work, unset: 4 x max_tokens"
+            )
             raise PayloadTooLargeError(
                 f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {limit} ({setting})",
                 path="$.trials",

@@ -55,7 +55,11 @@ class Ticket:
         if self._cancelled.is_set():
             raise DeadlineError("the client went away; the work was stopped", path="$", rule="cancelled")
         if time.monotonic() > self.deadline:
-            raise DeadlineError(f"the work ran past the request deadline of {self.timeout_s:g} s and was stopped", path="$", rule="deadline")
+            raise DeadlineError(
+                f"the work ran past the request deadline of {self.timeout_s:g} s and was stopped",
+                path="$",
+                rule="deadline",
+            )
 
 
 class IntakeBudget:

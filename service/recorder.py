@@ -45,7 +45,9 @@ class HistoryRecorder:
     def _write(self, make_shape: Callable[[], BatchShape], stats: PlanStats) -> None:
         try:
             shape = make_shape()
-            self.store.record(shape, rows=stats.rows, packed_tokens=stats.packed_tokens, saved_fraction=stats.saved_fraction)
+            self.store.record(
+                shape, rows=stats.rows, packed_tokens=stats.packed_tokens, saved_fraction=stats.saved_fraction
+            )
             self.recorded += 1
         except Exception:
             self.failed += 1

@@ -83,7 +83,9 @@ class ReplayCache:
         entry = self._entries.get(key)
         if entry is not None and entry.digest != digest:
             raise ConflictError(
-                "this Idempotency-Key was used for a different request; use a new key per request", path="Idempotency-Key", rule="idempotency"
+                "this Idempotency-Key was used for a different request; use a new key per request",
+                path="Idempotency-Key",
+                rule="idempotency",
             )
         if entry is not None:
             try:
@@ -91,7 +93,12 @@ class ReplayCache:
             except Exception:  # the first attempt failed or was abandoned: plan afresh
                 return await self.run(key, body_digest, fmt, work)
             self.replayed += 1
-            return Response(resp.body, status_code=resp.status_code, media_type=resp.media_type, headers={"idempotent-replay": "true"})
+            return Response(
+                resp.body,
+                status_code=resp.status_code,
+                media_type=resp.media_type,
+                headers={"idempotent-replay": "true"},
+            )
         entry = _Entry(digest=digest, created=now, future=asyncio.get_running_loop().create_future())
         self._entries[key] = entry
         try:
@@ -99,7 +106,9 @@ class ReplayCache:
         except BaseException as exc:
             self._entries.pop(key, None)
             if not entry.future.done():
-                entry.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError("the first attempt was abandoned"))
+                entry.future.set_exception(
+                    exc if isinstance(exc, Exception) else RuntimeError("the first attempt was abandoned")
+                )
                 entry.future.exception()  # retrieved: a failure with no waiter is not an asyncio warning
             raise
         entry.nbytes = len(resp.body)

@@ -42,13 +42,19 @@ STATUSES = (400, 401, 408, 409, 413, 415, 422, 503, 504)
 
 def _ready_spec() -> dict[str, Any]:
     spec = body_spec(None, m.ReadyResponse, (), both=False, description="ready")
-    spec["responses"]["503"] = {"description": "not ready", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReadyResponse"}}}}
+    spec["responses"]["503"] = {
+        "description": "not ready",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ReadyResponse"}}},
+    }
     return spec
 
 
 def _metrics_spec() -> dict[str, Any]:
     spec = body_spec(None, m.HealthResponse, (401,), both=False)
-    spec["responses"]["200"] = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    spec["responses"]["200"] = {
+        "description": "Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
     return spec
 
 
@@ -62,7 +68,11 @@ async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
 
 
 async def _plan_in_pool(
-    request: Request, svc: PlanningService, work: Callable[[bytearray, Format, Format, Ticket], bytes], formats: Formats, body: bytearray
+    request: Request,
+    svc: PlanningService,
+    work: Callable[[bytearray, Format, Format, Ticket], bytes],
+    formats: Formats,
+    body: bytearray,
 ) -> Response:
     """Run ``work(body, request format, response format, ticket)`` on the planner pool; answer its bytes.
 
@@ -77,9 +87,16 @@ async def _plan_in_pool(
     return Response(answer, media_type=content_type(formats.response))
 
 
-@router.post("/v1/pack", dependencies=AUTH, openapi_extra=body_spec(m.PackRequest, m.PackResponse, STATUSES, description="the plan"))
+@router.post(
+    "/v1/pack",
+    dependencies=AUTH,
+    openapi_extra=body_spec(m.PackRequest, m.PackResponse, STATUSES, description="the plan"),
+)
 async def pack(
-    request: Request, svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytearray = Depends(read_body)
+    request: Request,
+    svc: PlanningService = Depends(service),
+    formats: Formats = Depends(negotiate),
+    body: bytearray = Depends(read_body),
 ) -> Response:
     """Pack a batch into rows: the plan with every array the trainer needs.
 
@@ -90,18 +107,31 @@ async def pack(
     key = idempotency_key(request)
     if key is None:
         return await _plan_in_pool(request, svc, svc.pack, formats, body)
-    return await svc.replay.run(key, request.state.body_digest, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body))
+    return await svc.replay.run(
+        key, request.state.body_digest, formats.response, lambda: _plan_in_pool(request, svc, svc.pack, formats, body)
+    )
 
 
-@router.post("/v1/whatif", dependencies=AUTH, openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"))
+@router.post(
+    "/v1/whatif",
+    dependencies=AUTH,
+    openapi_extra=body_spec(m.WhatIfRequest, m.WhatIfResponse, STATUSES, description="row distributions"),
+)
 async def whatif(
-    request: Request, svc: PlanningService = Depends(service), formats: Formats = Depends(negotiate), body: bytearray = Depends(read_body)
+    request: Request,
+    svc: PlanningService = Depends(service),
+    formats: Formats = Depends(negotiate),
+    body: bytearray = Depends(read_body),
 ) -> Response:
     """Rows needed by candidate batch compositions, sampled from recorded (or given) shapes."""
     return await _plan_in_pool(request, svc, svc.whatif, formats, body)
 
 
-@router.get("/v1/history", dependencies=AUTH, openapi_extra=body_spec(None, m.HistorySummary, (401, 415), description="the summary"))
+@router.get(
+    "/v1/history",
+    dependencies=AUTH,
+    openapi_extra=body_spec(None, m.HistorySummary, (401, 415), description="the summary"),
+)
 async def history(svc: PlanningService = Depends(service), fmt: Format = Depends(accept_format)) -> Response:
     """What the shape history holds (counts, time span, tags, means)."""
     summary = await asyncio.to_thread(svc.history_summary)

@@ -53,10 +53,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             default=None,
             help=f"env TREEPACK_{name.upper()}; default {default}{hint}",
         )
-    p.add_argument("--no-history", dest="history_enabled", action="store_const", const=False, default=None, help="record no batch shapes")
+    p.add_argument(
+        "--no-history",
+        dest="history_enabled",
+        action="store_const",
+        const=False,
+        default=None,
+        help="record no batch shapes",
+    )
     p.add_argument("--recover-history", dest="history_recover", action="store_const", const=True, default=None,
                    help="move a damaged history file aside and start a fresh one (env TREEPACK_HISTORY_RECOVER)")  # fmt: skip
-    p.add_argument("--token-file", default=None, help="read the bearer token from this file, stripped (or env TREEPACK_TOKEN_FILE / TREEPACK_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="read the bearer token from this file, stripped (or env TREEPACK_TOKEN_FILE / TREEPACK_TOKEN)",
+    )
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
 
 
@@ -82,7 +93,9 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     from treepack.service.settings import Settings
 
-    given = {k: (None if v == _UNSET else v) for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    given = {
+        k: (None if v == _UNSET else v) for k, v in vars(args).items() if k in Settings.model_fields and v is not None
+    }
     if getattr(args, "token_file", None):
         given["token_file"] = args.token_file
     try:
@@ -126,7 +139,10 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"treepack serve: {problem}", file=sys.stderr)
             return 2
     if settings.host not in _LOOPBACK and settings.token is None:
-        print(f"treepack serve: warning: binding {settings.host} without a bearer token (set TREEPACK_TOKEN)", file=sys.stderr)
+        print(
+            f"treepack serve: warning: binding {settings.host} without a bearer token (set TREEPACK_TOKEN)",
+            file=sys.stderr,
+        )
     _export(settings)
     uvicorn.run(
         "treepack.service.app:create_app_from_env",

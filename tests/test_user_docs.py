@@ -37,7 +37,10 @@ def internal_refs(text: str) -> list[str]:
 def _help_texts() -> dict[str, str]:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.choices and "demo" in a.choices)
-    return {"treepack --help": parser.format_help(), **{f"treepack {n} --help": p.format_help() for n, p in sub.choices.items()}}
+    return {
+        "treepack --help": parser.format_help(),
+        **{f"treepack {n} --help": p.format_help() for n, p in sub.choices.items()},
+    }
 
 
 def test_the_check_finds_what_it_looks_for():

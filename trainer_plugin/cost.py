@@ -50,7 +50,11 @@ def model_mixers(model: Any) -> tuple[str, ...]:
 
 def model_conv_width(model: Any, default: int = 4) -> int:
     """The widest depthwise causal conv of the model's mixers (the plan's ``conv_width``)."""
-    widths = [m.kernel_size[0] for m in unwrap_model(model).modules() if isinstance(m, torch.nn.Conv1d) and m.groups == m.in_channels > 1]
+    widths = [
+        m.kernel_size[0]
+        for m in unwrap_model(model).modules()
+        if isinstance(m, torch.nn.Conv1d) and m.groups == m.in_channels > 1
+    ]
     return max(widths, default=default)
 
 
@@ -156,7 +160,11 @@ def _clock(clock: str, device: torch.device) -> Callable[[], float]:
         return time.perf_counter
     if clock == "cpu" and device.type == "cpu":
         return time.process_time
-    raise RequestError(f"clock must be 'wall', or 'cpu' for a model on the CPU; got {clock!r} on {device.type}", path="$.clock", rule="enum")
+    raise RequestError(
+        f"clock must be 'wall', or 'cpu' for a model on the CPU; got {clock!r} on {device.type}",
+        path="$.clock",
+        rule="enum",
+    )
 
 
 def _default_varlen(backend: str, device: torch.device) -> Callable | None:
@@ -221,11 +229,22 @@ def calibrate(
     todo = list(batches) if batches is not None else calibration_batches(seq_len, vocab=vocab, seed=seed)
     packer = planner if planner is not None else Packer()
     chunk = _model_chunk_size(model)
-    probe = CostModel(backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in _terms(backend, mixers)})
+    probe = CostModel(
+        backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in _terms(backend, mixers)}
+    )
     plans, names = [], []
     for b in todo:
         for placement in ("auto", "no_share"):
-            plan = packer.pack(b["sequences"], trainable=b["trainable"], groups=b.get("groups"), seq_len=seq_len, min_shared_len=msl, conv_width=conv_width, placement=placement, record=False)
+            plan = packer.pack(
+                b["sequences"],
+                trainable=b["trainable"],
+                groups=b.get("groups"),
+                seq_len=seq_len,
+                min_shared_len=msl,
+                conv_width=conv_width,
+                placement=placement,
+                record=False,
+            )
             plans.append((plan, b["sequences"]))
             names.append(f"{b.get('name', '')} / {placement}")
     for _ in range(warmup):
@@ -233,7 +252,15 @@ def calibrate(
             time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
     # Interleaved rounds (each plan once per round, the median kept): a change in the
     # machine's load reaches every plan alike instead of the ones timed during it.
-    rounds = np.array([[time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock) for plan, seqs in plans] for _ in range(repeats)])
+    rounds = np.array(
+        [
+            [
+                time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
+                for plan, seqs in plans
+            ]
+            for _ in range(repeats)
+        ]
+    )
     times = np.median(rounds, axis=0)
     feats = [probe.features(plan) for plan, _ in plans]
     if report is not None:
@@ -242,7 +269,9 @@ def calibrate(
     dev = f"{device.type} {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     dtype = next(hf.parameters()).dtype
     desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans, {clock} clock"
-    return fit_cost_model(np.stack(feats), times, backend=backend, mixers=mixers, chunk_size=chunk, device=dev, description=desc)
+    return fit_cost_model(
+        np.stack(feats), times, backend=backend, mixers=mixers, chunk_size=chunk, device=dev, description=desc
+    )
 
 
 def _terms(backend: str, mixers: Sequence[str]) -> tuple[str, ...]:

@@ -65,7 +65,9 @@ def encode_plan(plan: Plan, extra: dict[str, np.ndarray] | None = None) -> bytes
         a = np.asarray(arr)
         dt = a.dtype.newbyteorder("<").str
         if dt not in DTYPES:
-            raise InputTypeError(f"extra array {name!r} has dtype {a.dtype}; use one of {DTYPES}", path=f"$.extra.{name}", rule="dtype")
+            raise InputTypeError(
+                f"extra array {name!r} has dtype {a.dtype}; use one of {DTYPES}", path=f"$.extra.{name}", rule="dtype"
+            )
         arrays[name] = array_to_wire(a, dt, "msgpack")
     return encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, "msgpack"), "extra": arrays}, "msgpack")
 
@@ -85,7 +87,9 @@ def _decode(obj: dict[str, Any]) -> tuple[Plan, dict[str, np.ndarray]]:
     for name, a in extra.items():
         dt, shape = (a.get("dtype"), a.get("shape")) if isinstance(a, dict) else (None, None)
         if dt not in DTYPES or not isinstance(shape, list):
-            raise RequestError(f"extra array {name!r} is not a typed array object", path=f"$.extra.{name}", rule="array")
+            raise RequestError(
+                f"extra array {name!r} is not a typed array object", path=f"$.extra.{name}", rule="array"
+            )
         arrays[name] = array_from_wire(a, dtype=dt, ndim=len(shape), path=f"$.extra.{name}")
     return plan_from_wire(obj["plan"]), arrays
 
@@ -129,7 +133,13 @@ def _error_bytes(err: BaseException) -> bytes:
     if isinstance(err, TreepackError):
         payload = err.to_payload()
     else:
-        payload = {"version": WIRE_VERSION, "error": "server_error", "message": f"{type(err).__name__}: {err}", "path": "$", "rule": "planner_failed"}
+        payload = {
+            "version": WIRE_VERSION,
+            "error": "server_error",
+            "message": f"{type(err).__name__}: {err}",
+            "path": "$",
+            "rule": "planner_failed",
+        }
     return encode_body({"version": WIRE_VERSION, "error": payload}, "msgpack")
 
 
@@ -158,12 +168,16 @@ class RankPlan:
         """[K] this rank's global rows, -1 for empty padding rows."""
         return self.plan.ranks.rank_rows[self.rank]
 
-    def materialize(self, sequences: Sequence[Any], payloads: dict[str, Any] | None = None, device: Any = None, **kwargs: Any) -> PackedBatch:
+    def materialize(
+        self, sequences: Sequence[Any], payloads: dict[str, Any] | None = None, device: Any = None, **kwargs: Any
+    ) -> PackedBatch:
         """:func:`~treepack.trainer.data.materialize` of this rank's rows with the broadcast flags
         and groups. ``sequences`` and payloads are read only at the sequences of these rows."""
         groups = None if self.groups is None else self.groups.tolist()
         kwargs.setdefault("cp", self.cp)
-        return materialize(self.plan, sequences, payloads, device, trainable=self.trainable, groups=groups, rows=self.rows, **kwargs)
+        return materialize(
+            self.plan, sequences, payloads, device, trainable=self.trainable, groups=groups, rows=self.rows, **kwargs
+        )
 
 
 def plan_and_broadcast(
@@ -239,4 +253,3 @@ def plan_and_broadcast(
     if mesh is not None:
         rank = m.dp_rank
     return RankPlan(plan=plan, rank=rank, trainable=flags_list, groups=None if codes.shape[0] == 0 else codes, cp=cp)
-

@@ -66,7 +66,9 @@ def _weights_from_counts(counts: torch.Tensor, groups: torch.Tensor, normalizati
     c = counts.to(torch.float64)
     if isinstance(normalization, (int, float)) and not isinstance(normalization, bool):
         if normalization <= 0:
-            raise RequestError(f"a constant normalization must be > 0, got {normalization}", path="$.normalization", rule="positive")
+            raise RequestError(
+                f"a constant normalization must be > 0, got {normalization}", path="$.normalization", rule="positive"
+            )
         return torch.full_like(c, 1.0 / float(normalization))
     if normalization == "sum":
         return torch.ones_like(c)
@@ -82,7 +84,11 @@ def _weights_from_counts(counts: torch.Tensor, groups: torch.Tensor, normalizati
         nz = (ng > 0).sum().clamp(min=1)
         mine = ng[groups]
         return torch.where(mine > 0, 1.0 / (mine.clamp(min=1) * nz), torch.zeros_like(c))
-    raise RequestError(f"normalization must be one of {NORMALIZATIONS} or a positive number, got {normalization!r}", path="$.normalization", rule="enum")
+    raise RequestError(
+        f"normalization must be one of {NORMALIZATIONS} or a positive number, got {normalization!r}",
+        path="$.normalization",
+        rule="enum",
+    )
 
 
 def entry_weights(batch: PackedBatch, normalization: Any = "token") -> torch.Tensor:
@@ -95,24 +101,38 @@ def entry_values(batch: PackedBatch, x: Any, *, what: str) -> torch.Tensor:
     """[T] per-entry values of ``x`` (payload name, [S], [K, L] or a number)."""
     if isinstance(x, str):
         if x not in batch.entry_payloads:
-            raise RequestError(f"{what}: no target-aligned payload named {x!r} (have {sorted(batch.entry_payloads)})", path=f"$.{what}", rule="unknown_payload")
+            raise RequestError(
+                f"{what}: no target-aligned payload named {x!r} (have {sorted(batch.entry_payloads)})",
+                path=f"$.{what}",
+                rule="unknown_payload",
+            )
         return batch.entry_payloads[x]
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return torch.full((batch.num_scored,), float(x), dtype=torch.float64, device=batch.device)
     if not isinstance(x, torch.Tensor):
-        raise InputTypeError(f"{what} must be a payload name, a tensor or a number, got {type(x).__name__}", path=f"$.{what}", rule="type")
+        raise InputTypeError(
+            f"{what} must be a payload name, a tensor or a number, got {type(x).__name__}",
+            path=f"$.{what}",
+            rule="type",
+        )
     S, K, L = batch.plan.num_sequences, batch.num_rows, batch.seq_len
     if x.ndim == 1 and x.shape[0] == S:
         return x[batch.score_seq]
     if x.ndim == 2 and tuple(x.shape) == (K, L):
         return x.reshape(-1)[batch.score_flat]
-    raise RequestError(f"{what} must have shape [{S}] (per sequence) or [{K}, {L}] (packed), got {tuple(x.shape)}", path=f"$.{what}", rule="shape")
+    raise RequestError(
+        f"{what} must have shape [{S}] (per sequence) or [{K}, {L}] (packed), got {tuple(x.shape)}",
+        path=f"$.{what}",
+        rule="shape",
+    )
 
 
 def position_sum(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor:
     """[K, L] sum over the sharers of each position of their entries' ``values`` ([T])."""
     K, L = batch.num_rows, batch.seq_len
-    return torch.zeros(K * L, dtype=values.dtype, device=values.device).index_add(0, batch.score_flat, values).view(K, L)
+    return (
+        torch.zeros(K * L, dtype=values.dtype, device=values.device).index_add(0, batch.score_flat, values).view(K, L)
+    )
 
 
 def entry_logprobs(batch: PackedBatch, logprobs: torch.Tensor) -> torch.Tensor:
@@ -123,11 +143,17 @@ def entry_logprobs(batch: PackedBatch, logprobs: torch.Tensor) -> torch.Tensor:
         logprobs: [K, L] from :meth:`PackedBatch.target_logprobs`, or [K, L, V] logits.
     """
     if not isinstance(logprobs, torch.Tensor):
-        raise InputTypeError(f"logprobs must be a tensor, got {type(logprobs).__name__}", path="$.logprobs", rule="type")
+        raise InputTypeError(
+            f"logprobs must be a tensor, got {type(logprobs).__name__}", path="$.logprobs", rule="type"
+        )
     if logprobs.ndim == 3:
         logprobs = batch.target_logprobs(logprobs)
     if tuple(logprobs.shape) != (batch.num_rows, batch.seq_len):
-        raise RequestError(f"logprobs must have shape [{batch.num_rows}, {batch.seq_len}] (or logits [K, L, V]), got {tuple(logprobs.shape)}", path="$.logprobs", rule="shape")
+        raise RequestError(
+            f"logprobs must have shape [{batch.num_rows}, {batch.seq_len}] (or logits [K, L, V]), got {tuple(logprobs.shape)}",
+            path="$.logprobs",
+            rule="shape",
+        )
     return logprobs.reshape(-1)[batch.score_flat]
 
 
@@ -136,7 +162,9 @@ def _entries_like(batch: PackedBatch, x: Any, *, what: str, like: torch.Tensor) 
     return entry_values(batch, x, what=what).to(like.dtype)
 
 
-def sft_loss(logprobs: torch.Tensor, batch: PackedBatch, *, weights: Any = None, normalization: Any = "token") -> torch.Tensor:
+def sft_loss(
+    logprobs: torch.Tensor, batch: PackedBatch, *, weights: Any = None, normalization: Any = "token"
+) -> torch.Tensor:
     """Negative log-likelihood of the scored tokens.
 
     Args:
@@ -239,7 +267,9 @@ def cispo_loss(
     return -(w * _entries_like(batch, advantages, what="advantages", like=lp) * r * lp).sum()
 
 
-def naive_entry_weights(trainable: Sequence[torch.Tensor], groups: Sequence[Any] | None, normalization: Any = "token") -> list[torch.Tensor]:
+def naive_entry_weights(
+    trainable: Sequence[torch.Tensor], groups: Sequence[Any] | None, normalization: Any = "token"
+) -> list[torch.Tensor]:
     """Reference weights on unpacked sequences: per sequence a [n] float64 weight per token
     (0 at unscored tokens). ``trainable[s]`` is a [n] bool tensor; token 0 is never scored."""
     S = len(trainable)
@@ -282,7 +312,14 @@ def _seq_value(x: Any, s: int, n: int) -> torch.Tensor:
     return torch.as_tensor(x[s])
 
 
-def naive_sft_loss(seq_logprobs: Sequence[torch.Tensor], trainable: Sequence[torch.Tensor], *, groups: Sequence[Any] | None = None, weights: Any = None, normalization: Any = "token") -> torch.Tensor:
+def naive_sft_loss(
+    seq_logprobs: Sequence[torch.Tensor],
+    trainable: Sequence[torch.Tensor],
+    *,
+    groups: Sequence[Any] | None = None,
+    weights: Any = None,
+    normalization: Any = "token",
+) -> torch.Tensor:
     """Reference :func:`sft_loss` on unpacked sequences.
 
     Args:
@@ -303,7 +340,19 @@ def naive_sft_loss(seq_logprobs: Sequence[torch.Tensor], trainable: Sequence[tor
     return loss
 
 
-def naive_ppo_clip_loss(seq_logprobs, trainable, *, advantages, old_logprobs=None, groups=None, clip_low=0.2, clip_high=None, normalization="token", ref_logprobs=None, kl_coef=0.0) -> torch.Tensor:
+def naive_ppo_clip_loss(
+    seq_logprobs,
+    trainable,
+    *,
+    advantages,
+    old_logprobs=None,
+    groups=None,
+    clip_low=0.2,
+    clip_high=None,
+    normalization="token",
+    ref_logprobs=None,
+    kl_coef=0.0,
+) -> torch.Tensor:
     """Reference :func:`ppo_clip_loss` on unpacked sequences (arguments as :func:`naive_sft_loss`;
     ``advantages`` a [S] tensor or per-sequence [n] tensors, log-probabilities per sequence)."""
     eh = clip_low if clip_high is None else clip_high
@@ -325,7 +374,17 @@ def naive_ppo_clip_loss(seq_logprobs, trainable, *, advantages, old_logprobs=Non
     return loss
 
 
-def naive_cispo_loss(seq_logprobs, trainable, *, advantages, old_logprobs, groups=None, clip_low=None, clip_high=0.2, normalization="token") -> torch.Tensor:
+def naive_cispo_loss(
+    seq_logprobs,
+    trainable,
+    *,
+    advantages,
+    old_logprobs,
+    groups=None,
+    clip_low=None,
+    clip_high=0.2,
+    normalization="token",
+) -> torch.Tensor:
     """Reference :func:`cispo_loss` on unpacked sequences."""
     ws = naive_entry_weights(trainable, groups, normalization)
     loss = torch.zeros((), dtype=torch.float64)

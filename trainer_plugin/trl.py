@@ -126,7 +126,9 @@ class PackingConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+            raise RequestError(
+                f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+            )
         if self.cost_model is not None and self.planner is not None:
             raise RequestError(
                 "give cost_model (embedded planner) or planner, not both: a sidecar uses its own cost_model_path, a Packer its own cost_model",
@@ -203,7 +205,13 @@ class _PackedRows:
         self.packing = PackingConfig() if packing is None else packing
         self._planner = self.packing.make_planner()
 
-    def _plan(self, padded: PaddedSequences, num_microbatches: int, groups: list[int] | None, keys: list[np.ndarray] | None = None) -> Any:
+    def _plan(
+        self,
+        padded: PaddedSequences,
+        num_microbatches: int,
+        groups: list[int] | None,
+        keys: list[np.ndarray] | None = None,
+    ) -> Any:
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
@@ -221,7 +229,14 @@ class _PackedRows:
         metrics["treepack/plan_ms"].append(float(mb.plan_ms))
         return mb
 
-    def _images(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sequences: list[np.ndarray], extra: dict[str, Any]) -> tuple[Any, Any, Any]:
+    def _images(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sequences: list[np.ndarray],
+        extra: dict[str, Any],
+    ) -> tuple[Any, Any, Any]:
         """Each sequence's own image inputs and the planner keys that tell images apart.
 
         Args:
@@ -263,14 +278,22 @@ class _PackedRows:
         backend = self.packing.backend
         hf = unwrap_model(model)
         # What packed_forward refuses is refused here too, before the first step computes anything.
-        check_model(hf, backend=backend, row_len=batch.seq_len, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
+        check_model(
+            hf,
+            backend=backend,
+            row_len=batch.seq_len,
+            conv_width=batch.plan.gdn.conv_width,
+            allow_dropout=self.packing.allow_dropout,
+        )
         enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
         with self.accelerator.autocast():
             if self.packing.verify:
-                verify_model(hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout)
+                verify_model(
+                    hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout
+                )
             mm = image_inputs(hf, batch, {})
             with use_packed(ctx):
                 return model(
@@ -338,7 +361,11 @@ class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
             ([B, C] log-probabilities, [B, C] entropies or None, None); 0 at padding.
         """
         if compute_aux_loss:
-            raise RequestError("TreepackGRPOTrainer packs dense-loss batches; got compute_aux_loss (MoE load balancing is not per sequence)", path="$.compute_aux_loss", rule="unsupported")
+            raise RequestError(
+                "TreepackGRPOTrainer packs dense-loss batches; got compute_aux_loss (MoE load balancing is not per sequence)",
+                path="$.compute_aux_loss",
+                rule="unsupported",
+            )
         C = int(logits_to_keep)
         padded = from_padded(input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:])
         B = padded.batch_size
@@ -346,7 +373,12 @@ class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
         groups = padded.groups
         if pv is not None:
             # A prompt is its ids and its images: identical ids over different images are two groups.
-            groups = prompt_groups([np.concatenate([s[:p], k[:p].view(np.int64)]) for s, k, p in zip(padded.sequences, keys, padded.prompt_lens.tolist())])
+            groups = prompt_groups(
+                [
+                    np.concatenate([s[:p], k[:p].view(np.int64)])
+                    for s, k, p in zip(padded.sequences, keys, padded.prompt_lens.tolist())
+                ]
+            )
         mb = self._plan(padded, max(1, math.ceil(B / (batch_size or B))), groups.tolist(), keys)
         logps = torch.zeros(B, C, device=input_ids.device)
         entropies = torch.zeros(B, C, device=input_ids.device) if compute_entropy else None
@@ -355,7 +387,14 @@ class TreepackGRPOTrainer(_PackedRows, trl.GRPOTrainer):
             if rows.shape[0] == 0:
                 continue
             batch = materialize(
-                mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, groups=groups.tolist(), rows=rows, pixel_values=pv, image_grid_thw=thw
+                mb.plan,
+                padded.sequences,
+                device=input_ids.device,
+                trainable=padded.trainable,
+                groups=groups.tolist(),
+                rows=rows,
+                pixel_values=pv,
+                image_grid_thw=thw,
             )
             out = self._packed_fused(model, batch)
             logps = padded.to_padded(batch, out.log_probs, out=logps.to(out.log_probs.dtype))
@@ -368,7 +407,11 @@ def _image_token_of(model: Any) -> int:
     config = unwrap_model(model).config
     v = getattr(config, "image_token_id", None)
     if v is None:
-        raise RequestError(f"the batch holds pixel_values but {type(unwrap_model(model)).__name__}'s config has no image_token_id", path="$.model", rule="unsupported")
+        raise RequestError(
+            f"the batch holds pixel_values but {type(unwrap_model(model)).__name__}'s config has no image_token_id",
+            path="$.model",
+            rule="unsupported",
+        )
     return int(v)
 
 
@@ -393,11 +436,21 @@ class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
         self._init_packing(packing)
         super().__init__(*args, **kwargs)
         if self.padding_free:
-            raise RequestError("TreepackSFTTrainer packs padded batches: set padding_free=False and packing=False", path="$.args.padding_free", rule="unsupported")
+            raise RequestError(
+                "TreepackSFTTrainer packs padded batches: set padding_free=False and packing=False",
+                path="$.args.padding_free",
+                rule="unsupported",
+            )
         if self.compute_loss_func is not None or self.label_smoother is not None:
-            raise RequestError("compute_loss_func and label smoothing need the full logits; TreepackSFTTrainer runs the fused head", path="$.args", rule="unsupported")
+            raise RequestError(
+                "compute_loss_func and label smoothing need the full logits; TreepackSFTTrainer runs the fused head",
+                path="$.args",
+                rule="unsupported",
+            )
 
-    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """TRL's SFT loss, with the model call replaced by the packed one (:meth:`_sft_forward`)."""
         call = lambda **kw: self._sft_forward(model, **kw)  # noqa: E731
         return super().compute_loss(call, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
@@ -446,7 +499,13 @@ class TreepackSFTTrainer(_PackedRows, trl.SFTTrainer):
         mb = self._plan(padded, 1, None, keys)
         rows = mb.rows[0, 0]
         batch = materialize(
-            mb.plan, padded.sequences, device=input_ids.device, trainable=padded.trainable, rows=rows[rows >= 0], pixel_values=pv, image_grid_thw=thw
+            mb.plan,
+            padded.sequences,
+            device=input_ids.device,
+            trainable=padded.trainable,
+            rows=rows[rows >= 0],
+            pixel_values=pv,
+            image_grid_thw=thw,
         )
         out = self._packed_fused(model, batch)
         fields = {}

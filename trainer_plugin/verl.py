@@ -78,7 +78,9 @@ class VerlPacking:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise RequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum")
+            raise RequestError(
+                f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+            )
 
     @classmethod
     def from_env(cls) -> VerlPacking:
@@ -100,7 +102,9 @@ def _scalar_temperature(t: Any) -> float:
     if isinstance(t, torch.Tensor):
         flat = t.detach().float().reshape(-1)
         if flat.numel() == 0 or bool((flat != flat[0]).any()):
-            raise _refuse("temperature", "per-sample temperatures: the chunked head takes one temperature per micro-batch")
+            raise _refuse(
+                "temperature", "per-sample temperatures: the chunked head takes one temperature per micro-batch"
+            )
         return float(flat[0])
     return float(t)
 
@@ -109,7 +113,9 @@ def _check_supported(engine: Any, mb: Any) -> None:
     """Raise before any compute for what the packed forward cannot do exactly."""
     flag = lambda k: bool(tu.get_non_tensor_data(data=mb, key=k, default=False))  # noqa: E731
     if getattr(engine, "use_ulysses_sp", False):
-        raise _refuse("ulysses_sequence_parallel_size", "Ulysses sequence parallel splits rows across ranks; tree rows are whole")
+        raise _refuse(
+            "ulysses_sequence_parallel_size", "Ulysses sequence parallel splits rows across ranks; tree rows are whole"
+        )
     if flag("use_fused_kernels"):
         raise _refuse("use_fused_kernels", "verl's fused kernels replace the head; treepack runs its own chunked head")
     if flag("distillation_use_topk") or flag("distillation_only"):
@@ -161,7 +167,9 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
 
     packing: VerlPacking = VerlPacking.from_env()
 
-    def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    def forward_step(
+        self, micro_batch: Any, loss_function: Any, forward_only: bool
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """verl's ``forward_step`` contract: ``(loss, {"model_output", "loss", "metrics"})``.
 
         ``model_output["log_probs"]`` (and ``["entropy"]`` when verl asks for it) are jagged
@@ -199,10 +207,21 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
         )
         rows = mb.rows[0, 0]
         device = ids.values().device
-        batch = materialize(mb.plan, sequences, device=device, trainable=prompt_lens.tolist(), groups=groups.tolist(), rows=rows[rows >= 0])
+        batch = materialize(
+            mb.plan,
+            sequences,
+            device=device,
+            trainable=prompt_lens.tolist(),
+            groups=groups.tolist(),
+            rows=rows[rows >= 0],
+        )
 
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast = nullcontext() if autocast_dtype == torch.float32 else torch.autocast(device_type=device_name, dtype=autocast_dtype)
+        autocast = (
+            nullcontext()
+            if autocast_dtype == torch.float32
+            else torch.autocast(device_type=device_name, dtype=autocast_dtype)
+        )
         # FSDP2 reshards the root's own parameters (embeddings, final norm, lm_head) after
         # its forward; the chunked head (and its first-call probe) run after that forward,
         # so the root keeps them gathered through the step (resharded here without grad,
@@ -214,7 +233,13 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
         try:
             with autocast:
                 hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
-                out = batch.target_logprobs_from_hidden(hidden, output_head(self.module), chunk_size=packing.head_chunk, temperature=temperature, with_entropy=calc_entropy)
+                out = batch.target_logprobs_from_hidden(
+                    hidden,
+                    output_head(self.module),
+                    chunk_size=packing.head_chunk,
+                    temperature=temperature,
+                    with_entropy=calc_entropy,
+                )
         finally:
             if root is not None:
                 root.set_reshard_after_forward(bool(self.engine_config.reshard_after_forward), recurse=False)
@@ -236,7 +261,9 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             if calc_entropy:
                 model_output["entropy"] = jagged(ent)
             if loss_function is not None:
-                loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group())
+                loss, metrics = loss_function(
+                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+                )
             else:
                 assert forward_only, "forward_only must be True when loss_function is None"
                 loss = torch.tensor(1.0, device=device_name)

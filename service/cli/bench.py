@@ -118,7 +118,11 @@ def run_benchmark(
             continue
         t = time.perf_counter()
         w = make()
-        print(f"[{name}] generated {len(w.sequences):,} sequences, {w.num_tokens:,} tokens in {time.perf_counter() - t:.1f}s", file=out, flush=True)
+        print(
+            f"[{name}] generated {len(w.sequences):,} sequences, {w.num_tokens:,} tokens in {time.perf_counter() - t:.1f}s",
+            file=out,
+            flush=True,
+        )
         records += _bench_workload(name, w, repeats, naive_max_leaves, out)
         del w  # freed before the next workload is generated, not after
     if json_path:

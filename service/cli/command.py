@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         from treepack.service.serve import add_serve_parser
     except ImportError as exc:  # planner-only install: say what to install, do not break demo/plan
         missing = exc.name or str(exc)
-        srv = sub.add_parser("serve", help="the HTTP sidecar (needs the service extra: pip install -e '.[service]' in the clone)")
+        srv = sub.add_parser(
+            "serve", help="the HTTP sidecar (needs the service extra: pip install -e '.[service]' in the clone)"
+        )
         srv.set_defaults(func=lambda _args: _missing_service(missing))
     else:
         add_serve_parser(sub)
@@ -50,7 +52,10 @@ def plain_text(text: str | None) -> str | None:
 
 
 def _missing_service(missing: str) -> int:
-    print(f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install -e '.[service]' in the clone", file=sys.stderr)
+    print(
+        f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install -e '.[service]' in the clone",
+        file=sys.stderr,
+    )
     return 2
 
 

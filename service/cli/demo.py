@@ -58,6 +58,8 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = subparsers.add_parser("demo", help="golden example + a realistic batch on the embedded planner")
     d.add_argument("--groups", type=int, default=768, help="groups in the realistic batch (default 768, ~25M tokens)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--png", metavar="PATH", help="draw the rows (golden to PATH, the realistic batch to PATH-curriculum)")
+    d.add_argument(
+        "--png", metavar="PATH", help="draw the rows (golden to PATH, the realistic batch to PATH-curriculum)"
+    )
     d.set_defaults(func=run_demo)
     return d

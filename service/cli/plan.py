@@ -38,7 +38,9 @@ def _tokens_of(obj: dict[str, Any], where: str) -> np.ndarray:
         raise RequestError('"tokens" is missing', path=f"{where}.tokens", rule="missing")
     toks = obj["tokens"]
     if not isinstance(toks, list):
-        raise RequestError(f'"tokens" must be a list of integers, got {type(toks).__name__}', path=f"{where}.tokens", rule="type")
+        raise RequestError(
+            f'"tokens" must be a list of integers, got {type(toks).__name__}', path=f"{where}.tokens", rule="type"
+        )
     for i, t in enumerate(toks):
         if not isinstance(t, int) or isinstance(t, bool):
             raise RequestError(f"expected an integer token id, got {t!r}", path=f"{where}.tokens[{i}]", rule="type")
@@ -56,7 +58,11 @@ def _trainable_of(obj: dict[str, Any], where: str, length: int, default: bool | 
         if isinstance(tr, bool):  # the whole sequence, said explicitly
             return np.full(length, tr, dtype=bool)
         if not isinstance(tr, list):
-            raise RequestError(f'"trainable" must be a list of 0/1 or true/false, got {type(tr).__name__}', path=f"{where}.trainable", rule="type")
+            raise RequestError(
+                f'"trainable" must be a list of 0/1 or true/false, got {type(tr).__name__}',
+                path=f"{where}.trainable",
+                rule="type",
+            )
         for i, t in enumerate(tr):
             if t not in (0, 1) or isinstance(t, float):
                 raise RequestError(f"expected 0 or 1, got {t!r}", path=f"{where}.trainable[{i}]", rule="type")
@@ -76,7 +82,9 @@ def _trainable_of(obj: dict[str, Any], where: str, length: int, default: bool | 
     return np.full(length, default, dtype=bool)
 
 
-def read_jsonl(lines: Iterable[str], default_trainable: bool | None = None) -> tuple[list[np.ndarray], list[Any], list[Any] | None]:
+def read_jsonl(
+    lines: Iterable[str], default_trainable: bool | None = None
+) -> tuple[list[np.ndarray], list[Any], list[Any] | None]:
     """Parse the ``treepack plan`` input format.
 
     Args:
@@ -153,7 +161,10 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except RequestError as exc:
         where = "" if args.file == "-" else f"{args.file}, "
-        print(f"treepack plan: error: {exc.message} - at {where}{_line_of(exc.path, line_numbers)} [{exc.rule}]", file=sys.stderr)
+        print(
+            f"treepack plan: error: {exc.message} - at {where}{_line_of(exc.path, line_numbers)} [{exc.rule}]",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         print(json.dumps(plan_summary(plan)))
@@ -174,17 +185,32 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--placement", default="auto", choices=PLACEMENTS)
     p.add_argument("--min-shared-len", type=int, default=64)
     p.add_argument("--num-ranks", type=int, default=1, help="data-parallel ranks to deal rows to")
-    p.add_argument("--cp-attention", default="auto", help="attention under CP: ulysses, allgather (shards balanced by attention work) or auto")
-    p.add_argument("--cp-size", type=int, default=1, help="context-parallel group size: each row split into this many equal, aligned shards")
+    p.add_argument(
+        "--cp-attention",
+        default="auto",
+        help="attention under CP: ulysses, allgather (shards balanced by attention work) or auto",
+    )
+    p.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="context-parallel group size: each row split into this many equal, aligned shards",
+    )
     p.add_argument("--on-overflow", default="error", choices=("error", "truncate", "drop"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     dflt = p.add_mutually_exclusive_group()
     dflt.add_argument(
-        "--no-trainable", dest="default_trainable", action="store_const", const="none",
+        "--no-trainable",
+        dest="default_trainable",
+        action="store_const",
+        const="none",
         help="a line without prompt_len or trainable has no trainable token (default: such a line is an error)",
     )
     dflt.add_argument(
-        "--all-trainable", dest="default_trainable", action="store_const", const="all",
+        "--all-trainable",
+        dest="default_trainable",
+        action="store_const",
+        const="all",
         help="a line without prompt_len or trainable is trainable throughout",
     )
     p.set_defaults(func=run_plan)

@@ -68,7 +68,20 @@ def plans_table(items: Sequence[tuple[str, Plan]]) -> str:
             st.timings_ms["tree"], st.timings_ms["placement"], st.timings_ms["total"],
         ))  # fmt: skip
     return format_table(
-        ["batch", "placement", "rows", "bound", "packed", "unpacked", "tree", "saved %", "tree ms", "place ms", "total ms"], rows
+        [
+            "batch",
+            "placement",
+            "rows",
+            "bound",
+            "packed",
+            "unpacked",
+            "tree",
+            "saved %",
+            "tree ms",
+            "place ms",
+            "total ms",
+        ],
+        rows,
     )
 
 
@@ -93,7 +106,9 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def draw_rows(plan: Plan, path: str, *, groups: Sequence[Any] | None = None, title: str = "", max_rows: int = 48) -> None:
+def draw_rows(
+    plan: Plan, path: str, *, groups: Sequence[Any] | None = None, title: str = "", max_rows: int = 48
+) -> None:
     """Draw the rows as horizontal bars: segments coloured by group, shared ones hatched.
 
     Args:
@@ -149,7 +164,10 @@ def draw_rows(plan: Plan, path: str, *, groups: Sequence[Any] | None = None, tit
     if shown < plan.num_rows:
         note += f"; first {shown} rows shown"
     ax.set_title(f"{title}\n{note}" if title else note, fontsize=10)
-    handles = [Patch(facecolor="white", edgecolor="black", hatch="///", label="shared (>= 2 sequences)"), Patch(facecolor="#eeeeee", label="padding")]
+    handles = [
+        Patch(facecolor="white", edgecolor="black", hatch="///", label="shared (>= 2 sequences)"),
+        Patch(facecolor="#eeeeee", label="padding"),
+    ]
     if len(uniq) <= 12:
         handles += [Patch(facecolor=colour[g], label=f"group {g}") for g in uniq]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)

@@ -90,7 +90,9 @@ def golden_example(seed: int = 0, *, scale: int = 1, vocab: int = VOCAB) -> Work
             trainable.append(system.shape[0] + prefix.shape[0])
             groups.append(g)
     name = "golden" if scale == 1 else f"golden/{scale}"
-    return Workload(name=name, sequences=seqs, trainable=trainable, groups=groups, seq_len=131072 // scale, tags=groups[:])
+    return Workload(
+        name=name, sequences=seqs, trainable=trainable, groups=groups, seq_len=131072 // scale, tags=groups[:]
+    )
 
 
 def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int, size: int) -> np.ndarray:
@@ -124,7 +126,9 @@ def curriculum(num_groups: int = 768, *, seed: int = 0, seq_len: int = 131072, n
             trainable.append(prompt.shape[0])
             groups.append(g)
             tags.append(f"task{t}")
-    return Workload(name=f"curriculum-{num_groups}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags)
+    return Workload(
+        name=f"curriculum-{num_groups}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags
+    )
 
 
 def agentic(num_tasks: int = 256, *, seed: int = 0, seq_len: int = 131072, rollouts: int = 8) -> Workload:
@@ -156,7 +160,9 @@ def agentic(num_tasks: int = 256, *, seed: int = 0, seq_len: int = 131072, rollo
             trainable.append(np.concatenate(flags))
             groups.append(t)
             tags.append("agent")
-    return Workload(name=f"agentic-{num_tasks}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags)
+    return Workload(
+        name=f"agentic-{num_tasks}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags
+    )
 
 
 def distillation(num_sources: int = 512, *, seed: int = 0, seq_len: int = 131072) -> Workload:
@@ -178,5 +184,6 @@ def distillation(num_sources: int = 512, *, seed: int = 0, seq_len: int = 131072
             trainable.append(prompt.shape[0])
             groups.append(src)
             tags.append("distill")
-    return Workload(name=f"distill-{num_sources}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags)
-
+    return Workload(
+        name=f"distill-{num_sources}", sequences=seqs, trainable=trainable, groups=groups, seq_len=seq_len, tags=tags
+    )

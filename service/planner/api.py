@@ -38,7 +38,9 @@ class PlanResult:
     tree: Tree
 
 
-def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, *, cost_model: CostModel | None = None, **kwargs: Any) -> Plan:
+def plan_batch(
+    sequences: Sequence[Any], options: PlanOptions | None = None, *, cost_model: CostModel | None = None, **kwargs: Any
+) -> Plan:
     """Pack a batch as one global prefix tree into rows of ``seq_len`` tokens.
 
     Args:
@@ -66,17 +68,27 @@ def plan_batch(sequences: Sequence[Any], options: PlanOptions | None = None, *, 
     return plan_request(PackInput.of(sequences, options, **kwargs), cost_model=cost_model).plan
 
 
-def plan_request(request: PackInput, *, check: Callable[[], None] | None = None, cost_model: CostModel | None = None) -> PlanResult:
+def plan_request(
+    request: PackInput, *, check: Callable[[], None] | None = None, cost_model: CostModel | None = None
+) -> PlanResult:
     """Check the options, normalize the batch with them, plan it (the sidecar's path too).
 
     ``check`` and ``cost_model`` are as for :func:`plan_with_tree`.
     """
     t0 = time.perf_counter()
     opts = check_options(request.options)
-    return plan_with_tree(request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check, cost_model=cost_model)
+    return plan_with_tree(
+        request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check, cost_model=cost_model
+    )
 
 
-def plan_normalized(batch: SequenceBatch, options: PlanOptions | None = None, *, cost_model: CostModel | None = None, **option_kwargs: Any) -> Plan:
+def plan_normalized(
+    batch: SequenceBatch,
+    options: PlanOptions | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    **option_kwargs: Any,
+) -> Plan:
     """:func:`plan_batch` on an already normalized :class:`SequenceBatch`."""
     return plan_with_tree(batch, check_options(as_options(options, option_kwargs)), cost_model=cost_model).plan
 
@@ -117,7 +129,9 @@ def plan_with_tree(
         if options.placement == "auto":
             # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
             budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
-            return choose_by_time(batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget))
+            return choose_by_time(
+                batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget)
+            )
         res = plan_with_tree(batch, options, t0=t0, check=check)
         return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
     t0 = time.perf_counter() if t0 is None else t0
@@ -125,7 +139,12 @@ def plan_with_tree(
     seq_len = options.seq_len
     t1 = time.perf_counter()
     check()
-    tree = build_tree(batch, options.min_shared_len, share_trainable=options.share_trainable, min_shared_saving=options.min_shared_saving)
+    tree = build_tree(
+        batch,
+        options.min_shared_len,
+        share_trainable=options.share_trainable,
+        min_shared_saving=options.min_shared_saving,
+    )
     t2 = time.perf_counter()
     check()
     bound = lower_bound_rows(tree, seq_len)
@@ -139,7 +158,9 @@ def plan_with_tree(
     check()
     att = attention_meta(seg)
     gdn = gdn_meta(seg, seq_len, options.conv_width)
-    rk = assign_ranks(seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size, cp_attention=options.cp_attention)
+    rk = assign_ranks(
+        seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size, cp_attention=options.cp_attention
+    )
     t5 = time.perf_counter()
     unpacked = int(batch.lens.sum())
     packed = int(seg.row_len.sum())

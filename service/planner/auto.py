@@ -130,10 +130,14 @@ def auto_place(
             t, c = time.perf_counter(), time.thread_time()
             budget = repair_ms - cpu
             if budget > 0:
-                res = repair_rows(tree, best.row_of, best.num_rows, seq_len, bound, budget_ms=budget, loads=best.loads, chains=chains)
+                res = repair_rows(
+                    tree, best.row_of, best.num_rows, seq_len, bound, budget_ms=budget, loads=best.loads, chains=chains
+                )
                 if res.removed:
                     loads = row_costs(tree, res.row_of, res.num_rows)
-                    best = Candidate(row_of=res.row_of, num_rows=res.num_rows, packed_tokens=int(loads.sum()), loads=loads)
+                    best = Candidate(
+                        row_of=res.row_of, num_rows=res.num_rows, packed_tokens=int(loads.sum()), loads=loads
+                    )
                     winner = name + "+repair"
             spent += (time.perf_counter() - t) * 1e3
             cpu += (time.thread_time() - c) * 1e3

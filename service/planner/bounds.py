@@ -55,7 +55,15 @@ import numpy as np
 from treepack.proto.index import accumulate_up, ragged_arange
 from treepack.service.planner.tree import Tree
 
-__all__ = ["lower_bound_rows", "subtree_sizes", "min_copies", "big_leaf_rows", "big_leaf_thresholds", "leaf_children_rows", "bin_packing_l2"]
+__all__ = [
+    "lower_bound_rows",
+    "subtree_sizes",
+    "min_copies",
+    "big_leaf_rows",
+    "big_leaf_thresholds",
+    "leaf_children_rows",
+    "bin_packing_l2",
+]
 
 ROOT_SPLITS = 6  # root thresholds just above C/2, C/3, ..., C/(ROOT_SPLITS+1)
 NODE_SPLITS = 2  # per chosen branch point: just above half and a third of the room below it

@@ -41,7 +41,16 @@ from treepack.proto.cost import CostModel, CostWarning
 from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan
 
-__all__ = ["LARGER_MIN_SHARED", "STRATEGY_MAX_LEN", "REPAIR_ROW_SHARE", "REPAIR_MS_CAP", "repair_budget_ms", "time_candidates", "choose_by_time", "with_prediction"]
+__all__ = [
+    "LARGER_MIN_SHARED",
+    "STRATEGY_MAX_LEN",
+    "REPAIR_ROW_SHARE",
+    "REPAIR_MS_CAP",
+    "repair_budget_ms",
+    "time_candidates",
+    "choose_by_time",
+    "with_prediction",
+]
 
 LARGER_MIN_SHARED = (4, 16)
 """Factors of ``min_shared_len`` tried as candidates (where a shared segment is shorter)."""
@@ -95,7 +104,9 @@ def _strategy(label: str, ms: float, runner: tuple[str, float] | None) -> str:
     return s[:STRATEGY_MAX_LEN]
 
 
-def choose_by_time(batch: SequenceBatch, options: PlanOptions, cost: CostModel, plan_fn: Callable[[SequenceBatch, PlanOptions], Any]) -> Any:
+def choose_by_time(
+    batch: SequenceBatch, options: PlanOptions, cost: CostModel, plan_fn: Callable[[SequenceBatch, PlanOptions], Any]
+) -> Any:
     """Plan every candidate, predict its step time, return the fastest (module docstring).
 
     Args:
@@ -143,4 +154,3 @@ def choose_by_time(batch: SequenceBatch, options: PlanOptions, cost: CostModel, 
     # The tree beside the plan is the one built with the asked options: the history records
     # the batch's shape at the asked min_shared_len, whichever candidate won.
     return dataclasses.replace(res, plan=plan, tree=first.tree)
-

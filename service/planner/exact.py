@@ -133,7 +133,13 @@ class _Search:
 
 
 def fit_rows(
-    items: list[Item], num_rows: int, capacity: int, node_len, *, node_limit: int = 20_000, deadline: float | None = None
+    items: list[Item],
+    num_rows: int,
+    capacity: int,
+    node_len,
+    *,
+    node_limit: int = 20_000,
+    deadline: float | None = None,
 ) -> tuple[str, dict[int, int]]:
     """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens.
 

@@ -48,9 +48,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
     k_row, k_node, k_cnt, k_len, k_src = u_row[keep], u_node[keep], cnt[keep], u_len[keep], src[keep]
     same = np.zeros(k_row.shape[0], dtype=bool)
     if k_row.shape[0] > 1:
-        same[1:] = (
-            (k_row[1:] == k_row[:-1]) & (tree.parent[k_node[1:]] == k_node[:-1]) & (k_cnt[1:] == k_cnt[:-1])
-        )
+        same[1:] = (k_row[1:] == k_row[:-1]) & (tree.parent[k_node[1:]] == k_node[:-1]) & (k_cnt[1:] == k_cnt[:-1])
     seg_of_pair_kept = np.cumsum(~same) - 1
     g = int(seg_of_pair_kept[-1]) + 1 if seg_of_pair_kept.shape[0] else 0
     first = np.flatnonzero(~same)

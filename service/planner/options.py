@@ -30,7 +30,9 @@ def _int(name: str, value: Any, lo: int, hi: int, rule: str) -> int:
         raise RequestError(f"{name} must be {lo_text}, got {value}", path=f"$.{name}", rule=rule)
     if value > hi:
         hi_text = f"in [{lo}, {hi}]" if rule == "range" else f"<= {hi}"
-        raise RequestError(f"{name} must be {hi_text}, got {value}", path=f"$.{name}", rule="range" if rule == "range" else "maximum")
+        raise RequestError(
+            f"{name} must be {hi_text}, got {value}", path=f"$.{name}", rule="range" if rule == "range" else "maximum"
+        )
     return int(value)
 
 
@@ -69,7 +71,9 @@ def check_options(options: PlanOptions) -> PlanOptions:
     conv_width = _int("conv_width", options.conv_width, 1, MAX_CONV_WIDTH, "range")
     share = options.share_trainable
     if not isinstance(share, (bool, np.bool_)):
-        raise InputTypeError(f"share_trainable must be a bool, got {type(share).__name__}", path="$.share_trainable", rule="type")
+        raise InputTypeError(
+            f"share_trainable must be a bool, got {type(share).__name__}", path="$.share_trainable", rule="type"
+        )
     on_overflow = _choice("on_overflow", options.on_overflow, ON_OVERFLOW)
     saving = _int("min_shared_saving", options.min_shared_saving, 0, MAX_SEQ_LEN, "minimum")
     repair_ms = _number("repair_ms", options.repair_ms, 0.0, MAX_REPAIR_MS)

@@ -204,7 +204,9 @@ def _snake(tile_work: np.ndarray, P: int) -> np.ndarray:
     return tiles
 
 
-def assign_ranks(seg: Segments, num_rows: int, num_ranks: int, *, seq_len: int = 0, cp_size: int = 1, cp_attention: str = "auto") -> Ranks:
+def assign_ranks(
+    seg: Segments, num_rows: int, num_ranks: int, *, seq_len: int = 0, cp_size: int = 1, cp_attention: str = "auto"
+) -> Ranks:
     """Deal rows to the ``num_ranks`` data-parallel ranks (module docstring); each row is
     then split over a CP group of ``cp_size`` ranks in shards of
     :func:`~treepack.proto.options.cp_shard_len` tokens."""

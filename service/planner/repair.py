@@ -57,7 +57,13 @@ MAX_ROWS = 12  # largest neighbourhood of the first level: this many rows into o
 LIGHT_ROWS = 8  # light rows tried per round at the first level
 NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the thorough levels
 QUICK_LIMIT = 500  # ... at the quick levels, tried first
-LEVELS = ((MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS), (48, QUICK_LIMIT, 2), (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS), (24, NODE_LIMIT, 2), (48, NODE_LIMIT, 2))
+LEVELS = (
+    (MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS),
+    (48, QUICK_LIMIT, 2),
+    (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
+    (24, NODE_LIMIT, 2),
+    (48, NODE_LIMIT, 2),
+)
 """(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
 the ones before it found nothing, and a removed row starts again at the first."""
 
@@ -111,7 +117,9 @@ class _Rows:
     subtree (a contiguous pre-order range) on first use.
     """
 
-    def __init__(self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None, chains: Chains | None) -> None:
+    def __init__(
+        self, tree: Tree, row_of: np.ndarray, num_rows: int, loads: np.ndarray | None, chains: Chains | None
+    ) -> None:
         self.tree = tree
         self.chains = Chains(tree) if chains is None else chains
         self.row_of = row_of
@@ -226,7 +234,10 @@ class _Rows:
             for pool in (self.cluster(r, max_rows, deadline), by_room):
                 group = [r] + pool[: max_rows - 1]
                 nodes = set().union(*(self.held(x) for x in group))
-                if sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes) <= (len(group) - 1) * seq_len:
+                if (
+                    sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes)
+                    <= (len(group) - 1) * seq_len
+                ):
                     yield sorted(group)
             return
         for pool in (by_share, by_room):
@@ -320,7 +331,9 @@ def repair_rows(
                     break
                 tried += 1
                 items = [rows.item(s) for x in group for s in rows.members(x)]
-                status, assign = fit_rows(items, len(group) - 1, seq_len, rows.node_len, node_limit=limit, deadline=deadline)
+                status, assign = fit_rows(
+                    items, len(group) - 1, seq_len, rows.node_len, node_limit=limit, deadline=deadline
+                )
                 if status != FIT:
                     failed[key] = float("inf") if status == NO_FIT else limit
                     continue

@@ -53,7 +53,6 @@ class OpenRows:
 
     __slots__ = ("capacity", "room", "held", "node_rows", "node_sorted", "row_big", "all_sorted", "copies")
 
-
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.room: list[int] = []
@@ -146,7 +145,9 @@ class OpenRows:
             insort(keys, nkey)
 
 
-def _scan_sorted(keys: list[int], m: int, exclude: set[int] | None, best_ra: int, best_r: int) -> tuple[int, int] | None:
+def _scan_sorted(
+    keys: list[int], m: int, exclude: set[int] | None, best_ra: int, best_r: int
+) -> tuple[int, int] | None:
     """First row in ``keys`` (sorted ``room << 32 | row``) that fits ``m`` tokens, is not in
     ``exclude`` and beats (best_ra, best_r); returns (room after, row) or None.
 
@@ -167,7 +168,9 @@ def _scan_sorted(keys: list[int], m: int, exclude: set[int] | None, best_ra: int
     return None
 
 
-def naive_best_fit(held: list[set[int]], room: list[int], anc: list[int], ends: list[int], cost: int) -> tuple[int, int]:
+def naive_best_fit(
+    held: list[set[int]], room: list[int], anc: list[int], ends: list[int], cost: int
+) -> tuple[int, int]:
     """Reference: scan every row, compute its marginal cost, keep the best fit.
 
     Args:
@@ -294,4 +297,6 @@ def row_costs(tree: Tree, row_of: np.ndarray, num_rows: int, *, share: bool = Tr
     nodes = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
     rows = np.repeat(row_of[seqs], counts)
     pair = np.unique(rows * tree.num_nodes + nodes)
-    return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(np.int64)
+    return np.bincount(pair // tree.num_nodes, weights=tree.length[pair % tree.num_nodes], minlength=num_rows).astype(
+        np.int64
+    )

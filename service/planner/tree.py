@@ -192,7 +192,9 @@ def shares_run(run: int, sharers: int, min_shared_len: int, min_shared_saving: i
     return min_shared_saving > 0 and run > 0 and (sharers - 1) * run >= min_shared_saving
 
 
-def build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
+def build_tree(
+    batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0
+) -> Tree:
     """Build the global radix tree of ``batch`` (fast path).
 
     Args:
@@ -329,7 +331,9 @@ def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.nd
         frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl, saving)), me))
 
 
-def _final_children(items: list[tuple[int, object]], start: int, msl: int, saving: int) -> list[tuple[int, int, object, int]]:
+def _final_children(
+    items: list[tuple[int, object]], start: int, msl: int, saving: int
+) -> list[tuple[int, int, object, int]]:
     """The tree children under a node ending at ``start``, as (min seq, kind, x, start).
 
     A trie node whose run from ``start`` may not be shared (:func:`shares_run`: shorter than
@@ -375,7 +379,9 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
+def naive_build_tree(
+    batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0
+) -> Tree:
     """Reference builder: SPEC section 2 rules 2 and 4, literally, on Python lists (no helper
     of the fast builder: the shareable prefix and the sharing rule are written out here).
 

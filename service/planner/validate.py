@@ -162,8 +162,13 @@ def _check_row_trees(plan: Plan, dense_check_max: int) -> None:
     idx = np.arange(G)
     _check(bool(np.all(par[has] < idx[has])), "parent does not precede child")
     _check(bool(np.all(seg.row[par[has]] == seg.row[has])), "parent in another row")
-    _check(bool(np.all(seg.depth[~has] == 0)) and bool(np.all(seg.depth[has] == seg.depth[par[has]] + 1)), "depth mismatch")
-    _check(bool(np.all(seg.seq_start[has] == seg.seq_start[par[has]] + seg.length[par[has]])), "child does not continue its parent's positions")
+    _check(
+        bool(np.all(seg.depth[~has] == 0)) and bool(np.all(seg.depth[has] == seg.depth[par[has]] + 1)), "depth mismatch"
+    )
+    _check(
+        bool(np.all(seg.seq_start[has] == seg.seq_start[par[has]] + seg.length[par[has]])),
+        "child does not continue its parent's positions",
+    )
     _check(bool(np.all(seg.seq_start[~has] == 0)), "row root does not start at position 0")
     for r in range(R):
         lo, hi = int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])
@@ -222,8 +227,13 @@ def _check_sequences(plan: Plan) -> None:
             continue
         _check(segs.shape[0] > 0, f"sequence {s} has no segments")
         _check(bool(np.all(seg.row[segs] == r)), f"sequence {s} spans rows")
-        _check(par[segs[0]] == -1 and bool(np.all(par[segs[1:]] == segs[:-1])), f"sequence {s} is not a root-to-leaf chain")
-        _check(int(seg.length[segs].sum()) == int(plan.seq_lens[s]), f"sequence {s} covers {int(seg.length[segs].sum())} of {int(plan.seq_lens[s])} tokens")
+        _check(
+            par[segs[0]] == -1 and bool(np.all(par[segs[1:]] == segs[:-1])), f"sequence {s} is not a root-to-leaf chain"
+        )
+        _check(
+            int(seg.length[segs].sum()) == int(plan.seq_lens[s]),
+            f"sequence {s} covers {int(seg.length[segs].sum())} of {int(plan.seq_lens[s])} tokens",
+        )
         sharers[segs] += 1
     _check(bool(np.array_equal(sharers, seg.sharers)), "sharers count mismatch")
     _check(bool(np.all(sharers >= 1)), "a segment belongs to no sequence")
@@ -241,7 +251,10 @@ def _check_attention(plan: Plan) -> None:
     _check(bool(np.array_equal(np.diff(att.anc_ptr), seg.depth + 1)), "attention chain lengths")
     for g in range(G):
         ch = att.chain(g)
-        _check(ch[-1] == g and (ch.shape[0] == 1 or bool(np.all(par[ch[1:]] == ch[:-1]))), f"attention chain of segment {g}")
+        _check(
+            ch[-1] == g and (ch.shape[0] == 1 or bool(np.all(par[ch[1:]] == ch[:-1]))),
+            f"attention chain of segment {g}",
+        )
     _check(bool(np.array_equal(att.key_lens, seg.seq_start + seg.length)), "key_lens")
 
 
@@ -284,7 +297,10 @@ def _check_ranks_and_stats(plan: Plan) -> None:
         _check(shard == C, f"shard_len {shard} != seq_len {C} without CP")
     else:
         _check(shard % CP_ALIGN == 0, f"CP shard_len {shard} not a multiple of {CP_ALIGN}")
-        _check(C <= cp * shard < C + cp * CP_ALIGN, f"CP shards {cp} x {shard} do not cover seq_len {C} with less than one aligned tile each of padding")
+        _check(
+            C <= cp * shard < C + cp * CP_ALIGN,
+            f"CP shards {cp} x {shard} do not cover seq_len {C} with less than one aligned tile each of padding",
+        )
     _check_cp_split(plan)
 
     # Stats.
@@ -311,7 +327,10 @@ def _check_cp_split(plan: Plan) -> None:
     """The CP split: contiguous, or (all-gather) tiles dealt evenly and balanced by work."""
     rk = plan.ranks
     cp, R = rk.cp_size, plan.num_rows
-    _check(rk.cp_attention == plan.options.cp_attention, f"ranks.cp_attention {rk.cp_attention!r} != options.cp_attention {plan.options.cp_attention!r}")
+    _check(
+        rk.cp_attention == plan.options.cp_attention,
+        f"ranks.cp_attention {rk.cp_attention!r} != options.cp_attention {plan.options.cp_attention!r}",
+    )
     balanced = cp > 1 and rk.cp_attention == "allgather"
     if not balanced:
         _check(rk.contiguous, f"cp_tiles given for a contiguous split (cp_size {cp}, cp_attention {rk.cp_attention!r})")
@@ -321,10 +340,16 @@ def _check_cp_split(plan: Plan) -> None:
     _check(tiles.shape == (R, cp * per), f"cp_tiles shape {tiles.shape} != {(R, cp * per)}")
     for r in range(R):
         held = np.bincount(np.clip(tiles[r], -1, cp).astype(np.int64) + 1, minlength=cp + 2)
-        _check(held[0] == 0 and held[-1] == 0 and bool(np.all(held[1:-1] == per)), f"row {r}: CP ranks do not hold {per} tiles each")
+        _check(
+            held[0] == 0 and held[-1] == 0 and bool(np.all(held[1:-1] == per)),
+            f"row {r}: CP ranks do not hold {per} tiles each",
+        )
         tile_work = naive_attention_work(plan, r)[: cp * per * CP_ALIGN].reshape(cp * per, CP_ALIGN).sum(1)
         load = np.bincount(tiles[r], weights=tile_work, minlength=cp)
-        _check(load.max() - load.min() <= tile_work.max(), f"row {r}: CP ranks' attention work {load.min():g}..{load.max():g} differs by more than one tile's {tile_work.max():g}")
+        _check(
+            load.max() - load.min() <= tile_work.max(),
+            f"row {r}: CP ranks' attention work {load.min():g}..{load.max():g} differs by more than one tile's {tile_work.max():g}",
+        )
 
 
 def _check_planned_with(plan: Plan) -> None:
@@ -334,7 +359,10 @@ def _check_planned_with(plan: Plan) -> None:
     _check(ft.shape == (S,) and bool(np.all((ft >= 0) & (ft <= plan.seq_lens))), "first_trainable shape or range")
     _check(plan.group_codes.shape == (S,), "group_codes shape")
     if plan.trainable is not None:
-        _check(plan.trainable.dtype == np.bool_ and plan.trainable.shape == (int(plan.seq_lens.sum()),), "trainable flags shape")
+        _check(
+            plan.trainable.dtype == np.bool_ and plan.trainable.shape == (int(plan.seq_lens.sum()),),
+            "trainable flags shape",
+        )
         for s in np.flatnonzero(plan.seq_lens > 0).tolist():
             flags = plan.trainable_of(s)
             first = int(np.argmax(flags)) if flags.any() else int(plan.seq_lens[s])
@@ -365,11 +393,18 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
     seg = plan.segments
     S = plan.num_sequences
     _check(batch.num_sequences == S, "sequence count differs from the plan")
-    _check(bool(np.array_equal(batch.lens[plan.row_of >= 0], plan.seq_lens[plan.row_of >= 0])), "sequence lengths differ")
+    _check(
+        bool(np.array_equal(batch.lens[plan.row_of >= 0], plan.seq_lens[plan.row_of >= 0])), "sequence lengths differ"
+    )
     kept = plan.row_of >= 0
-    _check(bool(np.array_equal(batch.first_trainable[kept], plan.first_trainable[kept])), "first_trainable differs from the batch's")
+    _check(
+        bool(np.array_equal(batch.first_trainable[kept], plan.first_trainable[kept])),
+        "first_trainable differs from the batch's",
+    )
     for s in np.flatnonzero(kept).tolist():
-        _check(bool(np.array_equal(batch.trainable_of(s), plan.trainable_of(s))), f"trainable flags of sequence {s} differ")
+        _check(
+            bool(np.array_equal(batch.trainable_of(s), plan.trainable_of(s))), f"trainable flags of sequence {s} differ"
+        )
     sh = batch.shareable_lens()
     msl = plan.min_shared_len
     saving = plan.options.min_shared_saving
@@ -381,7 +416,10 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
         key = None if batch.keys is None else batch.keys[s]
         for g in seg.segments_of(s).tolist():
             a, n, src = int(seg.seq_start[g]), int(seg.length[g]), int(seg.seq[g])
-            _check(bool(np.array_equal(tok[a : a + n], batch.tokens[src][a : a + n])), f"sequence {s} tokens differ in segment {g}")
+            _check(
+                bool(np.array_equal(tok[a : a + n], batch.tokens[src][a : a + n])),
+                f"sequence {s} tokens differ in segment {g}",
+            )
             if batch.keys is not None:
                 k1 = np.zeros(n, np.uint64) if key is None else key[a : a + n]
                 k2 = batch.keys[src]
@@ -396,7 +434,10 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
                         could_share[g] = _prefix_sharers(batch, plan, src, a + n)
                     # The segment's last tree node saves (sharers - 1) x its length >= saving,
                     # and its sharers are among those that could share the segment's end.
-                    _check((could_share[g] - 1) * n >= saving, f"shared segment {g} shorter than min_shared_len saves too little")
+                    _check(
+                        (could_share[g] - 1) * n >= saving,
+                        f"shared segment {g} shorter than min_shared_len saves too little",
+                    )
     if plan.share_trainable:
         # A shared position may be scored only if every sharer predicts the same next
         # token; inside a segment they do by construction, so check each segment's last.
@@ -407,7 +448,10 @@ def _check_tokens(plan: Plan, batch: SequenceBatch) -> None:
             scored = any(q < batch.lens[m] and batch.trainable_of(m)[q] for m in members)
             if scored:
                 nxt = {int(batch.tokens[m][q]) if q < batch.lens[m] else -1 for m in members}
-                _check(len(nxt) == 1 and -1 not in nxt, f"shared segment {g} ends on a scored position its sharers predict differently")
+                _check(
+                    len(nxt) == 1 and -1 not in nxt,
+                    f"shared segment {g} ends on a scored position its sharers predict differently",
+                )
 
 
 def _check_gather(plan: Plan, batch: SequenceBatch) -> None:
@@ -425,6 +469,8 @@ def _check_gather(plan: Plan, batch: SequenceBatch) -> None:
     got_tok = rows_tok.reshape(-1)[flat]
     _check(bool(np.array_equal(got_tok, want.astype(np.int64))), "row tokens do not reproduce the sequences")
     pos = src_pos.reshape(-1)[flat]
-    exp_pos = np.concatenate([np.arange(int(plan.seq_lens[s])) for s in range(S) if kept[s]]) if kept.any() else np.zeros(0)
+    exp_pos = (
+        np.concatenate([np.arange(int(plan.seq_lens[s])) for s in range(S) if kept[s]]) if kept.any() else np.zeros(0)
+    )
     _check(bool(np.array_equal(pos, exp_pos)), "position_ids are not 0..len-1 per sequence")
     _check(bool(np.array_equal(np.diff(ptr), plan.seq_lens)), "token_index pointer mismatch")

@@ -103,21 +103,33 @@ def build_pool(shapes: Sequence[BatchShape]) -> GroupPool:
     tag_arr = np.asarray(tags, dtype=object)
     by_tag = {t: np.flatnonzero(tag_arr == t) for t in sorted(set(tags))}
     lens = np.concatenate([sh.lens for sh in shapes]) if shapes else np.zeros(0, dtype=np.int64)
-    return GroupPool(shapes=tuple(shapes), seq_base=seq_base, unit_ptr=ptr, unit_seqs=flat, unit_tag=tuple(tags), by_tag=by_tag, lens=lens)
+    return GroupPool(
+        shapes=tuple(shapes),
+        seq_base=seq_base,
+        unit_ptr=ptr,
+        unit_seqs=flat,
+        unit_tag=tuple(tags),
+        by_tag=by_tag,
+        lens=lens,
+    )
 
 
 def _check_composition(pool: GroupPool, comp: Composition, path: str) -> None:
     if comp.groups is not None:
         if comp.groups > pool.num_groups:
             raise RequestError(
-                f"composition asks for {comp.groups} groups, the pool holds {pool.num_groups}", path=f"{path}.groups", rule="pool_size"
+                f"composition asks for {comp.groups} groups, the pool holds {pool.num_groups}",
+                path=f"{path}.groups",
+                rule="pool_size",
             )
         return
     for tag, k in (comp.by_tag or {}).items():
         have = pool.by_tag.get(tag, np.zeros(0)).shape[0]
         if k > have:
             raise RequestError(
-                f"composition asks for {k} groups tagged {tag!r}, the pool holds {have}", path=f"{path}.by_tag[{json.dumps(tag)}]", rule="pool_size"
+                f"composition asks for {k} groups tagged {tag!r}, the pool holds {have}",
+                path=f"{path}.by_tag[{json.dumps(tag)}]",
+                rule="pool_size",
             )
 
 
@@ -209,7 +221,11 @@ def whatif(
     opts = check_options(as_options(options, option_kwargs))
     seq_len = opts.seq_len
     if not shapes:
-        raise RequestError("there are no recorded batches to sample from: pack with record=true first, or send shapes", path="$.shapes", rule="no_history")
+        raise RequestError(
+            "there are no recorded batches to sample from: pack with record=true first, or send shapes",
+            path="$.shapes",
+            rule="no_history",
+        )
     if trials < 1:
         raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
     pool = build_pool(shapes)
@@ -224,7 +240,10 @@ def whatif(
     for i, comp in enumerate(compositions):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
-    return [_trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check, cost_model) for i, comp in enumerate(compositions)]
+    return [
+        _trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check, cost_model)
+        for i, comp in enumerate(compositions)
+    ]
 
 
 def _trials(
@@ -252,12 +271,20 @@ def _trials(
         if max_tokens is not None:
             total = int(pool.lens[_unit_seqs(pool, units)].sum())
             if total > max_tokens:
-                raise PayloadTooLargeError(f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens")
+                raise PayloadTooLargeError(
+                    f"a trial batch holds {total} tokens, over the limit of {max_tokens}", path=path, rule="max_tokens"
+                )
         trial = PackInput(**synthesize(pool, units), options=opts)
         with warnings.catch_warnings():
             # A trial's plan is never run: whether its tree pays is in step_ms, not a warning.
             warnings.simplefilter("ignore", CostWarning)
-            st = plan_with_tree(trial.normalize(opts.seq_len, opts.on_overflow), opts, check=check, cost_model=cost_model, repair_ms=float(opts.repair_ms)).plan.stats
+            st = plan_with_tree(
+                trial.normalize(opts.seq_len, opts.on_overflow),
+                opts,
+                check=check,
+                cost_model=cost_model,
+                repair_ms=float(opts.repair_ms),
+            ).plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
         step_ms[t] = 0.0 if st.predicted_ms is None else st.predicted_ms
     return WhatIfResult(

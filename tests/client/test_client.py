@@ -33,7 +33,11 @@ def _batches():
         ("curriculum-4-ranks", dict(**c.plan_kwargs(), num_ranks=4, placement="bfd"), c.tags),
         ("agentic-flags", dict(**a.plan_kwargs(), conv_width=3), None),
         ("keys-lists", dict(sequences=[s.tolist() for s in keyed], keys=keys, seq_len=256, min_shared_len=16), None),
-        ("truncate", dict(sequences=[np.arange(90), np.arange(40)], seq_len=64, on_overflow="truncate", min_shared_len=8), None),
+        (
+            "truncate",
+            dict(sequences=[np.arange(90), np.arange(40)], seq_len=64, on_overflow="truncate", min_shared_len=8),
+            None,
+        ),
         ("generalized", _same_start_completions(), None),
     ]
 
@@ -43,7 +47,9 @@ def _same_start_completions():
     rng = np.random.default_rng(9)
     prompt, start = rng.integers(0, 1000, 120), rng.integers(0, 1000, 40)
     seqs = [np.concatenate([prompt, start, rng.integers(0, 1000, 30)]) for _ in range(6)]
-    return dict(sequences=seqs, trainable=[120] * 6, groups=[0] * 6, seq_len=512, min_shared_len=16, share_trainable=True)
+    return dict(
+        sequences=seqs, trainable=[120] * 6, groups=[0] * 6, seq_len=512, min_shared_len=16, share_trainable=True
+    )
 
 
 BATCHES = _batches()
@@ -131,32 +137,136 @@ async def test_a_pack_input_goes_to_every_entry_point_as_it_is(server):
 _OVER = " (set on_overflow='truncate' or 'drop' to allow)"
 _U32 = np.uint32
 ERRORS = [
-    (dict(sequences=[np.arange(100), np.arange(300)], seq_len=256), CapacityError, "$.sequences[1]", "max_len", "sequence 1 has 300 tokens, longer than seq_len 256" + _OVER),
-    (dict(sequences=[np.arange(10)], seq_len=64, placement="best"), RequestError, "$.placement", "enum", "unknown placement 'best'; expected one of ('auto', 'bfd', 'in_order', 'no_share')"),
-    (dict(sequences=[np.arange(10)], seq_len=64, num_ranks=0), RequestError, "$.num_ranks", "minimum", "num_ranks must be >= 1, got 0"),
-    (dict(sequences=[np.arange(10)], seq_len=64, min_shared_len=0), RequestError, "$.min_shared_len", "minimum", "min_shared_len must be >= 1, got 0"),
-    (dict(sequences=[np.arange(10), np.arange(12)], seq_len=64, trainable=[3, 13]), RequestError, "$.sequences[1].trainable", "prompt_len_range", "prompt length must be in [0, 12], got 13"),
-    (dict(sequences=[np.array([1, -5])], seq_len=64), RequestError, "$.sequences[0][1]", "token_range", "token id must be >= 0, got -5"),
-    (dict(sequences=[np.array([1.5])], seq_len=64), InputTypeError, "$.sequences[0]", "dtype", "expected integer token ids, got dtype float64"),
-    (dict(sequences=[], seq_len=64), RequestError, "$.sequences", "non_empty", "the batch is empty: at least one sequence is needed"),
+    (
+        dict(sequences=[np.arange(100), np.arange(300)], seq_len=256),
+        CapacityError,
+        "$.sequences[1]",
+        "max_len",
+        "sequence 1 has 300 tokens, longer than seq_len 256" + _OVER,
+    ),
+    (
+        dict(sequences=[np.arange(10)], seq_len=64, placement="best"),
+        RequestError,
+        "$.placement",
+        "enum",
+        "unknown placement 'best'; expected one of ('auto', 'bfd', 'in_order', 'no_share')",
+    ),
+    (
+        dict(sequences=[np.arange(10)], seq_len=64, num_ranks=0),
+        RequestError,
+        "$.num_ranks",
+        "minimum",
+        "num_ranks must be >= 1, got 0",
+    ),
+    (
+        dict(sequences=[np.arange(10)], seq_len=64, min_shared_len=0),
+        RequestError,
+        "$.min_shared_len",
+        "minimum",
+        "min_shared_len must be >= 1, got 0",
+    ),
+    (
+        dict(sequences=[np.arange(10), np.arange(12)], seq_len=64, trainable=[3, 13]),
+        RequestError,
+        "$.sequences[1].trainable",
+        "prompt_len_range",
+        "prompt length must be in [0, 12], got 13",
+    ),
+    (
+        dict(sequences=[np.array([1, -5])], seq_len=64),
+        RequestError,
+        "$.sequences[0][1]",
+        "token_range",
+        "token id must be >= 0, got -5",
+    ),
+    (
+        dict(sequences=[np.array([1.5])], seq_len=64),
+        InputTypeError,
+        "$.sequences[0]",
+        "dtype",
+        "expected integer token ids, got dtype float64",
+    ),
+    (
+        dict(sequences=[], seq_len=64),
+        RequestError,
+        "$.sequences",
+        "non_empty",
+        "the batch is empty: at least one sequence is needed",
+    ),
     # Wire-form input the client sends unchecked: the server's planner raises the same error.
-    (dict(sequences=[np.arange(9, dtype=_U32), np.zeros(0, _U32)], seq_len=64), RequestError, "$.sequences[1]", "non_empty", "sequence has no tokens"),
-    (dict(sequences=[np.arange(300, dtype=_U32)], seq_len=256), CapacityError, "$.sequences[0]", "max_len", "sequence 0 has 300 tokens, longer than seq_len 256" + _OVER),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32), np.zeros(0, _U32)], seq_len=64),
+        RequestError,
+        "$.sequences[1]",
+        "non_empty",
+        "sequence has no tokens",
+    ),
+    (
+        dict(sequences=[np.arange(300, dtype=_U32)], seq_len=256),
+        CapacityError,
+        "$.sequences[0]",
+        "max_len",
+        "sequence 0 has 300 tokens, longer than seq_len 256" + _OVER,
+    ),
     # Wire-form tokens with flags or keys that do not fit: the planner's error, raised before sending.
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[np.ones(8, bool)]), RequestError, "$.sequences[0].trainable", "length_mismatch", "trainable has 8 flags for 9 tokens"),
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[True]), InputTypeError, "$.sequences[0].trainable", "type", "expected a bool array or a prompt length, got True"),
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, keys=[np.zeros(3, np.uint64)]), RequestError, "$.sequences[0].keys", "length_mismatch", "keys must be one uint64 per token (9), got shape (3,)"),
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=[1.5]), InputTypeError, "$.groups[0]", "type", "group must be an int or a string, got float"),
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[1, 2]), RequestError, "$.trainable", "length_mismatch", "trainable has 2 entries for 1 sequences"),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[np.ones(8, bool)]),
+        RequestError,
+        "$.sequences[0].trainable",
+        "length_mismatch",
+        "trainable has 8 flags for 9 tokens",
+    ),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[True]),
+        InputTypeError,
+        "$.sequences[0].trainable",
+        "type",
+        "expected a bool array or a prompt length, got True",
+    ),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, keys=[np.zeros(3, np.uint64)]),
+        RequestError,
+        "$.sequences[0].keys",
+        "length_mismatch",
+        "keys must be one uint64 per token (9), got shape (3,)",
+    ),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=[1.5]),
+        InputTypeError,
+        "$.groups[0]",
+        "type",
+        "group must be an int or a string, got float",
+    ),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, trainable=[1, 2]),
+        RequestError,
+        "$.trainable",
+        "length_mismatch",
+        "trainable has 2 entries for 1 sequences",
+    ),
     # The wire's limits on group ids hold for the embedded planner too.
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=["g" * 300]), RequestError, "$.groups[0]", "max_length", "group label has 300 characters, at most 256"),
-    (dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=[2**70]), RequestError, "$.groups[0]", "int64", f"group id {2**70} does not fit int64"),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=["g" * 300]),
+        RequestError,
+        "$.groups[0]",
+        "max_length",
+        "group label has 300 characters, at most 256",
+    ),
+    (
+        dict(sequences=[np.arange(9, dtype=_U32)], seq_len=64, groups=[2**70]),
+        RequestError,
+        "$.groups[0]",
+        "int64",
+        f"group id {2**70} does not fit int64",
+    ),
 ]
 
 
 def test_numpy_scalar_options_travel(server):
     seqs = [np.arange(40, dtype=np.uint32)] * 3
-    kwargs = dict(seq_len=np.int64(128), min_shared_len=np.int32(8), num_ranks=np.int64(2), share_trainable=np.bool_(False))
+    kwargs = dict(
+        seq_len=np.int64(128), min_shared_len=np.int32(8), num_ranks=np.int64(2), share_trainable=np.bool_(False)
+    )
     with Packer(server) as p:
         assert_same_plan(Packer().pack(seqs, **kwargs), p.pack(seqs, **kwargs))
 
@@ -178,7 +288,9 @@ def test_server_side_errors_keep_kind_message_and_path(server):
 
     msg = encode_pack_request(PackInput.of([np.arange(5)], seq_len=64))
     msg["version"] = 7
-    r = httpx.post(server + "/v1/pack", content=encode_body(msg, "msgpack"), headers={"content-type": "application/msgpack"})
+    r = httpx.post(
+        server + "/v1/pack", content=encode_body(msg, "msgpack"), headers={"content-type": "application/msgpack"}
+    )
     from treepack.client.http import raise_for_response
 
     with pytest.raises(UnsupportedVersionError) as e:
@@ -251,4 +363,7 @@ def test_every_backend_has_the_protocol_methods_with_their_parameters():
                 got = getattr(impl, name, None)
                 assert got is not None, f"{impl.__name__} has no {name}"
                 assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(spec), (impl.__name__, name)
-                assert list(inspect.signature(got).parameters) == list(inspect.signature(spec).parameters), (impl.__name__, name)
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(spec).parameters), (
+                    impl.__name__,
+                    name,
+                )

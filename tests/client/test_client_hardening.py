@@ -36,7 +36,9 @@ def raw_server(handler: Handler) -> Iterator[tuple[str, list[int]]]:
 
     async def on_conn(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+        length = next(
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0
+        )
         await reader.readexactly(length)
         seen.append(len(seen))
         try:
@@ -78,7 +80,9 @@ async def _trickle(reader, writer, n):
 
 
 async def _cut_off(reader, writer, n):
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: 5000\r\n\r\n" + b"\x00" * 100)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: 5000\r\n\r\n" + b"\x00" * 100
+    )
     await writer.drain()  # then the connection closes mid-body
 
 
@@ -94,7 +98,17 @@ def _always_503(retry_after: str) -> Handler:
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("2", 2.0), (" 0.5 ", 0.5), ("0", 0.0), ("nan", None), ("inf", None), ("-1", None), ("soon", None), ("1e309", None), (None, None)],
+    [
+        ("2", 2.0),
+        (" 0.5 ", 0.5),
+        ("0", 0.0),
+        ("nan", None),
+        ("inf", None),
+        ("-1", None),
+        ("soon", None),
+        ("1e309", None),
+        (None, None),
+    ],
 )
 def test_retry_after_parsing(value, expected):
     assert parse_retry_after(value) == expected
@@ -183,4 +197,3 @@ def test_a_bad_token_is_refused_at_construction():
         with pytest.raises(RequestError, match="printable ASCII"):
             Packer("http://127.0.0.1:9", token=bad)
     Packer("http://127.0.0.1:9", token=" fine\n").close()  # stripped
-

@@ -14,8 +14,21 @@ import pytest
 def test_bench_runs_with_progress(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "treepack.service.cli", "bench", "--only", "golden", "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "treepack.service.cli",
+            "bench",
+            "--only",
+            "golden",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "[golden] generated 32 sequences" in proc.stdout
@@ -30,7 +43,13 @@ def test_the_installed_treepack_command_plans_stdin():
     if not script.exists():
         pytest.skip("treepack is not installed in this environment (pip install -e .)")
     lines = "".join(json.dumps({"tokens": list(range(100)) + [500 + i], "prompt_len": 100}) + "\n" for i in range(3))
-    proc = subprocess.run([str(script), "plan", "-", "--seq-len", "512", "--json"], input=lines, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(script), "plan", "-", "--seq-len", "512", "--json"],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     # 99 shared prompt tokens, then per sequence the join token (position 99) and its completion token.

@@ -70,20 +70,31 @@ def _half_headers(url: str) -> float | None:
 
 def _stalled_body(url: str) -> float | None:
     s = _raw(url)
-    s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 1000000\r\n\r\n" + b"\x80" * 1000)
+    s.sendall(
+        b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 1000000\r\n\r\n"
+        + b"\x80" * 1000
+    )
     return _closed_within(s, 10)
 
 
 def _vanish_mid_body(url: str) -> None:
     s = _raw(url)
-    s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 4000000\r\n\r\n" + b"\x00" * 2_000_000)
+    s.sendall(
+        b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: 4000000\r\n\r\n"
+        + b"\x00" * 2_000_000
+    )
     s.close()
 
 
 def _whatif_then_leave(url: str) -> None:
     body = msgpack.packb({"version": 1, "seq_len": 32768, "trials": 2000, "compositions": [{"groups": 4}]})
     s = _raw(url)
-    s.sendall(b"POST /v1/whatif HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/whatif HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     time.sleep(0.3)
     s.close()
 
@@ -128,12 +139,24 @@ def test_fault_suite(tmp_path):
             slow["stalled_body_s"].append(_stalled_body(url))
             _vanish_mid_body(url)
         _whatif_then_leave(url)
-        oversized = httpx.post(url + "/v1/pack", content=b"\x00" * (17 << 20), headers={"content-type": "application/msgpack"}, timeout=30)
-        gz = httpx.post(url + "/v1/pack", content=gzip.compress(pack_body(small_batch())), headers={"content-type": "application/msgpack", "content-encoding": "gzip"}, timeout=30)
+        oversized = httpx.post(
+            url + "/v1/pack", content=b"\x00" * (17 << 20), headers={"content-type": "application/msgpack"}, timeout=30
+        )
+        gz = httpx.post(
+            url + "/v1/pack",
+            content=gzip.compress(pack_body(small_batch())),
+            headers={"content-type": "application/msgpack", "content-encoding": "gzip"},
+            timeout=30,
+        )
         burst_status: list[int] = []
 
         def big_upload() -> None:
-            r = httpx.post(url + "/v1/pack", content=b"\x00" * (12 << 20), headers={"content-type": "application/msgpack"}, timeout=30)
+            r = httpx.post(
+                url + "/v1/pack",
+                content=b"\x00" * (12 << 20),
+                headers={"content-type": "application/msgpack"},
+                timeout=30,
+            )
             burst_status.append(r.status_code)
 
         burst = [threading.Thread(target=big_upload) for _ in range(16)]
@@ -210,7 +233,12 @@ def test_fault_decoding_holds_a_small_multiple_of_the_body():
     body = _empty_maps_body(8 << 20)
     js = b'{"version":1,"seq_len":64,"tokens":"","offsets":"","x":[' + b"{}," * ((8 << 20) // 3) + b"{}]}"
     with running_server("--no-history", "--max-body-bytes", str(16 << 20), "--malloc-keep-mb", "0") as (url, proc):
-        httpx.post(url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"}, timeout=30)
+        httpx.post(
+            url + "/v1/pack",
+            content=pack_body(small_batch()),
+            headers={"content-type": "application/msgpack"},
+            timeout=30,
+        )
         base = _hwm(proc.pid)
         r = httpx.post(url + "/v1/pack", content=body, headers={"content-type": "application/msgpack"}, timeout=120)
         j = httpx.post(url + "/v1/pack", content=js, headers={"content-type": "application/json"}, timeout=120)
@@ -226,7 +254,9 @@ def test_fault_a_tiny_whatif_is_refused_before_any_trial():
         "seq_len": run, "min_shared_len": 8, "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"), "run_hash": (7).to_bytes(8, "little"),
         "run_len": run.to_bytes(8, "little"), "first_trainable": b"\x00" * 8, "groups": [None],
     }  # fmt: skip
-    body = msgpack.packb({"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]})
+    body = msgpack.packb(
+        {"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]}
+    )
     assert len(body) < 300
     with running_server("--no-history", "--max-tokens", str(run)) as (url, _):
         r = httpx.post(url + "/v1/whatif", content=body, headers={"content-type": "application/msgpack"}, timeout=120)
@@ -240,11 +270,20 @@ def test_fault_stalled_uploads_do_not_starve_a_small_pack():
         stalled = []
         for _ in range(2):
             s = _raw(url)
-            s.sendall(b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: " + str(256 << 20).encode() + b"\r\n\r\n")
+            s.sendall(
+                b"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: "
+                + str(256 << 20).encode()
+                + b"\r\n\r\n"
+            )
             stalled.append(s)
         time.sleep(0.3)
         t0 = time.monotonic()
-        r = httpx.post(url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"}, timeout=30)
+        r = httpx.post(
+            url + "/v1/pack",
+            content=pack_body(small_batch()),
+            headers={"content-type": "application/msgpack"},
+            timeout=30,
+        )
         took = time.monotonic() - t0
         cut = [_closed_within(s, 10) for s in stalled]
     print("small pack beside two stalled 256 MiB uploads:", round(took, 3), "s; stalled uploads answered after", cut)

@@ -48,7 +48,10 @@ def readme_commands(text: str) -> list[str]:
 def test_readme_commands_are_parsed_in_order():
     cmds = readme_commands((ROOT / "README.md").read_text())
     assert cmds[:2] == ["make demo", "make test"], cmds
-    assert readme_commands("```bash\nmake a   # x\n          # more of x\nb \\\n```\n```text\nc\n```\n") == ["make a", "b \\"]
+    assert readme_commands("```bash\nmake a   # x\n          # more of x\nb \\\n```\n```text\nc\n```\n") == [
+        "make a",
+        "b \\",
+    ]
 
 
 def _run(cmd: str, cwd: Path, timeout: float) -> str:

@@ -79,7 +79,9 @@ def test_two_concurrent_requests_with_one_worker_and_no_queue():
         slow = threading.Thread(
             target=lambda: httpx.post(
                 url + "/v1/whatif",
-                content=encode_body({"version": 1, "seq_len": w.seq_len, "compositions": [{"groups": 24}], "trials": 150}, "msgpack"),
+                content=encode_body(
+                    {"version": 1, "seq_len": w.seq_len, "compositions": [{"groups": 24}], "trials": 150}, "msgpack"
+                ),
                 headers={"content-type": "application/msgpack"},
                 timeout=120,
             )
@@ -89,7 +91,9 @@ def test_two_concurrent_requests_with_one_worker_and_no_queue():
         while "treepack_plans_running 1.0" not in httpx.get(url + "/metrics").text:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        r = httpx.post(url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"})
+        r = httpx.post(
+            url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"}
+        )
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"] == "overloaded"
         with Packer(url, retries=30) as p:  # waits out the what-if, honouring Retry-After
@@ -108,9 +112,15 @@ def test_oversized_bodies_get_413_over_a_real_socket(declared):
         if declared:
             r = httpx.post(url + "/v1/pack", content=big, headers={"content-type": "application/msgpack"})
         else:  # chunked: no Content-Length, the limit applies while reading
-            r = httpx.post(url + "/v1/pack", content=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]), headers={"content-type": "application/msgpack"})
+            r = httpx.post(
+                url + "/v1/pack",
+                content=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]),
+                headers={"content-type": "application/msgpack"},
+            )
         assert r.status_code == 413 and r.json()["rule"] == "max_body_bytes"
-        ok = httpx.post(url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"})
+        ok = httpx.post(
+            url + "/v1/pack", content=pack_body(small_batch()), headers={"content-type": "application/msgpack"}
+        )
         assert ok.status_code == 200
 
 

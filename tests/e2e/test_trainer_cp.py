@@ -82,7 +82,9 @@ def _local_only(batch):
     (contiguous shards)."""
     a = batch.cp.rank * batch.seq_len
     se = (batch.subtree_end - a).clamp(max=batch.seq_len)
-    return dataclasses.replace(batch, cp=None, cp_full=None, cp_positions=None, cp_strategy=None, subtree_end=se, _cache={})
+    return dataclasses.replace(
+        batch, cp=None, cp_full=None, cp_positions=None, cp_strategy=None, subtree_end=se, _cache={}
+    )
 
 
 @contextlib.contextmanager
@@ -172,7 +174,9 @@ def _run_mode(world, cp_attention, runs):
             model.train()
         calls = []
         # flex runs forward only (PyTorch has no CPU backward for it).
-        step = oracle.step_record(model, s, ref, grads=backend != "flex", around_backward=_counting_cp_attention(calls), backend=backend, **kw)
+        step = oracle.step_record(
+            model, s, ref, grads=backend != "flex", around_backward=_counting_cp_attention(calls), backend=backend, **kw
+        )
         ran = cp_layer_strategy(mine, model.config.num_attention_heads)
         with torch.no_grad():
             if ran == "ulysses":
@@ -183,7 +187,13 @@ def _run_mode(world, cp_attention, runs):
                 with _no_remote_keys():
                     ctl_lps = mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw))
             with _windows_and_chunks_past_the_rows(model) as masked:
-                unmasked = oracle.lp_diff(mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw)), ref.lp) if masked else None
+                unmasked = (
+                    oracle.lp_diff(
+                        mine.unpack_logprobs(packed_forward(model, mine, backend=backend, verify=False, **kw)), ref.lp
+                    )
+                    if masked
+                    else None
+                )
         result["runs"].append({
             **step, "family": family, "backend": backend, "ckpt": ckpt, "ran": ran, "backward_attention_calls": len(calls),
             "layers": model.config.num_hidden_layers, "control_lp_diff": oracle.lp_diff(ctl_lps, ref.lp),
@@ -211,7 +221,9 @@ def _check_mode(world, cp_attention, runs, results):
         oracle.assert_shard_size(r, world)
         assert r["strategy"] == ("allgather" if cp_attention == "allgather" else "auto")
         if "gdn" in r:  # refused by name, before compute
-            why = "contiguous shards only" if cp_attention == "allgather" else f"3 value heads do not divide over {world}"
+            why = (
+                "contiguous shards only" if cp_attention == "allgather" else f"3 value heads do not divide over {world}"
+            )
             assert "linear_attn (Qwen3NextGatedDeltaNet)" in r["gdn"] and why in r["gdn"], r["gdn"]
         assert [(x["family"], x["backend"], *x["ckpt"]) for x in r["runs"]] == [tuple(x) for x in runs]
         for f in r["runs"]:
@@ -250,7 +262,9 @@ def _readme_worker(rank: int, port: int, out_dir: str) -> None:
     lps = [None if x is None else x.tolist() for x in ns["per_seq"]]
     grads = {n: float(p.grad.abs().sum()) for n, p in ns["model"].named_parameters()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"loss": float(ns["loss"]), "lps": lps, "shape": list(ns["batch"].input_ids.shape), "grads": grads}, f)
+        json.dump(
+            {"loss": float(ns["loss"]), "lps": lps, "shape": list(ns["batch"].input_ids.shape), "grads": grads}, f
+        )
 
 
 def test_readme_cp_example_runs_on_two_ranks(tmp_path):

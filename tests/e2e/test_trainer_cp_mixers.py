@@ -174,7 +174,17 @@ def glm_moe_dsa():
     return model
 
 
-FAMILIES = {"glm_moe_dsa": glm_moe_dsa, "deepseek_v32": deepseek_v32, "qwen3_5": qwen3_5, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid, "bamba": bamba, "jamba": jamba, "lfm2": lfm2, "kimi_linear": kimi_linear}
+FAMILIES = {
+    "glm_moe_dsa": glm_moe_dsa,
+    "deepseek_v32": deepseek_v32,
+    "qwen3_5": qwen3_5,
+    "qwen3_next": qwen3_next,
+    "olmo_hybrid": olmo_hybrid,
+    "bamba": bamba,
+    "jamba": jamba,
+    "lfm2": lfm2,
+    "kimi_linear": kimi_linear,
+}
 # A model each group size must refuse by name: (builder, module class, reason fragment).
 REFUSED = {4: (lambda: qwen3_5(value_heads=6), "Qwen3_5GatedDeltaNet", "6 value heads do not divide over 4")}
 
@@ -196,7 +206,10 @@ def _own_shard_only(cp, shard_len):
         return y * mine.reshape(-1, *(1,) * (y.dim() - dim - 1)).to(y.dtype)
 
     seq_to_heads, gather_seq = cpk.seq_to_heads, cpk.gather_seq
-    return {"seq_to_heads": lambda x, cp_: keep(seq_to_heads(x, cp_), 2), "gather_seq": lambda x, cp_: keep(gather_seq(x, cp_), 1) if x.is_floating_point() else gather_seq(x, cp_)}
+    return {
+        "seq_to_heads": lambda x, cp_: keep(seq_to_heads(x, cp_), 2),
+        "gather_seq": lambda x, cp_: keep(gather_seq(x, cp_), 1) if x.is_floating_point() else gather_seq(x, cp_),
+    }
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -215,9 +228,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             ref = oracle.reference_step(functools.partial(_seeded, FAMILIES[family]), s)
             model = _seeded(FAMILIES[family])
             step = oracle.step_record(model, s, ref)
-            mods = [importlib.import_module("treepack.trainer.kernels.cp")] + [importlib.import_module(f"treepack.trainer.hf.layers.{m}") for m in MIXER_MODULES]
+            mods = [importlib.import_module("treepack.trainer.kernels.cp")] + [
+                importlib.import_module(f"treepack.trainer.hf.layers.{m}") for m in MIXER_MODULES
+            ]
             saved = [(mods[0], {"seq_to_heads": mods[0].seq_to_heads})]
-            saved += [(m, {k: getattr(m, k) for k in ("seq_to_heads", "gather_seq") if hasattr(m, k)}) for m in mods[1:]]
+            saved += [
+                (m, {k: getattr(m, k) for k in ("seq_to_heads", "gather_seq") if hasattr(m, k)}) for m in mods[1:]
+            ]
             control = _own_shard_only(s.cp, s.plan.ranks.shard_len)
             try:
                 for m, names in saved:

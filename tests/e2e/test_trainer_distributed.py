@@ -48,11 +48,17 @@ def test_encode_decode_round_trip(golden):
     plans.append(plan_batch(seqs, seq_len=16, on_overflow="drop", trainable=[2, 2, 2]))
     plans.append(plan_of(c, share_trainable=True))  # the flag travels too
     for plan in plans:
-        extra = {"flags": np.arange(5, dtype=np.uint8), "empty": np.zeros(0, np.int64), "grid": np.arange(6.0).reshape(2, 3)}
+        extra = {
+            "flags": np.arange(5, dtype=np.uint8),
+            "empty": np.zeros(0, np.int64),
+            "grid": np.arange(6.0).reshape(2, 3),
+        }
         buf = encode_plan(plan, extra)
         back, ex = decode_plan(buf)
         _same(plan, back)
-        assert np.array_equal(ex["flags"], extra["flags"]) and ex["empty"].shape == (0,) and ex["empty"].dtype == np.int64
+        assert (
+            np.array_equal(ex["flags"], extra["flags"]) and ex["empty"].shape == (0,) and ex["empty"].dtype == np.int64
+        )
         assert ex["grid"].dtype == np.float64 and np.array_equal(ex["grid"], extra["grid"])
         validate_plan(back)
         assert b"pickle" not in buf[:200]
@@ -114,7 +120,6 @@ def test_obtain_plan_through_a_sidecar_url():
     _same(obtain_plan(c["sequences"], **kw), got)
 
 
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -126,7 +131,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from helpers.trainer_cases import tiny_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         c = mixed_batch()
         seqs = c["sequences"]
@@ -149,7 +156,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         mine = set(np.flatnonzero(np.isin(rp.plan.row_of, rp.rows[rp.rows >= 0])).tolist())
         assert set(read) == mine, (sorted(set(read)), sorted(mine))
         model = tiny_model("qwen3")
-        loss = ppo_clip_loss(batch.target_logprobs(packed_forward(model, batch)), batch, advantages=adv, old_logprobs="old", normalization="sequence")
+        loss = ppo_clip_loss(
+            batch.target_logprobs(packed_forward(model, batch)),
+            batch,
+            advantages=adv,
+            old_logprobs="old",
+            normalization="sequence",
+        )
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -162,15 +175,29 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             raised = ""
         except ValueError as e:
             raised = str(e)
-        result = {"rank": rank, "rows": rp.rows.tolist(), "loss": float(total), "raised": raised, "empty_rows": int(batch.empty_rows.sum())}
+        result = {
+            "rank": rank,
+            "rows": rp.rows.tolist(),
+            "loss": float(total),
+            "raised": raised,
+            "empty_rows": int(batch.empty_rows.sum()),
+        }
         if rank == 0:
             # The same step in one process over all rows.
             model.zero_grad(set_to_none=True)
             full = materialize(rp.plan, seqs, payloads={"old": old}, trainable=c["trainable"], groups=c["groups"])
-            ref = ppo_clip_loss(full.target_logprobs(packed_forward(model, full)), full, advantages=adv, old_logprobs="old", normalization="sequence")
+            ref = ppo_clip_loss(
+                full.target_logprobs(packed_forward(model, full)),
+                full,
+                advantages=adv,
+                old_logprobs="old",
+                normalization="sequence",
+            )
             ref.backward()
             result["ref_loss"] = float(ref)
-            result["max_grad_rel"] = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in model.named_parameters())
+            result["max_grad_rel"] = max(
+                float((grads[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in model.named_parameters()
+            )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         # Both ranks finish their collectives before either tears gloo down: a rank that exits

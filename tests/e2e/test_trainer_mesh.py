@@ -84,7 +84,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         req = dict(trainable=c["trainable"], groups=c["groups"]) if rank == 0 else {}
         rp = plan_and_broadcast(seqs if rank == 0 else None, mesh=mesh, **kw, **req)
         mb = plan_microbatches(seqs, num_microbatches=1, mesh=mesh, trainable=c["trainable"], groups=c["groups"], **kw)
-        same_plan = plan_differences(rp.plan, mb.plan) == [] and np.array_equal(mb.rows[mb.dp_rank, 0], rp.rows) and mb.dp_rank == rp.rank
+        same_plan = (
+            plan_differences(rp.plan, mb.plan) == []
+            and np.array_equal(mb.rows[mb.dp_rank, 0], rp.rows)
+            and mb.dp_rank == rp.rank
+        )
         batch = rp.materialize(seqs, payloads={"old": old})
 
         def loss_of(b, logits):
@@ -97,7 +101,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         full = materialize(plan1, seqs, payloads={"old": old})
         ref = loss_of(full, packed_forward(ref_model, full, verify=False))
         ref.backward()
-        rel = lambda gs: max(float((gs[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in ref_model.named_parameters())  # noqa: E731
+        rel = lambda gs: max(
+            float((gs[n] - p.grad).abs().max() / p.grad.abs().max()) for n, p in ref_model.named_parameters()
+        )  # noqa: E731
 
         result = {
             "dp_rank": rp.rank, "cp_rank": rp.cp.rank, "rows": rp.rows.tolist(), "shape": list(batch.input_ids.shape),
@@ -113,7 +119,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             dist.all_reduce(total)
             raw, summed = _grads(model, mesh.get_group("cp") if kind != "fsdp2_dp_cp" else None)
             sharded = sorted({type(p).__name__ for p in model.parameters()})
-            result["wraps"][kind] = {"loss": float(total), "grad_rel": rel(summed), "raw_grad_rel": rel(raw), "param_types": sharded}
+            result["wraps"][kind] = {
+                "loss": float(total),
+                "grad_rel": rel(summed),
+                "raw_grad_rel": rel(raw),
+                "param_types": sharded,
+            }
         oracle.write_result(out_dir, rank, result)
 
 

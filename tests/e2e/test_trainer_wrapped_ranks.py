@@ -17,7 +17,6 @@ WRAPS = ("ddp", "fsdp2")
 OUTPUTS = ("logits", "hidden")
 
 
-
 def _wrap(kind, model):
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
@@ -35,7 +34,11 @@ def _step(model, batch, adv, output):
     from treepack.trainer.losses import ppo_clip_loss
 
     out = packed_forward(model, batch, output=output)
-    lp = batch.target_logprobs(out) if output == "logits" else batch.target_logprobs_from_hidden(out, output_head(model), chunk_size=16)
+    lp = (
+        batch.target_logprobs(out)
+        if output == "logits"
+        else batch.target_logprobs_from_hidden(out, output_head(model), chunk_size=16)
+    )
     loss = ppo_clip_loss(lp, batch, advantages=adv, old_logprobs="old", normalization="sequence")
     loss.backward()
     return loss.detach()
@@ -58,7 +61,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from helpers.trainer_cases import tiny_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=90)
+    )
     try:
         c = mixed_batch()
         plan = plan_of(c, num_ranks=2)
@@ -80,8 +85,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 rel = max(float((2 * got[n] - g).abs().max() / g.abs().max()) for n, g in ref.items())
                 x = torch.tensor([[3, 5, 7]])
                 with torch.no_grad():  # unpacked generation through the wrapped model still works
-                    gen = (model.module if kind == "ddp" else model).generate(input_ids=x, max_new_tokens=3, do_sample=False, pad_token_id=0)
-                result[f"{kind}/{output}"] = {"loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel": rel, "gen": gen.tolist()}
+                    gen = (model.module if kind == "ddp" else model).generate(
+                        input_ids=x, max_new_tokens=3, do_sample=False, pad_token_id=0
+                    )
+                result[f"{kind}/{output}"] = {
+                    "loss": float(loss),
+                    "ref_loss": float(ref_loss),
+                    "max_grad_rel": rel,
+                    "gen": gen.tolist(),
+                }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         # Both ranks finish their collectives before either tears gloo down: a rank that exits

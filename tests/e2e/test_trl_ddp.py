@@ -40,19 +40,37 @@ print("RANK_DONE", flush=True)
 """
 
 
-
 def _ddp(tmp_path: Path, packed: bool) -> dict:
     from helpers.tiny_trl import tiny_model
 
     out = tmp_path / f"{packed}.json"
     model = str(tmp_path / f"init{packed}")
     tiny_model().save_pretrained(model)  # once, before the ranks load it
-    code = WORKER.format(tests=str(ROOT / "tests"), packed=packed, workdir=str(tmp_path / f"w{packed}"), model=model, out=str(out))
+    code = WORKER.format(
+        tests=str(ROOT / "tests"), packed=packed, workdir=str(tmp_path / f"w{packed}"), model=model, out=str(out)
+    )
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=400)[0] for p in procs]
     # gloo on CPU now and then aborts a process (SIGABRT) at interpreter exit, after its group was
     # destroyed: a rank that printed RANK_DONE had finished all its work, so only that is let pass.

@@ -54,7 +54,9 @@ def gloo_group(rank: int, port: int, world: int, timeout_s: float) -> Iterator[N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         yield
     finally:
@@ -133,7 +135,9 @@ def ppo_loss(batch: Any, logits: torch.Tensor, adv: torch.Tensor) -> torch.Tenso
     normalization counted over the whole batch), so CP shards' losses sum to the whole one."""
     from treepack.trainer.losses import ppo_clip_loss
 
-    return ppo_clip_loss(batch.target_logprobs(logits), batch, advantages=adv, old_logprobs="old", normalization="sequence")
+    return ppo_clip_loss(
+        batch.target_logprobs(logits), batch, advantages=adv, old_logprobs="old", normalization="sequence"
+    )
 
 
 def detached(lps: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

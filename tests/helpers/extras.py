@@ -28,4 +28,6 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"CI is set and the test dependency {module!r} does not import ({e}): `make test` installs every extra") from e
+        raise ImportError(
+            f"CI is set and the test dependency {module!r} does not import ({e}): `make test` installs every extra"
+        ) from e

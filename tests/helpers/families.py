@@ -44,7 +44,9 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def oracle(model: torch.nn.Module, batch: Any, case: dict[str, Any], grads: bool = True, **packed_kw: Any) -> tuple[list, list, dict, dict]:
+def oracle(
+    model: torch.nn.Module, batch: Any, case: dict[str, Any], grads: bool = True, **packed_kw: Any
+) -> tuple[list, list, dict, dict]:
     """(alone logprobs, packed logprobs, alone grads, packed grads) of ``model`` on ``batch``.
 
     Logprobs are [n] per sequence, NaN off the scored positions (the
@@ -60,7 +62,7 @@ def oracle(model: torch.nn.Module, batch: Any, case: dict[str, Any], grads: bool
     flags = []
     for s, t in zip(seqs, case["trainable"]):
         f = torch.zeros(len(s), dtype=torch.bool)
-        f[max(int(t), 1):] = True
+        f[max(int(t), 1) :] = True
         flags.append(f)
     with torch.set_grad_enabled(grads):
         alone = [torch.cat([lp.new_full((1,), float("nan")), lp]) for lp in ms.unpacked_logprobs(model, seqs)]

@@ -57,7 +57,13 @@ class _Builder:
         self.groups.append(group)
 
     def kwargs(self, seq_len: int, min_shared_len: int) -> dict:
-        return dict(sequences=self.seqs, trainable=self.trainable, groups=self.groups, seq_len=seq_len, min_shared_len=min_shared_len)
+        return dict(
+            sequences=self.seqs,
+            trainable=self.trainable,
+            groups=self.groups,
+            seq_len=seq_len,
+            min_shared_len=min_shared_len,
+        )
 
 
 def _cross(rng: np.random.Generator, size: int) -> dict:

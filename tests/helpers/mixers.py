@@ -31,7 +31,9 @@ def mixer_case(conv_width: int, seed: int = 0, chunk: int | None = None):
         chunk: the model's scan chunk size; the plan must have a branch point that is not on
             a multiple of it and a segment crossing a multiple of it.
     """
-    seqs, trainable, plan = tree_plan(seed, min_shared_len=2, conv_width=conv_width, tail=3, trees=2, depth=3, max_len=160, seq_len=192)
+    seqs, trainable, plan = tree_plan(
+        seed, min_shared_len=2, conv_width=conv_width, tail=3, trees=2, depth=3, max_len=160, seq_len=192
+    )
     assert tree_features(plan, conv_width)["ok"]
     seg = plan.segments
     assert (seg.row_start + seg.length < plan.seq_len).any(), "no row has padding"
@@ -102,7 +104,11 @@ def leaf_gradient_leaks(model, plan, batch, embed: torch.nn.Module) -> tuple[int
     """(positions off a leaf's chain with nonzero gradient, chain positions without) for a leaf loss."""
     seg = plan.segments
     has_child = set(seg.parent[seg.parent >= 0].tolist())
-    leaf = next(s for s in range(seg.num_segments) if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2)
+    leaf = next(
+        s
+        for s in range(seg.num_segments)
+        if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2
+    )
     chain, p = set(), leaf
     while p >= 0:
         chain.add(p)
@@ -115,10 +121,14 @@ def leaf_gradient_leaks(model, plan, batch, embed: torch.nn.Module) -> tuple[int
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
+    (grad,) = torch.autograd.grad(
+        lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1]
+    )  # the packed call: the probe (if any) ran before it
     on_chain = torch.from_numpy(np.isin(plan.segment_ids(), sorted(chain)))
     per_pos = grad.abs().sum(-1)
-    return int(torch.count_nonzero(per_pos[~on_chain])), int(on_chain.sum()) - int(torch.count_nonzero(per_pos[on_chain]))
+    return int(torch.count_nonzero(per_pos[~on_chain])), int(on_chain.sum()) - int(
+        torch.count_nonzero(per_pos[on_chain])
+    )
 
 
 def run_oracle(model, case, embed: torch.nn.Module, *, min_checked: int = 10) -> dict:
@@ -144,7 +154,9 @@ def assert_oracle(figures: dict) -> None:
     assert not figures["nan"], "a packed position was never written"
     assert figures["logprob_diff"] <= 1e-5, f"packed != unpacked: max |d logprob| = {figures['logprob_diff']:.3g}"
     assert figures["grad_rel_err"] <= 1e-4, f"gradients: max rel err {figures['grad_rel_err']:.3g}"
-    assert figures["control_diff"] > 1e-3, f"negative control: a linear scan of the row matched unpacked ({figures['control_diff']:.3g})"
+    assert figures["control_diff"] > 1e-3, (
+        f"negative control: a linear scan of the row matched unpacked ({figures['control_diff']:.3g})"
+    )
     assert figures["leak_off_chain"] == 0, "a leaf loss reached a sibling, another tree or padding"
     assert figures["dead_on_chain"] == 0, "every chain token should get gradient from a leaf loss"
     assert figures["unpacked_after"] == 0, "an unpacked call after packed_forward differs from before"

@@ -45,7 +45,9 @@ def join_ranks(ctx, timeout_s: float, results: list[Path]) -> None:
                 p.terminate()
 
 
-def run_ranks(worker: Callable[[int, int, str], None], out_dir: Path, timeout_s: float, nprocs: int = 2) -> list[dict[str, Any]]:
+def run_ranks(
+    worker: Callable[[int, int, str], None], out_dir: Path, timeout_s: float, nprocs: int = 2
+) -> list[dict[str, Any]]:
     """Spawn ``worker(rank, port, out_dir)`` on ``nprocs`` gloo ranks and read each ``rank{r}.json``.
 
     Args:

@@ -87,7 +87,18 @@ def running_server(
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "treepack.service", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "treepack.service",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -32,13 +32,19 @@ class TinyConvMixer(torch.nn.Module):
 
 
 def _structure(module: torch.nn.Module) -> bool:
-    return depthwise_conv(getattr(module, "conv", None)) and isinstance(getattr(module, "gate", None), torch.nn.Linear) and not hasattr(module, "in_proj")
+    return (
+        depthwise_conv(getattr(module, "conv", None))
+        and isinstance(getattr(module, "gate", None), torch.nn.Linear)
+        and not hasattr(module, "in_proj")
+    )
 
 
 def tiny_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
     """``TinyConvMixer`` on tree rows: the conv follows each token's ancestor chain."""
     K, L = check_rows(hidden_states, schedule)
-    y = tree_conv(hidden_states.reshape(K * L, -1), layer.conv.weight.squeeze(1), layer.conv.bias, schedule).to(hidden_states.dtype)
+    y = tree_conv(hidden_states.reshape(K * L, -1), layer.conv.weight.squeeze(1), layer.conv.bias, schedule).to(
+        hidden_states.dtype
+    )
     return y.reshape(K, L, -1) * torch.sigmoid(layer.gate(hidden_states))
 
 

@@ -82,12 +82,23 @@ def tiny_vl_processor() -> Any:
 
     from helpers import vlm
 
-    vision = {vlm.IMAGE_TOKEN: "<|image_pad|>", vlm.VISION_START: "<|vision_start|>", vlm.VISION_END: "<|vision_end|>", vlm.VIDEO_TOKEN: "<|video_pad|>"}
+    vision = {
+        vlm.IMAGE_TOKEN: "<|image_pad|>",
+        vlm.VISION_START: "<|vision_start|>",
+        vlm.VISION_END: "<|vision_end|>",
+        vlm.VIDEO_TOKEN: "<|video_pad|>",
+    }
     names = [vision.get(i, f"w{i - len(SPECIAL)}") for i in range(vlm.VOCAB)]
     names[: len(SPECIAL)] = SPECIAL
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(names)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", additional_special_tokens=list(vision.values()))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        additional_special_tokens=list(vision.values()),
+    )
     fast.padding_side = "left"
     template = (
         "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"
@@ -96,7 +107,9 @@ def tiny_vl_processor() -> Any:
     )
 
     class ImageOnlyProcessor(Qwen2VLProcessor):
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any) -> None:
+        def __init__(
+            self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any
+        ) -> None:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kw)
 
     images = Qwen2VLImageProcessorPil(patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=16, max_pixels=256)
@@ -114,7 +127,9 @@ def vl_dataset(seed: int = 0) -> Any:
     imgs = [Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)) for _ in range(3)]
     same, other = prompts(2, 8, seed=seed)
     rows = [(same, imgs[0]), (same, imgs[1]), (other, imgs[0]), (same, imgs[2])]
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t, _ in rows], "image": [i for _, i in rows]})
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": t}] for t, _ in rows], "image": [i for _, i in rows]}
+    )
 
 
 def run_grpo(
@@ -256,21 +271,40 @@ def run_sft(
     if train_dataset is None:
         train_dataset = Dataset.from_dict({"prompt": ps, "completion": cs})
     base = dict(
-        output_dir=workdir, per_device_train_batch_size=8, max_steps=steps, learning_rate=1e-2, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        shuffle_dataset=False, bf16=False,
+        output_dir=workdir,
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        bf16=False,
     )
     base.update(config)
     if processing_class is None:
         processing_class = tiny_tokenizer()
         processing_class.padding_side = "right"
     trainer = trainer_cls(
-        model=tiny_model() if model is None else model, args=SFTConfig(**base), train_dataset=train_dataset,
-        processing_class=processing_class, callbacks=callbacks, **trainer_kwargs,
+        model=tiny_model() if model is None else model,
+        args=SFTConfig(**base),
+        train_dataset=train_dataset,
+        processing_class=processing_class,
+        callbacks=callbacks,
+        **trainer_kwargs,
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs], "logs": trainer.state.log_history, "trainer": trainer}
+    return {
+        "loss": [h["loss"] for h in logs],
+        "grad_norm": [h["grad_norm"] for h in logs],
+        "logs": trainer.state.log_history,
+        "trainer": trainer,
+    }
 
 
 def vl_sft_dataset(seed: int = 0, messages: bool = False) -> Any:
@@ -293,9 +327,14 @@ def vl_sft_dataset(seed: int = 0, messages: bool = False) -> Any:
     r = random.Random(seed)
     completions = [" ".join(r.choice(WORDS) for _ in range(r.randint(2, 5))) for _ in rows]
     if messages:
-        chats = [[{"role": "user", "content": t.split("> ", 1)[1]}, {"role": "assistant", "content": c}] for (t, _), c in zip(rows, completions)]
+        chats = [
+            [{"role": "user", "content": t.split("> ", 1)[1]}, {"role": "assistant", "content": c}]
+            for (t, _), c in zip(rows, completions)
+        ]
         return Dataset.from_dict({"messages": chats, "image": [imgs[i] for _, i in rows]})
-    return Dataset.from_dict({"prompt": [t for t, _ in rows], "completion": completions, "image": [imgs[i] for _, i in rows]})
+    return Dataset.from_dict(
+        {"prompt": [t for t, _ in rows], "completion": completions, "image": [imgs[i] for _, i in rows]}
+    )
 
 
 def group_shuffle_reference(batch: dict[str, Any]) -> dict[str, Any]:

@@ -24,11 +24,15 @@ __all__ = ["assert_close", "assert_not_close", "max_abs_err"]
 
 def _pairs(name: str, ref: Any, got: Any) -> Iterator[tuple[str, torch.Tensor | None, torch.Tensor | None]]:
     if isinstance(ref, dict):
-        assert isinstance(got, dict) and got.keys() == ref.keys(), f"{name}: keys differ: {sorted(set(ref) ^ set(got or {}))}"
+        assert isinstance(got, dict) and got.keys() == ref.keys(), (
+            f"{name}: keys differ: {sorted(set(ref) ^ set(got or {}))}"
+        )
         for k in ref:
             yield f"{name}[{k}]", ref[k], got[k]
     elif isinstance(ref, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(ref), f"{name}: {len(ref)} reference entries, {len(got)} compared"
+        assert isinstance(got, (list, tuple)) and len(got) == len(ref), (
+            f"{name}: {len(ref)} reference entries, {len(got)} compared"
+        )
         for i, (r, g) in enumerate(zip(ref, got)):
             yield f"{name}[{i}]", r, g
     else:
@@ -40,7 +44,9 @@ def _diff(label: str, ref: torch.Tensor, got: torch.Tensor) -> tuple[float, floa
     ref, got = torch.as_tensor(ref).detach(), torch.as_tensor(got).detach()
     assert ref.shape == got.shape, f"{label}: shapes differ: ref {tuple(ref.shape)}, got {tuple(got.shape)}"
     nan = torch.isnan(ref)
-    assert torch.equal(nan, torch.isnan(got)), f"{label}: NaN patterns differ ({int(nan.sum())} NaN in ref, {int(torch.isnan(got).sum())} in got)"
+    assert torch.equal(nan, torch.isnan(got)), (
+        f"{label}: NaN patterns differ ({int(nan.sum())} NaN in ref, {int(torch.isnan(got).sum())} in got)"
+    )
     keep = ~nan
     if not bool(keep.any()):
         return 0.0, 0.0
@@ -58,7 +64,9 @@ def max_abs_err(ref: Any, got: Any) -> float:
     return worst
 
 
-def assert_close(name: str, ref: Any, got: Any, *, atol: float = 0.0, ratio: float = 0.0, nonzero_ref: bool = False) -> None:
+def assert_close(
+    name: str, ref: Any, got: Any, *, atol: float = 0.0, ratio: float = 0.0, nonzero_ref: bool = False
+) -> None:
     """Assert ``max |got - ref| <= atol + ratio * max |ref|`` for every compared tensor.
 
     Args:

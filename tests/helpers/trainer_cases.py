@@ -93,7 +93,14 @@ def random_batch(seed: int) -> dict[str, Any]:
 def plan_of(case: dict[str, Any], **kw: Any):
     from treepack.service.planner import plan_batch, validate_plan
 
-    plan = plan_batch(case["sequences"], seq_len=case["seq_len"], min_shared_len=case["min_shared_len"], trainable=case["trainable"], groups=case["groups"], **kw)
+    plan = plan_batch(
+        case["sequences"],
+        seq_len=case["seq_len"],
+        min_shared_len=case["min_shared_len"],
+        trainable=case["trainable"],
+        groups=case["groups"],
+        **kw,
+    )
     validate_plan(plan, case["sequences"], trainable=case["trainable"])
     return plan
 
@@ -103,7 +110,7 @@ def trainable_flags(case: dict[str, Any]) -> list[torch.Tensor]:
     for s, t in zip(case["sequences"], case["trainable"]):
         if isinstance(t, (int, np.integer)):
             f = np.zeros(len(s), dtype=bool)
-            f[int(t):] = True
+            f[int(t) :] = True
         else:
             f = np.asarray(t, dtype=bool)
         out.append(torch.from_numpy(f))
@@ -116,7 +123,15 @@ def tiny_model(family: str, seed: int = 0, heads: tuple[int, int] = (4, 2)) -> t
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads[0], num_key_value_heads=heads[1], max_position_embeddings=256)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        max_position_embeddings=256,
+    )
     if family == "qwen3":
         cfg = tf.Qwen3Config(head_dim=8, **common)
         model = tf.Qwen3ForCausalLM(cfg)
@@ -125,7 +140,14 @@ def tiny_model(family: str, seed: int = 0, heads: tuple[int, int] = (4, 2)) -> t
         model = tf.LlamaForCausalLM(cfg)
     elif family == "gemma2":
         # Sliding window on alternate layers and attention logit soft-capping.
-        cfg = tf.Gemma2Config(head_dim=8, sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=None, query_pre_attn_scalar=8, **common)
+        cfg = tf.Gemma2Config(
+            head_dim=8,
+            sliding_window=6,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=8,
+            **common,
+        )
         model = tf.Gemma2ForCausalLM(cfg)
     else:
         raise ValueError(family)
@@ -133,7 +155,9 @@ def tiny_model(family: str, seed: int = 0, heads: tuple[int, int] = (4, 2)) -> t
     return model.float().eval()
 
 
-def reference_logprobs(model: torch.nn.Module, sequences: list[np.ndarray], flags: list[torch.Tensor], impl: str = "sdpa") -> list[torch.Tensor]:
+def reference_logprobs(
+    model: torch.nn.Module, sequences: list[np.ndarray], flags: list[torch.Tensor], impl: str = "sdpa"
+) -> list[torch.Tensor]:
     """Each sequence alone through the stock model: [n] logprob of token i given 0..i-1 at
     every trainable i >= 1, NaN elsewhere (the :meth:`PackedBatch.unpack_logprobs` format)."""
     model.set_attn_implementation(impl)

@@ -21,14 +21,18 @@ from treepack.service.planner.api import PlanResult, plan_request
 
 def plan_result(sequences, *, trainable=None, groups=None, keys=None, **options) -> PlanResult:
     """``plan_batch`` with the batch and tree beside the plan (what the history records from)."""
-    return plan_request(PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=PlanOptions(**options)))
+    return plan_request(
+        PackInput(sequences=sequences, trainable=trainable, groups=groups, keys=keys, options=PlanOptions(**options))
+    )
 
 
 RUN_LENGTHS = np.array([1, 2, 3, 5, 8, 13, 21, 40, 70, 90])
 RUN_WEIGHTS = np.array([3, 3, 3, 3, 2, 2, 2, 2, 1, 1], dtype=float)
 
 
-def tree_sequences(seed: int, *, trees: int = 3, depth: int = 4, max_len: int = 200, vocab: int = 97) -> list[np.ndarray]:
+def tree_sequences(
+    seed: int, *, trees: int = 3, depth: int = 4, max_len: int = 200, vocab: int = 97
+) -> list[np.ndarray]:
     """Sequences that are the root-to-leaf paths of ``trees`` random trees (module docstring)."""
     rng = np.random.default_rng(seed)
     seqs: list[np.ndarray] = []
@@ -68,7 +72,9 @@ def tree_plan(seed: int, *, seq_len: int = 256, min_shared_len: int = 2, conv_wi
         if max(len(x) for x in seqs) > seq_len:
             continue
         trainable = [max(1, len(x) - tail) for x in seqs] if tail else None
-        plan = plan_batch(seqs, seq_len=seq_len, min_shared_len=min_shared_len, conv_width=conv_width, trainable=trainable)
+        plan = plan_batch(
+            seqs, seq_len=seq_len, min_shared_len=min_shared_len, conv_width=conv_width, trainable=trainable
+        )
         validate_plan(plan, seqs, trainable=trainable)
         if tree_features(plan, conv_width)["ok"]:
             return seqs, trainable, plan

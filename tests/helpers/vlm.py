@@ -43,21 +43,77 @@ def tiny_vlm(family: str, seed: int = 0) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(seed)
-    ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    ids = dict(
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
     if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=32, mlp_ratio=2, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=32,
+            mlp_ratio=2,
+            num_heads=4,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+        )
         text = _text(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
         model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
     elif family == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8, fullatt_block_indexes=[1], out_hidden_size=32)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            window_size=8,
+            fullatt_block_indexes=[1],
+            out_hidden_size=32,
+        )
         text = _text(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
-        model = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+        model = tf.Qwen2_5_VLForConditionalGeneration(
+            tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        )
     elif family == "qwen3_vl":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[0])
-        text = _text(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        )
+        text = _text(
+            head_dim=8,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
         model = tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
     elif family == "qwen3_5":
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=64)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=64,
+        )
         text = _text(
             head_dim=8,
             layer_types=["linear_attention", "full_attention"],
@@ -66,13 +122,28 @@ def tiny_vlm(family: str, seed: int = 0) -> torch.nn.Module:
             linear_key_head_dim=8,
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 1.0,
+            },
         )
         model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids))
     elif family == "llava":
-        vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=8, patch_size=2)
+        vision = tf.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=8, patch_size=2
+        )
         text = tf.LlamaConfig(**_text())
-        cfg = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default")
+        cfg = tf.LlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_id=IMAGE_TOKEN,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+        )
         model = tf.LlavaForConditionalGeneration(cfg)
     else:
         raise ValueError(family)
@@ -91,7 +162,11 @@ def image(family: str, seed: int, size: int = 4) -> dict[str, Any]:
     if family == "llava":
         return dict(pixel_values=torch.randn(1, 3, 8, 8, generator=g), image_grid_thw=None, n_tokens=16)
     h = w = size
-    return dict(pixel_values=torch.randn(h * w, 3 * 2 * 2 * 2, generator=g), image_grid_thw=torch.tensor([[1, h, w]]), n_tokens=h * w // 4)
+    return dict(
+        pixel_values=torch.randn(h * w, 3 * 2 * 2 * 2, generator=g),
+        image_grid_thw=torch.tensor([[1, h, w]]),
+        n_tokens=h * w // 4,
+    )
 
 
 def image_run(family: str, n_tokens: int) -> list[int]:

@@ -72,7 +72,10 @@ def test_cli_cp_size(tmp_path):
     f.write_text("\n".join(json.dumps({"tokens": list(range(n)), "prompt_len": 4}) for n in (30, 50, 20)) + "\n")
     out = subprocess.run(
         [sys.executable, "-m", "treepack.service.cli", "plan", str(f), "--seq-len", "64", "--cp-size", "2", "--json"],
-        capture_output=True, text=True, check=True, timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     rep = json.loads(out.stdout)
     assert rep["cp_size"] == 2 and rep["cp_shard_len"] == 32 and rep["cp_attention"] == "auto"

@@ -60,9 +60,14 @@ def _workload(make) -> dict:
 
 FAMILIES = {
     "random": lambda: [_random_batch(s) for s in range(160)],
-    "overflow": lambda: [_random_batch(s, ("drop", "truncate")[s % 2]) for s in range(40)] + [
-        dict(sequences=[np.arange(9), np.arange(12)], groups=[0, 0], seq_len=8, min_shared_len=1, on_overflow="drop")
-    ],
+    "overflow": lambda: (
+        [_random_batch(s, ("drop", "truncate")[s % 2]) for s in range(40)]
+        + [
+            dict(
+                sequences=[np.arange(9), np.arange(12)], groups=[0, 0], seq_len=8, min_shared_len=1, on_overflow="drop"
+            )
+        ]
+    ),
     "workloads": lambda: [
         _workload(lambda: W.curriculum(24, seq_len=8192)),
         _workload(lambda: W.curriculum(24, seq_len=16384, seed=1)),
@@ -83,7 +88,11 @@ def _digest(batches: list[dict], seen: dict) -> str:
     h = hashlib.sha256()
     for kw in batches:
         batch = normalize_batch(
-            kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw["groups"], on_overflow=kw.get("on_overflow", "error")
+            kw["sequences"],
+            seq_len=kw["seq_len"],
+            trainable=kw.get("trainable"),
+            groups=kw["groups"],
+            on_overflow=kw.get("on_overflow", "error"),
         )
         tree = build_tree(batch, kw["min_shared_len"])
         over = np.asarray([len(x) > kw["seq_len"] for x in kw["sequences"]])

@@ -109,7 +109,9 @@ def make_instance(family: str, seed: int) -> dict:
         parts: list[int] = []
         k = int(rng.integers(2, 4))
         for _ in range(k):
-            cuts = np.sort(rng.choice(np.arange(1, room - 10), int(rng.integers(2, 4 if k == 3 else 5)) - 1, replace=False))
+            cuts = np.sort(
+                rng.choice(np.arange(1, room - 10), int(rng.integers(2, 4 if k == 3 else 5)) - 1, replace=False)
+            )
             parts += np.diff(np.r_[0, cuts, room - int(rng.integers(0, 11))]).tolist()
         for g, n in enumerate(rng.permutation(parts).tolist()):
             add(prefix, _tokens(rng, int(n), 4000 + g), g)
@@ -208,7 +210,9 @@ def test_auto_is_optimal_on_the_hard_classes(monkeypatch):
     assert seen["optimal"] >= 0.95 * seen["proven"], (seen, misses)
     # Not vacuous: the greedy misses often, the bound alone cannot prove most of these, and
     # 12-row neighbourhoods of light rows alone miss where the wide levels find the row.
-    assert seen["bfd above optimum"] >= 15 and seen["bound below optimum"] >= 30 and seen["narrow above optimum"] >= 3, seen
+    assert (
+        seen["bfd above optimum"] >= 15 and seen["bound below optimum"] >= 30 and seen["narrow above optimum"] >= 3
+    ), seen
     assert len(misses) <= 1, misses
 
 
@@ -380,14 +384,20 @@ def test_martello_toth_bound_below_a_branch_point():
     for _ in range(150):
         C = int(rng.integers(50, 120))
         prefix = _tokens(rng, int(rng.integers(0, 20)))
-        seqs = [np.concatenate([prefix, _tokens(rng, int(n), 7000 + i)]) for i, n in enumerate(rng.integers(5, C - len(prefix) + 1, int(rng.integers(2, 9))))]
+        seqs = [
+            np.concatenate([prefix, _tokens(rng, int(n), 7000 + i)])
+            for i, n in enumerate(rng.integers(5, C - len(prefix) + 1, int(rng.integers(2, 9))))
+        ]
         batch = normalize_batch(seqs, seq_len=C, trainable=[len(prefix)] * len(seqs))
         tree = build_tree(batch, 1)
         opt = naive_min_rows(tree, C)
         l4 = leaf_children_rows(tree, C)
         assert l4 <= opt
         seen["L4 tight"] += l4 == opt
-        seen["L4 above the rest"] += l4 > max(-(-int((tree.length * min_copies(tree, C)).sum()) // C), int(big_leaf_rows(tree, C, big_leaf_thresholds(tree, C)).max()))
+        seen["L4 above the rest"] += l4 > max(
+            -(-int((tree.length * min_copies(tree, C)).sum()) // C),
+            int(big_leaf_rows(tree, C, big_leaf_thresholds(tree, C)).max()),
+        )
     assert seen["L4 tight"] >= 100 and seen["L4 above the rest"] >= 5, seen
 
 
@@ -410,7 +420,9 @@ def test_plans_with_sharing_by_saving_are_valid_and_reported():
             if short:
                 # The validator holds the rule the plan claims: rule 4 alone, or a larger saving.
                 for claim in (0, 10**6):
-                    forged = dataclasses.replace(plan, options=dataclasses.replace(plan.options, min_shared_saving=claim))
+                    forged = dataclasses.replace(
+                        plan, options=dataclasses.replace(plan.options, min_shared_saving=claim)
+                    )
                     with pytest.raises(PlanInvariantError, match="shorter than min_shared_len"):
                         validate_plan(forged, seqs, trainable=trainable)
     assert seen["short shared 0"] == 0 and seen["short shared 24"] >= 5, seen

@@ -56,14 +56,22 @@ def batches(draw, max_seqs: int = 12, overflow: bool = False):
         # Mostly completions at the end (deep shared prompts), sometimes anywhere (trainable
         # runs inside shared prefixes, which the generalized mode shares).
         trainable = [
-            max(0, len(s) - draw(st.integers(0, 6))) if draw(st.booleans()) else draw(st.integers(0, len(s))) for s in seqs
+            max(0, len(s) - draw(st.integers(0, 6))) if draw(st.booleans()) else draw(st.integers(0, len(s)))
+            for s in seqs
         ]
     else:
         trainable = [np.array(draw(st.lists(st.booleans(), min_size=len(s), max_size=len(s)))) for s in seqs]
-    groups = draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(0, 3), st.sampled_from("xyz")), min_size=n, max_size=n)))
+    groups = draw(
+        st.one_of(
+            st.none(), st.lists(st.one_of(st.none(), st.integers(0, 3), st.sampled_from("xyz")), min_size=n, max_size=n)
+        )
+    )
     keys = None
     if draw(st.integers(0, 4)) == 0:
-        keys = [None if draw(st.booleans()) else np.array([draw(st.integers(0, 1)) for _ in s], dtype=np.uint64) for s in seqs]
+        keys = [
+            None if draw(st.booleans()) else np.array([draw(st.integers(0, 1)) for _ in s], dtype=np.uint64)
+            for s in seqs
+        ]
     longest = max(len(s) for s in seqs)
     if overflow:
         seq_len = draw(st.integers(1, longest))
@@ -109,7 +117,9 @@ def test_overflow_truncate_and_drop_keep_every_kept_token():
     seen: Counter = Counter()
 
     @settings(max_examples=60, deadline=None)
-    @given(b=batches(overflow=True), action=st.sampled_from(["truncate", "drop"]), placement=st.sampled_from(PLACEMENTS))
+    @given(
+        b=batches(overflow=True), action=st.sampled_from(["truncate", "drop"]), placement=st.sampled_from(PLACEMENTS)
+    )
     def check(b, action, placement):
         plan = plan_batch(**b, placement=placement, on_overflow=action)
         validate_plan(plan, b["sequences"], trainable=b["trainable"], keys=b["keys"])
@@ -133,7 +143,9 @@ def test_fast_tree_equals_naive():
     @settings(max_examples=200, deadline=None)
     @given(b=batches(max_seqs=16))
     def check(b):
-        batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
+        batch = normalize_batch(
+            b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"]
+        )
         fast = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         ref = naive_build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         for f in TREE_FIELDS:
@@ -156,7 +168,9 @@ def test_fast_placements_equal_naive_and_auto_beats_bfd():
     @settings(max_examples=150, deadline=None)
     @given(b=batches(max_seqs=20))
     def check(b):
-        batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
+        batch = normalize_batch(
+            b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"]
+        )
         tree = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         for name in ("bfd", "in_order", "no_share"):
             fast = place_leaves(tree, batch, b["seq_len"], name).row_of
@@ -173,7 +187,9 @@ def test_fast_placements_equal_naive_and_auto_beats_bfd():
     check()
     assert seen["bfd rows>2"] >= 10
     assert seen["auto<bfd"] >= 1, f"auto never beat bfd in {seen['bfd above bound']} examples where it had room"
-    assert seen["bfd above bound"] >= 5, f"vacuous: bfd met the lower bound in all but {seen['bfd above bound']} examples"
+    assert seen["bfd above bound"] >= 5, (
+        f"vacuous: bfd met the lower bound in all but {seen['bfd above bound']} examples"
+    )
 
 
 def _optimal_rows(tree, n_leaves: list[int], seq_len: int) -> int:
@@ -236,7 +252,9 @@ def test_sorted_row_indexes_equal_naive(monkeypatch):
     @settings(max_examples=120, deadline=None)
     @given(b=batches(max_seqs=24))
     def check(b):
-        batch = normalize_batch(b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"])
+        batch = normalize_batch(
+            b["sequences"], seq_len=b["seq_len"], trainable=b["trainable"], groups=b["groups"], keys=b["keys"]
+        )
         tree = build_tree(batch, b["min_shared_len"], share_trainable=b["share_trainable"])
         fast = place_leaves(tree, batch, b["seq_len"], "bfd")
         assert np.array_equal(fast.row_of, naive_place(tree, batch, b["seq_len"], "bfd"))

@@ -33,10 +33,14 @@ def test_plans_valid(workload, placement):
 
 
 def test_fast_bfd_equals_naive(workload):
-    batch = normalize_batch(workload.sequences, seq_len=workload.seq_len, trainable=workload.trainable, groups=workload.groups)
+    batch = normalize_batch(
+        workload.sequences, seq_len=workload.seq_len, trainable=workload.trainable, groups=workload.groups
+    )
     tree = build_tree(batch, 64)
     for name in ("bfd", "in_order", "no_share"):
-        assert np.array_equal(place_leaves(tree, batch, workload.seq_len, name).row_of, naive_place(tree, batch, workload.seq_len, name))
+        assert np.array_equal(
+            place_leaves(tree, batch, workload.seq_len, name).row_of, naive_place(tree, batch, workload.seq_len, name)
+        )
 
 
 def test_auto_never_more_rows_than_bfd(workload):

@@ -40,10 +40,17 @@ def _base(share_trainable: bool = False) -> tuple[list[np.ndarray], list[np.ndar
     if not share_trainable:
         for f in flags:
             f[len(f) // 3] = True  # flags that are not a prompt length
-    plan = plan_batch(seqs, seq_len=128, min_shared_len=2, num_ranks=2, trainable=flags, share_trainable=share_trainable)
+    plan = plan_batch(
+        seqs, seq_len=128, min_shared_len=2, num_ranks=2, trainable=flags, share_trainable=share_trainable
+    )
     validate_plan(plan, seqs, trainable=flags)
     seg = plan.segments
-    assert plan.num_rows >= 3 and int(seg.depth.max()) >= 3 and int((seg.sharers >= 2).sum()) >= 5 and plan.trainable is not None
+    assert (
+        plan.num_rows >= 3
+        and int(seg.depth.max()) >= 3
+        and int((seg.sharers >= 2).sum()) >= 5
+        and plan.trainable is not None
+    )
     return seqs, flags, plan
 
 
@@ -106,7 +113,9 @@ def _child(p: Plan) -> int:
 
 
 def _multi_seg_seq(p: Plan) -> int:
-    return _first((s for s in range(p.num_sequences) if _seg(p).segments_of(s).shape[0] >= 2), "sequence of several segments")
+    return _first(
+        (s for s in range(p.num_sequences) if _seg(p).segments_of(s).shape[0] >= 2), "sequence of several segments"
+    )
 
 
 def _shared(p: Plan) -> int:
@@ -115,7 +124,15 @@ def _shared(p: Plan) -> int:
 
 def _sharer_not_source(p: Plan) -> tuple[int, int]:
     seg = _seg(p)
-    return _first(((s, g) for s in range(p.num_sequences) for g in seg.segments_of(s).tolist() if seg.sharers[g] >= 2 and seg.seq[g] != s), "sharer that is not its segment's source")
+    return _first(
+        (
+            (s, g)
+            for s in range(p.num_sequences)
+            for g in seg.segments_of(s).tolist()
+            if seg.sharers[g] >= 2 and seg.seq[g] != s
+        ),
+        "sharer that is not its segment's source",
+    )
 
 
 def _replace_seg(p: Plan, **kw) -> Plan:
@@ -191,13 +208,20 @@ def f_parent_other_row(p, *_):
 
 def f_depth(p, *_):
     seg = _seg(p)
-    leaf = _first((g for g in range(seg.num_segments) if seg.parent[g] >= 0 and g not in set(seg.parent.tolist())), "leaf child")
+    leaf = _first(
+        (g for g in range(seg.num_segments) if seg.parent[g] >= 0 and g not in set(seg.parent.tolist())), "leaf child"
+    )
     seg.depth[leaf] += 1
 
 
 def f_root_depth(p, *_):
     seg = _seg(p)
-    _seg(p).depth[_first((g for g in range(seg.num_segments) if seg.parent[g] < 0 and g not in set(seg.parent.tolist())), "childless root")] = 1
+    _seg(p).depth[
+        _first(
+            (g for g in range(seg.num_segments) if seg.parent[g] < 0 and g not in set(seg.parent.tolist())),
+            "childless root",
+        )
+    ] = 1
 
 
 def f_child_positions(p, *_):
@@ -235,7 +259,12 @@ def f_ancestor_relation(p, *_):
         if py < 0:
             continue
         for x in range(int(seg.row_ptr[seg.row[y]]), y):
-            if x != py and seg.depth[x] == seg.depth[py] and seg.seq_start[x] + seg.length[x] == seg.seq_start[y] and x not in _subtree(p, y):
+            if (
+                x != py
+                and seg.depth[x] == seg.depth[py]
+                and seg.seq_start[x] + seg.length[x] == seg.seq_start[y]
+                and x not in _subtree(p, y)
+            ):
                 seg.parent[y] = x
                 return
     raise AssertionError("no segment to re-hang")
@@ -277,7 +306,9 @@ def f_dropped_has_segments(p, *_):
 
 def f_no_segments(p, *_):
     seg = _seg(p)
-    return _replace_seg(p, seq_ptr=np.concatenate([seg.seq_ptr[:-1], seg.seq_ptr[-2:-1]]), seq_segs=seg.seq_segs[: seg.seq_ptr[-2]])
+    return _replace_seg(
+        p, seq_ptr=np.concatenate([seg.seq_ptr[:-1], seg.seq_ptr[-2:-1]]), seq_segs=seg.seq_segs[: seg.seq_ptr[-2]]
+    )
 
 
 def f_spans_rows(p, *_):
@@ -303,7 +334,16 @@ def f_orphan_segment(p, *_):
     # Take a sequence with an unshared leaf out of the sequence table (consistently), so its
     # leaf segment stays in the row with no sequence through it.
     seg = _seg(p)
-    s = _first((s for s in range(p.num_sequences) if seg.sharers[seg.segments_of(s)[-1]] == 1 and seg.seq[seg.segments_of(s)[-1]] == s and (seg.seq[seg.segments_of(s)[:-1]] != s).all()), "sequence with an unshared leaf")
+    s = _first(
+        (
+            s
+            for s in range(p.num_sequences)
+            if seg.sharers[seg.segments_of(s)[-1]] == 1
+            and seg.seq[seg.segments_of(s)[-1]] == s
+            and (seg.seq[seg.segments_of(s)[:-1]] != s).all()
+        ),
+        "sequence with an unshared leaf",
+    )
     mine = seg.segments_of(s)
     seg.sharers[mine] -= 1
     counts = np.diff(seg.seq_ptr)
@@ -388,7 +428,9 @@ def f_levels_cover(p, *_):
 
 def f_rank_rows_shape(p, *_):
     rr = p.ranks.rank_rows
-    return dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, rank_rows=np.vstack([rr, np.full((1, rr.shape[1]), -1)])))
+    return dataclasses.replace(
+        p, ranks=dataclasses.replace(p.ranks, rank_rows=np.vstack([rr, np.full((1, rr.shape[1]), -1)]))
+    )
 
 
 def f_rank_rows_once(p, *_):
@@ -513,7 +555,10 @@ def f_batch_first_trainable(p, seqs, flags):
 
 def f_batch_flags(p, seqs, flags):
     # Flip an untrainable token after the first trainable one: first_trainable stays.
-    s, i = _first(((s, i) for s in range(len(seqs)) for i in range(int(flags[s].argmax()) + 1, len(seqs[s])) if not flags[s][i]), "untrainable token after a trainable one")
+    s, i = _first(
+        ((s, i) for s in range(len(seqs)) for i in range(int(flags[s].argmax()) + 1, len(seqs[s])) if not flags[s][i]),
+        "untrainable token after a trainable one",
+    )
     flags[s][i] = True
     return p, seqs, flags
 
@@ -553,7 +598,11 @@ def f_min_shared_len(p, seqs, flags):
 def f_min_shared_saving(p, seqs, flags):
     g = _shared(p)
     n = int(_seg(p).length[g])
-    return dataclasses.replace(p, options=dataclasses.replace(p.options, min_shared_len=n + 1, min_shared_saving=10**6)), seqs, flags
+    return (
+        dataclasses.replace(p, options=dataclasses.replace(p.options, min_shared_len=n + 1, min_shared_saving=10**6)),
+        seqs,
+        flags,
+    )
 
 
 def f_generalized_divergence(p, seqs, flags):
@@ -611,8 +660,12 @@ CASES: dict[str, Case] = {
     "child_positions": Case(check=r"^child does not continue its parent's positions$", forge=f_child_positions),
     "root_position": Case(check=r"^row root does not start at position 0$", forge=f_root_position),
     "subtree_end": Case(check=r"^subtree_end wrong in row \d+$", forge=f_subtree_end),
-    "ancestor_relation": Case(check=r"^interval mask != ancestor relation in row \d+$", forge=f_ancestor_relation, base="twins"),
-    "token_mask": Case(check=r"^token mask mismatch in row \d+$", forge=f_token_mask, skip=(r"subtree_end wrong", r"interval mask")),
+    "ancestor_relation": Case(
+        check=r"^interval mask != ancestor relation in row \d+$", forge=f_ancestor_relation, base="twins"
+    ),
+    "token_mask": Case(
+        check=r"^token mask mismatch in row \d+$", forge=f_token_mask, skip=(r"subtree_end wrong", r"interval mask")
+    ),
     "plan_subtree_end": Case(check=r"^Plan\.subtree_end\(\) wrong in row 0$", forge=f_plan_subtree_end_method),
     "seq_ptr_shape": Case(check=r"^seq_ptr shape$", forge=f_seq_ptr_shape),
     "dropped_has_segments": Case(check=r"^dropped sequence 0 has segments$", forge=f_dropped_has_segments),
@@ -640,12 +693,26 @@ CASES: dict[str, Case] = {
     "cp_size_options": Case(check=r"^ranks\.cp_size 2 != options\.cp_size 1$", forge=f_cp_size_options),
     "shard_without_cp": Case(check=r"^shard_len 144 != seq_len 128 without CP$", forge=f_shard_without_cp),
     "cp_shard_unaligned": Case(check=r"^CP shard_len 65 not a multiple of 16$", forge=f_cp_shard_unaligned, base="cp"),
-    "cp_shards_cover": Case(check=r"^CP shards 2 x 80 do not cover seq_len 128 with less than one aligned tile each of padding$", forge=f_cp_shards_cover, base="cp"),
-    "cp_attention_options": Case(check=r"^ranks\.cp_attention 'allgather' != options\.cp_attention 'auto'$", forge=f_cp_attention_options),
-    "cp_tiles_contiguous": Case(check=r"^cp_tiles given for a contiguous split \(cp_size 2, cp_attention 'auto'\)$", forge=f_cp_tiles_contiguous, base="cp"),
+    "cp_shards_cover": Case(
+        check=r"^CP shards 2 x 80 do not cover seq_len 128 with less than one aligned tile each of padding$",
+        forge=f_cp_shards_cover,
+        base="cp",
+    ),
+    "cp_attention_options": Case(
+        check=r"^ranks\.cp_attention 'allgather' != options\.cp_attention 'auto'$", forge=f_cp_attention_options
+    ),
+    "cp_tiles_contiguous": Case(
+        check=r"^cp_tiles given for a contiguous split \(cp_size 2, cp_attention 'auto'\)$",
+        forge=f_cp_tiles_contiguous,
+        base="cp",
+    ),
     "cp_tiles_shape": Case(check=r"^cp_tiles shape \(\d+, 6\) != \(\d+, 8\)$", forge=f_cp_tiles_shape, base="cp_ag"),
     "cp_tiles_count": Case(check=r"^row 0: CP ranks do not hold 4 tiles each$", forge=f_cp_tiles_count, base="cp_ag"),
-    "cp_tiles_unbalanced": Case(check=r"^row 0: CP ranks' attention work .+ differs by more than one tile's .+$", forge=f_cp_tiles_unbalanced, base="cp_ag"),
+    "cp_tiles_unbalanced": Case(
+        check=r"^row 0: CP ranks' attention work .+ differs by more than one tile's .+$",
+        forge=f_cp_tiles_unbalanced,
+        base="cp_ag",
+    ),
     "stats_packed": Case(check=r"^stats rows/packed$", forge=f_stats_packed),
     "stats_padding": Case(check=r"^stats padding$", forge=f_stats_padding),
     "stats_unpacked": Case(check=r"^stats unpacked$", forge=f_stats_unpacked),
@@ -656,26 +723,56 @@ CASES: dict[str, Case] = {
     "first_trainable_negative": Case(check=r"^first_trainable shape or range$", forge=f_first_trainable_negative),
     "group_codes": Case(check=r"^group_codes shape$", forge=f_group_codes),
     "flags_shape": Case(check=r"^trainable flags shape$", forge=f_flags_shape),
-    "first_trainable_flags": Case(check=r"^first_trainable of sequence \d+ disagrees with its flags$", forge=f_first_trainable_flags),
+    "first_trainable_flags": Case(
+        check=r"^first_trainable of sequence \d+ disagrees with its flags$", forge=f_first_trainable_flags
+    ),
     "seq_count": Case(check=r"^sequence count differs from the plan$", forge=f_seq_count, with_seqs=True),
     "seq_len": Case(check=r"^sequence lengths differ$", forge=f_seq_len, with_seqs=True),
-    "batch_first_trainable": Case(check=r"^first_trainable differs from the batch's$", forge=f_batch_first_trainable, with_seqs=True),
+    "batch_first_trainable": Case(
+        check=r"^first_trainable differs from the batch's$", forge=f_batch_first_trainable, with_seqs=True
+    ),
     "batch_flags": Case(check=r"^trainable flags of sequence \d+ differ$", forge=f_batch_flags, with_seqs=True),
     "tokens": Case(check=r"^sequence \d+ tokens differ in segment \d+$", forge=f_tokens, with_seqs=True),
     "keys": Case(check=r"^sequence \d+ keys differ in segment \d+$", forge=f_keys, with_seqs=True),
-    "shares_scored": Case(check=r"^segment \d+ shares a trainable token or scored position of sequence \d+$", forge=f_shares_scored, with_seqs=True),
-    "min_shared_len": Case(check=r"^shared segment \d+ shorter than min_shared_len$", forge=f_min_shared_len, with_seqs=True),
-    "min_shared_saving": Case(check=r"^shared segment \d+ shorter than min_shared_len saves too little$", forge=f_min_shared_saving, with_seqs=True),
-    "generalized_divergence": Case(check=r"^shared segment \d+ ends on a scored position its sharers predict differently$", forge=f_generalized_divergence, with_seqs=True, base="generalized"),
+    "shares_scored": Case(
+        check=r"^segment \d+ shares a trainable token or scored position of sequence \d+$",
+        forge=f_shares_scored,
+        with_seqs=True,
+    ),
+    "min_shared_len": Case(
+        check=r"^shared segment \d+ shorter than min_shared_len$", forge=f_min_shared_len, with_seqs=True
+    ),
+    "min_shared_saving": Case(
+        check=r"^shared segment \d+ shorter than min_shared_len saves too little$",
+        forge=f_min_shared_saving,
+        with_seqs=True,
+    ),
+    "generalized_divergence": Case(
+        check=r"^shared segment \d+ ends on a scored position its sharers predict differently$",
+        forge=f_generalized_divergence,
+        with_seqs=True,
+        base="generalized",
+    ),
     "gather_tokens": Case(check=r"^row tokens do not reproduce the sequences$", forge=f_gather_tokens, with_seqs=True),
-    "gather_positions": Case(check=r"^position_ids are not 0\.\.len-1 per sequence$", forge=f_gather_tokens, with_seqs=True, skip=(r"row tokens do not reproduce",)),
+    "gather_positions": Case(
+        check=r"^position_ids are not 0\.\.len-1 per sequence$",
+        forge=f_gather_tokens,
+        with_seqs=True,
+        skip=(r"row tokens do not reproduce",),
+    ),
     "token_index": Case(check=r"^token_index pointer mismatch$", forge=f_token_index, with_seqs=True),
 }
 
 
 @pytest.fixture(scope="module")
 def bases() -> dict[str, tuple]:
-    return {"default": _base(False), "generalized": _base(True), "twins": _twins(), "cp": _cp(), "cp_ag": _cp_allgather()}
+    return {
+        "default": _base(False),
+        "generalized": _base(True),
+        "twins": _twins(),
+        "cp": _cp(),
+        "cp_ag": _cp_allgather(),
+    }
 
 
 def _forge(case: Case, bases: dict[str, tuple]):
@@ -748,7 +845,9 @@ def _validator_messages() -> list[str]:
 def test_every_check_of_the_validator_has_a_forged_plan(bases, monkeypatch):
     """Each ``_check`` message of the validator's source is raised by at least one case."""
     messages = _validator_messages()
-    assert len(messages) >= 55, f"the source scan found only {len(messages)} checks: the pattern no longer matches the validator"
+    assert len(messages) >= 55, (
+        f"the source scan found only {len(messages)} checks: the pattern no longer matches the validator"
+    )
     said: list[str] = []
     for _name, case in CASES.items():
         plan, seqs, flags, keys = _forge(case, bases)

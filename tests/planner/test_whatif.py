@@ -30,7 +30,9 @@ def _keyed():
     rng = np.random.default_rng(1)
     base = rng.integers(0, 100, 200)
     seqs = [np.concatenate([base, rng.integers(0, 100, 50)]) for _ in range(6)]
-    keys = [np.where(np.arange(250) < 120, 5, 5 + (i % 2)).astype(np.uint64) for i in range(6)]  # keys split the prefix at 120
+    keys = [
+        np.where(np.arange(250) < 120, 5, 5 + (i % 2)).astype(np.uint64) for i in range(6)
+    ]  # keys split the prefix at 120
     return dict(sequences=seqs, keys=keys, trainable=[230] * 6, groups=[0, 0, 0, 1, 1, 1], seq_len=1024)
 
 
@@ -42,7 +44,13 @@ def _cases():
 
 
 def _shape(kw, tags, msl):
-    batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw.get("trainable"), groups=kw.get("groups"), keys=kw.get("keys"))
+    batch = normalize_batch(
+        kw["sequences"],
+        seq_len=kw["seq_len"],
+        trainable=kw.get("trainable"),
+        groups=kw.get("groups"),
+        keys=kw.get("keys"),
+    )
     result = plan_result(**kw, min_shared_len=msl)
     return shape_of(batch, result.tree, seq_len=kw["seq_len"], tags=tags), result.plan, batch
 
@@ -53,7 +61,9 @@ def test_shapes_rebuild_the_recorded_tree_and_plan(name, kw, tags, msl):
     assert np.array_equal(shape.lens, batch.lens)
     pool = build_pool([shape])
     made = synthesize(pool, np.arange(pool.num_groups))
-    again = normalize_batch(made["sequences"], seq_len=kw["seq_len"], trainable=made["trainable"], groups=made["groups"])
+    again = normalize_batch(
+        made["sequences"], seq_len=kw["seq_len"], trainable=made["trainable"], groups=made["groups"]
+    )
     t1, t2 = build_tree(batch, msl), build_tree(again, msl)
     for f in TREE_FIELDS:
         assert np.array_equal(getattr(t1, f), getattr(t2, f)), f
@@ -67,7 +77,12 @@ def test_a_shape_without_node_boundaries_would_not_match():
     # whose shared runs lost their common hash rebuilds a tree with no sharing at all.
     kw = dict(**curriculum(6).plan_kwargs())
     shape, plan, _ = _shape(kw, None, 64)
-    salted = dataclasses.replace(shape, run_hash=np.where(shape.run_hash > 0, shape.run_hash ^ np.arange(shape.run_hash.shape[0], dtype=np.uint64), 0).astype(np.uint64))
+    salted = dataclasses.replace(
+        shape,
+        run_hash=np.where(
+            shape.run_hash > 0, shape.run_hash ^ np.arange(shape.run_hash.shape[0], dtype=np.uint64), 0
+        ).astype(np.uint64),
+    )
     pool = build_pool([salted])
     made = synthesize(pool, np.arange(pool.num_groups))
     replan = plan_batch(**made, seq_len=kw["seq_len"])
@@ -96,14 +111,20 @@ def _split(w, per_batch):
 async def _record(c, batches):
     rows = []
     for b in batches:
-        r = await c.post("/v1/pack", content=encode_body(encode_pack_request(PackInput.of(**b)), "msgpack"), headers={"accept": "application/json"})
+        r = await c.post(
+            "/v1/pack",
+            content=encode_body(encode_pack_request(PackInput.of(**b)), "msgpack"),
+            headers={"accept": "application/json"},
+        )
         assert r.status_code == 200 and r.json()["recorded"]
         rows.append(r.json()["plan"]["num_rows"])
     return rows
 
 
 async def _whatif(c, **body):
-    r = await c.post("/v1/whatif", content=encode_body({"version": 1, **body}, "msgpack"), headers={"accept": "application/msgpack"})
+    r = await c.post(
+        "/v1/whatif", content=encode_body({"version": 1, **body}, "msgpack"), headers={"accept": "application/msgpack"}
+    )
     assert r.status_code == 200, r.text
     return msgpack.unpackb(r.content)
 
@@ -131,12 +152,19 @@ async def test_whatif_mean_rows_within_5_percent_of_pack(app):
         assert res["p_rows_over"] == np.mean(np.asarray(res["row_counts"]) > max(rows))
 
         # Negative controls: the 5% band is tight next to what sharing is worth...
-        flat = (await _whatif(c, seq_len=32768, compositions=[{"groups": 8}], trials=10, seed=0, placement="no_share"))["results"][0]
+        flat = (await _whatif(c, seq_len=32768, compositions=[{"groups": 8}], trials=10, seed=0, placement="no_share"))[
+            "results"
+        ][0]
         assert flat["rows"]["mean"] > 1.5 * real
         # ...and the system prompt must keep matching across recorded batches by hash.
         shapes = app.state.service.store.shapes()
         salted = [
-            shape_to_wire(dataclasses.replace(s, run_hash=np.where(s.run_hash > 0, s.run_hash ^ np.uint64(i + 1), 0).astype(np.uint64)), "msgpack")
+            shape_to_wire(
+                dataclasses.replace(
+                    s, run_hash=np.where(s.run_hash > 0, s.run_hash ^ np.uint64(i + 1), 0).astype(np.uint64)
+                ),
+                "msgpack",
+            )
             for i, s in enumerate(shapes)
         ]
         # Without auto's repair pass: it is bounded by CPU time, so two runs agree trial for
@@ -186,7 +214,9 @@ def test_by_tag_draws_only_those_tags_and_in_recorded_order():
         assert np.all(np.diff(units) > 0)
         made = synthesize(pool, units)
         assert made["groups"] == sorted(made["groups"])
-        assert sum(len(s) for s in made["sequences"]) == int(sum(pool.lens[pool.unit_seqs[pool.unit_ptr[u] : pool.unit_ptr[u + 1]]].sum() for u in units))
+        assert sum(len(s) for s in made["sequences"]) == int(
+            sum(pool.lens[pool.unit_seqs[pool.unit_ptr[u] : pool.unit_ptr[u + 1]]].sum() for u in units)
+        )
 
 
 def test_seed_reproducibility_and_threshold():
@@ -222,7 +252,12 @@ async def test_history_batches_limits_the_pool(app):
         await _record(c, batches)
         out = await _whatif(c, seq_len=131072, compositions=[{"groups": 4}], trials=2, history_batches=1)
         assert out["pool"]["batches"] == 1 and out["pool"]["groups"] == 4
-        r = await c.post("/v1/whatif", content=encode_body({"version": 1, "seq_len": 131072, "compositions": [{"groups": 5}], "history_batches": 1}, "msgpack"))
+        r = await c.post(
+            "/v1/whatif",
+            content=encode_body(
+                {"version": 1, "seq_len": 131072, "compositions": [{"groups": 5}], "history_batches": 1}, "msgpack"
+            ),
+        )
     assert r.status_code == 422 and r.json()["path"] == "$.compositions[0].groups"
 
 

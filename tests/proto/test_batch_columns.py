@@ -33,7 +33,9 @@ def test_prefix_refs_equal_the_naive_ones(lens, groups, min_prefix, seed):
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 3, 30).astype(np.uint32)
     # Mostly a shared prompt cut at random places, then a tiny vocabulary: many ties and near-misses.
-    tokens = [np.concatenate([prompt[: int(rng.integers(0, 31))], rng.integers(0, 2, n).astype(np.uint32)])[:n] for n in lens]
+    tokens = [
+        np.concatenate([prompt[: int(rng.integers(0, 31))], rng.integers(0, 2, n).astype(np.uint32)])[:n] for n in lens
+    ]
     g = None if groups is None else groups[: len(lens)]
     _same_refs(prefix_refs(tokens, g, min_prefix), naive_prefix_refs(tokens, g, min_prefix))
 
@@ -72,7 +74,18 @@ def test_prefix_refs_on_long_sequences():
     for groups in ([0] * len(tokens), None):
         got = prefix_refs(tokens, groups, 64)
         _same_refs(got, naive_prefix_refs(tokens, groups, 64))
-    assert prefix_refs(tokens, [0] * len(tokens), 64)[1].tolist() == [0, 4095, 4096, 4097, 12_287, 12_288, 19_999, 20_000, 20_000, 5000]
+    assert prefix_refs(tokens, [0] * len(tokens), 64)[1].tolist() == [
+        0,
+        4095,
+        4096,
+        4097,
+        12_287,
+        12_288,
+        19_999,
+        20_000,
+        20_000,
+        5000,
+    ]
 
 
 def _cases():
@@ -83,15 +96,24 @@ def _cases():
     yield "distill", distillation(2).plan_kwargs()
     yield "golden", golden_example().plan_kwargs()
     seqs = [rng.integers(0, 4, n) for n in (70, 90, 2, 75)]  # int64, lists, uint16: the planner converts them
-    yield "int64-lists-keys", dict(
-        sequences=[seqs[0].tolist(), seqs[1], seqs[2], seqs[3].astype(np.uint16)],
-        keys=[None, np.ones(90, np.uint64), None, np.arange(75)],
-        trainable=[3, np.arange(90) > 80, 0, 75],
-        groups=[np.int64(1), np.int64(1), "x", None],
-        seq_len=128,
+    yield (
+        "int64-lists-keys",
+        dict(
+            sequences=[seqs[0].tolist(), seqs[1], seqs[2], seqs[3].astype(np.uint16)],
+            keys=[None, np.ones(90, np.uint64), None, np.arange(75)],
+            trainable=[3, np.arange(90) > 80, 0, 75],
+            groups=[np.int64(1), np.int64(1), "x", None],
+            seq_len=128,
+        ),
     )
-    yield "np-int-groups", dict(sequences=w.sequences, trainable=w.trainable, groups=[np.int32(g) for g in w.groups], seq_len=w.seq_len)
-    yield "empty-sequence", dict(sequences=[w.sequences[0], np.zeros(0, np.uint32)], seq_len=w.seq_len)  # the server's error
+    yield (
+        "np-int-groups",
+        dict(sequences=w.sequences, trainable=w.trainable, groups=[np.int32(g) for g in w.groups], seq_len=w.seq_len),
+    )
+    yield (
+        "empty-sequence",
+        dict(sequences=[w.sequences[0], np.zeros(0, np.uint32)], seq_len=w.seq_len),
+    )  # the server's error
 
 
 @pytest.mark.parametrize("name,kwargs", list(_cases()))
@@ -126,10 +148,14 @@ def test_wire_form_input_is_taken_without_copies():
     cols = batch_columns(w.sequences, trainable=flags, groups=w.groups)
     assert all(np.shares_memory(p, f) for p, f in zip(cols.trainable.parts, flags))
     # Prefix references cut views, not copies.
-    assert cols.prefix_src is not None and all(np.shares_memory(p, s) for p, s in zip(cols.tokens.parts, w.sequences) if p.size)
+    assert cols.prefix_src is not None and all(
+        np.shares_memory(p, s) for p, s in zip(cols.tokens.parts, w.sequences) if p.size
+    )
     # Other input is converted (here by the planner's own normalization).
     cols = batch_columns([s.astype(np.int64) for s in w.sequences], dedup=False)
-    assert all(p.dtype == np.dtype("<u4") and not np.shares_memory(p, s) for p, s in zip(cols.tokens.parts, w.sequences))
+    assert all(
+        p.dtype == np.dtype("<u4") and not np.shares_memory(p, s) for p, s in zip(cols.tokens.parts, w.sequences)
+    )
 
 
 def test_body_chunks_join_to_the_body_every_time():

@@ -19,7 +19,11 @@ def test_trainable_forms_cut_to_the_placed_lengths():
     assert not normalize_trainable(None, plan.seq_lens)(0).any()
     with pytest.raises(RequestError) as e:
         normalize_trainable([np.ones(9, bool), 3], plan.seq_lens, plan.orig_lens)(0)
-    assert (e.value.path, e.value.rule, e.value.message) == ("$.trainable[0]", "length_mismatch", "trainable has 9 flags for 10 tokens")
+    assert (e.value.path, e.value.rule, e.value.message) == (
+        "$.trainable[0]",
+        "length_mismatch",
+        "trainable has 9 flags for 10 tokens",
+    )
     with pytest.raises(InputTypeError) as e:
         normalize_trainable([True, 3], plan.seq_lens)(0)
     assert e.value.rule == "type"

@@ -39,8 +39,17 @@ def test_hand_plan_counts():
     got = dict(zip(terms, plan_features(plan, terms, backend="flash", chunk_size=2)))
     # root: 3 queries over 3 keys = 6 pairs; each leaf: 3 queries over 6 keys = 3*3 + 6 = 15.
     want = {
-        "step": 1, "rows": 1, "positions": 16, "loss_tokens": 4, "segments": 3, "attention_pairs": 36,
-        "gathered_keys": 3 + 6 + 6, "gdn.levels": 2, "gdn.chunks": 2 + 2 + 2, "gdn.contexts": 2, "sparse.pairs": 36,
+        "step": 1,
+        "rows": 1,
+        "positions": 16,
+        "loss_tokens": 4,
+        "segments": 3,
+        "attention_pairs": 36,
+        "gathered_keys": 3 + 6 + 6,
+        "gdn.levels": 2,
+        "gdn.chunks": 2 + 2 + 2,
+        "gdn.contexts": 2,
+        "sparse.pairs": 36,
     }
     assert got == want
     dense = plan_features(plan, ("attention_pairs",), backend="sdpa")
@@ -49,7 +58,15 @@ def test_hand_plan_counts():
 
 def test_hand_plan_prediction():
     plan = hand_plan()
-    coef = {"step": 1.0, "rows": 2.0, "positions": 0.5, "loss_tokens": 3.0, "segments": 0.25, "attention_pairs": 0.01, "gathered_keys": 0.1}
+    coef = {
+        "step": 1.0,
+        "rows": 2.0,
+        "positions": 0.5,
+        "loss_tokens": 3.0,
+        "segments": 0.25,
+        "attention_pairs": 0.01,
+        "gathered_keys": 0.1,
+    }
     cost = CostModel(backend="flash", coefficients=coef)
     # 1 + 2 + 8 + 12 + 0.75 + 0.36 + 1.5
     assert cost.predict_ms(plan) == pytest.approx(25.61)
@@ -95,7 +112,15 @@ def test_fit_recovers_coefficients():
 
 
 def test_save_load_round_trip(tmp_path):
-    cost = CostModel(backend="flash", mixers=("gdn",), coefficients={t: 0.5 for t in cost_terms("flash", ["gdn"])}, chunk_size=32, device="cpu", description="tiny", fit={"batches": 3.0})
+    cost = CostModel(
+        backend="flash",
+        mixers=("gdn",),
+        coefficients={t: 0.5 for t in cost_terms("flash", ["gdn"])},
+        chunk_size=32,
+        device="cpu",
+        description="tiny",
+        fit={"batches": 3.0},
+    )
     path = tmp_path / "cost.json"
     cost.save(path)
     again = load_cost_model(path)
@@ -121,8 +146,18 @@ BAD = [
     ("backend", {**_good(), "backend": "cuda"}, "$.backend", "enum"),
     ("mixer", {**_good(), "mixers": ["lstm"]}, "$.mixers[0]", "enum"),
     ("missing term", {**_good(), "coefficients": {"step": 1.0}}, "$.coefficients", "terms"),
-    ("negative", {**_good(), "coefficients": {**_good()["coefficients"], "rows": -1.0}}, "$.coefficients.rows", "range"),
-    ("nan", {**_good(), "coefficients": {**_good()["coefficients"], "rows": float("nan")}}, "$.coefficients.rows", "range"),
+    (
+        "negative",
+        {**_good(), "coefficients": {**_good()["coefficients"], "rows": -1.0}},
+        "$.coefficients.rows",
+        "range",
+    ),
+    (
+        "nan",
+        {**_good(), "coefficients": {**_good()["coefficients"], "rows": float("nan")}},
+        "$.coefficients.rows",
+        "range",
+    ),
     ("chunk", {**_good(), "chunk_size": 0}, "$.chunk_size", "range"),
     ("unknown field", {**_good(), "extra": 1}, "$.extra", "unknown"),
 ]

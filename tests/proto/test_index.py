@@ -19,7 +19,9 @@ def test_csr_and_chains_equal_loops(seed):
     want = [i for r in rows for i in range(ptr[r], ptr[r + 1])]
     assert csr_index(ptr, rows).tolist() == want
     assert csr_gather(ptr, values, rows).tolist() == values[want].tolist()
-    parent = np.array([-1] + [int(rng.integers(0, v)) if rng.random() < 0.8 else -1 for v in range(1, 20)], dtype=np.int64)
+    parent = np.array(
+        [-1] + [int(rng.integers(0, v)) if rng.random() < 0.8 else -1 for v in range(1, 20)], dtype=np.int64
+    )
     nodes = np.concatenate([rng.integers(0, 20, 10), [-1]]).astype(np.int64)
     cptr, chain = ancestor_chains(parent, forest_depth(parent), nodes)
     for i, v in enumerate(nodes.tolist()):
@@ -37,5 +39,7 @@ def test_segment_positions_equal_loops():
     every = np.arange(seg.num_segments)
     local = [int(seg.row_start[g]) + k for g in every for k in range(int(seg.length[g]))]
     assert segment_rows(seg, every).tolist() == local
-    flat = [int(seg.row[g]) * plan.seq_len + int(seg.row_start[g]) + k for g in every for k in range(int(seg.length[g]))]
+    flat = [
+        int(seg.row[g]) * plan.seq_len + int(seg.row_start[g]) + k for g in every for k in range(int(seg.length[g]))
+    ]
     assert segment_tokens(seg, plan.seq_len, every).tolist() == flat

@@ -83,13 +83,20 @@ def test_every_index_bound_is_exact(base, path):
     for bad in (hi, lo - 1):
         e = _refusal(_set_one(base, getter, bad))
         assert e is not None, f"{path} = {bad} (outside [{lo}, {hi})) was not refused"
-        assert e.path == path and e.rule == "plan_structure" and f"values outside [{lo}, {hi})" in str(e), (path, bad, str(e), e.path)
+        assert e.path == path and e.rule == "plan_structure" and f"values outside [{lo}, {hi})" in str(e), (
+            path,
+            bad,
+            str(e),
+            e.path,
+        )
     for edge in (hi - 1, lo):
         if edge < lo or edge >= hi:
             continue  # an empty range ([-1, 0) holds only -1)
         e = _refusal(_set_one(base, getter, edge))
         # Other rules may object to the edited plan, but never this bound.
-        assert e is None or not (e.path == path and "values outside" in str(e)), f"{path} = {edge} (inside [{lo}, {hi})) refused: {e}"
+        assert e is None or not (e.path == path and "values outside" in str(e)), (
+            f"{path} = {edge} (inside [{lo}, {hi})) refused: {e}"
+        )
 
 
 def test_the_issue_example_seq_equal_to_S_does_not_decode(base):
@@ -127,30 +134,134 @@ def _edit(fn):
 
 # name -> (forge, path, message regex): every other structural rule, broken alone.
 RULES = {
-    "orig_lens size": (_edit(lambda p: dataclasses.replace(p, orig_lens=p.orig_lens[:-1])), "$.orig_lens", r"orig_lens has \d+ entries for \d+ sequences"),
-    "group_codes size": (_edit(lambda p: dataclasses.replace(p, group_codes=p.group_codes[:-1])), "$.group_codes", r"group_codes has"),
-    "segment column size": (_edit(lambda p: _replace_seg(p, sharers=p.segments.sharers[:-1])), "$.segments.sharers", r"sharers has \d+ entries for \d+ segments"),
-    "row tables": (_edit(lambda p: _replace_seg(p, row_len=p.segments.row_len[:-1])), "$.segments.row_ptr", r"row tables for \d+ rows"),
-    "row_ptr start": (_edit(lambda p: p.segments.row_ptr.__setitem__(0, 1)), "$.segments.row_ptr", r"must run from 0 to \d+"),
-    "row_ptr end": (_edit(lambda p: p.segments.row_ptr.__setitem__(-1, p.segments.row_ptr[-1] - 1)), "$.segments.row_ptr", r"must run from 0 to \d+"),
-    "row_ptr order": (_edit(lambda p: p.segments.row_ptr.__setitem__(1, p.segments.row_ptr[2] + 1)), "$.segments.row_ptr", r"must not decrease"),
-    "seq_ptr size": (_edit(lambda p: _replace_seg(p, seq_ptr=p.segments.seq_ptr[:-1])), "$.segments.seq_ptr", r"seq_ptr for \d+ sequences"),
-    "seq_ptr end": (_edit(lambda p: p.segments.seq_ptr.__setitem__(-1, p.segments.seq_ptr[-1] + 1)), "$.segments.seq_ptr", r"must run from 0 to \d+"),
-    "seq_ptr order": (_edit(lambda p: p.segments.seq_ptr.__setitem__(1, p.segments.seq_ptr[2] + 1)), "$.segments.seq_ptr", r"must not decrease"),
-    "segment past seq_len": (_edit(lambda p: p.segments.row_start.__setitem__(-1, p.seq_len - int(p.segments.length[-1]) + 1)), "$.segments.length", r"segments end past seq_len 128"),
-    "segment past its source": (_edit(lambda p: p.segments.seq_start.__setitem__(-1, p.segments.seq_start[-1] + 1)), "$.segments.seq_start", r"run past their source"),
-    "first_trainable": (_edit(lambda p: p.first_trainable.__setitem__(0, p.seq_lens[0] + 1)), "$.first_trainable", r"first_trainable outside"),
-    "attention tables": (_edit(lambda p: dataclasses.replace(p, attention=dataclasses.replace(p.attention, key_lens=p.attention.key_lens[:-1]))), "$.attention.anc_ptr", r"attention tables for \d+ segments"),
-    "anc_ptr end": (_edit(lambda p: p.attention.anc_ptr.__setitem__(-1, p.attention.anc_ptr[-1] + 1)), "$.attention.anc_ptr", r"must run from 0 to \d+"),
-    "anc_ptr order": (_edit(lambda p: p.attention.anc_ptr.__setitem__(1, p.attention.anc_ptr[2] + 1)), "$.attention.anc_ptr", r"must not decrease"),
-    "gdn level sizes": (_edit(lambda p: _replace_level(p, 1, parent_slot=_level(p, 1).parent_slot[:-1])), "$.gdn.levels[1].parent_slot", r"parent_slot has"),
-    "cu_seqlens size": (_edit(lambda p: _replace_level(p, 1, cu_seqlens=_level(p, 1).cu_seqlens[:-1])), "$.gdn.levels[1].cu_seqlens", r"cu_seqlens for \d+ segments"),
-    "cu_seqlens end": (_edit(lambda p: _level(p, 1).cu_seqlens.__setitem__(-1, _level(p, 1).cu_seqlens[-1] + 1)), "$.gdn.levels[1].cu_seqlens", r"must run from 0 to \d+"),
-    "cu_seqlens order": (_edit(lambda p: _level(p, 1).cu_seqlens.__setitem__(1, _level(p, 1).cu_seqlens[2] + 1)), "$.gdn.levels[1].cu_seqlens", r"must not decrease"),
-    "rank tables": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, rank_cost=p.ranks.rank_cost[:-1]))), "$.ranks.rank_rows", r"rank tables for 2 ranks"),
-    "row_cost": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, row_cost=p.ranks.row_cost[:-1]))), "$.ranks.row_cost", r"row_cost for \d+ rows"),
-    "cp_tiles shape": (_edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, cp_tiles=np.zeros((p.num_rows, 3), np.int32)))), "$.ranks.cp_tiles", r"cp_tiles of shape \[\d+, 3\], expected none without CP"),
-    "stats rows": (_edit(lambda p: dataclasses.replace(p, stats=dataclasses.replace(p.stats, rows=p.stats.rows + 1))), "$.stats.rows", r"stats\.rows \d+ for num_rows \d+"),
+    "orig_lens size": (
+        _edit(lambda p: dataclasses.replace(p, orig_lens=p.orig_lens[:-1])),
+        "$.orig_lens",
+        r"orig_lens has \d+ entries for \d+ sequences",
+    ),
+    "group_codes size": (
+        _edit(lambda p: dataclasses.replace(p, group_codes=p.group_codes[:-1])),
+        "$.group_codes",
+        r"group_codes has",
+    ),
+    "segment column size": (
+        _edit(lambda p: _replace_seg(p, sharers=p.segments.sharers[:-1])),
+        "$.segments.sharers",
+        r"sharers has \d+ entries for \d+ segments",
+    ),
+    "row tables": (
+        _edit(lambda p: _replace_seg(p, row_len=p.segments.row_len[:-1])),
+        "$.segments.row_ptr",
+        r"row tables for \d+ rows",
+    ),
+    "row_ptr start": (
+        _edit(lambda p: p.segments.row_ptr.__setitem__(0, 1)),
+        "$.segments.row_ptr",
+        r"must run from 0 to \d+",
+    ),
+    "row_ptr end": (
+        _edit(lambda p: p.segments.row_ptr.__setitem__(-1, p.segments.row_ptr[-1] - 1)),
+        "$.segments.row_ptr",
+        r"must run from 0 to \d+",
+    ),
+    "row_ptr order": (
+        _edit(lambda p: p.segments.row_ptr.__setitem__(1, p.segments.row_ptr[2] + 1)),
+        "$.segments.row_ptr",
+        r"must not decrease",
+    ),
+    "seq_ptr size": (
+        _edit(lambda p: _replace_seg(p, seq_ptr=p.segments.seq_ptr[:-1])),
+        "$.segments.seq_ptr",
+        r"seq_ptr for \d+ sequences",
+    ),
+    "seq_ptr end": (
+        _edit(lambda p: p.segments.seq_ptr.__setitem__(-1, p.segments.seq_ptr[-1] + 1)),
+        "$.segments.seq_ptr",
+        r"must run from 0 to \d+",
+    ),
+    "seq_ptr order": (
+        _edit(lambda p: p.segments.seq_ptr.__setitem__(1, p.segments.seq_ptr[2] + 1)),
+        "$.segments.seq_ptr",
+        r"must not decrease",
+    ),
+    "segment past seq_len": (
+        _edit(lambda p: p.segments.row_start.__setitem__(-1, p.seq_len - int(p.segments.length[-1]) + 1)),
+        "$.segments.length",
+        r"segments end past seq_len 128",
+    ),
+    "segment past its source": (
+        _edit(lambda p: p.segments.seq_start.__setitem__(-1, p.segments.seq_start[-1] + 1)),
+        "$.segments.seq_start",
+        r"run past their source",
+    ),
+    "first_trainable": (
+        _edit(lambda p: p.first_trainable.__setitem__(0, p.seq_lens[0] + 1)),
+        "$.first_trainable",
+        r"first_trainable outside",
+    ),
+    "attention tables": (
+        _edit(
+            lambda p: dataclasses.replace(
+                p, attention=dataclasses.replace(p.attention, key_lens=p.attention.key_lens[:-1])
+            )
+        ),
+        "$.attention.anc_ptr",
+        r"attention tables for \d+ segments",
+    ),
+    "anc_ptr end": (
+        _edit(lambda p: p.attention.anc_ptr.__setitem__(-1, p.attention.anc_ptr[-1] + 1)),
+        "$.attention.anc_ptr",
+        r"must run from 0 to \d+",
+    ),
+    "anc_ptr order": (
+        _edit(lambda p: p.attention.anc_ptr.__setitem__(1, p.attention.anc_ptr[2] + 1)),
+        "$.attention.anc_ptr",
+        r"must not decrease",
+    ),
+    "gdn level sizes": (
+        _edit(lambda p: _replace_level(p, 1, parent_slot=_level(p, 1).parent_slot[:-1])),
+        "$.gdn.levels[1].parent_slot",
+        r"parent_slot has",
+    ),
+    "cu_seqlens size": (
+        _edit(lambda p: _replace_level(p, 1, cu_seqlens=_level(p, 1).cu_seqlens[:-1])),
+        "$.gdn.levels[1].cu_seqlens",
+        r"cu_seqlens for \d+ segments",
+    ),
+    "cu_seqlens end": (
+        _edit(lambda p: _level(p, 1).cu_seqlens.__setitem__(-1, _level(p, 1).cu_seqlens[-1] + 1)),
+        "$.gdn.levels[1].cu_seqlens",
+        r"must run from 0 to \d+",
+    ),
+    "cu_seqlens order": (
+        _edit(lambda p: _level(p, 1).cu_seqlens.__setitem__(1, _level(p, 1).cu_seqlens[2] + 1)),
+        "$.gdn.levels[1].cu_seqlens",
+        r"must not decrease",
+    ),
+    "rank tables": (
+        _edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, rank_cost=p.ranks.rank_cost[:-1]))),
+        "$.ranks.rank_rows",
+        r"rank tables for 2 ranks",
+    ),
+    "row_cost": (
+        _edit(lambda p: dataclasses.replace(p, ranks=dataclasses.replace(p.ranks, row_cost=p.ranks.row_cost[:-1]))),
+        "$.ranks.row_cost",
+        r"row_cost for \d+ rows",
+    ),
+    "cp_tiles shape": (
+        _edit(
+            lambda p: dataclasses.replace(
+                p, ranks=dataclasses.replace(p.ranks, cp_tiles=np.zeros((p.num_rows, 3), np.int32))
+            )
+        ),
+        "$.ranks.cp_tiles",
+        r"cp_tiles of shape \[\d+, 3\], expected none without CP",
+    ),
+    "stats rows": (
+        _edit(lambda p: dataclasses.replace(p, stats=dataclasses.replace(p.stats, rows=p.stats.rows + 1))),
+        "$.stats.rows",
+        r"stats\.rows \d+ for num_rows \d+",
+    ),
 }
 
 

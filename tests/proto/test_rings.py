@@ -15,7 +15,12 @@ import os
 from pathlib import Path
 
 ROOT = Path(os.environ.get("TREEPACK_RINGS_ROOT", Path(__file__).resolve().parents[2]))
-FOLDERS = {"proto": "treepack.proto", "service": "treepack.service", "client": "treepack.client", "trainer_plugin": "treepack.trainer"}
+FOLDERS = {
+    "proto": "treepack.proto",
+    "service": "treepack.service",
+    "client": "treepack.client",
+    "trainer_plugin": "treepack.trainer",
+}
 
 
 def _under(name: str, pkg: str) -> bool:
@@ -31,7 +36,9 @@ def allowed(importer: str, target: str) -> bool:
     if _under(importer, "treepack.service.cli") or importer == "treepack.service.__main__":
         return _under(target, "treepack.proto") or _under(target, "treepack.service")
     if _under(importer, "treepack.service"):
-        return _under(target, "treepack.proto") or (_under(target, "treepack.service") and not _under(target, "treepack.service.cli"))
+        return _under(target, "treepack.proto") or (
+            _under(target, "treepack.service") and not _under(target, "treepack.service.cli")
+        )
     if importer == "treepack.client.embedded":
         return any(_under(target, p) for p in ("treepack.proto", "treepack.client", "treepack.service.planner"))
     if _under(importer, "treepack.client"):
@@ -140,9 +147,7 @@ def ring_report(root: Path = ROOT) -> tuple[list[str], list[list[str]]]:
     """(ring violations as readable lines, import cycles) of the checkout at ``root``."""
     files = module_files(root)
     edges = import_edges(root)
-    violations = [
-        f"{files[a].relative_to(root)}:{line}: {a} -> {b}" for a, b, line in edges if not allowed(a, b)
-    ]
+    violations = [f"{files[a].relative_to(root)}:{line}: {a} -> {b}" for a, b, line in edges if not allowed(a, b)]
     graph: dict[str, set[str]] = {m: set() for m in files}
     for a, b, _ in edges:
         if b in files and b != a:

@@ -43,7 +43,11 @@ def _plans():
     w = distillation(4)
     yield "distill-no_share", plan_batch(**w.plan_kwargs(), placement="no_share"), w
     yield "keys", plan_batch(keyed, keys=keys, seq_len=1024, min_shared_len=8), None
-    yield "overflow", plan_batch([np.arange(50), np.arange(80), np.arange(20)], seq_len=60, on_overflow="drop", min_shared_len=4), None
+    yield (
+        "overflow",
+        plan_batch([np.arange(50), np.arange(80), np.arange(20)], seq_len=60, on_overflow="drop", min_shared_len=4),
+        None,
+    )
     yield "all-dropped", plan_batch([np.arange(50), np.arange(80)], seq_len=10, on_overflow="drop"), None
     w = curriculum(6)
     yield "generalized", plan_batch(**w.plan_kwargs(), share_trainable=True), w
@@ -158,7 +162,9 @@ def test_dedup_sends_each_group_prompt_once_and_rebuilds_the_same_batch():
     _same_batch(got, normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups))
     # max_tokens counts the rebuilt sequences, not the bytes sent.
     with pytest.raises(RequestError, match="over the limit") as e:
-        decode_pack_request(parse_message(PackRequest, decode_body(small, "msgpack")), Limits(max_tokens=len(small) // 4))
+        decode_pack_request(
+            parse_message(PackRequest, decode_body(small, "msgpack")), Limits(max_tokens=len(small) // 4)
+        )
     assert e.value.rule == "max_tokens"
 
 

@@ -36,9 +36,9 @@ def test_plan_json_matches_planner(tmp_path, golden, capsys):
 def test_plan_table_and_trainable_masks(tmp_path, capsys):
     path = tmp_path / "b.jsonl"
     prefix = list(range(100))
-    lines = [
-        {"tokens": prefix + [1000 + i, 2000 + i], "trainable": [0] * 100 + [1, 1]} for i in range(3)
-    ] + [{"tokens": [7, 8, 9], "trainable": False}]
+    lines = [{"tokens": prefix + [1000 + i, 2000 + i], "trainable": [0] * 100 + [1, 1]} for i in range(3)] + [
+        {"tokens": [7, 8, 9], "trainable": False}
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     assert main(["plan", str(path), "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
@@ -55,22 +55,66 @@ _OK = '{"tokens": [1, 2, 3], "trainable": false}\n'
 @pytest.mark.parametrize(
     "content,needle",
     [
-        pytest.param(_OK + '{"tokens": [1, 2\n', "invalid JSON: Expecting ',' delimiter (column 17) - at bad.jsonl, line 2 [json]", id="truncated JSON"),
-        pytest.param('{"tokens": [1, -2, 3], "prompt_len": 1}\n', "token id must be in [0, 2**32), got -2 - at bad.jsonl, line 1.tokens[1] [range]", id="negative token id"),
-        pytest.param('{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable", id="trainable length mismatch"),
-        pytest.param('{"tokens": [1, 2, 3], "trainable": [0, 1, 2]}\n', "expected 0 or 1, got 2 - at bad.jsonl, line 1.trainable[2] [type]", id="trainable flag not 0/1"),
-        pytest.param(_OK + '{"tokens": [1, 2, 3], "colour": 1}\n', "unknown field(s) ['colour'] - at bad.jsonl, line 2 [unknown_field]", id="unknown field"),
-        pytest.param('[1, 2, 3]\n', "expected a JSON object", id="not an object"),
+        pytest.param(
+            _OK + '{"tokens": [1, 2\n',
+            "invalid JSON: Expecting ',' delimiter (column 17) - at bad.jsonl, line 2 [json]",
+            id="truncated JSON",
+        ),
+        pytest.param(
+            '{"tokens": [1, -2, 3], "prompt_len": 1}\n',
+            "token id must be in [0, 2**32), got -2 - at bad.jsonl, line 1.tokens[1] [range]",
+            id="negative token id",
+        ),
+        pytest.param(
+            '{"tokens": [1, 2, 3], "trainable": [0, 1]}\n', "line 1.trainable", id="trainable length mismatch"
+        ),
+        pytest.param(
+            '{"tokens": [1, 2, 3], "trainable": [0, 1, 2]}\n',
+            "expected 0 or 1, got 2 - at bad.jsonl, line 1.trainable[2] [type]",
+            id="trainable flag not 0/1",
+        ),
+        pytest.param(
+            _OK + '{"tokens": [1, 2, 3], "colour": 1}\n',
+            "unknown field(s) ['colour'] - at bad.jsonl, line 2 [unknown_field]",
+            id="unknown field",
+        ),
+        pytest.param("[1, 2, 3]\n", "expected a JSON object", id="not an object"),
         pytest.param('{"tokens": "abc", "prompt_len": 1}\n', "line 1.tokens [type]", id="tokens not a list"),
-        pytest.param(_OK * 2 + '{"tokens": [5, 6, "7"], "prompt_len": 1}\n', "expected an integer token id, got '7' - at bad.jsonl, line 3.tokens[2] [type]", id="token not an integer"),
-        pytest.param(_OK + '{"tokens": [5, 6, 1.5], "prompt_len": 1}\n', "got 1.5 - at bad.jsonl, line 2.tokens[2] [type]", id="token a float"),
+        pytest.param(
+            _OK * 2 + '{"tokens": [5, 6, "7"], "prompt_len": 1}\n',
+            "expected an integer token id, got '7' - at bad.jsonl, line 3.tokens[2] [type]",
+            id="token not an integer",
+        ),
+        pytest.param(
+            _OK + '{"tokens": [5, 6, 1.5], "prompt_len": 1}\n',
+            "got 1.5 - at bad.jsonl, line 2.tokens[2] [type]",
+            id="token a float",
+        ),
         pytest.param('{"tokens": [5, 2e40], "prompt_len": 1}\n', "line 1.tokens[1] [type]", id="token a huge float"),
-        pytest.param('{"tokens": [5, 99999999999999999999999], "prompt_len": 1}\n', "line 1.tokens[1] [range]", id="token beyond int64"),
-        pytest.param(_OK + '{"prompt_len": 1}\n', '"tokens" is missing - at bad.jsonl, line 2.tokens [missing]', id="tokens missing"),
-        pytest.param(_OK + '{"tokens": [1, 2, 3]}\n', "--no-trainable / --all-trainable for lines that give neither - at bad.jsonl, line 2.trainable [missing]", id="trainable info missing"),
-        pytest.param('{"tokens": [1, 2, 3], "prompt_len": "3"}\n', "line 1.prompt_len [type]", id="prompt_len a string"),
+        pytest.param(
+            '{"tokens": [5, 99999999999999999999999], "prompt_len": 1}\n',
+            "line 1.tokens[1] [range]",
+            id="token beyond int64",
+        ),
+        pytest.param(
+            _OK + '{"prompt_len": 1}\n',
+            '"tokens" is missing - at bad.jsonl, line 2.tokens [missing]',
+            id="tokens missing",
+        ),
+        pytest.param(
+            _OK + '{"tokens": [1, 2, 3]}\n',
+            "--no-trainable / --all-trainable for lines that give neither - at bad.jsonl, line 2.trainable [missing]",
+            id="trainable info missing",
+        ),
+        pytest.param(
+            '{"tokens": [1, 2, 3], "prompt_len": "3"}\n', "line 1.prompt_len [type]", id="prompt_len a string"
+        ),
         pytest.param("\n", "the batch is empty", id="empty batch"),
-        pytest.param(_OK * 2 + '{"tokens": ' + json.dumps(list(range(600))) + ', "trainable": false}\n', "at bad.jsonl, line 3", id="sequence over capacity"),
+        pytest.param(
+            _OK * 2 + '{"tokens": ' + json.dumps(list(range(600))) + ', "trainable": false}\n',
+            "at bad.jsonl, line 3",
+            id="sequence over capacity",
+        ),
     ],
 )
 def test_plan_bad_input_exits_2_naming_the_line(tmp_path, monkeypatch, capsys, content, needle):
@@ -82,7 +126,11 @@ def test_plan_bad_input_exits_2_naming_the_line(tmp_path, monkeypatch, capsys, c
     assert needle in err, err
 
 
-@pytest.mark.parametrize("make", [lambda d: d / "absent.jsonl", lambda d: d, lambda d: _binary(d / "b.jsonl")], ids=["missing", "directory", "not utf-8"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda d: d / "absent.jsonl", lambda d: d, lambda d: _binary(d / "b.jsonl")],
+    ids=["missing", "directory", "not utf-8"],
+)
 def test_plan_unreadable_file_exits_2_naming_it(tmp_path, capsys, make):
     path = make(tmp_path)
     assert main(["plan", str(path), "--seq-len", "512"]) == 2
@@ -112,7 +160,9 @@ def test_plan_trainable_said_explicitly(tmp_path, capsys, flag, line, trainable_
     path.write_text(line + "\n")
     assert main(["plan", str(path), "--seq-len", "8", "--json", *([flag] if flag else [])]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 1
-    seqs, trainable, _ = read_jsonl([line], _DEFAULTS[{None: None, "--no-trainable": "none", "--all-trainable": "all"}[flag]])
+    seqs, trainable, _ = read_jsonl(
+        [line], _DEFAULTS[{None: None, "--no-trainable": "none", "--all-trainable": "all"}[flag]]
+    )
     plan = plan_batch(seqs, seq_len=8, trainable=trainable)
     validate_plan(plan, seqs, trainable=trainable)
     assert int(sum(plan.trainable_of(0))) == trainable_tokens
@@ -131,17 +181,25 @@ def test_demo_prints_table_and_draws(tmp_path, capsys):
 def test_demo_png_without_matplotlib_fails_before_any_work(tmp_path, monkeypatch, capsys):
     import treepack.service.cli.demo as demo
 
-    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else _find_spec(name, *a))
-    monkeypatch.setattr(demo, "golden_example", lambda: pytest.fail("the demo started planning before saying --png cannot draw"))
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else _find_spec(name, *a)
+    )
+    monkeypatch.setattr(
+        demo, "golden_example", lambda: pytest.fail("the demo started planning before saying --png cannot draw")
+    )
     assert main(["demo", "--png", str(tmp_path / "rows.png")]) == 2
     cap = capsys.readouterr()
-    assert cap.out == "" and cap.err.count("\n") == 1 and "--png needs matplotlib" in cap.err and "pip install" in cap.err, cap
+    assert (
+        cap.out == "" and cap.err.count("\n") == 1 and "--png needs matplotlib" in cap.err and "pip install" in cap.err
+    ), cap
 
 
 def test_cli_works_without_the_service_extra(monkeypatch, capsys):
     """A planner-only install (no FastAPI, no pydantic-settings) still runs demo/plan, and
     `serve` says what to install instead of a traceback."""
-    for mod in [m for m in sys.modules if m.startswith("treepack.service.") and m.split(".")[2] in ("serve", "settings", "app")]:
+    for mod in [
+        m for m in sys.modules if m.startswith("treepack.service.") and m.split(".")[2] in ("serve", "settings", "app")
+    ]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "pydantic_settings", None)  # import fails like a missing package
     monkeypatch.setitem(sys.modules, "fastapi", None)

@@ -20,7 +20,11 @@ from treepack.service.planner.whatif import whatif
 
 from helpers.trees import plan_result
 
-COST = CostModel(backend="flash", coefficients={t: 0.0 for t in cost_terms("flash")} | {"step": 2.0, "positions": 1e-3, "segments": 0.1, "attention_pairs": 1e-7})
+COST = CostModel(
+    backend="flash",
+    coefficients={t: 0.0 for t in cost_terms("flash")}
+    | {"step": 2.0, "positions": 1e-3, "segments": 0.1, "attention_pairs": 1e-7},
+)
 
 
 def _shapes(n: int = 4):
@@ -53,7 +57,13 @@ def test_whatif_step_time_is_the_pack_prediction():
     # One composition that takes a whole recorded batch: the trial is that batch's plan.
     w = agentic(8, seq_len=8192, seed=3, rollouts=2)
     res = plan_result(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192)
-    got = whatif([shape_of(res.batch, res.tree, seq_len=8192)], [Composition(groups=len(set(w.groups)))], seq_len=8192, trials=1, cost_model=COST)[0]
+    got = whatif(
+        [shape_of(res.batch, res.tree, seq_len=8192)],
+        [Composition(groups=len(set(w.groups)))],
+        seq_len=8192,
+        trials=1,
+        cost_model=COST,
+    )[0]
     packed = plan_batch(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, cost_model=COST)
     assert got.rows.mean == packed.num_rows
     assert got.step_ms.mean == pytest.approx(packed.stats.predicted_ms, rel=1e-9)
@@ -72,13 +82,21 @@ async def test_sidecar_with_a_cost_file(cost_file):
     body = encode_pack_request(PackInput.of(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            r = await c.post("/v1/pack", content=encode_body(body, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            r = await c.post(
+                "/v1/pack",
+                content=encode_body(body, "msgpack"),
+                headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+            )
             assert r.status_code == 200, r.text
             stats = msgpack.unpackb(r.content)["plan"]["stats"]
             local = plan_batch(w.sequences, trainable=w.trainable, groups=w.groups, seq_len=8192, cost_model=COST)
             assert stats["predicted_ms"] == pytest.approx(local.stats.predicted_ms)
             q = {"version": 1, "seq_len": 8192, "compositions": [{"groups": 4}], "trials": 3}
-            r = await c.post("/v1/whatif", content=encode_body(q, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            r = await c.post(
+                "/v1/whatif",
+                content=encode_body(q, "msgpack"),
+                headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+            )
             assert r.status_code == 200, r.text
             step = msgpack.unpackb(r.content)["results"][0]["step_ms"]
             assert 0 < step["mean"] <= step["max"] and step["p90"] >= step["p50"]
@@ -88,7 +106,11 @@ async def test_sidecar_with_a_cost_file(cost_file):
     app = create_app(Settings(history_enabled=False))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            r = await c.post("/v1/pack", content=encode_body(body, "msgpack"), headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+            r = await c.post(
+                "/v1/pack",
+                content=encode_body(body, "msgpack"),
+                headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+            )
             assert msgpack.unpackb(r.content)["plan"]["stats"]["predicted_ms"] is None
     finally:
         app.state.service.close()
@@ -122,7 +144,9 @@ def test_whatif_keeps_the_asked_repair_budget(monkeypatch):
     from treepack.service.planner.by_time import repair_budget_ms
 
     heavy = CostModel(backend="flash", coefficients=COST.coefficients | {"positions": 0.05, "rows": 1.0})
-    assert repair_budget_ms(heavy, PlanOptions(seq_len=8192)) > PlanOptions(seq_len=8192).repair_ms  # the pack budget is larger
+    assert (
+        repair_budget_ms(heavy, PlanOptions(seq_len=8192)) > PlanOptions(seq_len=8192).repair_ms
+    )  # the pack budget is larger
     budgets = []
 
     def spy(*args, **kwargs):

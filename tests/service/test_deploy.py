@@ -118,7 +118,9 @@ def test_the_probes_agree():
 
 
 def test_dockerignore_keeps_the_build_context_small():
-    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    ignored = {
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    }
     assert {".git", ".venv*", "tests", "**/__pycache__"} <= ignored
     copied = {v.split()[0] for k, v in dockerfile() if k == "COPY" and "--from" not in v}
     assert not any(c.rstrip("/") in ignored for c in copied)  # nothing the image copies is ignored
@@ -135,6 +137,15 @@ def test_packer_from_env(monkeypatch):
     p.close()
 
 
-@pytest.mark.parametrize("path", [".dockerignore", "deploy/Dockerfile", "docker-compose.yml", "deploy/k8s/trainer-with-treepack.yaml", "deploy/prometheus.yml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".dockerignore",
+        "deploy/Dockerfile",
+        "docker-compose.yml",
+        "deploy/k8s/trainer-with-treepack.yaml",
+        "deploy/prometheus.yml",
+    ],
+)
 def test_files_exist(path):
     assert (REPO / path).is_file()

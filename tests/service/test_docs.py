@@ -29,7 +29,9 @@ def test_settings_table_is_complete():
 
 
 def test_error_table_names_every_kind():
-    kinds = {cls.kind for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.TreepackError)}
+    kinds = {
+        cls.kind for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.TreepackError)
+    }
     kinds.discard("treepack_error")
     for k in kinds:
         assert f"`{k}`" in DOC, k

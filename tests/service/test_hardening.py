@@ -37,7 +37,9 @@ def _busy_whatif(trials: int = 100_000) -> bytes:
         "first_trainable": np.full(s, 200, "<i8").tobytes(),
         "groups": [i // 4 for i in range(s)],
     }  # fmt: skip
-    return msgpack.packb({"version": 1, "seq_len": 1024, "trials": trials, "compositions": [{"groups": 6}], "shapes": [shape]})
+    return msgpack.packb(
+        {"version": 1, "seq_len": 1024, "trials": trials, "compositions": [{"groups": 6}], "shapes": [shape]}
+    )
 
 
 def _settings(**kw) -> Settings:
@@ -59,7 +61,9 @@ async def test_a_whatif_past_its_deadline_is_stopped_with_504():
             r = await asyncio.wait_for(c.post("/v1/whatif", content=_busy_whatif(), headers=MP), 30)
             took = time.monotonic() - t0
             metrics = (await c.get("/metrics")).text
-        assert r.status_code == 504 and r.json()["error"] == "deadline_exceeded" and r.json()["rule"] == "deadline", r.text
+        assert r.status_code == 504 and r.json()["error"] == "deadline_exceeded" and r.json()["rule"] == "deadline", (
+            r.text
+        )
         assert took < 5.0, took  # stopped between trials, not after 100,000 of them
         assert 'treepack_work_stopped_total{reason="deadline"} 1.0' in metrics
         assert app.state.service.pool.admitted == 0
@@ -94,7 +98,9 @@ async def test_work_for_a_client_that_went_away_is_cancelled():
 
 
 async def test_bodies_past_the_intake_budget_get_503():
-    app = create_app(_settings(intake_budget_bytes=100_000, intake_reserve_bytes=0, max_body_bytes=200_000, retry_after_s=2))
+    app = create_app(
+        _settings(intake_budget_bytes=100_000, intake_reserve_bytes=0, max_body_bytes=200_000, retry_after_s=2)
+    )
     release = asyncio.Event()
     first_calls = 0
 
@@ -142,7 +148,9 @@ async def test_a_stalled_body_gets_408():
 
     try:
         t0 = time.monotonic()
-        status, _, body = await asyncio.wait_for(asgi_request(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10)
+        status, _, body = await asyncio.wait_for(
+            asgi_request(app, "/v1/pack", {**MP, "content-length": "500"}, stall), 10
+        )
         assert status == 408 and b"body_timeout" in body and time.monotonic() - t0 < 3
         assert app.state.service.intake.in_flight == 0
     finally:
@@ -182,7 +190,9 @@ async def test_a_stripped_token_lets_clients_in():
     app = create_app(Settings(token="s3cret\n", history_enabled=False))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            r = await c.post("/v1/pack", content=pack_body(small_batch()), headers={**MP, "authorization": "Bearer s3cret"})
+            r = await c.post(
+                "/v1/pack", content=pack_body(small_batch()), headers={**MP, "authorization": "Bearer s3cret"}
+            )
         assert r.status_code == 200
     finally:
         app.state.service.close()

@@ -72,7 +72,10 @@ async def test_announced_bytes_that_never_arrive_are_not_charged_and_small_packs
     app = create_app(Settings(history_enabled=False, max_body_bytes=256 << 20, intake_budget_bytes=512 << 20))
     svc = app.state.service
     try:
-        stalled = [asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": str(256 << 20)}, _silent())) for _ in range(2)]
+        stalled = [
+            asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": str(256 << 20)}, _silent()))
+            for _ in range(2)
+        ]
         await asyncio.sleep(0.1)
         assert svc.intake.in_flight == 0
         body = encode_body(pack_message(small_batch()), "msgpack")
@@ -92,7 +95,9 @@ async def test_a_body_that_announces_itself_and_stays_silent_is_cut_after_the_fi
     app = create_app(Settings(history_enabled=False, body_timeout_s=60, body_first_byte_s=0.3))
     try:
         t0 = time.monotonic()
-        status, _, body = await asyncio.wait_for(asgi_request(app, "/v1/pack", {**MP, "content-length": str(64 << 20)}, _silent()), 10)
+        status, _, body = await asyncio.wait_for(
+            asgi_request(app, "/v1/pack", {**MP, "content-length": str(64 << 20)}, _silent()), 10
+        )
         assert status == 408 and b"first_byte" in body, body
         assert time.monotonic() - t0 < 5
         # A body whose first bytes came is held to body_timeout_s, not to the first-byte timeout.
@@ -105,14 +110,25 @@ async def test_a_body_that_announces_itself_and_stays_silent_is_cut_after_the_fi
 
 
 async def test_bytes_are_charged_as_they_arrive_and_small_bodies_keep_room():
-    app = create_app(Settings(history_enabled=False, max_body_bytes=400_000, intake_budget_bytes=300_000, intake_reserve_bytes=100_000))
+    app = create_app(
+        Settings(
+            history_enabled=False, max_body_bytes=400_000, intake_budget_bytes=300_000, intake_reserve_bytes=100_000
+        )
+    )
     svc = app.state.service
     try:
-        half = [asyncio.create_task(asgi_request(app, "/v1/pack", {**MP, "content-length": "400000"}, _silent(b"\x00" * 150_000))) for _ in range(2)]
+        half = [
+            asyncio.create_task(
+                asgi_request(app, "/v1/pack", {**MP, "content-length": "400000"}, _silent(b"\x00" * 150_000))
+            )
+            for _ in range(2)
+        ]
         await asyncio.sleep(0.1)
         assert svc.intake.in_flight == 300_000  # what arrived, not what was announced
         # A third large body has no room: refused (503) once its bytes would pass the budget.
-        status, headers, body = await asgi_request(app, "/v1/pack", {**MP, "content-length": "200000"}, _silent(b"\x00" * 1000))
+        status, headers, body = await asgi_request(
+            app, "/v1/pack", {**MP, "content-length": "200000"}, _silent(b"\x00" * 1000)
+        )
         assert status == 503 and b"intake_budget" in body
         # A small pack always has room.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
@@ -132,7 +148,9 @@ def _one_run_whatif(run: int, trials: int) -> bytes:
         "seq_len": run, "min_shared_len": 8, "seq_ptr": np.array([0, 1], "<i8").tobytes(), "run_hash": np.array([7], "<u8").tobytes(),
         "run_len": np.array([run], "<i8").tobytes(), "first_trainable": np.array([0], "<i8").tobytes(), "groups": [None],
     }  # fmt: skip
-    return msgpack.packb({"version": 1, "seq_len": run, "trials": trials, "compositions": [{"groups": 1}], "shapes": [shape]})
+    return msgpack.packb(
+        {"version": 1, "seq_len": run, "trials": trials, "compositions": [{"groups": 1}], "shapes": [shape]}
+    )
 
 
 async def test_a_whatif_is_priced_against_the_largest_pack_and_refused_before_any_trial():
@@ -148,7 +166,9 @@ async def test_a_whatif_is_priced_against_the_largest_pack_and_refused_before_an
             ok = await c.post("/v1/whatif", content=_one_run_whatif(4096, trials=16), headers=MP)
         assert r.status_code == 413, (r.status_code, took)
         err = r.json()
-        assert err["rule"] == "max_work" and "whatif_max_work" in err["message"] and str(16 * run) in err["message"], err
+        assert err["rule"] == "max_work" and "whatif_max_work" in err["message"] and str(16 * run) in err["message"], (
+            err
+        )
         assert app.state.service.metrics.whatif_trials._value.get() == 16  # only the small one ran
         assert ok.status_code == 200
     finally:
@@ -166,7 +186,9 @@ def _adversarial(fmt: str, shape: str, nbytes: int) -> bytes:
     count = n // len(empty)
     head = msgpack.packb({"version": 1, "seq_len": 64, "tokens": b"", "offsets": b""})[1:]  # the map's entries
     array = b"\xdd" + count.to_bytes(4, "big") + empty * count
-    where = {"maps": b"\xa1x", "lists": b"\xa6groups", "numbers": b"\xa6tokens"}[shape]  # an unknown field, groups, a buffer
+    where = {"maps": b"\xa1x", "lists": b"\xa6groups", "numbers": b"\xa6tokens"}[
+        shape
+    ]  # an unknown field, groups, a buffer
     if shape == "numbers":
         head = msgpack.packb({"version": 1, "seq_len": 64, "offsets": b""})[1:]
         return b"\x84" + head + where + array

@@ -34,7 +34,9 @@ def test_record_and_read_back_across_a_reopen(tmp_path):
     path = tmp_path / "h" / "history.sqlite3"
     shape, plan = _shape()
     store = HistoryStore(path, max_batches=10)
-    store.record(shape, rows=plan.num_rows, packed_tokens=plan.stats.packed_tokens, saved_fraction=plan.stats.saved_fraction)
+    store.record(
+        shape, rows=plan.num_rows, packed_tokens=plan.stats.packed_tokens, saved_fraction=plan.stats.saved_fraction
+    )
     store.close()
     store = HistoryStore(path, max_batches=10)
     (back,) = store.shapes()

@@ -39,12 +39,16 @@ async def test_a_non_database_file_leaves_packs_served_and_readyz_not_ready(tmp_
     assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
     reason = ready.json()["checks"]["history"]
     # Unauthenticated readers get the cause, short and without the path.
-    assert reason.startswith("damaged:") and str(path) not in reason and "not a database" in reason and "\n" not in reason
+    assert (
+        reason.startswith("damaged:") and str(path) not in reason and "not a database" in reason and "\n" not in reason
+    )
     assert len(ready.text) < 400
     assert "TREEPACK_HISTORY_RECOVER" in reason
     assert pack.status_code == 200 and pack.json()["recorded"] is False
     for r in (hist, whatif):
-        assert r.status_code == 503 and r.json()["error"] == "unavailable" and r.json()["rule"] == "history_damaged", r.text
+        assert r.status_code == 503 and r.json()["error"] == "unavailable" and r.json()["rule"] == "history_damaged", (
+            r.text
+        )
     assert "treepack_history_damaged 1.0" in metrics
 
 

@@ -45,7 +45,9 @@ def test_export_passes_the_effective_settings_to_workers(monkeypatch):
     for name in Settings.model_fields:  # registered with monkeypatch, so _export's writes are undone
         monkeypatch.setenv(f"TREEPACK_{name.upper()}", "")
         monkeypatch.delenv(f"TREEPACK_{name.upper()}")
-    s = settings_from_args(_parse("--max-tokens", "123", "--no-history", "--token", "t0k", "--history-max-age-s", "none"))
+    s = settings_from_args(
+        _parse("--max-tokens", "123", "--no-history", "--token", "t0k", "--history-max-age-s", "none")
+    )
     _export(s)
     again = Settings()
     assert again == s and os.environ["TREEPACK_HISTORY_ENABLED"] == "false" and again.history_max_age_s is None

@@ -38,7 +38,12 @@ def _client(app):
         pytest.param("application/msgpack", "application/json", "application/json", id="msgpack in, json out"),
         pytest.param("application/json", "application/x-msgpack", "application/msgpack", id="json in, x-msgpack out"),
         pytest.param("application/vnd.msgpack", "*/*", "application/msgpack", id="vnd.msgpack, any Accept"),
-        pytest.param("application/json; charset=utf-8", "text/html, application/msgpack;q=0.4", "application/msgpack", id="charset, Accept list"),
+        pytest.param(
+            "application/json; charset=utf-8",
+            "text/html, application/msgpack;q=0.4",
+            "application/msgpack",
+            id="charset, Accept list",
+        ),
     ],
 )
 async def test_content_negotiation(app, ctype, accept, want):
@@ -91,7 +96,7 @@ async def test_history_disabled():
         async with _client(app) as c:
             r = await c.post("/v1/pack", content=pack_body(small_batch()), headers={"accept": "application/json"})
             assert r.json()["recorded"] is False
-            h = (await c.get("/v1/history", headers={"accept": "application/msgpack"}))
+            h = await c.get("/v1/history", headers={"accept": "application/msgpack"})
             assert h.headers["content-type"] == "application/msgpack"
             assert msgpack.unpackb(h.content)["enabled"] is False
     finally:
@@ -126,7 +131,12 @@ async def test_probes_and_docs(app):
         assert ready == {"version": 1, "status": "ready", "checks": {"planner": "ok", "history": "ok"}}
         docs = await c.get("/docs")
         # Offline by default: the page loads nothing but /openapi.json (no CDN).
-        assert docs.status_code == 200 and "openapi.json" in docs.text and "cdn" not in docs.text.lower() and "//" not in docs.text.replace("http://www.w3.org", "")
+        assert (
+            docs.status_code == 200
+            and "openapi.json" in docs.text
+            and "cdn" not in docs.text.lower()
+            and "//" not in docs.text.replace("http://www.w3.org", "")
+        )
         doc = (await c.get("/openapi.json")).json()
     op = doc["paths"]["/v1/pack"]["post"]
     assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PackRequest"}

@@ -29,7 +29,10 @@ from treepack.service import Settings, create_app
 APP = create_app(Settings(max_body_bytes=1_000_000, max_tokens=100_000, max_sequences=1_000, whatif_max_trials=20))
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 # A request over a limit the schema states (what-if trials from the settings, ...) is refused with 413.
-schema.config.checks.negative_data_rejection.expected_statuses = [*schema.config.checks.negative_data_rejection.expected_statuses, "413"]
+schema.config.checks.negative_data_rejection.expected_statuses = [
+    *schema.config.checks.negative_data_rejection.expected_statuses,
+    "413",
+]
 
 
 def _packable(x: Any) -> Any:
@@ -84,11 +87,20 @@ def schema_rules_hold(ctx: Any, response: Any, case: Any) -> None:
         return None
     err = response.json()
     if err.get("rule") in SCHEMA_RULES:
-        raise AssertionError(f"a schema-valid request was refused: {err.get('rule')} at {err.get('path')}: {err.get('message')}")
+        raise AssertionError(
+            f"a schema-valid request was refused: {err.get('rule')} at {err.get('path')}: {err.get('message')}"
+        )
     return None
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance, negative_data_rejection, schema_rules_hold]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    schema_rules_hold,
+]
 
 
 @pytest.fixture(scope="module", autouse=True)

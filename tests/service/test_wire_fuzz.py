@@ -31,7 +31,27 @@ from treepack.service.pool import Ticket
 
 from helpers.service import pack_message, plan_kwargs, small_batch
 
-EXTREMES = [0, 1, -1, 2, 255, 256, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**53 + 1, 2**62, 2**63 - 1, -(2**63), 2**63, 2**64 - 1, 2**64, -(2**64)]
+EXTREMES = [
+    0,
+    1,
+    -1,
+    2,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**48,
+    2**53 + 1,
+    2**62,
+    2**63 - 1,
+    -(2**63),
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**64),
+]
 _DTYPE = {"tokens": "<u4", "offsets": "<i8", "prompt_lens": "<i8", "keys": "<u8", "prefix_src": "<i8", "prefix_len": "<i8", "trainable": "|u1",
           "seq_ptr": "<i8", "run_hash": "<u8", "run_len": "<i8", "first_trainable": "<i8"}  # fmt: skip
 OUTCOMES: Counter = Counter()
@@ -39,7 +59,11 @@ OUTCOMES: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def svc():
-    s = PlanningService(Settings(history_enabled=False, max_tokens=20_000, max_sequences=64, whatif_max_trials=200, whatif_max_work=400_000))
+    s = PlanningService(
+        Settings(
+            history_enabled=False, max_tokens=20_000, max_sequences=64, whatif_max_trials=200, whatif_max_work=400_000
+        )
+    )
     yield s
     s.close()
 
@@ -75,7 +99,9 @@ def _put(msg: dict, key: str, value: int, where: int | None, as_list: bool, pair
             items[where % len(items)] = value
         msg[key] = items
         return
-    raw = bytearray(bytes(old) if old is not None else b"\x00" * (n * np.dtype(dtype).itemsize)) or bytearray(np.dtype(dtype).itemsize)
+    raw = bytearray(bytes(old) if old is not None else b"\x00" * (n * np.dtype(dtype).itemsize)) or bytearray(
+        np.dtype(dtype).itemsize
+    )
     size = np.dtype(dtype).itemsize
     count = len(raw) // size
     if pair and where is not None and count >= 3:
@@ -105,11 +131,30 @@ def _run(svc: PlanningService, method: str, msg: dict) -> None:
     # Anything else (ServerError, DeadlineError, IndexError, MemoryError, ...) fails the test.
 
 
-PACK_FIELDS = ["seq_len", "min_shared_len", "min_shared_saving", "repair_ms", "num_ranks", "conv_width", "version", "tokens", "offsets", "prompt_lens", "keys", "prefix_src", "prefix_len", "trainable"]
-_BASE_PACK = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in pack_message(small_batch(), dedup=True).items()}
+PACK_FIELDS = [
+    "seq_len",
+    "min_shared_len",
+    "min_shared_saving",
+    "repair_ms",
+    "num_ranks",
+    "conv_width",
+    "version",
+    "tokens",
+    "offsets",
+    "prompt_lens",
+    "keys",
+    "prefix_src",
+    "prefix_len",
+    "trainable",
+]
+_BASE_PACK = {
+    k: bytes(v) if isinstance(v, memoryview) else v for k, v in pack_message(small_batch(), dedup=True).items()
+}
 
 
-@settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     key=st.sampled_from(PACK_FIELDS + ["groups"]), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 3000)),
     as_list=st.booleans(), pair=st.booleans(),
@@ -143,17 +188,54 @@ def _base_whatif() -> dict:
     from treepack.service.planner.api import plan_request
 
     opts = PlanOptions(seq_len=512, min_shared_len=8)
-    result = plan_request(PackInput(sequences=plan_input["sequences"], trainable=plan_input["trainable"], groups=plan_input["groups"], options=opts))
+    result = plan_request(
+        PackInput(
+            sequences=plan_input["sequences"],
+            trainable=plan_input["trainable"],
+            groups=plan_input["groups"],
+            options=opts,
+        )
+    )
     shape = shape_job(result)()
-    return {"version": 1, "seq_len": 512, "trials": 3, "min_shared_len": 8, "compositions": [{"groups": 2}], "shapes": [shape_to_wire(shape, "msgpack")]}
+    return {
+        "version": 1,
+        "seq_len": 512,
+        "trials": 3,
+        "min_shared_len": 8,
+        "compositions": [{"groups": 2}],
+        "shapes": [shape_to_wire(shape, "msgpack")],
+    }
 
 
 _BASE_WHATIF = _materialize(_base_whatif())
-_WHATIF_FIELDS = ["seq_len", "trials", "seed", "min_shared_len", "min_shared_saving", "repair_ms", "num_ranks", "conv_width", "max_rows", "history_batches", "comp.groups", "comp.by_tag"]
-_SHAPE_FIELDS = ["shape.seq_len", "shape.min_shared_len", "shape.seq_ptr", "shape.run_hash", "shape.run_len", "shape.first_trainable", "shape.groups"]
+_WHATIF_FIELDS = [
+    "seq_len",
+    "trials",
+    "seed",
+    "min_shared_len",
+    "min_shared_saving",
+    "repair_ms",
+    "num_ranks",
+    "conv_width",
+    "max_rows",
+    "history_batches",
+    "comp.groups",
+    "comp.by_tag",
+]
+_SHAPE_FIELDS = [
+    "shape.seq_len",
+    "shape.min_shared_len",
+    "shape.seq_ptr",
+    "shape.run_hash",
+    "shape.run_len",
+    "shape.first_trainable",
+    "shape.groups",
+]
 
 
-@settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     key=st.sampled_from(_WHATIF_FIELDS + _SHAPE_FIELDS), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 50)),
     as_list=st.booleans(), pair=st.booleans(),
@@ -167,7 +249,9 @@ def test_whatif_request_extremes(svc, key, value, where, as_list, pair):
         msg["compositions"] = [{"by_tag": {"": value}}]
     elif key == "shape.groups":
         shape = msg["shapes"][0]
-        shape["groups"] = [value if i == (where or 0) % len(shape["groups"]) else g for i, g in enumerate(shape["groups"])]
+        shape["groups"] = [
+            value if i == (where or 0) % len(shape["groups"]) else g for i, g in enumerate(shape["groups"])
+        ]
     elif key.startswith("shape."):
         _put(msg["shapes"][0], key.removeprefix("shape."), value, where, as_list, pair)
     else:

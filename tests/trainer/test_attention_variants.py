@@ -90,7 +90,10 @@ def _reference(q, k, v, sinks, batch, chunk, window):
 
 
 def _per_sequence(out, batch):
-    return [out[r][:, torch.as_tensor(i)].transpose(0, 1) for r, i in (batch.locate(s) for s in range(batch.plan.num_sequences))]
+    return [
+        out[r][:, torch.as_tensor(i)].transpose(0, 1)
+        for r, i in (batch.locate(s) for s in range(batch.plan.num_sequences))
+    ]
 
 
 VARIANTS = [
@@ -117,7 +120,12 @@ def test_packed_equals_alone(case, backend, name, variant):
     else:
         kw["sinks"] = None if sk is None else sk.detach()
         out = tree_attention(q.detach(), k.detach(), v.detach(), batch, **kw)
-    assert_close(f"{backend} {name} outputs", [r.detach() for r in ref], [o.detach() for o in _per_sequence(out, batch)], atol=1e-5)
+    assert_close(
+        f"{backend} {name} outputs",
+        [r.detach() for r in ref],
+        [o.detach() for o in _per_sequence(out, batch)],
+        atol=1e-5,
+    )
     if not grad:
         return
     w = _weights(seqs)
@@ -135,7 +143,9 @@ def test_negative_controls(case):
         ref_sink = _reference(q, k, v, sinks, batch, None, None)
         ref_chunk = _reference(q, k, v, None, batch, 16, None)
         no_sink = _per_sequence(tree_attention(q, k, v, batch), batch)
-        no_chunk = _per_sequence(tree_attention(q, k, v, batch, backend="flash", varlen_fn=naive_varlen_attention), batch)
+        no_chunk = _per_sequence(
+            tree_attention(q, k, v, batch, backend="flash", varlen_fn=naive_varlen_attention), batch
+        )
         rows = torch.arange(batch.seq_len).expand_as(batch.position_ids)
         by_row = dense_mask(batch.subtree_end, rows, chunk_size=16)
         s = torch.matmul(q, k.repeat_interleave(H // HKV, 1).transpose(-1, -2)) * SCALE
@@ -179,7 +189,9 @@ def test_sink_argument_errors(case):
     with pytest.raises(RequestError, match=r"sinks must be one logit per query head \[4\]"):
         tree_attention(q, k, v, batch, sinks=torch.zeros(2))
     with pytest.raises(RequestError, match="soft-capping are not exact on backend='flash'"):
-        tree_attention(q, k, v, batch, backend="flash", sinks=torch.zeros(H), softcap=5.0, varlen_fn=naive_varlen_attention)
+        tree_attention(
+            q, k, v, batch, backend="flash", sinks=torch.zeros(H), softcap=5.0, varlen_fn=naive_varlen_attention
+        )
     with pytest.raises(RequestError, match="chunk_size must be a positive int"):
         batch.dense_mask(chunk_size=0)
 

@@ -16,14 +16,25 @@ def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     return Qwen3ForCausalLM(cfg).float()
 
 
 def test_calibration_batches_vary_in_shape():
     batches = calibration_batches(256, vocab=50, seed=0)
     assert all(max(len(s) for s in b["sequences"]) <= 256 for b in batches)
-    shared = [plan_batch(b["sequences"], trainable=b["trainable"], seq_len=256, min_shared_len=4).stats.saved_fraction for b in batches]
+    shared = [
+        plan_batch(b["sequences"], trainable=b["trainable"], seq_len=256, min_shared_len=4).stats.saved_fraction
+        for b in batches
+    ]
     assert min(shared) == 0.0 and max(shared) > 0.5
     assert len({len(b["sequences"]) for b in batches}) > 5
 
@@ -32,9 +43,19 @@ def test_calibrate_attention_model(tmp_path):
     model = tiny_qwen3()
     seen = []
     batches = calibration_batches(128, vocab=64)[::3]
-    cost = calibrate(model, backend="flash", seq_len=128, batches=batches, repeats=1, warmup=0, report=lambda name, plan, ms: seen.append((name, ms)))
+    cost = calibrate(
+        model,
+        backend="flash",
+        seq_len=128,
+        batches=batches,
+        repeats=1,
+        warmup=0,
+        report=lambda name, plan, ms: seen.append((name, ms)),
+    )
     assert cost.mixers == () and set(cost.coefficients) == set(cost_terms("flash"))
-    assert [n for n, _ in seen] == [f"{b['name']} / {p}" for b in batches for p in ("auto", "no_share")] and all(ms > 0 for _, ms in seen)
+    assert [n for n, _ in seen] == [f"{b['name']} / {p}" for b in batches for p in ("auto", "no_share")] and all(
+        ms > 0 for _, ms in seen
+    )
     assert cost.fit["batches"] == len(seen) and math.isfinite(cost.fit["max_rel_err"])
     cost.save(tmp_path / "c.json")
     again = load_cost_model(tmp_path / "c.json")
@@ -60,5 +81,7 @@ def test_calibrate_hybrid_measures_its_mixer_terms():
     assert model_mixers(tiny_qwen3()) == ()
     batches = calibration_batches(128, vocab=64)[::6]
     cost = calibrate(model, backend="sdpa", seq_len=128, batches=batches, repeats=1, warmup=0)
-    assert cost.mixers == ("short_conv",) and {"short_conv.levels", "short_conv.chunks", "short_conv.contexts"} <= set(cost.coefficients)
+    assert cost.mixers == ("short_conv",) and {"short_conv.levels", "short_conv.chunks", "short_conv.contexts"} <= set(
+        cost.coefficients
+    )
     assert cost.fit["batches"] == 2 * len(batches)

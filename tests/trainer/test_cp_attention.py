@@ -55,11 +55,27 @@ def _attend(backend, q, kg, vg, k, v, masks, **kw):
         return _sdpa(q, kg, vg, masks["dense"], scale, None, sinks)
     if backend == "flex":
         return _flex(q, kg, vg, masks["block"], scale, None, False, sinks)
-    return _flash(q, kg, vg, masks["varlen"], scale, kw.get("sliding_window"), None, naive_varlen_attention, sinks, k_self=k, v_self=v)
+    return _flash(
+        q,
+        kg,
+        vg,
+        masks["varlen"],
+        scale,
+        kw.get("sliding_window"),
+        None,
+        naive_varlen_attention,
+        sinks,
+        k_self=k,
+        v_self=v,
+    )
 
 
 @pytest.mark.parametrize("cp,cp_attention", [(2, "allgather"), (4, "allgather")])
-@pytest.mark.parametrize("variant", [dict(), dict(sliding_window=7, chunk_size=16), dict(sinks=True)], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "plain")
+@pytest.mark.parametrize(
+    "variant",
+    [dict(), dict(sliding_window=7, chunk_size=16), dict(sinks=True)],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "plain",
+)
 def test_varlen_and_flex_match_sdpa_on_every_shard(cp, cp_attention, variant):
     full, plan, pos, kpos, se, pid = _views(cp, cp_attention)
     K, Lp = se.shape
@@ -82,7 +98,17 @@ def test_varlen_and_flex_match_sdpa_on_every_shard(cp, cp_attention, variant):
         assert torch.isfinite(ref).all()
         flash = _attend("flash", q, kg, vg, k, v, masks, sinks=sinks, **mask_kw)
         torch.testing.assert_close(flash, ref, atol=1e-6, rtol=1e-6)  # the varlen reference softmaxes in float32
-        flex = _attend("flex", q.float(), kg.float(), vg.float(), k.float(), v.float(), masks, sinks=None if sinks is None else sinks.float(), **mask_kw)
+        flex = _attend(
+            "flex",
+            q.float(),
+            kg.float(),
+            vg.float(),
+            k.float(),
+            v.float(),
+            masks,
+            sinks=None if sinks is None else sinks.float(),
+            **mask_kw,
+        )
         torch.testing.assert_close(flex.double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -45,7 +45,9 @@ def _rank_keys(plan) -> list[int]:
 def test_allgather_split_gathers_few_keys(cp):
     seqs = _agent_row(TOKENS)
     trainable = [len(s) - 64 for s in seqs]
-    plan = plan_batch(seqs, seq_len=TOKENS, min_shared_len=16, trainable=trainable, cp_size=cp, cp_attention="allgather")
+    plan = plan_batch(
+        seqs, seq_len=TOKENS, min_shared_len=16, trainable=trainable, cp_size=cp, cp_attention="allgather"
+    )
     validate_plan(plan, seqs, trainable=trainable)
     assert plan.num_rows == 1 and not plan.ranks.contiguous
     whole = varlen_meta(plan, np.array([0]))

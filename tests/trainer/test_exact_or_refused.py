@@ -54,10 +54,18 @@ def _assert_exact(model, case, grads=True, **kw):
 
 @pytest.mark.parametrize(
     "model_type,reentrant,backend",
-    [("stablelm", True, "flash"), ("stablelm", False, "flash"), ("nemotron", True, "flash"), ("nemotron", False, "flash"), ("stablelm", False, "sdpa")],
+    [
+        ("stablelm", True, "flash"),
+        ("stablelm", False, "flash"),
+        ("nemotron", True, "flash"),
+        ("nemotron", False, "flash"),
+        ("stablelm", False, "sdpa"),
+    ],
 )
 def test_checkpoint_replay_runs_tree_attention(case, model_type, reentrant, backend):
-    model = ms.build_causal_lm(model_type, **({"num_key_value_heads": 2, "head_dim": 8} if model_type == "nemotron" else {}))
+    model = ms.build_causal_lm(
+        model_type, **({"num_key_value_heads": 2, "head_dim": 8} if model_type == "nemotron" else {})
+    )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     _assert_exact(model, case, backend=backend, varlen_fn=naive_varlen_attention)
@@ -66,7 +74,10 @@ def test_checkpoint_replay_runs_tree_attention(case, model_type, reentrant, back
 @pytest.mark.parametrize(
     "model_type,overrides",
     [
-        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"])),
+        (
+            "qwen2_moe",
+            dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+        ),
         ("phimoe", dict(sliding_window=6)),
     ],
 )
@@ -77,7 +88,9 @@ def test_mask_builder_windows_are_applied(case, model_type, overrides):
     unwindowed = ms.build_causal_lm(model_type, **{**overrides, "sliding_window": 1000})  # wider than every sequence
     c, _ = case
     with torch.no_grad():
-        full = [torch.cat([x.new_full((1,), float("nan")), x]) for x in ms.unpacked_logprobs(unwindowed, c["sequences"])]
+        full = [
+            torch.cat([x.new_full((1,), float("nan")), x]) for x in ms.unpacked_logprobs(unwindowed, c["sequences"])
+        ]
     assert_not_close("window", alone, [torch.where(torch.isnan(a), a, f) for a, f in zip(alone, full)], atol=1e-3)
 
 
@@ -87,7 +100,9 @@ def test_model_built_attention_bias_is_refused(case):
         for name, p in model.named_parameters():
             if name.endswith(".A"):
                 p.normal_()  # a trained dynamic mask
-    with pytest.raises(UnsupportedModelError, match=r"DogeAttention \(layer 0\).*mask or bias that treepack did not build"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"DogeAttention \(layer 0\).*mask or bias that treepack did not build"
+    ):
         packed_forward(model, case[1])
 
 
@@ -109,7 +124,12 @@ def test_instance_patched_forward_is_refused(case):
         return stock(x).cumsum(1)
 
     mlp.forward = cumsum_forward
-    _refused_before_compute(model, case[1], r"model\.layers\.1\.mlp \(Qwen3MLP\): forward replaced on the instance by .*cumsum_forward", calls)
+    _refused_before_compute(
+        model,
+        case[1],
+        r"model\.layers\.1\.mlp \(Qwen3MLP\): forward replaced on the instance by .*cumsum_forward",
+        calls,
+    )
 
 
 def test_class_patched_forward_is_refused(case, monkeypatch):
@@ -178,7 +198,10 @@ def test_dropout_while_training_is_refused(case, model_type, field, match):
 
 def test_lora_dropout_is_refused_and_the_opt_in_runs(case):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(ms.build_causal_lm("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    model = peft.get_peft_model(
+        ms.build_causal_lm("qwen3"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1),
+    )
     model.train()
     with pytest.raises(UnsupportedModelError, match=r"lora_dropout\.default \(Dropout\): dropout p=0\.1"):
         packed_forward(model, case[1])

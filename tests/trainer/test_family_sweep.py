@@ -55,7 +55,9 @@ def _reference(model, c):
         keep = f.clone()
         keep[0] = False
         out.append(torch.where(keep, full, torch.full_like(full, float("nan"))))
-    loss = naive_sft_loss([torch.nan_to_num(x) for x in out], c["flags"], groups=c["case"]["groups"], normalization="sequence")
+    loss = naive_sft_loss(
+        [torch.nan_to_num(x) for x in out], c["flags"], groups=c["case"]["groups"], normalization="sequence"
+    )
     loss.backward()
     return [x.detach() for x in out], loss.detach(), _grads(model)
 
@@ -68,7 +70,9 @@ def _grads(model):
 
 def _packed(model, c, backend):
     batch = c["batch"]
-    lp = batch.target_logprobs(packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, verify=False))  # the sweep is its own oracle
+    lp = batch.target_logprobs(
+        packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, verify=False)
+    )  # the sweep is its own oracle
     loss = sft_loss(lp, batch, normalization="sequence")
     loss.backward()
     return [x.detach() for x in batch.unpack_logprobs(lp)], loss.detach(), _grads(model)
@@ -79,7 +83,12 @@ def _unpacked_again(model, c, ref_lp):
     with torch.no_grad():
         again = ms.unpacked_logprobs(model, c["case"]["sequences"][:3])
     want = [x[1:] for x in ref_lp[:3]]
-    assert_close("unpacked after packed_forward", want, [torch.where(torch.isnan(w), w, a) for w, a in zip(want, again)], atol=1e-6)
+    assert_close(
+        "unpacked after packed_forward",
+        want,
+        [torch.where(torch.isnan(w), w, a) for w, a in zip(want, again)],
+        atol=1e-6,
+    )
 
 
 def _expect_refusal(row) -> bool:
@@ -91,7 +100,13 @@ def _expect_refusal(row) -> bool:
     return bool(check_model(ms.build_family(row), raise_error=False).refusals)
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.model_type + ("-" + r.name.split(", ")[1].replace(" ", "_") if ", " in r.name else "")) for r in ms.FAMILIES])
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(r, id=r.model_type + ("-" + r.name.split(", ")[1].replace(" ", "_") if ", " in r.name else ""))
+        for r in ms.FAMILIES
+    ],
+)
 def test_family(case, row):
     model = ms.build_family(row)
     if _expect_refusal(row):
@@ -110,7 +125,11 @@ def test_family(case, row):
     for backend in ("sdpa", "flash"):
         lp, loss, grads = _packed(model, case, backend)
         assert_close(f"{backend} logprobs", ref_lp, lp, atol=LOGPROB_TOL)
-        assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (backend, float(loss), float(ref_loss))
+        assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (
+            backend,
+            float(loss),
+            float(ref_loss),
+        )
         # 1e-4 relative per parameter, with a floor at fp32 rounding of the largest gradient
         # (a parameter whose gradient is 1e-5 of the others cannot be held to 1e-4 of itself).
         floor = 1e-7 * max(float(g.abs().max()) for g in ref_grads.values())
@@ -131,7 +150,20 @@ def test_the_table_covers_every_mechanism():
     passing = [r for r in ms.FAMILIES if r.refused is None]
     assert len(passing) >= 25
     mechanisms = " ".join(r.mechanism for r in ms.FAMILIES)
-    for word in ("MoE", "sliding", "sinks", "chunked", "soft-cap", "logit_scale", "logits_scaling", "MLA", "DSA", "hybrid", "length-dependent RoPE", "auxiliary loss"):
+    for word in (
+        "MoE",
+        "sliding",
+        "sinks",
+        "chunked",
+        "soft-cap",
+        "logit_scale",
+        "logits_scaling",
+        "MLA",
+        "DSA",
+        "hybrid",
+        "length-dependent RoPE",
+        "auxiliary loss",
+    ):
         assert word in mechanisms, word
 
 
@@ -155,7 +187,10 @@ def test_negative_control_planted_recurrent_layer_is_refused(case):
     model = ms.build_family(ms.FAMILIES[2])  # Qwen3
     layer = model.model.layers[1]
     layer.mlp = _PlantedLayer(layer.mlp, model.config.hidden_size)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(_PlantedLayer\): forward defined outside torch / transformers"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model\.layers\.1\.mlp \(_PlantedLayer\): forward defined outside torch / transformers",
+    ):
         packed_forward(model, case["batch"])
     with torch.no_grad():  # the planted layer does mix tokens: packed and unpacked would differ
         x = torch.randn(1, 5, model.config.hidden_size)
@@ -174,7 +209,10 @@ def test_subclass_overriding_attention_forward_is_refused(case):
     check_model(model)
     overridden = type("MyAttention", (q.Qwen3Attention,), {"forward": forward, "__module__": __name__})
     model.model.layers[0].self_attn.__class__ = overridden
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(MyAttention\): (attention forward overridden|attention that does not dispatch)"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model\.layers\.0\.self_attn \(MyAttention\): (attention forward overridden|attention that does not dispatch)",
+    ):
         packed_forward(model, case["batch"])
 
 
@@ -190,7 +228,9 @@ def test_subclass_of_a_patched_layer_that_overrides_forward_is_refused(case):
     renamed = type("MyGatedDeltaNet", (q.Qwen3NextGatedDeltaNet,), {"forward": forward})
     path = next(n for n, m in model.named_modules() if type(m) is q.Qwen3NextGatedDeltaNet)
     model.get_submodule(path).__class__ = renamed
-    with pytest.raises(UnsupportedModelError, match=rf"{re.escape(path)} \(MyGatedDeltaNet\): subclass of Qwen3NextGatedDeltaNet"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"{re.escape(path)} \(MyGatedDeltaNet\): subclass of Qwen3NextGatedDeltaNet"
+    ):
         packed_forward(model, case["batch"])
 
 
@@ -209,7 +249,9 @@ def test_router_logits_requested_per_call_is_refused(case):
         packed_forward(model, case["batch"], output_router_logits=True)
 
 
-@pytest.mark.parametrize("model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling"), ("gemma2", "final_logit_softcapping")])
+@pytest.mark.parametrize(
+    "model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling"), ("gemma2", "final_logit_softcapping")]
+)
 def test_hidden_output_with_logit_transforms_needs_a_head_that_applies_them(case, model_type, attr):
     """output='hidden' is allowed because output_head applies the transforms; a caller without one is refused."""
     model = ms.build_family(next(r for r in ms.FAMILIES if r.model_type == model_type and r.refused is None))
@@ -256,9 +298,13 @@ def test_training_setups_exact(name):
     errs = ms.train_oracle(ms.perturb(ms.build_family(row)))
     assert sorted(errs) == sorted(f"{b}, {'reentrant' if r else 'non-reentrant'}" for b, r in ms.TRAIN_SETUPS)
     for setup, e in errs.items():
-        assert ms.within(e), f"{name} {setup}: logprob error {e[0]:.3g} (<= {ms.LOGPROB_TOL}), gradient error {e[1]:.3g} (<= {ms.GRAD_RTOL} relative)"
+        assert ms.within(e), (
+            f"{name} {setup}: logprob error {e[0]:.3g} (<= {ms.LOGPROB_TOL}), gradient error {e[1]:.3g} (<= {ms.GRAD_RTOL} relative)"
+        )
     recorded = ms.recorded_training()["rows"].get(name)
-    assert recorded is not None and all(ms.within(tuple(e)) for e in recorded.values()), f"{name}: the recorded sweep disagrees: {recorded}"
+    assert recorded is not None and all(ms.within(tuple(e)) for e in recorded.values()), (
+        f"{name}: the recorded sweep disagrees: {recorded}"
+    )
 
 
 def test_the_training_record_covers_every_exact_row():
@@ -267,7 +313,9 @@ def test_the_training_record_covers_every_exact_row():
     import transformers
 
     rec = ms.recorded_training()
-    assert (rec.get("transformers"), rec.get("torch")) == (transformers.__version__, torch.__version__.split("+")[0]), "rerun `python benchmarks/model_support.py --train --write-readme`"
+    assert (rec.get("transformers"), rec.get("torch")) == (transformers.__version__, torch.__version__.split("+")[0]), (
+        "rerun `python benchmarks/model_support.py --train --write-readme`"
+    )
     exact = {r.name for r in ms.FAMILIES if r.refused is None or r.lands_with is not None and not _expect_refusal(r)}
     assert set(rec["rows"]) == exact
     setups = {f"{b}, {'reentrant' if r else 'non-reentrant'}" for b, r in ms.TRAIN_SETUPS}
@@ -297,7 +345,11 @@ def test_reentrant_replay_passes_a_detached_alias_of_the_tree_mask():
 
     tree = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
     assert _is_tree_mask(tree, tree) and _is_tree_mask(tree.detach(), tree)
-    assert not _is_tree_mask(tree.clone(), tree) and not _is_tree_mask(tree[:1], tree) and not _is_tree_mask(tree.float(), tree)
+    assert (
+        not _is_tree_mask(tree.clone(), tree)
+        and not _is_tree_mask(tree[:1], tree)
+        and not _is_tree_mask(tree.float(), tree)
+    )
 
 
 # The automatic sweep's skips, each acknowledged with its reason: HF builds no tiny model of
@@ -306,15 +358,43 @@ def test_reentrant_replay_passes_a_detached_alias_of_the_tree_mask():
 # until it is removed (then it is swept). transformers as pinned by ``make test``.
 SWEEP_SKIPS: dict[str, str] = {
     **dict.fromkeys(
-        ("blt", "gemma3", "git", "got_ocr2", "inkling2_loop_text", "inkling2_text", "longcat_flash", "moss_transcribe_diarize",
-         "phi4_multimodal", "prophetnet", "recurrent_gemma", "roc_bert", "xlm"),
+        (
+            "blt",
+            "gemma3",
+            "git",
+            "got_ocr2",
+            "inkling2_loop_text",
+            "inkling2_text",
+            "longcat_flash",
+            "moss_transcribe_diarize",
+            "phi4_multimodal",
+            "prophetnet",
+            "recurrent_gemma",
+            "roc_bert",
+            "xlm",
+        ),
         r"unbuildable: ValueError: \d+ parameters after shrinking \(over 3000000\)",
     ),
-    **dict.fromkeys(("dots3_note", "dots3_note_text"), r"unbuildable: AmbiguousGlobalPerLayerAttributeError: 'num_attention_heads' is a per-layer attribute"),
-    **dict.fromkeys(("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_assistant", "gemma4_unified_text"), r"unbuildable: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute"),
-    **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe", "ministral"), r"unbuildable: TypeError: unsupported operand type\(s\) for \*\* or pow\(\): 'NoneType' and 'float'"),
-    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), r"unbuildable: TypeError: unsupported operand type\(s\) for //: 'NoneType' and 'NoneType'"),
-    **dict.fromkeys(("musicgen", "musicgen_melody"), r"unbuildable: AttributeError: 'Musicgen\w*Config' object has no attribute 'dropout'"),
+    **dict.fromkeys(
+        ("dots3_note", "dots3_note_text"),
+        r"unbuildable: AmbiguousGlobalPerLayerAttributeError: 'num_attention_heads' is a per-layer attribute",
+    ),
+    **dict.fromkeys(
+        ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_assistant", "gemma4_unified_text"),
+        r"unbuildable: AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute",
+    ),
+    **dict.fromkeys(
+        ("hunyuan_v1_dense", "hunyuan_v1_moe", "ministral"),
+        r"unbuildable: TypeError: unsupported operand type\(s\) for \*\* or pow\(\): 'NoneType' and 'float'",
+    ),
+    **dict.fromkeys(
+        ("qwen4_exp", "qwen4_exp_text"),
+        r"unbuildable: TypeError: unsupported operand type\(s\) for //: 'NoneType' and 'NoneType'",
+    ),
+    **dict.fromkeys(
+        ("musicgen", "musicgen_melody"),
+        r"unbuildable: AttributeError: 'Musicgen\w*Config' object has no attribute 'dropout'",
+    ),
     "cohere_compass_text": r"unbuildable: KeyError: 'full_attention'",
     "dbrx": r"unbuildable: AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
     "dots1": r"unbuildable: TypeError: empty\(\) takes 1 positional argument but 3 were given",
@@ -341,10 +421,16 @@ def test_automatic_sweep_none_silently_wrong(model_type):
         assert status == "pass", f"{model_type} is exact in the README table, but the sweep says {status} ({detail})"
     if status in ("unbuildable", "stock_fails"):
         said = f"{status}: {detail}"
-        assert model_type in SWEEP_SKIPS, f"{model_type} is newly skipped ({said}): make it build, or acknowledge it in SWEEP_SKIPS"
-        assert re.match(SWEEP_SKIPS[model_type], said), f"{model_type} skips for another reason: {said!r} (acknowledged: {SWEEP_SKIPS[model_type]!r})"
+        assert model_type in SWEEP_SKIPS, (
+            f"{model_type} is newly skipped ({said}): make it build, or acknowledge it in SWEEP_SKIPS"
+        )
+        assert re.match(SWEEP_SKIPS[model_type], said), (
+            f"{model_type} skips for another reason: {said!r} (acknowledged: {SWEEP_SKIPS[model_type]!r})"
+        )
         pytest.skip(f"{ms.SWEEP_STATUSES[status]} (acknowledged in SWEEP_SKIPS; the stock model's error: {detail})")
-    assert model_type not in SWEEP_SKIPS, f"{model_type} is acknowledged as skipped but now runs ({status}): remove it from SWEEP_SKIPS"
+    assert model_type not in SWEEP_SKIPS, (
+        f"{model_type} is acknowledged as skipped but now runs ({status}): remove it from SWEEP_SKIPS"
+    )
     assert status in ("pass", "refused"), f"{model_type}: {status} ({detail})"
 
 

@@ -73,8 +73,12 @@ def test_chunk_kernel_equals_hf_qwen3_next_fallback():
 
     q, k, v, g, beta = _inputs(150, 2, 4, 8, 8, dtype=torch.float32)
     h0 = torch.randn(1, 4, 8, 8)
-    ours, f_ours = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    hf, f_hf = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, f_ours = torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    hf, f_hf = m.torch_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(f_ours, f_hf, rtol=1e-5, atol=1e-5)
 
@@ -124,7 +128,9 @@ def test_tree_ops_equal_naive(planned):
     xs = _flat_inputs(plan, grad=False)
     o = tree_gated_delta_rule(*xs, sched, use_qk_l2norm_in_kernel=True)
     assert not o.isnan().any(), "a position was never written"
-    torch.testing.assert_close(o, naive_tree_gated_delta_rule(*xs, plan, use_qk_l2norm_in_kernel=True), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        o, naive_tree_gated_delta_rule(*xs, plan, use_qk_l2norm_in_kernel=True), rtol=1e-10, atol=1e-10
+    )
 
 
 def _per_sequence(plan):
@@ -175,10 +181,18 @@ def test_tree_equals_unpacked_and_linear_scan_does_not(planned):
     # sequence, conv over the raw row) gives a different answer on the same inputs.
     C = plan.seq_len
     q, k, v, g, beta = (x.detach() for x in xs)
-    xi = torch.nn.functional.pad(conv_in.detach().reshape(plan.num_rows, C, K).transpose(1, 2), (sched.conv_width - 1, 0))
-    c = torch.nn.functional.silu(torch.nn.functional.conv1d(xi, w.detach()[:, None, :], groups=K)).transpose(1, 2).reshape(N, K)
+    xi = torch.nn.functional.pad(
+        conv_in.detach().reshape(plan.num_rows, C, K).transpose(1, 2), (sched.conv_width - 1, 0)
+    )
+    c = (
+        torch.nn.functional.silu(torch.nn.functional.conv1d(xi, w.detach()[:, None, :], groups=K))
+        .transpose(1, 2)
+        .reshape(N, K)
+    )
     cu = torch.arange(plan.num_rows + 1, dtype=torch.int32) * C
-    scan, _ = torch_chunk_gated_delta_rule(q[None], (k + c[:, None, :])[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    scan, _ = torch_chunk_gated_delta_rule(
+        q[None], (k + c[:, None, :])[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu
+    )
     worst = max(float((scan[0][t] - o.detach()).abs().max()) for t, o in zip(idx, ref))
     assert worst > 1e-2, f"a linear scan of the row matched the unpacked run (max diff {worst})"
 
@@ -214,7 +228,9 @@ def test_leaf_loss_gives_zero_gradient_to_siblings_and_other_trees(planned):
     # siblings (and their subtrees) among them.
     off = ~on_chain & (seg_of >= 0)
     siblings = [s for s in range(seg.num_segments) if seg.parent[s] == seg.parent[leaf] and s != leaf]
-    assert int(off.sum()) > 0 and any(bool((seg_of == s).any()) for s in siblings), "no real token off the leaf's chain (vacuous)"
+    assert int(off.sum()) > 0 and any(bool((seg_of == s).any()) for s in siblings), (
+        "no real token off the leaf's chain (vacuous)"
+    )
 
 
 def test_schedule_for_a_subset_of_rows(planned):

@@ -72,7 +72,12 @@ def tiny_qwen3_next(conv_width: int, seed: int = 0):
 
 def _unpacked(model, seqs):
     """Per sequence: [n, V] log-softmax of the stock model run on that sequence alone."""
-    return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1) for s in seqs]
+    return [
+        torch.log_softmax(
+            model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1
+        )
+        for s in seqs
+    ]
 
 
 def _packed_logprobs(model, batch, patch_layers=True):
@@ -85,7 +90,9 @@ CASES = [(0, 2, 4), (100, 4, 6)]  # (seed, min_shared_len, conv width): W-1 > so
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"seed{c[0]}-msl{c[1]}-W{c[2]}")
 def case(request):
     seed, msl, W = request.param
-    seqs, trainable, plan = tree_plan(seed, min_shared_len=msl, conv_width=W, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
+    seqs, trainable, plan = tree_plan(
+        seed, min_shared_len=msl, conv_width=W, tail=3, trees=3, depth=3, max_len=160, seq_len=192
+    )
     assert tree_features(plan, W)["ok"]
     model = tiny_qwen3_next(W)
     batch = materialize(plan, seqs, trainable=trainable)
@@ -97,9 +104,15 @@ def test_packed_logprobs_equal_unpacked_and_linear_scan_does_not(case):
     with torch.no_grad():
         ref = _unpacked(model, seqs)
         unpatch_layers(model)
-        scan = torch.log_softmax(unchecked_packed_logits(model, batch).float(), -1)  # GDN layers stock: each row one linear scan
+        scan = torch.log_softmax(
+            unchecked_packed_logits(model, batch).float(), -1
+        )  # GDN layers stock: each row one linear scan
         tree = _packed_logprobs(model, batch)  # packed_forward patches the GDN layers itself
-        assert patch_layers(model) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.3.linear_attn"]
+        assert patch_layers(model) == [
+            "model.layers.0.linear_attn",
+            "model.layers.1.linear_attn",
+            "model.layers.3.linear_attn",
+        ]
     assert not tree.isnan().any()
     assert_close("packed logprobs", ref, per_sequence_logprobs(batch, tree), atol=1e-5)
     assert_not_close("a linear scan of the row", ref, per_sequence_logprobs(batch, scan), atol=1e-3)
@@ -122,7 +135,11 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     patch_layers(model)
     seg = plan.segments
     has_child = set(seg.parent[seg.parent >= 0].tolist())
-    leaf = next(s for s in range(seg.num_segments) if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2)
+    leaf = next(
+        s
+        for s in range(seg.num_segments)
+        if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2
+    )
     chain, p = set(), leaf
     while p >= 0:
         chain.add(p)
@@ -135,7 +152,9 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
+    (grad,) = torch.autograd.grad(
+        lp[on_leaf][..., 5].sum() + lp[on_leaf][..., 11].sum(), embeds[-1]
+    )  # the packed call: the probe (if any) ran before it
     on_chain = torch.zeros_like(on_leaf)
     for s in chain:
         on_chain |= seg_ids == s
@@ -180,7 +199,9 @@ def test_qwen3_5_packed_logprobs_equal_unpacked():
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.A_log.uniform_(math.log(0.02), math.log(0.3))
     model.set_attn_implementation("eager")
-    seqs, trainable, plan = tree_plan(0, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
+    seqs, trainable, plan = tree_plan(
+        0, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192
+    )
     batch = materialize(plan, seqs, trainable=trainable)
     assert len(patch_layers(model)) == 3
     with torch.no_grad():
@@ -195,10 +216,16 @@ def test_activation_checkpointing_replays_the_tree_layers(case):
     patch_layers(model)
     params = list(model.parameters())
     calls = []
-    hooks = [layer.linear_attn.register_forward_hook(trust_hook(lambda *a: calls.append(1))) for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    hooks = [
+        layer.linear_attn.register_forward_hook(trust_hook(lambda *a: calls.append(1)))
+        for layer in model.model.layers
+        if hasattr(layer, "linear_attn")
+    ]
 
     def grads():
-        lp = torch.log_softmax(packed_forward(model, batch, verify=False).float(), -1)  # counts calls; checks exactness itself
+        lp = torch.log_softmax(
+            packed_forward(model, batch, verify=False).float(), -1
+        )  # counts calls; checks exactness itself
         loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
         return torch.autograd.grad(loss, params, allow_unused=True)
 

@@ -47,7 +47,12 @@ def tiny_glm_moe_dsa(seed: int = 0):
 
 def _alone(model, seqs, grad=False):
     with torch.set_grad_enabled(grad):
-        return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0], -1) for s in seqs]
+        return [
+            torch.log_softmax(
+                model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0], -1
+            )
+            for s in seqs
+        ]
 
 
 def _packed(model, batch, grad=False):
@@ -57,7 +62,9 @@ def _packed(model, batch, grad=False):
 
 @pytest.fixture(scope="module")
 def case():
-    seqs, trainable, plan = tree_plan(300, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=120, seq_len=160)
+    seqs, trainable, plan = tree_plan(
+        300, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=120, seq_len=160
+    )
     model = tiny_glm_moe_dsa()
     batch = materialize(plan, seqs, trainable=trainable)
     return seqs, trainable, model, batch, _alone(model, seqs)
@@ -102,7 +109,9 @@ def test_a_shared_layer_without_a_tree_selection_is_refused(case):
     h = torch.zeros(batch.num_rows, batch.seq_len, model.config.hidden_size)
     pe = model.model.rotary_emb(h, batch.position_ids)
     stock = torch.zeros(batch.num_rows, batch.seq_len, TOPK, dtype=torch.int32)
-    with pytest.raises(RequestError, match=r"GlmMoeDsaAttention \(layer 1\) shares the top-k of an earlier layer but received Tensor"):
+    with pytest.raises(
+        RequestError, match=r"GlmMoeDsaAttention \(layer 1\) shares the top-k of an earlier layer but received Tensor"
+    ):
         dsa.dsa_tree_attention(attn, h, pe, batch, shared=stock)
 
 
@@ -130,4 +139,6 @@ def test_ties_straddle_the_topk_boundary(case):
     scores = dsa.dsa_indexer_scores(attn.indexer, h, q_resid, pe)[0]
     n = scores.shape[0]
     top = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).sort(-1, descending=True).values
-    assert bool((top[TOPK:, TOPK - 1] == top[TOPK:, TOPK]).any()), "no tie at the top-k boundary: the tie rule is untested"
+    assert bool((top[TOPK:, TOPK - 1] == top[TOPK:, TOPK]).any()), (
+        "no tie at the top-k boundary: the tie rule is untested"
+    )

@@ -37,8 +37,12 @@ def test_gpu_check_cpu_smoke_report(tmp_path):
         assert r["timing"]["tokens_unpacked_over_tree"] > 1.5 and r["timing"]["tree"]["fwd_bwd_ms"] > 0
     assert sections["sparse"]["check"]["topk_equal"]
     assert set(sections["probe"]["kernels"]) == {
-        "fla.chunk_gated_delta_rule", "fla.chunk_kda", "fla.causal_conv1d",
-        "mamba_ssm.mamba_chunk_scan_combined", "mamba_ssm.selective_scan_fn", "causal_conv1d.causal_conv1d_fn",
+        "fla.chunk_gated_delta_rule",
+        "fla.chunk_kda",
+        "fla.causal_conv1d",
+        "mamba_ssm.mamba_chunk_scan_combined",
+        "mamba_ssm.selective_scan_fn",
+        "causal_conv1d.causal_conv1d_fn",
     }
 
 

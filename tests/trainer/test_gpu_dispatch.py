@@ -114,7 +114,9 @@ def test_mamba_chunk_scan_varlen_takes_one_initial_state_per_sequence():
     ys, hs = [], []
     for i in range(len(cu) - 1):
         s = slice(int(cu[i]), int(cu[i + 1]))
-        o, h = loops.loop_mamba2(x[0, s], dt[0, s], A, B[0, s], C[0, s], h0[i], D=D, z=z[0, s], dt_bias=bias, dt_softplus=True)
+        o, h = loops.loop_mamba2(
+            x[0, s], dt[0, s], A, B[0, s], C[0, s], h0[i], D=D, z=z[0, s], dt_bias=bias, dt_softplus=True
+        )
         ys.append(o)
         hs.append(h)
     y_ref, s_ref = torch.cat(ys)[None], torch.stack(hs)
@@ -148,7 +150,18 @@ def test_selective_scan_with_state_gives_the_last_state_a_gradient():
     _, stock_last = cases.STOCK["mamba1"](u, delta, A, B, C, return_last_state=True, **kw)
     assert not stock_last.requires_grad
     y, last = selective_scan_with_state(u, delta, A, B, C, return_last_state=True, kernel=cases.STOCK["mamba1"], **kw)
-    refs = [loops.loop_selective_scan(u[i].T, delta[i].T, A, B[i].T, C[i].T, None, **{k: (v if k in ("D", "delta_bias", "delta_softplus") else v[i].T) for k, v in kw.items()}) for i in range(b)]
+    refs = [
+        loops.loop_selective_scan(
+            u[i].T,
+            delta[i].T,
+            A,
+            B[i].T,
+            C[i].T,
+            None,
+            **{k: (v if k in ("D", "delta_bias", "delta_softplus") else v[i].T) for k, v in kw.items()},
+        )
+        for i in range(b)
+    ]
     y_ref = torch.stack([o.T for o, _ in refs])
     last_ref = torch.stack([h for _, h in refs])
     torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-8)
@@ -172,8 +185,12 @@ def test_causal_conv1d_varlen_fla_path_equals_the_causal_conv1d_path():
     x = torch.randn(1, 6, 50, generator=g, dtype=torch.float64)
     w, b = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
     seq_idx = torch.tensor([0] * 3 + [1] * 20 + [2] * 1 + [3] * 26, dtype=torch.int32)[None]
-    a = causal_conv1d_varlen(x, w, b, seq_idx=seq_idx, activation="silu", backend="causal_conv1d", kernel=cases.STOCK["short_conv_cuda"])
-    f = causal_conv1d_varlen(x, w, b, seq_idx=seq_idx, activation="silu", backend="fla", kernel=cases.STOCK["short_conv_fla"])
+    a = causal_conv1d_varlen(
+        x, w, b, seq_idx=seq_idx, activation="silu", backend="causal_conv1d", kernel=cases.STOCK["short_conv_cuda"]
+    )
+    f = causal_conv1d_varlen(
+        x, w, b, seq_idx=seq_idx, activation="silu", backend="fla", kernel=cases.STOCK["short_conv_fla"]
+    )
     torch.testing.assert_close(a, f)
     whole = causal_conv1d_varlen(x, w, b, activation="silu", backend="fla", kernel=cases.STOCK["short_conv_fla"])
     assert not torch.allclose(whole, f)  # seq_idx does cut the conv

@@ -31,7 +31,9 @@ STAND_INS = {"varlen_attention", "naive_varlen_attention"}
 
 def _site() -> tuple[str, int, str] | None:
     """The innermost treepack frame of the current call, or None inside the kernel stand-in."""
-    frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and "test_host_sync" not in f.filename]
+    frames = [
+        f for f in traceback.extract_stack() if "/torch/" not in f.filename and "test_host_sync" not in f.filename
+    ]
     if any(f.name in STAND_INS for f in frames):
         return None
     ours = [f for f in frames if "treepack" in f.filename or "trainer_plugin" in f.filename]
@@ -57,7 +59,9 @@ class SyncCounter:
                 name = str(func)
                 if any(k in name for k in SYNC_OPS):
                     counter._hit(name)
-                elif name.startswith("aten.index.Tensor") and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+                elif name.startswith("aten.index.Tensor") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()
+                ):
                     counter._hit("boolean index")
                 return func(*args, **(kwargs or {}))
 
@@ -82,7 +86,15 @@ def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     return Qwen3ForCausalLM(cfg).float()
 
 
@@ -115,7 +127,15 @@ def test_the_counter_sees_each_kind_of_sync():
         torch.nonzero(x)
         x.cpu()
     kinds = {k[0] for k in sync.sites}
-    assert {"item", "__float__", "tolist", "boolean index", "aten.nonzero.default", "cpu", "aten._local_scalar_dense.default"} <= kinds, kinds
+    assert {
+        "item",
+        "__float__",
+        "tolist",
+        "boolean index",
+        "aten.nonzero.default",
+        "cpu",
+        "aten._local_scalar_dense.default",
+    } <= kinds, kinds
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash"])
@@ -125,7 +145,9 @@ def test_kernel_metadata_is_ready_before_the_first_layer(backend):
     batch = materialize(plan, SEQS)
     seen = []
     # A recording hook that mixes no positions: declared as such, so the guards accept it.
-    model.model.layers[0].register_forward_pre_hook(trust_hook(lambda mod, args: seen.append(sorted(map(str, batch._cache)))))
+    model.model.layers[0].register_forward_pre_hook(
+        trust_hook(lambda mod, args: seen.append(sorted(map(str, batch._cache))))
+    )
     before = sorted(map(str, batch._cache))
     # verify=False: the run-time probe would call layer 0 on batches of its own first.
     packed_forward(model, batch, backend=backend, varlen_fn=varlen_attention, verify=False)

@@ -61,9 +61,15 @@ def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
     )  # fmt: skip
     model = Qwen3_5ForCausalLM(cfg)
     check_cp_layers(model, 2)  # 2 key heads, 6 value heads: both divide
-    with pytest.raises(UnsupportedModelError, match=r"linear_attn \(Qwen3_5GatedDeltaNet\): layer kind 'gdn' runs under CP on contiguous shards only"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"linear_attn \(Qwen3_5GatedDeltaNet\): layer kind 'gdn' runs under CP on contiguous shards only",
+    ):
         check_cp_layers(model, 2, contiguous=False)  # the all-gather plan's tiled split
-    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.linear_attn \(Qwen3_5GatedDeltaNet\): 6 value heads do not divide over 4") as e:
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model.layers.0.linear_attn \(Qwen3_5GatedDeltaNet\): 6 value heads do not divide over 4",
+    ) as e:
         check_cp_layers(model, 4)
     assert e.value.refusals == (("model.layers.0.linear_attn", "Qwen3_5GatedDeltaNet", e.value.refusals[0][2]),)
     kind = layer_of(model.model.layers[0].linear_attn)
@@ -146,7 +152,9 @@ def test_a_changed_forward_is_not_the_kind(tiny_kind):
 def test_a_conv_wider_than_the_plan_is_refused(case, tiny_kind):
     seqs, batch = case
     model = _model(PLAN_W + 2)
-    with pytest.raises(UnsupportedModelError, match=rf"kernel {PLAN_W + 2} but the plan was made with conv_width={PLAN_W}"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"kernel {PLAN_W + 2} but the plan was made with conv_width={PLAN_W}"
+    ):
         check_model(model, conv_width=PLAN_W)
     patch_layers(model)
     with pytest.raises(RequestError, match=rf"TinyConvMixer .*kernel {PLAN_W + 2}.*conv_width={PLAN_W}") as info:

@@ -12,7 +12,18 @@ from treepack.trainer import materialize
 
 from helpers.trainer_cases import mixed_batch, plan_of
 
-FIELDS = ("input_ids", "position_ids", "subtree_end", "targets", "loss_mask", "owner", "score_seq", "score_pos", "score_counts", "groups")
+FIELDS = (
+    "input_ids",
+    "position_ids",
+    "subtree_end",
+    "targets",
+    "loss_mask",
+    "owner",
+    "score_seq",
+    "score_pos",
+    "score_counts",
+    "groups",
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,9 @@ def test_disagreeing_groups_raise(case):
         materialize(plan, c["sequences"], groups=None if False else list(range(len(c["sequences"]))))
     assert e.value.rule == "plan_mismatch"
     relabelled = [None if g is None else f"x{g}" for g in c["groups"]]  # same partition, other labels
-    assert torch.equal(materialize(plan, c["sequences"], groups=relabelled).groups, materialize(plan, c["sequences"]).groups)
+    assert torch.equal(
+        materialize(plan, c["sequences"], groups=relabelled).groups, materialize(plan, c["sequences"]).groups
+    )
 
 
 def test_empty_loss_mask_raises():

@@ -23,9 +23,21 @@ def olmo_hybrid(neg_eigval: bool = True):
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
     cfg = OlmoHybridConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
-        linear_allow_neg_eigval=neg_eigval, max_position_embeddings=512, initializer_range=0.08, pad_token_id=0, bos_token_id=1, eos_token_id=2, **GDN_DIMS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=neg_eigval,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **GDN_DIMS,
     )
     return OlmoHybridForCausalLM(cfg)
 
@@ -54,10 +66,23 @@ def _qwen3_next_with(layer_cls_factory):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=2, initializer_range=0.08,
-        max_position_embeddings=512, **GDN_DIMS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        decoder_sparse_step=2,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+        **GDN_DIMS,
     )
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(cfg).float().eval()

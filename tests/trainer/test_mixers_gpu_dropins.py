@@ -49,11 +49,21 @@ def _randn(*shape, seed=0):
 def test_selective_scan_with_state_forks_gradients(sched):
     plan, s = sched
     N, Dd, S = plan.num_rows * plan.seq_len, 4, 3
-    u, dt, B, C, z = _randn(N, Dd, seed=1), _randn(N, Dd, seed=2), _randn(N, S, seed=3), _randn(N, S, seed=4), _randn(N, Dd, seed=5)
+    u, dt, B, C, z = (
+        _randn(N, Dd, seed=1),
+        _randn(N, Dd, seed=2),
+        _randn(N, S, seed=3),
+        _randn(N, S, seed=4),
+        _randn(N, Dd, seed=5),
+    )
     A = -torch.rand(Dd, S, dtype=F64) - 0.1
     kw = dict(D=_randn(Dd, seed=6), z=z, delta_bias=_randn(Dd, seed=7), delta_softplus=True)
     dropin = functools.partial(selective_scan_with_state, kernel=torch_selective_scan)
-    _same(lambda: tree_selective_scan(u, dt, A, B, C, s, scan_fn=dropin, **kw), lambda: tree_selective_scan(u, dt, A, B, C, s, **kw), [u, dt, B, C, A])
+    _same(
+        lambda: tree_selective_scan(u, dt, A, B, C, s, scan_fn=dropin, **kw),
+        lambda: tree_selective_scan(u, dt, A, B, C, s, **kw),
+        [u, dt, B, C, A],
+    )
 
 
 def test_mamba_chunk_scan_varlen_is_a_dropin(sched):
@@ -63,7 +73,11 @@ def test_mamba_chunk_scan_varlen_is_a_dropin(sched):
     A = -torch.rand(H, dtype=F64) - 0.1
     kw = dict(chunk_size=16, D=_randn(H, seed=5), dt_bias=_randn(H, seed=6), dt_softplus=True)
     dropin = functools.partial(mamba_chunk_scan_varlen, kernel=torch_ssd_chunk_scan)
-    _same(lambda: tree_ssd_scan(x, dt, A, B, C, s, scan_fn=dropin, **kw), lambda: tree_ssd_scan(x, dt, A, B, C, s, **kw), [x, dt, B, C, A])
+    _same(
+        lambda: tree_ssd_scan(x, dt, A, B, C, s, scan_fn=dropin, **kw),
+        lambda: tree_ssd_scan(x, dt, A, B, C, s, **kw),
+        [x, dt, B, C, A],
+    )
 
 
 def test_kda_level_is_a_dropin(sched):
@@ -72,8 +86,11 @@ def test_kda_level_is_a_dropin(sched):
     q, k, v = _randn(N, H, K, seed=1), _randn(N, H, K, seed=2), _randn(N, H, V, seed=3)
     g, beta = -torch.rand(N, H, K, dtype=F64) * 0.5, torch.rand(N, H, dtype=F64)
     dropin = functools.partial(kda_level, kernel=torch_chunk_kda)
-    _same(lambda: tree_kda(q, k, v, g, beta, s, use_qk_l2norm_in_kernel=True, kernel=dropin),
-          lambda: tree_kda(q, k, v, g, beta, s, use_qk_l2norm_in_kernel=True), [q, k, v, g, beta])
+    _same(
+        lambda: tree_kda(q, k, v, g, beta, s, use_qk_l2norm_in_kernel=True, kernel=dropin),
+        lambda: tree_kda(q, k, v, g, beta, s, use_qk_l2norm_in_kernel=True),
+        [q, k, v, g, beta],
+    )
 
 
 def test_causal_conv1d_varlen_is_a_dropin(sched):
@@ -81,8 +98,25 @@ def test_causal_conv1d_varlen_is_a_dropin(sched):
     N, D = plan.num_rows * plan.seq_len, 5
     x, w, b = _randn(N, D, seed=1), _randn(D, 4, seed=2), _randn(D, seed=3)
 
-    def stock(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False, final_states_out=None, activation=None):
-        return torch_causal_conv1d(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, return_final_states=return_final_states, activation=activation)
+    def stock(
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
+        return torch_causal_conv1d(
+            x,
+            weight,
+            bias,
+            seq_idx=seq_idx,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+            activation=activation,
+        )
 
     dropin = functools.partial(causal_conv1d_varlen, kernel=stock, backend="causal_conv1d")
     _same(lambda: tree_conv(x, w, b, s, "silu", conv_fn=dropin), lambda: tree_conv(x, w, b, s, "silu"), [x, w, b])

@@ -24,8 +24,13 @@ F64 = torch.float64
 def _inputs(B, T, H=2, HV=2, K=4, V=3, dtype=F64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     t = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
-    return [t(B, T, H, K), t(B, T, H, K), t(B, T, HV, V), -torch.rand(B, T, HV, K, generator=gen, dtype=dtype) * 0.5,
-            torch.rand(B, T, HV, generator=gen, dtype=dtype)]
+    return [
+        t(B, T, H, K),
+        t(B, T, H, K),
+        t(B, T, HV, V),
+        -torch.rand(B, T, HV, K, generator=gen, dtype=dtype) * 0.5,
+        torch.rand(B, T, HV, generator=gen, dtype=dtype),
+    ]
 
 
 KDA_CASES = [(2, 37, 8, None, False, 2), (1, 50, 16, [0, 5, 5, 20, 21, 50], True, 2), (1, 70, 64, [0, 1, 70], True, 4)]
@@ -46,7 +51,9 @@ def test_kda_chunked_equals_naive_with_gradients(B, T, chunk, cu, h0, HV):
     torch.testing.assert_close(s1, s2, rtol=1e-10, atol=1e-10)
     leaves = xs + ([kw["initial_state"]] if h0 else [])
     w = torch.randn_like(o1)
-    for a, c in zip(torch.autograd.grad((o1 * w).sum() + s1.sum(), leaves), torch.autograd.grad((o2 * w).sum() + s2.sum(), leaves)):
+    for a, c in zip(
+        torch.autograd.grad((o1 * w).sum() + s1.sum(), leaves), torch.autograd.grad((o2 * w).sum() + s2.sum(), leaves)
+    ):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
 
 
@@ -60,7 +67,9 @@ def test_kda_equals_hf_slow_paths():
     h0 = torch.randn(2, 2, 4, 3)
     o, s = torch_chunk_kda(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for hf in (chunk_kimi_delta_attention, recurrent_kimi_delta_attention):
-        o_hf, s_hf = hf(*xs[:3], g=xs[3], beta=xs[4], initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_hf, s_hf = hf(
+            *xs[:3], g=xs[3], beta=xs[4], initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
         torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=1e-5)
 
@@ -72,7 +81,9 @@ def test_tree_kda_equals_segment_walk():
     assert not fast.isnan().any()
 
     def run(seg, h0):
-        o, fin = naive_recurrent_kda(*(x[None] for x in seg), initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, fin = naive_recurrent_kda(
+            *(x[None] for x in seg), initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
         return o[0], fin
 
     torch.testing.assert_close(fast, naive_tree_scan(run, xs, plan, tuple(xs[2].shape[1:])), rtol=1e-10, atol=1e-10)
@@ -82,11 +93,30 @@ def kimi_linear():
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     cfg = KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_head_dim=8, linear_num_heads=2,
-        linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.08, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return KimiLinearForCausalLM(cfg)
 

@@ -25,7 +25,13 @@ F64 = torch.float64
 def _ssd_inputs(b, L, H=4, P=3, G=2, N=5, dtype=F64, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
     t = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
-    xs = dict(x=t(b, L, H, P), dt=t(b, L, H), A=-torch.rand(H, generator=g, dtype=dtype) - 0.1, B=t(b, L, G, N), C=t(b, L, G, N))
+    xs = dict(
+        x=t(b, L, H, P),
+        dt=t(b, L, H),
+        A=-torch.rand(H, generator=g, dtype=dtype) - 0.1,
+        B=t(b, L, G, N),
+        C=t(b, L, G, N),
+    )
     kw = dict(D=t(H), dt_bias=t(H), z=t(b, L, H, P))
     if grad:
         for v in list(xs.values()) + list(kw.values()):
@@ -79,8 +85,12 @@ def test_ssd_equals_hf_torch_path(chunk):
     xs, kw = _ssd_inputs(2, 41, dtype=torch.float32)
     del kw["z"]  # HF's torch path ignores z (its layers gate in the norm)
     h0 = torch.randn(2, 4, 3, 5)
-    y, fin = torch_ssd_chunk_scan(*xs.values(), chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True)
-    y_hf, fin_hf = mamba2_chunk_scan(*xs.values(), chunk_size=chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True)
+    y, fin = torch_ssd_chunk_scan(
+        *xs.values(), chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True
+    )
+    y_hf, fin_hf = mamba2_chunk_scan(
+        *xs.values(), chunk_size=chunk, **kw, initial_states=h0, dt_softplus=True, return_final_states=True
+    )
     torch.testing.assert_close(y, y_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fin, fin_hf, rtol=1e-5, atol=1e-5)
 
@@ -90,11 +100,25 @@ def test_causal_conv_equals_naive_and_hf(W):
     from transformers.models.bamba.modeling_bamba import causal_conv1d_fn
 
     g = torch.Generator().manual_seed(W)
-    x, w, b = torch.randn(2, 6, 30, generator=g, dtype=F64), torch.randn(6, W, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
+    x, w, b = (
+        torch.randn(2, 6, 30, generator=g, dtype=F64),
+        torch.randn(6, W, generator=g, dtype=F64),
+        torch.randn(6, generator=g, dtype=F64),
+    )
     seq_idx = torch.tensor([[0] * 1 + [1] * 12 + [2] * 17, [0] * 30])
     for act in (None, "silu"):
-        torch.testing.assert_close(torch_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(torch_causal_conv1d(x, w, b, activation=act), causal_conv1d_fn(x, w, b, activation=act), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            torch_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act),
+            naive_causal_conv1d(x, w, b, seq_idx=seq_idx, activation=act),
+            rtol=1e-12,
+            atol=1e-12,
+        )
+        torch.testing.assert_close(
+            torch_causal_conv1d(x, w, b, activation=act),
+            causal_conv1d_fn(x, w, b, activation=act),
+            rtol=1e-12,
+            atol=1e-12,
+        )
     h0 = torch.randn(2, 6, W - 1, dtype=F64)
     y1, f1 = torch_causal_conv1d(x, w, b, initial_states=h0, return_final_states=True)
     y2, f2 = naive_causal_conv1d(x, w, b, initial_states=h0, return_final_states=True)
@@ -115,7 +139,11 @@ def test_tree_conv_equals_chain_walk_for_narrower_layers(planned, W):
     plan, sched = planned
     N, D = plan.num_rows * plan.seq_len, 5
     g = torch.Generator().manual_seed(W)
-    x, w, b = torch.randn(N, D, generator=g, dtype=F64), torch.randn(D, W, generator=g, dtype=F64), torch.randn(D, generator=g, dtype=F64)
+    x, w, b = (
+        torch.randn(N, D, generator=g, dtype=F64),
+        torch.randn(D, W, generator=g, dtype=F64),
+        torch.randn(D, generator=g, dtype=F64),
+    )
     fast = tree_conv(x, w, b, sched, "silu")
     assert not fast.isnan().any()
     torch.testing.assert_close(fast, naive_tree_causal_conv1d(x, w, b, plan, "silu"), rtol=1e-12, atol=1e-12)
@@ -133,8 +161,18 @@ def test_tree_ssd_equals_segment_walk_with_gradients(planned):
     assert not fast.isnan().any()
 
     def run(seg_inputs, h0):
-        y, fin = naive_ssd_scan(*(t[None] for t in seg_inputs[:1]), seg_inputs[1][None], A, *(t[None] for t in seg_inputs[2:]), 16,
-                                D=D, dt_bias=bias, dt_softplus=True, initial_states=h0, return_final_states=True)
+        y, fin = naive_ssd_scan(
+            *(t[None] for t in seg_inputs[:1]),
+            seg_inputs[1][None],
+            A,
+            *(t[None] for t in seg_inputs[2:]),
+            16,
+            D=D,
+            dt_bias=bias,
+            dt_softplus=True,
+            initial_states=h0,
+            return_final_states=True,
+        )
         return y[0], fin
 
     slow = naive_tree_scan(run, (x, dt, B, C), plan, (H, P))

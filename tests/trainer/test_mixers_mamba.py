@@ -42,7 +42,9 @@ def test_selective_scan_chunked_equals_naive_with_gradients(L, groups):
     torch.testing.assert_close(h1, h2, rtol=1e-10, atol=1e-10)
     w = torch.randn_like(y1)
     leaves = args + list(kw.values())
-    for a, c in zip(torch.autograd.grad((y1 * w).sum() + h1.sum(), leaves), torch.autograd.grad((y2 * w).sum() + h2.sum(), leaves)):
+    for a, c in zip(
+        torch.autograd.grad((y1 * w).sum() + h1.sum(), leaves), torch.autograd.grad((y2 * w).sum() + h2.sum(), leaves)
+    ):
         torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
 
 
@@ -69,7 +71,18 @@ def test_tree_selective_scan_equals_segment_walk():
     def run(seg, h0):  # one segment from its parent's state: prepend nothing, seed the state
         us, dts, Bs, Cs, zs = (x.T[None] for x in seg)
         if h0 is None:
-            y, h = naive_selective_scan(us, dts, A, Bs, Cs, D=kw["D"], z=zs, delta_bias=kw["delta_bias"], delta_softplus=True, return_last_state=True)
+            y, h = naive_selective_scan(
+                us,
+                dts,
+                A,
+                Bs,
+                Cs,
+                D=kw["D"],
+                z=zs,
+                delta_bias=kw["delta_bias"],
+                delta_softplus=True,
+                return_last_state=True,
+            )
             return y[0].T, h
         dte = torch.nn.functional.softplus(dts + kw["delta_bias"][:, None])
         h, ys = h0[0], []
@@ -86,9 +99,24 @@ def jamba():
     from transformers import JambaConfig, JambaForCausalLM
 
     cfg = JambaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-        attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
-        mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=8, max_position_embeddings=512, initializer_range=0.08,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_layer_period=3,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_dt_rank=8,
+        max_position_embeddings=512,
+        initializer_range=0.08,
     )
     return JambaForCausalLM(cfg)
 
@@ -118,7 +146,14 @@ def test_tree_selective_scan_runs_in_bf16():
     (u, dt, A, B, C), kw = _inputs(1, Dd, n, N, dtype=torch.float32)
     args = (u[0].T, dt[0].T, A, B[0].T, C[0].T)
     ref = tree_selective_scan(*args, sched, D=kw["D"], delta_bias=kw["delta_bias"], delta_softplus=True)
-    half = tree_selective_scan(*(x.to(torch.bfloat16) for x in args[:2]), A, *(x.to(torch.bfloat16) for x in args[3:]), sched,
-                               D=kw["D"], delta_bias=kw["delta_bias"], delta_softplus=True)
+    half = tree_selective_scan(
+        *(x.to(torch.bfloat16) for x in args[:2]),
+        A,
+        *(x.to(torch.bfloat16) for x in args[3:]),
+        sched,
+        D=kw["D"],
+        delta_bias=kw["delta_bias"],
+        delta_softplus=True,
+    )
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), ref, rtol=5e-2, atol=5e-2)

@@ -20,8 +20,24 @@ from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 
 CHUNK = 16
-MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=CHUNK)
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08)
+MAMBA = dict(
+    mamba_n_heads=4,
+    mamba_d_head=8,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=CHUNK,
+)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+)
 
 
 def _long_memory(model) -> None:
@@ -47,8 +63,14 @@ def nemotron_h():
         **{k: v for k, v in COMMON.items()},
         layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
         head_dim=16,
-        mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=CHUNK,
-        use_conv_bias=True, time_step_min=0.001,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=CHUNK,
+        use_conv_bias=True,
+        time_step_min=0.001,
     )
     return NemotronHForCausalLM(cfg)
 
@@ -57,9 +79,17 @@ def granite_hybrid():
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     cfg = GraniteMoeHybridConfig(
-        **COMMON, **MAMBA, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
-        embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.5,
+        **COMMON,
+        **MAMBA,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.7,
+        attention_multiplier=0.2,
+        logits_scaling=1.5,
     )
     return GraniteMoeHybridForCausalLM(cfg)
 
@@ -68,10 +98,20 @@ def falcon_h1(rms_norm: bool = True):
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     cfg = FalconH1Config(
-        **COMMON, **MAMBA, num_hidden_layers=2, mamba_rms_norm=rms_norm, mamba_d_ssm=32,
-        ssm_in_multiplier=0.8, ssm_out_multiplier=1.3, ssm_multipliers=[0.9, 1.1, 0.7, 1.2, 0.6],
-        attention_in_multiplier=0.9, attention_out_multiplier=1.1, key_multiplier=0.8,
-        embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.9, 1.2],
+        **COMMON,
+        **MAMBA,
+        num_hidden_layers=2,
+        mamba_rms_norm=rms_norm,
+        mamba_d_ssm=32,
+        ssm_in_multiplier=0.8,
+        ssm_out_multiplier=1.3,
+        ssm_multipliers=[0.9, 1.1, 0.7, 1.2, 0.6],
+        attention_in_multiplier=0.9,
+        attention_out_multiplier=1.1,
+        key_multiplier=0.8,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.7,
+        mlp_multipliers=[0.9, 1.2],
     )
     return FalconH1ForCausalLM(cfg)
 
@@ -79,17 +119,43 @@ def falcon_h1(rms_norm: bool = True):
 def mamba2_pure():
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    return Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2,
-                                          state_size=8, conv_kernel=4, chunk_size=CHUNK, expand=2))
+    return Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=16,
+            n_groups=2,
+            state_size=8,
+            conv_kernel=4,
+            chunk_size=CHUNK,
+            expand=2,
+        )
+    )
 
 
 def zamba2():
     from transformers import Zamba2Config, Zamba2ForCausalLM
 
     cfg = Zamba2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
-        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, mamba_headdim=8, n_mamba_heads=8, chunk_size=CHUNK, num_attention_heads=2,
-        num_key_value_heads=2, attention_head_dim=16, intermediate_size=48, max_position_embeddings=512, use_shared_attention_adapter=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        layers_block_type=["mamba", "hybrid", "mamba"],
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=2,
+        mamba_headdim=8,
+        n_mamba_heads=8,
+        chunk_size=CHUNK,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attention_head_dim=16,
+        intermediate_size=48,
+        max_position_embeddings=512,
+        use_shared_attention_adapter=False,
     )
     return Zamba2ForCausalLM(cfg)
 
@@ -156,10 +222,16 @@ def test_activation_checkpointing_replays_the_tree_mixers(case):
     patch_layers(model)
     params = list(model.parameters())
     calls = []
-    hooks = [m.register_forward_hook(trust_hook(lambda *a: calls.append(1))) for m in model.modules() if mixer_kind(m) == "mamba2"]
+    hooks = [
+        m.register_forward_hook(trust_hook(lambda *a: calls.append(1)))
+        for m in model.modules()
+        if mixer_kind(m) == "mamba2"
+    ]
 
     def grads():
-        lp = torch.log_softmax(packed_forward(model, batch, backend="sdpa", verify=False).float(), -1)  # counts calls; checks exactness itself
+        lp = torch.log_softmax(
+            packed_forward(model, batch, backend="sdpa", verify=False).float(), -1
+        )  # counts calls; checks exactness itself
         loss = lp.reshape(-1, lp.shape[-1])[batch.score_flat].gather(1, batch.score_target[:, None]).sum()
         return torch.autograd.grad(loss, params, allow_unused=True)
 

@@ -15,20 +15,44 @@ from treepack.trainer.kernels.short_conv import torch_gated_short_conv
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+)
 
 
 def lfm2(conv_bias: bool = True):
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    return Lfm2ForCausalLM(Lfm2Config(**COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=conv_bias, conv_L_cache=3))
+    return Lfm2ForCausalLM(
+        Lfm2Config(
+            **COMMON,
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            conv_bias=conv_bias,
+            conv_L_cache=3,
+        )
+    )
 
 
 def lfm2_moe():
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
-    cfg = Lfm2MoeConfig(**COMMON, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
-                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1)
+    cfg = Lfm2MoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        num_dense_layers=1,
+    )
     return Lfm2MoeForCausalLM(cfg)
 
 
@@ -50,7 +74,9 @@ def test_gated_short_conv_equals_hf_layer():
     with torch.no_grad():
         stock = layer(h)
         BCx = layer.in_proj(h).transpose(1, 2)
-        ours = layer.out_proj(torch_gated_short_conv(BCx, layer.conv.weight.squeeze(1), layer.conv.bias).transpose(1, 2))
+        ours = layer.out_proj(
+            torch_gated_short_conv(BCx, layer.conv.weight.squeeze(1), layer.conv.bias).transpose(1, 2)
+        )
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 

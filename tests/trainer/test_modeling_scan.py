@@ -48,7 +48,10 @@ def test_scan_finds_the_known_cases():
 
 def test_every_hit_in_a_causal_lm_module_is_handled():
     bad = scan.unhandled(scan.scan_transformers())
-    assert not bad, "unhandled patterns in transformers' modeling code (handle or refuse them, then regenerate the README):\n" + "\n".join(map(str, bad))
+    assert not bad, (
+        "unhandled patterns in transformers' modeling code (handle or refuse them, then regenerate the README):\n"
+        + "\n".join(map(str, bad))
+    )
 
 
 LAYER = """
@@ -83,7 +86,11 @@ def _hits(src, config_src="sliding_window = 4096"):
 def test_planted_layer_dropping_kwargs():
     assert _hits(LAYER) == [("kwargs_dropped", "self.self_attn(...)", True)]
     # Its own torch checkpoint call replays the layer outside the packed context: unhandled.
-    own = "from torch.utils.checkpoint import checkpoint\n" + LAYER + "\ndef run(layer, x):\n    return checkpoint(layer, x)\n"
+    own = (
+        "from torch.utils.checkpoint import checkpoint\n"
+        + LAYER
+        + "\ndef run(layer, x):\n    return checkpoint(layer, x)\n"
+    )
     assert _hits(own) == [("kwargs_dropped", "self.self_attn(...)", False)]
     assert _hits(LAYER.replace("attention_mask=attention_mask)", "attention_mask=attention_mask, **kwargs)")) == []
 
@@ -92,17 +99,36 @@ def test_planted_window_applied_only_by_the_mask_builder():
     src = "from ...masking_utils import create_causal_mask, create_sliding_window_causal_mask\n" + _attention()
     assert _hits(src) == [("window_by_mask_builder", "builds sliding-window masks", True)]
     # A window the config does not declare: mask_builder_window cannot read it.
-    assert _hits(src, config_src="attention_window = 4096") == [("window_by_mask_builder", "builds sliding-window masks", False)]
-    assert _hits(src.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.sliding_window,")) == []
+    assert _hits(src, config_src="attention_window = 4096") == [
+        ("window_by_mask_builder", "builds sliding-window masks", False)
+    ]
+    assert (
+        _hits(src.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.sliding_window,")) == []
+    )
     assert _hits(_attention()) == []  # no window anywhere
 
 
 @pytest.mark.parametrize(
     "mask,extra,body,expected",
     [
-        ("attention_mask + self.bias", "", "pass", [("model_built_mask", "attention_mask=attention_mask + self.bias", True)]),
-        ("attention_mask", "", "attention_mask = attention_mask * self.gate", [("model_built_mask", "attention_mask=attention_mask", True)]),
-        ("attention_mask", "", "attention_mask.add_(self.bias)", [("model_built_mask", "modifies attention_mask in place", False)]),
+        (
+            "attention_mask + self.bias",
+            "",
+            "pass",
+            [("model_built_mask", "attention_mask=attention_mask + self.bias", True)],
+        ),
+        (
+            "attention_mask",
+            "",
+            "attention_mask = attention_mask * self.gate",
+            [("model_built_mask", "attention_mask=attention_mask", True)],
+        ),
+        (
+            "attention_mask",
+            "",
+            "attention_mask.add_(self.bias)",
+            [("model_built_mask", "modifies attention_mask in place", False)],
+        ),
         ("attention_mask", "position_bias=self.rel(q), ", "pass", [("model_built_mask", "position_bias=", True)]),
         ("attention_mask", "alibi=self.slopes, ", "pass", [("model_built_mask", "alibi=", False)]),
         ("attention_mask", "dropout=0.0, softcap=self.cap, position_ids=None, ", "pass", []),

@@ -46,7 +46,9 @@ def test_probe_names_a_mixing_hook():
 
 def test_probe_names_a_dropped_window(monkeypatch):
     monkeypatch.setattr(tree_attention_mod, "mask_builder_window", lambda module: None)
-    model = ms.build_causal_lm("qwen2_moe", use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    model = ms.build_causal_lm(
+        "qwen2_moe", use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+    )
     _refused(model, r"first diverging forward output: model\.layers\.0\.self_attn \(Qwen2MoeAttention\)")
 
 
@@ -63,7 +65,9 @@ def test_probe_names_a_model_built_bias(monkeypatch):
 def test_probe_names_dropout_the_guards_cannot_see():
     model = ms.build_causal_lm("qwen3")
     model.train()
-    model.model.layers[0].mlp.register_forward_hook(_known_looking(lambda m, a, out: torch.nn.functional.dropout(out, 0.1, training=True)))
+    model.model.layers[0].mlp.register_forward_hook(
+        _known_looking(lambda m, a, out: torch.nn.functional.dropout(out, 0.1, training=True))
+    )
     _refused(model, r"not deterministic across batch shapes.*model\.layers\.0\.mlp \(Qwen3MLP\)")
 
 
@@ -72,12 +76,19 @@ def test_probe_names_a_wrong_checkpoint_replay(monkeypatch):
     model = ms.build_causal_lm("stablelm")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.train()
-    msg = _refused(model, r"first diverging parameter gradients: model\.layers\.1\.", backend="flash", varlen_fn=naive_varlen_attention)
+    msg = _refused(
+        model,
+        r"first diverging parameter gradients: model\.layers\.1\.",
+        backend="flash",
+        varlen_fn=naive_varlen_attention,
+    )
     assert "checkpointing=True, reentrant=True" in msg
 
 
 def test_probe_batch_crosses_every_declared_size():
-    model = ms.build_causal_lm("qwen2_moe", use_sliding_window=True, sliding_window=40, layer_types=["sliding_attention", "full_attention"])
+    model = ms.build_causal_lm(
+        "qwen2_moe", use_sliding_window=True, sliding_window=40, layer_types=["sliding_attention", "full_attention"]
+    )
     assert declared_sizes(model)["sliding_window"] == 40
     seqs, span = probe_sequences(model)
     assert span == 40 and max(len(s) for s in seqs) > 40 + span // 2

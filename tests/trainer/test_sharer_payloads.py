@@ -82,15 +82,52 @@ def _loss_and_grad(fn, logits):
 LOSSES = {
     "sft": (
         lambda b, norm, old: lambda lp: sft_loss(lp, b, weights="w", normalization=norm),
-        lambda c, p, f, norm: lambda lps: naive_sft_loss(lps, f, groups=c["groups"], weights=p["w"], normalization=norm),
+        lambda c, p, f, norm: (
+            lambda lps: naive_sft_loss(lps, f, groups=c["groups"], weights=p["w"], normalization=norm)
+        ),
     ),
     "ppo": (
-        lambda b, norm, old: lambda lp: ppo_clip_loss(lp, b, advantages="adv", old_logprobs=old, ref_logprobs="ref", kl_coef=0.05, clip_high=0.28, normalization=norm),
-        lambda c, p, f, norm: lambda lps: naive_ppo_clip_loss(lps, f, advantages=p["adv"], old_logprobs=p["old"], ref_logprobs=p["ref"], kl_coef=0.05, clip_high=0.28, groups=c["groups"], normalization=norm),
+        lambda b, norm, old: (
+            lambda lp: ppo_clip_loss(
+                lp,
+                b,
+                advantages="adv",
+                old_logprobs=old,
+                ref_logprobs="ref",
+                kl_coef=0.05,
+                clip_high=0.28,
+                normalization=norm,
+            )
+        ),
+        lambda c, p, f, norm: (
+            lambda lps: naive_ppo_clip_loss(
+                lps,
+                f,
+                advantages=p["adv"],
+                old_logprobs=p["old"],
+                ref_logprobs=p["ref"],
+                kl_coef=0.05,
+                clip_high=0.28,
+                groups=c["groups"],
+                normalization=norm,
+            )
+        ),
     ),
     "cispo": (
-        lambda b, norm, old: lambda lp: cispo_loss(lp, b, advantages="adv", old_logprobs=old, clip_high=0.1, normalization=norm),
-        lambda c, p, f, norm: lambda lps: naive_cispo_loss(lps, f, advantages=p["adv"], old_logprobs=p["old"], clip_high=0.1, groups=c["groups"], normalization=norm),
+        lambda b, norm, old: (
+            lambda lp: cispo_loss(lp, b, advantages="adv", old_logprobs=old, clip_high=0.1, normalization=norm)
+        ),
+        lambda c, p, f, norm: (
+            lambda lps: naive_cispo_loss(
+                lps,
+                f,
+                advantages=p["adv"],
+                old_logprobs=p["old"],
+                clip_high=0.1,
+                groups=c["groups"],
+                normalization=norm,
+            )
+        ),
     ),
 }
 
@@ -100,7 +137,12 @@ LOSSES = {
 def test_per_sharer_payloads_match_unpacked(kind, norm):
     c, batch, p, flags = _case()
     packed_fn, naive_fn = LOSSES[kind]
-    logits = (torch.randn(batch.num_rows, batch.seq_len, VOCAB, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2).requires_grad_()
+    logits = (
+        torch.randn(
+            batch.num_rows, batch.seq_len, VOCAB, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        * 2
+    ).requires_grad_()
     got, g_got = _loss_and_grad(lambda x: packed_fn(batch, norm, "old")(batch.target_logprobs(x)), logits)
     want, g_want = _loss_and_grad(lambda x: naive_fn(c, p, flags, norm)(_unpacked(batch, x, c["sequences"])), logits)
     assert abs(float(want)) > 1e-4
@@ -124,7 +166,12 @@ def test_one_value_per_position_is_wrong(kind):
     """Negative control: collapsing each shared position's old logprobs to one sharer's."""
     c, batch, p, flags = _case()
     packed_fn, naive_fn = LOSSES[kind]
-    logits = (torch.randn(batch.num_rows, batch.seq_len, VOCAB, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2).requires_grad_()
+    logits = (
+        torch.randn(
+            batch.num_rows, batch.seq_len, VOCAB, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        * 2
+    ).requires_grad_()
     collapsed = _one_sharer_per_position(batch, "old")
     got, g_got = _loss_and_grad(lambda x: packed_fn(batch, "token", collapsed)(batch.target_logprobs(x)), logits)
     want, g_want = _loss_and_grad(lambda x: naive_fn(c, p, flags, "token")(_unpacked(batch, x, c["sequences"])), logits)
@@ -156,9 +203,18 @@ def test_model_oracle_with_per_sharer_payloads():
     # sharers differ and ratios clip on both sides.
     old = [torch.nan_to_num(x.detach()) + torch.from_numpy(rng.normal(0, 0.3, len(x))).float() for x in ref_lp]
     adv = [torch.from_numpy(rng.normal(0, 1, len(s))).float() for s in c["sequences"]]
-    batch = materialize(plan, c["sequences"], payloads={"old": old, "adv": adv}, trainable=c["trainable"], groups=c["groups"])
+    batch = materialize(
+        plan, c["sequences"], payloads={"old": old, "adv": adv}, trainable=c["trainable"], groups=c["groups"]
+    )
     kw = dict(clip_low=0.2, clip_high=0.28, normalization="group")
-    ref = naive_ppo_clip_loss([torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)], flags, advantages=adv, old_logprobs=old, groups=c["groups"], **kw)
+    ref = naive_ppo_clip_loss(
+        [torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)],
+        flags,
+        advantages=adv,
+        old_logprobs=old,
+        groups=c["groups"],
+        **kw,
+    )
     params = [q for q in model.parameters()]
     want = torch.autograd.grad(ref, params)
     for backend in ("sdpa", "flash"):

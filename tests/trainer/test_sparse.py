@@ -70,7 +70,9 @@ def test_shard_topk_is_the_rows_of_tree_topk(planned, cp):
     Ls = -(-C // cp)
     for r in range(cp):
         a = r * Ls
-        part = torch.cat([scores[:, a : a + Ls], scores.new_zeros(2, max(0, a + Ls - C), C)], dim=1)  # CP padding past C
+        part = torch.cat(
+            [scores[:, a : a + Ls], scores.new_zeros(2, max(0, a + Ls - C), C)], dim=1
+        )  # CP padding past C
         idx, valid = shard_tree_topk(part, se[:2], pos[:2], k, query_start=a)
         n = min(Ls, C - a)
         assert torch.equal(idx[:, :n], whole[0][:, a : a + n]) and torch.equal(valid[:, :n], whole[1][:, a : a + n])

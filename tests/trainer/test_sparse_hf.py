@@ -62,7 +62,12 @@ def tiny_deepseek_v32(seed: int = 0):
 
 
 def _unpacked(model, seqs):
-    return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1) for s in seqs]
+    return [
+        torch.log_softmax(
+            model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1
+        )
+        for s in seqs
+    ]
 
 
 def _packed(model, batch):
@@ -71,7 +76,9 @@ def _packed(model, batch):
 
 @pytest.fixture(scope="module")
 def case():
-    seqs, trainable, plan = tree_plan(300, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192)
+    seqs, trainable, plan = tree_plan(
+        300, min_shared_len=2, conv_width=4, tail=3, trees=3, depth=3, max_len=160, seq_len=192
+    )
     assert tree_features(plan, 4)["ok"]
     model = tiny_deepseek_v32()
     batch = materialize(plan, seqs, trainable=trainable)
@@ -116,7 +123,9 @@ def test_ties_straddle_the_topk_boundary(case):
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     top = scores.sort(-1, descending=True).values
     rows = torch.arange(TOPK, n)  # queries that see more than k keys
-    assert bool((top[rows, TOPK - 1] == top[rows, TOPK]).any()), "no tie at the top-k boundary: the tie rule is untested"
+    assert bool((top[rows, TOPK - 1] == top[rows, TOPK]).any()), (
+        "no tie at the top-k boundary: the tie rule is untested"
+    )
 
 
 def test_tiebreak_only_reorders_ties(case):
@@ -152,7 +161,11 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     seqs, _, plan, model, batch, _ = case
     seg = plan.segments
     has_child = set(seg.parent[seg.parent >= 0].tolist())
-    leaf = next(s for s in range(seg.num_segments) if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2)
+    leaf = next(
+        s
+        for s in range(seg.num_segments)
+        if s not in has_child and seg.parent[s] >= 0 and (seg.parent == seg.parent[s]).sum() >= 2
+    )
     seg_ids = torch.from_numpy(plan.segment_ids())
     on_chain, p = torch.zeros_like(seg_ids, dtype=torch.bool), leaf
     while p >= 0:
@@ -165,7 +178,9 @@ def test_leaf_loss_gradient_is_zero_off_its_chain(case):
     finally:
         hook.remove()
     on_leaf = seg_ids == leaf
-    (grad,) = torch.autograd.grad(lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[-1])  # the packed call: the probe (if any) ran before it
+    (grad,) = torch.autograd.grad(
+        lp[on_leaf][..., 3].sum() + lp[on_leaf][..., 7].sum(), embeds[-1]
+    )  # the packed call: the probe (if any) ran before it
     per_pos = grad.abs().sum(-1)
     assert torch.count_nonzero(per_pos[~on_chain]) == 0, "gradient reached a sibling, another tree or padding"
     assert torch.count_nonzero(per_pos[on_leaf]) == int(on_leaf.sum())

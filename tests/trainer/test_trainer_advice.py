@@ -46,12 +46,16 @@ def test_min_shared_len_hiding_sharing_warns_with_the_estimate():
     hidden = _plan(seqs, trainable, 64)
     small = _plan(seqs, trainable, 32)
     assert hidden.stats.saved_fraction < small.stats.saved_fraction
-    with pytest.warns(TreepackWarning, match=r"min_shared_len=64 hides sharing.*at min_shared_len=32"), \
-            pytest.warns(TreepackWarning, match="shares no token among its 32 sequences"):
+    with (
+        pytest.warns(TreepackWarning, match=r"min_shared_len=64 hides sharing.*at min_shared_len=32"),
+        pytest.warns(TreepackWarning, match="shares no token among its 32 sequences"),
+    ):
         materialize(hidden, seqs)
     # The estimate is an upper bound of what the replan saves, and here it is the replan's saving.
     saved = hidden.stats.packed_tokens - small.stats.packed_tokens
-    est = hidden_sharing(hidden, np.concatenate(seqs), np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), np.arange(len(seqs)))
+    est = hidden_sharing(
+        hidden, np.concatenate(seqs), np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), np.arange(len(seqs))
+    )
     assert est[32] >= saved > 0, (est, saved)
     assert est[32] == 4 * 7 * 39  # 7 sharers after the first of each prompt, 39 shareable tokens (before the join)
     with warnings.catch_warnings():  # no warning once nothing is hidden

@@ -36,6 +36,7 @@ def _qkv(batch, heads=4, kv_heads=2, dim=8, grad=False, seed=0):
 
 def _block_sets(bm):
     """(partial, full) as dense [K, nq, nk] bool from a BlockMask's kv lists."""
+
     def dense(num, idx):
         K, _, nq, nk = idx.shape
         out = torch.zeros(K, nq, nk, dtype=torch.bool)
@@ -112,7 +113,9 @@ def test_dense_reference_matches_naive_mask_and_fails_without_tree():
     q, k, v = _qkv(batch)
     tree = tree_attention(q, k, v, batch)
     # Negative control: a plain causal mask over the packed rows is not the same computation.
-    causal = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    causal = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
     assert_not_close("plain causal mask", tree, causal, atol=1e-2)
 
 
@@ -143,7 +146,9 @@ def test_naive_varlen_bottom_right_alignment():
     q = torch.randn(2, 1, 4)
     k = torch.randn(5, 1, 4)
     v = torch.randn(5, 1, 4)
-    out = naive_varlen_attention(q, k, v, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 5, causal=True)
+    out = naive_varlen_attention(
+        q, k, v, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 5, causal=True
+    )
     s = (q[:, 0] @ k[:, 0].T) * 0.5
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[:, 0]

@@ -29,7 +29,9 @@ BLOCKS = _blocks()
 
 def test_the_docs_have_examples():
     ids = [p.id for p in BLOCKS]
-    assert sum(i.startswith("README.md") for i in ids) >= 2 and sum(i.startswith("docs/trainer.md") for i in ids) >= 1, ids
+    assert (
+        sum(i.startswith("README.md") for i in ids) >= 2 and sum(i.startswith("docs/trainer.md") for i in ids) >= 1
+    ), ids
 
 
 @pytest.mark.parametrize("code", BLOCKS)

@@ -22,7 +22,15 @@ def case():
 
 
 def _common():
-    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
 
 
 def _model(family):
@@ -34,7 +42,9 @@ def _model(family):
     elif family == "granite":
         m = tf.GraniteForCausalLM(tf.GraniteConfig(logits_scaling=3.5, **_common()))
     elif family == "gemma2":
-        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=8, final_logit_softcapping=0.8, query_pre_attn_scalar=8, **_common()))
+        m = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(head_dim=8, final_logit_softcapping=0.8, query_pre_attn_scalar=8, **_common())
+        )
     else:
         return tiny_model(family, seed=1)
     m.set_attn_implementation("eager" if family == "gemma2" else "sdpa")
@@ -74,7 +84,15 @@ def test_temperature_and_entropy_equal_each_sequence_alone(case, temperature):
         assert float((plain - lp).abs().max()) > 1e-2  # the temperature is applied
 
 
-@pytest.mark.parametrize("family,names", [("cohere", ("logit_scale",)), ("granite", ("logits_scaling",)), ("gemma2", ("final_logit_softcapping",)), ("qwen3", ())])
+@pytest.mark.parametrize(
+    "family,names",
+    [
+        ("cohere", ("logit_scale",)),
+        ("granite", ("logits_scaling",)),
+        ("gemma2", ("final_logit_softcapping",)),
+        ("qwen3", ()),
+    ],
+)
 def test_chunked_head_applies_the_models_logit_transforms(case, family, names):
     """output='hidden' + output_head == the model's logits: values, entropy and gradients."""
     _, batch = case
@@ -82,7 +100,9 @@ def test_chunked_head_applies_the_models_logit_transforms(case, family, names):
     head = output_head(model)
     assert head.names == names
     kw = dict(temperature=0.9, with_entropy=True)
-    lp, ent = batch.target_logprobs(packed_forward(model, batch, backend="flash", varlen_fn=naive_varlen_attention), **kw)
+    lp, ent = batch.target_logprobs(
+        packed_forward(model, batch, backend="flash", varlen_fn=naive_varlen_attention), **kw
+    )
     (lp.sum() + 0.1 * ent.sum()).backward()
     want = _grads(model)
     hidden = packed_forward(model, batch, backend="flash", varlen_fn=naive_varlen_attention, output="hidden")

@@ -42,7 +42,12 @@ def _grads(model):
 def _reference(model, c, impl):
     seq_lp = reference_logprobs(model, c["case"]["sequences"], c["flags"], impl=impl)
     loss = naive_ppo_clip_loss(
-        [torch.nan_to_num(x) for x in seq_lp], c["flags"], advantages=c["adv"], old_logprobs=c["old"], groups=c["case"]["groups"], **_loss_kwargs()
+        [torch.nan_to_num(x) for x in seq_lp],
+        c["flags"],
+        advantages=c["adv"],
+        old_logprobs=c["old"],
+        groups=c["case"]["groups"],
+        **_loss_kwargs(),
     )
     loss.backward()
     return [x.detach() for x in seq_lp], loss.detach(), _grads(model)
@@ -66,7 +71,14 @@ def _assert_grads_equal(got, want):
 
 @pytest.mark.parametrize(
     "family,backend",
-    [("qwen3", "sdpa"), ("qwen3", "flash"), ("llama", "sdpa"), ("llama", "flash"), ("gemma2", "sdpa"), ("gemma2", "flash")],
+    [
+        ("qwen3", "sdpa"),
+        ("qwen3", "flash"),
+        ("llama", "sdpa"),
+        ("llama", "flash"),
+        ("gemma2", "sdpa"),
+        ("gemma2", "flash"),
+    ],
 )
 def test_oracle_logprobs_loss_gradients(case, family, backend):
     model = tiny_model(family)
@@ -83,7 +95,9 @@ def test_oracle_logprobs_loss_gradients(case, family, backend):
 def test_oracle_flex_forward(case, family):
     """FlexAttention has no CPU backward: forward only (uncompiled kernel on CPU)."""
     model = tiny_model(family)
-    ref_lp = reference_logprobs(model, case["case"]["sequences"], case["flags"], impl="eager" if family == "gemma2" else "sdpa")
+    ref_lp = reference_logprobs(
+        model, case["case"]["sequences"], case["flags"], impl="eager" if family == "gemma2" else "sdpa"
+    )
     with torch.no_grad():
         logits = packed_forward(model, case["batch"], backend="flex", compile=False)
     assert_close("logprobs", ref_lp, case["batch"].unpack_logprobs(logits), atol=LOGPROB_TOL)
@@ -99,7 +113,9 @@ def test_negative_controls_linear_packing_differs(case):
         inferred = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         L = batch.seq_len
         causal = torch.ones(L, L, dtype=torch.bool).tril()[None, None].expand(batch.num_rows, 1, L, L)
-        plain = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=causal, use_cache=False).logits
+        plain = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=causal, use_cache=False
+        ).logits
     for wrong in (inferred, plain):
         assert_not_close("HF's own masks", ref_lp, batch.unpack_logprobs(wrong), atol=1e-2)
 
@@ -154,13 +170,23 @@ def test_oracle_with_shared_trainable_positions(backend):
     ref_lp = reference_logprobs(model, c["sequences"], flags)
     # Behaviour logprobs: the policy's own, perturbed by a function of the context and
     # token only (sharers of a position agree), so that ratios clip on both sides.
-    old = [torch.nan_to_num(x.detach()) + torch.from_numpy(np.cos(np.asarray(s, dtype=np.float64) * 1.7) * 0.3).float() for x, s in zip(ref_lp, c["sequences"])]
+    old = [
+        torch.nan_to_num(x.detach()) + torch.from_numpy(np.cos(np.asarray(s, dtype=np.float64) * 1.7) * 0.3).float()
+        for x, s in zip(ref_lp, c["sequences"])
+    ]
     adv = torch.from_numpy(rng.normal(0, 1, len(c["sequences"]))).float()
     adv[0], adv[1] = 1.0, -1.0
     batch = materialize(plan, c["sequences"], payloads={"old": old}, trainable=c["trainable"], groups=c["groups"])
     assert batch.num_scored > int(batch.loss_mask.sum()), "the case shares no scored position"
     kw = dict(clip_low=0.2, clip_high=0.28, normalization="group")
-    ref = naive_ppo_clip_loss([torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)], flags, advantages=adv, old_logprobs=old, groups=c["groups"], **kw)
+    ref = naive_ppo_clip_loss(
+        [torch.nan_to_num(x) for x in reference_logprobs(model, c["sequences"], flags)],
+        flags,
+        advantages=adv,
+        old_logprobs=old,
+        groups=c["groups"],
+        **kw,
+    )
     ref.backward()
     want = _grads(model)
     logits = packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention)

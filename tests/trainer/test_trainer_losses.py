@@ -38,7 +38,13 @@ def _setup(seed=0):
     ref = [torch.from_numpy(rng.normal(-4.6, 0.5, len(s))) for s in seqs]
     adv_tok = [torch.from_numpy(rng.normal(0, 1, len(s))) for s in seqs]
     w = [torch.from_numpy(rng.uniform(0.5, 2, len(s))) for s in seqs]
-    batch = materialize(plan, seqs, payloads={"old": old, "ref": ref, "adv": adv_tok, "w": w}, trainable=c["trainable"], groups=c["groups"])
+    batch = materialize(
+        plan,
+        seqs,
+        payloads={"old": old, "ref": ref, "adv": adv_tok, "w": w},
+        trainable=c["trainable"],
+        groups=c["groups"],
+    )
     return c, batch, dict(old=old, ref=ref, adv=adv_tok, w=w), trainable_flags(c)
 
 
@@ -82,8 +88,19 @@ def test_ppo_clip_matches_unpacked(norm):
     c, batch, p, flags = _setup()
     kw = dict(clip_low=0.2, clip_high=0.28, normalization=norm)
     _compare(
-        lambda lp: ppo_clip_loss(lp, batch, advantages="adv", old_logprobs="old", ref_logprobs="ref", kl_coef=0.05, **kw),
-        lambda lps: naive_ppo_clip_loss(lps, flags, advantages=p["adv"], old_logprobs=p["old"], ref_logprobs=p["ref"], kl_coef=0.05, groups=c["groups"], **kw),
+        lambda lp: ppo_clip_loss(
+            lp, batch, advantages="adv", old_logprobs="old", ref_logprobs="ref", kl_coef=0.05, **kw
+        ),
+        lambda lps: naive_ppo_clip_loss(
+            lps,
+            flags,
+            advantages=p["adv"],
+            old_logprobs=p["old"],
+            ref_logprobs=p["ref"],
+            kl_coef=0.05,
+            groups=c["groups"],
+            **kw,
+        ),
         batch,
         c["sequences"],
     )
@@ -94,7 +111,15 @@ def test_cispo_matches_unpacked(norm):
     c, batch, p, flags = _setup()
     _compare(
         lambda lp: cispo_loss(lp, batch, advantages="adv", old_logprobs="old", clip_high=0.1, normalization=norm),
-        lambda lps: naive_cispo_loss(lps, flags, advantages=p["adv"], old_logprobs=p["old"], clip_high=0.1, groups=c["groups"], normalization=norm),
+        lambda lps: naive_cispo_loss(
+            lps,
+            flags,
+            advantages=p["adv"],
+            old_logprobs=p["old"],
+            clip_high=0.1,
+            groups=c["groups"],
+            normalization=norm,
+        ),
         batch,
         c["sequences"],
     )
@@ -187,7 +212,9 @@ def _with_unscored_group(c):
     rng = np.random.default_rng(99)
     extra = [rng.integers(0, VOCAB, 11), rng.integers(0, VOCAB, 7), rng.integers(0, VOCAB, 5)]
     flags = [np.zeros(11, bool), np.eye(1, 7, 0, dtype=bool)[0], np.zeros(5, bool)]
-    return dict(c, sequences=c["sequences"] + extra, trainable=c["trainable"] + flags, groups=c["groups"] + ["Z", "Z", None])
+    return dict(
+        c, sequences=c["sequences"] + extra, trainable=c["trainable"] + flags, groups=c["groups"] + ["Z", "Z", None]
+    )
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -225,8 +252,22 @@ def test_a_group_with_no_scored_token_changes_no_loss(norm):
         lps = _unpacked_logprobs(batch, logits, c["sequences"])
         naive = (
             naive_sft_loss(lps, flags, groups=c["groups"], normalization=norm),
-            naive_ppo_clip_loss(lps, flags, advantages=adv, old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])], groups=c["groups"], normalization=norm),
-            naive_cispo_loss(lps, flags, advantages=adv, old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])], groups=c["groups"], normalization=norm),
+            naive_ppo_clip_loss(
+                lps,
+                flags,
+                advantages=adv,
+                old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])],
+                groups=c["groups"],
+                normalization=norm,
+            ),
+            naive_cispo_loss(
+                lps,
+                flags,
+                advantages=adv,
+                old_logprobs=[old[s].expand(len(x)) for s, x in enumerate(c["sequences"])],
+                groups=c["groups"],
+                normalization=norm,
+            ),
         )
         for a, b in zip(losses, naive):
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (name, norm, float(a), float(b))

@@ -200,7 +200,12 @@ def test_errors_name_what_and_where():
         materialize(plan, bad, trainable=tr)
     assert e.value.path in ("$.sequences[0]", "$.sequences[1]", "$.sequences[2]", "$.sequences[3]", "$.sequences[4]")
     with pytest.raises(RequestError, match=r"payloads.old\[1\] has shape \(3,\)"):
-        materialize(plan, seqs, trainable=tr, payloads={"old": [np.zeros(len(s)) if i != 1 else np.zeros(3) for i, s in enumerate(seqs)]})
+        materialize(
+            plan,
+            seqs,
+            trainable=tr,
+            payloads={"old": [np.zeros(len(s)) if i != 1 else np.zeros(3) for i, s in enumerate(seqs)]},
+        )
     with pytest.raises(RequestError, match=r"trainable\[0\]"):
         materialize(plan, seqs, trainable=[np.ones(2, bool)] + list(tr[1:]))
     with pytest.raises(InputTypeError):

@@ -11,7 +11,14 @@ from treepack.trainer.hf import packed, packed_forward
 from helpers.tolerance import assert_close
 from helpers.trainer_cases import mixed_batch, plan_of, tiny_model
 
-CASES = [("qwen3", "sdpa"), ("qwen3", "flash"), ("qwen3", "flex"), ("llama", "sdpa"), ("gemma2", "flash"), ("gemma2", "sdpa")]
+CASES = [
+    ("qwen3", "sdpa"),
+    ("qwen3", "flash"),
+    ("qwen3", "flex"),
+    ("llama", "sdpa"),
+    ("gemma2", "flash"),
+    ("gemma2", "sdpa"),
+]
 
 
 @pytest.fixture(scope="module")

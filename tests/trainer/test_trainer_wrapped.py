@@ -26,7 +26,9 @@ def case():
 
 def _lora(family="qwen3"):
     base = tiny_model(family)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     torch.manual_seed(3)
     return peft.get_peft_model(base, cfg)
 
@@ -72,7 +74,12 @@ def test_accelerate_prepared_model(case):
     got = packed_forward(prepared, batch)
     assert torch.equal(want, got.detach())
     hidden = packed_forward(prepared, batch, output="hidden")
-    assert_close("hidden head", batch.target_logprobs(want), batch.target_logprobs_from_hidden(hidden, output_head(prepared)), atol=1e-6)
+    assert_close(
+        "hidden head",
+        batch.target_logprobs(want),
+        batch.target_logprobs_from_hidden(hidden, output_head(prepared)),
+        atol=1e-6,
+    )
 
 
 def test_compiled_wrapper_unwraps(case):

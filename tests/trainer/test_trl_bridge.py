@@ -49,7 +49,9 @@ def test_round_trip_puts_each_value_under_its_completion_token():
     for sides in (("left", "right"), ("right", "left")):
         pid, pm, cid, cm = _padded(PROMPTS, COMPLETIONS, prompt_side=sides[0], completion_side=sides[1])
         ps = from_padded(pid, pm, cid, cm)
-        plan = Packer().pack(ps.sequences, seq_len=16, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=1)
+        plan = Packer().pack(
+            ps.sequences, seq_len=16, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=1
+        )
         assert plan.stats.saved_fraction > 0
         batch = materialize(plan, ps.sequences, trainable=ps.trainable, groups=ps.groups.tolist())
         values = batch.targets.double().requires_grad_(True)
@@ -71,7 +73,9 @@ def test_matches_unpacked_model_logprobs():
     with torch.no_grad():
         ref = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
         ref = ref.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -cid.shape[1] :] * cm
-        plan = Packer().pack(ps.sequences, seq_len=16, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=1)
+        plan = Packer().pack(
+            ps.sequences, seq_len=16, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=1
+        )
         batch = materialize(plan, ps.sequences, trainable=ps.trainable)
         got = ps.to_padded(batch, batch.target_logprobs(packed_forward(model, batch)))
     assert torch.allclose(got, ref, atol=1e-5)
@@ -105,7 +109,9 @@ def test_microbatches_equal_counts_every_row_once():
             seqs.append(np.concatenate([prompt, rng.integers(3, 40, rng.integers(2, 9))]))
             trainable.append(24)
             groups.append(g)
-    mb = plan_microbatches(seqs, num_microbatches=3, seq_len=64, trainable=trainable, groups=groups, num_ranks=2, min_shared_len=8)
+    mb = plan_microbatches(
+        seqs, num_microbatches=3, seq_len=64, trainable=trainable, groups=groups, num_ranks=2, min_shared_len=8
+    )
     assert mb.rows.shape[:2] == (2, 3) and mb.plan.stats.saved_fraction > 0.4
     real = mb.rows[mb.rows >= 0]
     assert sorted(real.tolist()) == list(range(mb.plan.num_rows))
@@ -134,7 +140,14 @@ def test_group_shuffle_order_is_the_seeded_draw():
 
     prompts = [[5, 6, 7], [8, 9], [3, 4, 5, 6], [7]] * 4  # rows of a group are not adjacent
     pid, pm, cid, cm = _padded(prompts, [[1, 2]] * 16)
-    batch = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm, "idx": torch.arange(16), "names": list("abcdefghijklmnop")}
+    batch = {
+        "prompt_ids": pid,
+        "prompt_mask": pm,
+        "completion_ids": cid,
+        "completion_mask": cm,
+        "idx": torch.arange(16),
+        "names": list("abcdefghijklmnop"),
+    }
     for seed in (3, 11):
         torch.manual_seed(seed)
         want = group_shuffle_reference(batch)["idx"].tolist()
@@ -143,7 +156,9 @@ def test_group_shuffle_order_is_the_seeded_draw():
         assert got["idx"].tolist() == want, (seed, got["idx"].tolist(), want)
         assert got["names"] == [batch["names"][i] for i in want]
         by_id = sorted(want, key=lambda i: (i % 4, want.index(i)))
-        assert want != by_id and [i % 4 for i in want] != sorted(i % 4 for i in want), "the draw must not coincide with the id order"
+        assert want != by_id and [i % 4 for i in want] != sorted(i % 4 for i in want), (
+            "the draw must not coincide with the id order"
+        )
 
 
 def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
@@ -153,14 +168,25 @@ def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
     from treepack.trainer.trl import _shuffle_keeping_groups
 
     pid, pm, cid, cm = _padded([[5, 6, 7]] * 4 + [[8, 9]] * 4 + [[3, 4, 5, 6]] * 4 + [[7]] * 4, [[1, 2]] * 16)
-    batch = {"prompt_ids": pid, "prompt_mask": pm, "completion_ids": cid, "completion_mask": cm, "idx": torch.arange(16), "names": list("abcdefghijklmnop")}
+    batch = {
+        "prompt_ids": pid,
+        "prompt_mask": pm,
+        "completion_ids": cid,
+        "completion_mask": cm,
+        "idx": torch.arange(16),
+        "names": list("abcdefghijklmnop"),
+    }
     torch.manual_seed(3)
     stock = shuffle_sequence_dict(batch)
     after_stock = torch.rand(1)
     torch.manual_seed(3)
     ours = _shuffle_keeping_groups(batch)
     assert torch.equal(torch.rand(1), after_stock)  # one randperm(B), like TRL: the random stream is unchanged
-    assert sorted(ours["idx"].tolist()) == list(range(16)) and ours["names"] == [batch["names"][i] for i in ours["idx"].tolist()]
-    assert any(len(set((p["idx"] // 4).tolist())) > 1 for p in split_tensor_dict(stock, 4))  # TRL's own shuffle splits groups
+    assert sorted(ours["idx"].tolist()) == list(range(16)) and ours["names"] == [
+        batch["names"][i] for i in ours["idx"].tolist()
+    ]
+    assert any(
+        len(set((p["idx"] // 4).tolist())) > 1 for p in split_tensor_dict(stock, 4)
+    )  # TRL's own shuffle splits groups
     for part in split_tensor_dict(ours, 4):
         assert len(set((part["idx"] // 4).tolist())) == 1  # each micro-batch holds one whole prompt group

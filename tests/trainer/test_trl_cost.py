@@ -12,7 +12,10 @@ from treepack.proto.errors import RequestError  # noqa: E402
 from treepack.trainer.planning import plan_microbatches  # noqa: E402
 from treepack.trainer.trl import PackingConfig  # noqa: E402
 
-COST = CostModel(backend="sdpa", coefficients={t: 0.0 for t in cost_terms("sdpa")} | {"positions": 0.01, "attention_pairs": 1e-5, "step": 1.0})
+COST = CostModel(
+    backend="sdpa",
+    coefficients={t: 0.0 for t in cost_terms("sdpa")} | {"positions": 0.01, "attention_pairs": 1e-5, "step": 1.0},
+)
 
 
 def test_packing_config_plans_with_the_cost_model():
@@ -20,7 +23,9 @@ def test_packing_config_plans_with_the_cost_model():
     prompt = rng.integers(0, 50, 40).tolist()
     seqs = [prompt + rng.integers(0, 50, 10).tolist() for _ in range(8)]
     planner = PackingConfig(cost_model=COST).make_planner()
-    mb = plan_microbatches(seqs, num_microbatches=1, planner=planner, seq_len=256, trainable=[40] * 8, min_shared_len=16)
+    mb = plan_microbatches(
+        seqs, num_microbatches=1, planner=planner, seq_len=256, trainable=[40] * 8, min_shared_len=16
+    )
     plan = mb.plan
     assert plan.stats.predicted_ms == pytest.approx(COST.predict_ms(plan)) and "by time" in plan.strategy
     # Without one the planner is as given and nothing is predicted.

@@ -57,9 +57,13 @@ TABLE = {
     "bnpo": dict(loss_type="bnpo", beta=0.05),
     "cispo": dict(loss_type="cispo", beta=0.05),
     "accum2-spg4-grpo": dict(loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=4, beta=0.05),
-    "accum2-spg4-dapo-entropy0.3": dict(loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=4, top_entropy_quantile=0.3),
+    "accum2-spg4-dapo-entropy0.3": dict(
+        loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=4, top_entropy_quantile=0.3
+    ),
     "accum2-iter2-bnpo": dict(loss_type="bnpo", gradient_accumulation_steps=2, num_iterations=2, beta=0.0),
-    "accum2-dr_grpo-entropy0.3": dict(loss_type="dr_grpo", gradient_accumulation_steps=2, top_entropy_quantile=0.3, beta=0.05),
+    "accum2-dr_grpo-entropy0.3": dict(
+        loss_type="dr_grpo", gradient_accumulation_steps=2, top_entropy_quantile=0.3, beta=0.05
+    ),
 }
 
 
@@ -115,7 +119,12 @@ def test_lora_matches_stock_and_generates_between_steps(tmp_path):
 def test_packing_config_is_checked_and_seq_len_is_used(tmp_path):
     with pytest.raises(ValueError, match="backend"):
         PackingConfig(backend="nope")
-    res = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "p"), steps=1, trainer_kwargs={"packing": PackingConfig(seq_len=128)})
+    res = run_grpo(
+        TreepackGRPOTrainer,
+        workdir=str(tmp_path / "p"),
+        steps=1,
+        trainer_kwargs={"packing": PackingConfig(seq_len=128)},
+    )
     rows = [h["treepack/rows"] for h in res["logs"] if "treepack/rows" in h]
     assert rows == [1.0]  # 8 sequences of <= 26 tokens, two prompts of 20: one 128-token row
 
@@ -135,13 +144,29 @@ def test_several_micro_batches_per_generation_match_stock(tmp_path, monkeypatch)
 
     config = dict(steps=3, steps_per_generation=2, beta=0.05, loss_type="grpo")
     stock = run_grpo(trl.GRPOTrainer, workdir=str(tmp_path / "stock"), **config)
-    packed = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "packed"), trainer_kwargs={"packing": PackingConfig(keep_groups=False)}, **config)
+    packed = run_grpo(
+        TreepackGRPOTrainer,
+        workdir=str(tmp_path / "packed"),
+        trainer_kwargs={"packing": PackingConfig(keep_groups=False)},
+        **config,
+    )
     assert len(stock["loss"]) == 3 and packed["completions"] == stock["completions"]
-    assert packed["loss"] == pytest.approx(stock["loss"], **TOL) and packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
+    assert packed["loss"] == pytest.approx(stock["loss"], **TOL) and packed["grad_norm"] == pytest.approx(
+        stock["grad_norm"], **TOL
+    )
 
-    grouped = run_grpo(TreepackGRPOTrainer, workdir=str(tmp_path / "grouped"), trainer_kwargs={"packing": PackingConfig(keep_groups=True)}, **config)
+    grouped = run_grpo(
+        TreepackGRPOTrainer,
+        workdir=str(tmp_path / "grouped"),
+        trainer_kwargs={"packing": PackingConfig(keep_groups=True)},
+        **config,
+    )
     monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", group_shuffle_reference)
     stock_grouped = run_grpo(trl.GRPOTrainer, workdir=str(tmp_path / "stock_grouped"), **config)
     assert grouped["completions"] == stock_grouped["completions"]
-    assert grouped["loss"] == pytest.approx(stock_grouped["loss"], **TOL) and grouped["grad_norm"] == pytest.approx(stock_grouped["grad_norm"], **TOL)
-    assert stock_grouped["loss"] != pytest.approx(stock["loss"], **TOL), "the shuffle's order changed nothing: the test cannot see it"
+    assert grouped["loss"] == pytest.approx(stock_grouped["loss"], **TOL) and grouped["grad_norm"] == pytest.approx(
+        stock_grouped["grad_norm"], **TOL
+    )
+    assert stock_grouped["loss"] != pytest.approx(stock["loss"], **TOL), (
+        "the shuffle's order changed nothing: the test cannot see it"
+    )

@@ -66,10 +66,18 @@ class _Recording(TreepackSFTTrainer):
 def _run(cls, tmp_path, name, steps=STEPS, messages=False, **kw):
     grads = _Grads()
     out = run_sft(
-        cls, workdir=str(tmp_path / name), steps=steps, model=tiny_vlm("qwen2_vl"), train_dataset=vl_sft_dataset(messages=messages),
-        processing_class=tiny_vl_processor(), callbacks=[grads], per_device_train_batch_size=7, max_length=None,
+        cls,
+        workdir=str(tmp_path / name),
+        steps=steps,
+        model=tiny_vlm("qwen2_vl"),
+        train_dataset=vl_sft_dataset(messages=messages),
+        processing_class=tiny_vl_processor(),
+        callbacks=[grads],
+        per_device_train_batch_size=7,
+        max_length=None,
         # SGD: step 2's gradients compare models that differ only by step 1's fp32 noise (Adam would amplify it).
-        optim="sgd", **kw,
+        optim="sgd",
+        **kw,
     )
     return out | {"grads": grads.steps}
 
@@ -80,7 +88,9 @@ def test_vlm_sft_matches_stock(tmp_path, messages):
     # The probe (verify) on VLMs is proven by the VLM oracle tests; off here to keep this test short.
     # Every token trained (messages): nothing to share, and treepack says so.
     with pytest.warns(TreepackWarning, match="shares no token") if messages else contextlib.nullcontext():
-        packed = _run(_Recording, tmp_path, "packed", messages=messages, trainer_kwargs={"packing": PackingConfig(verify=False)})
+        packed = _run(
+            _Recording, tmp_path, "packed", messages=messages, trainer_kwargs={"packing": PackingConfig(verify=False)}
+        )
     assert len(stock["loss"]) == STEPS and len(stock["grads"]) == STEPS
     assert packed["loss"] == pytest.approx(stock["loss"], **TOL)
     assert packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
@@ -109,15 +119,23 @@ def test_without_image_keys_identical_placeholders_over_different_images_are_ref
     from treepack.trainer import trl as treepack_trl
 
     # Every placeholder keyed 0: the planner sees token ids only and shares the identical-id prompts.
-    monkeypatch.setattr(treepack_trl, "image_keys", lambda seqs, **kw: [np.zeros(len(s), dtype=np.uint64) for s in seqs])
+    monkeypatch.setattr(
+        treepack_trl, "image_keys", lambda seqs, **kw: [np.zeros(len(s), dtype=np.uint64) for s in seqs]
+    )
     with pytest.raises(PayloadMismatchError, match="different images behind identical placeholder tokens"):
         _run(TreepackSFTTrainer, tmp_path, "unkeyed", steps=1, trainer_kwargs={"packing": PackingConfig(verify=False)})
 
 
 def test_sft_refuses_other_model_inputs_by_name(tmp_path):
-    trainer = _run(TreepackSFTTrainer, tmp_path, "one", steps=1, trainer_kwargs={"packing": PackingConfig(verify=False)})["trainer"]
+    trainer = _run(
+        TreepackSFTTrainer, tmp_path, "one", steps=1, trainer_kwargs={"packing": PackingConfig(verify=False)}
+    )["trainer"]
     batch = trainer.data_collator([dict(r) for r in vl_sft_dataset().select(range(2))])
-    for name, value in (("image_sizes", torch.tensor([[16, 16], [16, 16]])), ("token_type_ids", torch.zeros_like(batch["input_ids"])), ("output_router_logits", True)):
+    for name, value in (
+        ("image_sizes", torch.tensor([[16, 16], [16, 16]])),
+        ("token_type_ids", torch.zeros_like(batch["input_ids"])),
+        ("output_router_logits", True),
+    ):
         with pytest.raises(RequestError, match=name) as e:
             trainer._sft_forward(trainer.model, fused_lm_head=True, **batch, **{name: value})
         assert e.value.path == f"$.{name}"

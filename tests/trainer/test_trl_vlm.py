@@ -38,8 +38,15 @@ def _run(cls, tmp_path, name, steps=3, **kw):
     if not model.exists():
         tiny_vlm("qwen2_vl").save_pretrained(model)
     return run_grpo(
-        cls, workdir=str(tmp_path / name), steps=steps, model_path=str(model), train_dataset=vl_dataset(),
-        processing_class=tiny_vl_processor(), generation_kwargs=NO_VISION, beta=0.05, **kw,
+        cls,
+        workdir=str(tmp_path / name),
+        steps=steps,
+        model_path=str(model),
+        train_dataset=vl_dataset(),
+        processing_class=tiny_vl_processor(),
+        generation_kwargs=NO_VISION,
+        beta=0.05,
+        **kw,
     )
 
 
@@ -64,7 +71,9 @@ def test_without_image_keys_identical_placeholders_over_different_images_are_ref
     from treepack.trainer import trl as treepack_trl
 
     # Every placeholder keyed 0: the planner sees token ids only and shares the identical-id prompts.
-    monkeypatch.setattr(treepack_trl, "image_keys", lambda seqs, **kw: [np.zeros(len(s), dtype=np.uint64) for s in seqs])
+    monkeypatch.setattr(
+        treepack_trl, "image_keys", lambda seqs, **kw: [np.zeros(len(s), dtype=np.uint64) for s in seqs]
+    )
     with pytest.raises(PayloadMismatchError, match="different images behind identical placeholder tokens"):
         _run(TreepackGRPOTrainer, tmp_path, "unkeyed", steps=1, trainer_kwargs={"packing": PackingConfig(verify=False)})
 
@@ -73,7 +82,10 @@ def _processed(prompts_and_images):
     from trl.data_utils import prepare_multimodal_messages
 
     proc = tiny_vl_processor()
-    texts = [proc.apply_chat_template(prepare_multimodal_messages(p, images=[i]), add_generation_prompt=True, tokenize=False) for p, i in prompts_and_images]
+    texts = [
+        proc.apply_chat_template(prepare_multimodal_messages(p, images=[i]), add_generation_prompt=True, tokenize=False)
+        for p, i in prompts_and_images
+    ]
     images = [i for _, i in prompts_and_images]
     return proc, texts, images
 
@@ -87,12 +99,23 @@ def test_sequence_images_give_each_sequence_what_its_processor_gives_it_alone():
     batch = proc(images=per_seq, text=texts, padding=True, return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
     pv, thw = sequence_images(
-        ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-        num_images=[len(i) for i in per_seq], mm_token_type_ids=batch["mm_token_type_ids"],
+        ids,
+        mask,
+        image_token_id=IMAGE_TOKEN,
+        pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"],
+        num_images=[len(i) for i in per_seq],
+        mm_token_type_ids=batch["mm_token_type_ids"],
     )
     assert pv[1] is None and thw[1] is None
     # SFT's collator gives no num_images: read from the placeholders, the same cut.
-    pv2, thw2 = sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    pv2, thw2 = sequence_images(
+        ids,
+        mask,
+        image_token_id=IMAGE_TOKEN,
+        pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"],
+    )
     assert [None if x is None else x.tolist() for x in thw2] == [None if x is None else x.tolist() for x in thw]
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(pv, pv2))
     for s, (text, imgs) in enumerate(zip(texts, per_seq)):
@@ -108,22 +131,55 @@ def test_sequence_images_refuse_what_tree_rows_do_not_take():
     mask = torch.ones_like(ids)
     pv, grid = torch.zeros(4, 24), torch.tensor([[1, 2, 2]])
     with pytest.raises(RequestError, match="image_sizes") as e:
-        sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_sizes=torch.tensor([[8, 8]]), num_images=[1])
+        sequence_images(
+            ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_sizes=torch.tensor([[8, 8]]), num_images=[1]
+        )
     assert e.value.path == "$.image_sizes"
     with pytest.raises(RequestError, match="without image_grid_thw"):
         sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, num_images=[1])
     with pytest.raises(RequestError, match="video"):
-        sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[1], mm_token_type_ids=torch.tensor([[0, 2, 0]]))
+        sequence_images(
+            ids,
+            mask,
+            image_token_id=IMAGE_TOKEN,
+            pixel_values=pv,
+            image_grid_thw=grid,
+            num_images=[1],
+            mm_token_type_ids=torch.tensor([[0, 2, 0]]),
+        )
     with pytest.raises(RequestError, match="other positions"):
-        sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[1], mm_token_type_ids=torch.tensor([[1, 1, 0]]))
+        sequence_images(
+            ids,
+            mask,
+            image_token_id=IMAGE_TOKEN,
+            pixel_values=pv,
+            image_grid_thw=grid,
+            num_images=[1],
+            mm_token_type_ids=torch.tensor([[1, 1, 0]]),
+        )
     with pytest.raises(RequestError, match="num_images"):
         sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[2])
-    assert sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[1])[1][0].tolist() == [[1, 2, 2]]
+    assert sequence_images(ids, mask, image_token_id=IMAGE_TOKEN, pixel_values=pv, image_grid_thw=grid, num_images=[1])[
+        1
+    ][0].tolist() == [[1, 2, 2]]
     # Without num_images: rows whose placeholders do not cover whole images (a cut image) are refused.
     two = torch.tensor([[5, IMAGE_TOKEN, IMAGE_TOKEN, 6], [5, IMAGE_TOKEN, 6, 7]])
     pv2, grids = torch.zeros(12, 24), torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]])
-    assert [len(g) for g in sequence_images(two, torch.ones_like(two), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids)[1]] == [2, 1]
+    assert [
+        len(g)
+        for g in sequence_images(
+            two, torch.ones_like(two), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids
+        )[1]
+    ] == [2, 1]
     with pytest.raises(RequestError, match=r"row 0's image placeholder tokens do not cover whole images"):
-        sequence_images(two, torch.ones_like(two), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=torch.tensor([[1, 2, 2], [1, 2, 4]]))
+        sequence_images(
+            two,
+            torch.ones_like(two),
+            image_token_id=IMAGE_TOKEN,
+            pixel_values=pv2,
+            image_grid_thw=torch.tensor([[1, 2, 2], [1, 2, 4]]),
+        )
     with pytest.raises(RequestError, match="do not split over 3 images"):
-        sequence_images(two[:1], torch.ones_like(two[:1]), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids)
+        sequence_images(
+            two[:1], torch.ones_like(two[:1]), image_token_id=IMAGE_TOKEN, pixel_values=pv2, image_grid_thw=grids
+        )

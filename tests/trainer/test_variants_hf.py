@@ -44,7 +44,12 @@ def family(request):
 def _alone(model, seqs, grad=False):
     model.set_attn_implementation("eager")
     with torch.set_grad_enabled(grad):
-        return [torch.log_softmax(model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0], -1) for s in seqs]
+        return [
+            torch.log_softmax(
+                model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0], -1
+            )
+            for s in seqs
+        ]
 
 
 def _packed(model, batch, backend, grad=False):
@@ -57,7 +62,9 @@ def test_logprobs_equal_alone(family, plan_case, backend):
     name, model = family
     seqs, _, batch = plan_case
     ref = _alone(model, seqs)
-    assert_close(f"{name} {backend} logprobs", ref, per_sequence_logprobs(batch, _packed(model, batch, backend)), atol=1e-5)
+    assert_close(
+        f"{name} {backend} logprobs", ref, per_sequence_logprobs(batch, _packed(model, batch, backend)), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash"])
@@ -78,5 +85,9 @@ def test_dropping_the_variant_is_caught(family, plan_case, monkeypatch):
     seqs, _, batch = plan_case
     ref = _alone(model, seqs)
     real = hf_attention.tree_attention
-    monkeypatch.setattr(hf_attention, "tree_attention", lambda *a, **kw: real(*a, **{**kw, "sinks": None, "chunk_size": None}))
-    assert_not_close(f"{name} variant dropped", ref, per_sequence_logprobs(batch, _packed(model, batch, "sdpa")), atol=1e-3)
+    monkeypatch.setattr(
+        hf_attention, "tree_attention", lambda *a, **kw: real(*a, **{**kw, "sinks": None, "chunk_size": None})
+    )
+    assert_not_close(
+        f"{name} variant dropped", ref, per_sequence_logprobs(batch, _packed(model, batch, "sdpa")), atol=1e-3
+    )

@@ -35,8 +35,15 @@ def vlm_case(family: str) -> dict:
     """Sequences, trainable prompt lengths, per-sequence image inputs and loss weights."""
     rng = np.random.default_rng(3)
     A, B, D, E = (image(family, s) for s in (1, 2, 4, 5))
-    C = image(family, 3) if family == "llava" else image(family, 3, size=4) | dict(
-        pixel_values=torch.randn(32, 24, generator=torch.Generator().manual_seed(3)), image_grid_thw=torch.tensor([[1, 4, 8]]), n_tokens=8
+    C = (
+        image(family, 3)
+        if family == "llava"
+        else image(family, 3, size=4)
+        | dict(
+            pixel_values=torch.randn(32, 24, generator=torch.Generator().manual_seed(3)),
+            image_grid_thw=torch.tensor([[1, 4, 8]]),
+            n_tokens=8,
+        )
     )
     seqs, prompts, imgs = [], [], []
 
@@ -47,7 +54,15 @@ def vlm_case(family: str) -> dict:
             imgs.append(prompt_imgs)
 
     group(text(rng, 6) + image_run(family, A["n_tokens"]) + text(rng, 5), [A], 2)
-    group(text(rng, 3) + image_run(family, B["n_tokens"]) + text(rng, 2) + image_run(family, C["n_tokens"]) + text(rng, 4), [B, C], 2)
+    group(
+        text(rng, 3)
+        + image_run(family, B["n_tokens"])
+        + text(rng, 2)
+        + image_run(family, C["n_tokens"])
+        + text(rng, 4),
+        [B, C],
+        2,
+    )
     same_ids = text(rng, 5) + image_run(family, D["n_tokens"]) + text(rng, 3)
     group(same_ids, [D], 1)
     group(same_ids, [E], 1)
@@ -55,7 +70,16 @@ def vlm_case(family: str) -> dict:
     group(text(rng, 9), [], 1)
     pv, thw = zip(*(join_images(i) for i in imgs))
     weights = torch.linspace(0.5, 1.5, len(seqs))
-    return dict(family=family, sequences=seqs, trainable=prompts, pixel_values=list(pv), image_grid_thw=list(thw), weights=weights, distinct=5, same_ids=(4, 5))
+    return dict(
+        family=family,
+        sequences=seqs,
+        trainable=prompts,
+        pixel_values=list(pv),
+        image_grid_thw=list(thw),
+        weights=weights,
+        distinct=5,
+        same_ids=(4, 5),
+    )
 
 
 @functools.cache
@@ -81,7 +105,16 @@ def count_tower_calls(model: torch.nn.Module):
 
 
 def plan_of(case: dict, keyed: bool = True):
-    keys = image_keys(case["sequences"], pixel_values=case["pixel_values"], image_grid_thw=case["image_grid_thw"], image_token_id=IMAGE_TOKEN) if keyed else None
+    keys = (
+        image_keys(
+            case["sequences"],
+            pixel_values=case["pixel_values"],
+            image_grid_thw=case["image_grid_thw"],
+            image_token_id=IMAGE_TOKEN,
+        )
+        if keyed
+        else None
+    )
     plan = plan_batch(case["sequences"], seq_len=SEQ_LEN, trainable=case["trainable"], keys=keys, min_shared_len=4)
     validate_plan(plan, case["sequences"], trainable=case["trainable"])
     return plan
@@ -111,7 +144,9 @@ def reference(model: torch.nn.Module, case: dict) -> tuple[list[torch.Tensor], d
     for s, f, pv, thw in zip(case["sequences"], flags(case), case["pixel_values"], case["image_grid_thw"]):
         logits = reference_forward(model, s, pv, thw)
         x = torch.as_tensor(s)
-        lp = torch.cat([logits.new_full((1,), float("nan")), torch.log_softmax(logits[:-1], -1).gather(1, x[1:, None]).squeeze(1)])
+        lp = torch.cat(
+            [logits.new_full((1,), float("nan")), torch.log_softmax(logits[:-1], -1).gather(1, x[1:, None]).squeeze(1)]
+        )
         keep = f.clone()
         keep[0] = False
         lps.append(torch.where(keep, lp, torch.full_like(lp, float("nan"))))
@@ -120,7 +155,14 @@ def reference(model: torch.nn.Module, case: dict) -> tuple[list[torch.Tensor], d
 
 
 def packed(model: torch.nn.Module, case: dict, plan, **kw) -> tuple[list[torch.Tensor], dict, object]:
-    batch = materialize(plan, case["sequences"], trainable=case["trainable"], pixel_values=kw.pop("pixel_values", case["pixel_values"]), image_grid_thw=case["image_grid_thw"], advise=False)
+    batch = materialize(
+        plan,
+        case["sequences"],
+        trainable=case["trainable"],
+        pixel_values=kw.pop("pixel_values", case["pixel_values"]),
+        image_grid_thw=case["image_grid_thw"],
+        advise=False,
+    )
     logits = packed_forward(model, batch, **kw)
     lps = batch.unpack_logprobs(batch.target_logprobs(logits))
     _loss(lps, case["weights"]).backward()
@@ -134,7 +176,9 @@ def test_vlm_oracle_logprobs_and_gradients(family):
     with count_tower_calls(model) as calls:
         lp, grads, batch = packed(model, case, plan_of(case), verify=family == "qwen2_5_vl")
     assert_close("logprobs", ref_lp, lp, atol=LOGPROB_TOL)
-    tower_grads = [n for n in ref_grads if n.startswith(("model.visual", "model.vision_tower", "model.multi_modal_projector"))]
+    tower_grads = [
+        n for n in ref_grads if n.startswith(("model.visual", "model.vision_tower", "model.multi_modal_projector"))
+    ]
     assert tower_grads and set(ref_grads) == set(grads)
     # 1e-4 relative per parameter, with the floor the family sweep uses: fp32 rounding of the
     # largest gradient (GDN's A_log / dt_bias gradients are 1e-5 of the others).
@@ -144,12 +188,17 @@ def test_vlm_oracle_logprobs_and_gradients(family):
     assert len(calls) == case["distinct"] == batch.images.num_distinct
     assert n_ref_calls == sum(1 for pv in case["pixel_values"] if pv is not None) == 7
     if family == "qwen2_5_vl":  # the varlen path (its CPU reference kernel) too
-        lp, grads, _ = packed(model, case, plan_of(case), verify=False, backend="flash", varlen_fn=naive_varlen_attention)
+        lp, grads, _ = packed(
+            model, case, plan_of(case), verify=False, backend="flash", varlen_fn=naive_varlen_attention
+        )
         assert_close("flash logprobs", ref_lp, lp, atol=LOGPROB_TOL)
         assert_close("flash grad", ref_grads, grads, atol=floor, ratio=GRAD_RTOL, nonzero_ref=True)
     saved = vision_savings(batch, IMAGE_TOKEN)
     assert saved.images == 9 and saved.distinct_images == 5 and saved.tower_calls_saved == 4
-    assert saved.vision_tokens_shared > 0 and saved.vision_tokens == saved.vision_tokens_packed + saved.vision_tokens_shared
+    assert (
+        saved.vision_tokens_shared > 0
+        and saved.vision_tokens == saved.vision_tokens_packed + saved.vision_tokens_shared
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])

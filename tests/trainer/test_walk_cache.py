@@ -97,7 +97,10 @@ def _refused(model, batch, match, calls):
     assert calls == [], "the changed code ran: not refused before compute"
 
 
-@pytest.mark.parametrize("kind", ["forward hook", "pre-hook", "global hook", "instance forward", "class forward", "swapped module", "dropout"])
+@pytest.mark.parametrize(
+    "kind",
+    ["forward hook", "pre-hook", "global hook", "instance forward", "class forward", "swapped module", "dropout"],
+)
 def test_a_change_after_the_first_call_is_refused(batch, kind, monkeypatch):
     model = _model()
     with torch.no_grad():

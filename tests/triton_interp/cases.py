@@ -57,7 +57,9 @@ SHAPES = {
 _FP32 = {"g", "A", "D", "dt_bias", "delta_bias"}  # gates and SSM parameters stay fp32, as in HF
 
 
-def make_inputs(kernel: str, n: int, dtype: torch.dtype, gen: torch.Generator, *, shape: str = "tiny", device: str = "cpu") -> tuple[dict, dict]:
+def make_inputs(
+    kernel: str, n: int, dtype: torch.dtype, gen: torch.Generator, *, shape: str = "tiny", device: str = "cpu"
+) -> tuple[dict, dict]:
     """(per-token tensors [n, ...], parameters) for one case; every tensor a leaf with grad."""
     s = SHAPES[shape]
     r = lambda *sh: torch.randn(*sh, generator=gen)  # noqa: E731
@@ -103,7 +105,9 @@ def _no_fork(level_fn):
     return level
 
 
-def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, shape: str = "tiny", fork: bool = True) -> torch.Tensor:
+def run_case(
+    kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, shape: str = "tiny", fork: bool = True
+) -> torch.Tensor:
     """The tree output [N, ...] of one case (modes: module docstring).
 
     ``fork=False`` (scan kernels, ``gpu``/``smoke`` modes) starts every segment from zeros.
@@ -126,11 +130,36 @@ def run_case(kernel: str, plan, sched, toks: dict, params: dict, *, mode: str, s
         chunk = SHAPES[shape]["chunk"]
 
         def level(x, dt, B, C, z, **kw):
-            return gpu.mamba2_level(x, dt, p["A"], B, C, chunk_size=chunk, D=p["D"], z=z, dt_bias=p["dt_bias"], dt_softplus=True, kernel=stock, **kw)
+            return gpu.mamba2_level(
+                x,
+                dt,
+                p["A"],
+                B,
+                C,
+                chunk_size=chunk,
+                D=p["D"],
+                z=z,
+                dt_bias=p["dt_bias"],
+                dt_softplus=True,
+                kernel=stock,
+                **kw,
+            )
     elif kernel == "mamba1":
 
         def level(u, delta, B, C, z, **kw):
-            return gpu.selective_scan_level(u, delta, p["A"], B, C, D=p["D"], z=z, delta_bias=p["delta_bias"], delta_softplus=True, kernel=stock, **kw)
+            return gpu.selective_scan_level(
+                u,
+                delta,
+                p["A"],
+                B,
+                C,
+                D=p["D"],
+                z=z,
+                delta_bias=p["delta_bias"],
+                delta_softplus=True,
+                kernel=stock,
+                **kw,
+            )
     else:
         raise KeyError(kernel)
     return gpu.scan_tree(wrap(level), sched, t)
@@ -143,9 +172,13 @@ def _reference(kernel: str, plan, t: tuple, p: dict) -> torch.Tensor:
     if kernel in ("gdn", "kda"):
         return naive_tree(partial(loop_delta_rule, use_qk_l2norm_in_kernel=True), plan, t)
     if kernel == "mamba2":
-        loop = lambda x, dt, B, C, z, h0: loop_mamba2(x, dt, p["A"], B, C, h0, D=p["D"], z=z, dt_bias=p["dt_bias"], dt_softplus=True)  # noqa: E731
+        loop = lambda x, dt, B, C, z, h0: loop_mamba2(
+            x, dt, p["A"], B, C, h0, D=p["D"], z=z, dt_bias=p["dt_bias"], dt_softplus=True
+        )  # noqa: E731
     elif kernel == "mamba1":
-        loop = lambda u, delta, B, C, z, h0: loop_selective_scan(u, delta, p["A"], B, C, h0, D=p["D"], z=z, delta_bias=p["delta_bias"], delta_softplus=True)  # noqa: E731
+        loop = lambda u, delta, B, C, z, h0: loop_selective_scan(
+            u, delta, p["A"], B, C, h0, D=p["D"], z=z, delta_bias=p["delta_bias"], delta_softplus=True
+        )  # noqa: E731
     else:
         raise KeyError(kernel)
     return naive_tree(loop, plan, t)

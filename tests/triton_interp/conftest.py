@@ -59,13 +59,24 @@ def _tensor_loop_counters() -> None:
             self.generic_visit(node)
             it = node.iter
             func = it.func if isinstance(it, ast.Call) else None
-            is_range = (isinstance(func, ast.Name) and func.id == "range") or (isinstance(func, ast.Attribute) and func.attr == "range")
+            is_range = (isinstance(func, ast.Name) and func.id == "range") or (
+                isinstance(func, ast.Attribute) and func.attr == "range"
+            )
             if is_range and isinstance(node.target, ast.Name):
-                to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor", ctx=ast.Load())
-                node.body.insert(0, ast.Assign(
-                    targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
-                    value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)], keywords=[]),
-                ))
+                to_tensor = ast.Attribute(
+                    value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor", ctx=ast.Load()
+                )
+                node.body.insert(
+                    0,
+                    ast.Assign(
+                        targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                        value=ast.Call(
+                            func=to_tensor,
+                            args=[ast.Name(id=node.target.id, ctx=ast.Load()), ast.Constant(value=False)],
+                            keywords=[],
+                        ),
+                    ),
+                )
             return node
 
     interpreter.FunctionRewriter.ast_transformer = LoopCounters()
@@ -77,11 +88,18 @@ def _cpu_cuda_queries() -> None:
     if torch.cuda.is_available():
         return
     torch.cuda.device = lambda device=None: contextlib.nullcontext()
-    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=4, name="triton-interpreter", gcnArchName="")
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        multi_processor_count=4, name="triton-interpreter", gcnArchName=""
+    )
 
 
 #: the kernels this folder runs under the interpreter (the CUDA-only ones are GPU-check only)
-INTERPRETED = ("fla.chunk_gated_delta_rule", "fla.chunk_kda", "fla.causal_conv1d", "mamba_ssm.mamba_chunk_scan_combined")
+INTERPRETED = (
+    "fla.chunk_gated_delta_rule",
+    "fla.chunk_kda",
+    "fla.causal_conv1d",
+    "mamba_ssm.mamba_chunk_scan_combined",
+)
 
 if INTERPRET:
     import triton  # noqa: F401  (a missing triton fails the run here, loudly)

@@ -141,36 +141,100 @@ def _varlen(loop_fn, q, *rest, initial_state, cu_seqlens, **kw):
     cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
     outs, finals = [], []
     for i in range(len(cu) - 1):
-        o, h = loop_fn(*(t[0, cu[i] : cu[i + 1]] for t in (q, *rest)), None if initial_state is None else initial_state[i], **kw)
+        o, h = loop_fn(
+            *(t[0, cu[i] : cu[i + 1]] for t in (q, *rest)), None if initial_state is None else initial_state[i], **kw
+        )
         outs.append(o)
         finals.append(h)
     return torch.cat(outs)[None], torch.stack(finals)
 
 
-def stock_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+def stock_chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **_,
+):
     """fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` contract (varlen, per-sequence states)."""
-    o, h = _varlen(loop_delta_rule, q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, h = _varlen(
+        loop_delta_rule,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
     return o.to(q.dtype), (h.float() if output_final_state else None)
 
 
-def stock_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False, return_varlen_states=False):
+def stock_mamba_chunk_scan_combined(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, math.inf),
+    return_final_states=False,
+    return_varlen_states=False,
+):
     """mamba_ssm's contract: batch rows [b, L, ...], one initial state per ROW (no varlen states)."""
     assert seq_idx is None and not return_varlen_states, "the wrapper never uses varlen states"
     outs, finals = [], []
     for b in range(x.shape[0]):
-        o, h = loop_mamba2(x[b], mamba_dt(dt[b], dt_bias, dt_softplus, dt_limit), A, B[b], C[b], None if initial_states is None else initial_states[b], D=D, z=None if z is None else z[b])
+        o, h = loop_mamba2(
+            x[b],
+            mamba_dt(dt[b], dt_bias, dt_softplus, dt_limit),
+            A,
+            B[b],
+            C[b],
+            None if initial_states is None else initial_states[b],
+            D=D,
+            z=None if z is None else z[b],
+        )
         outs.append(o)
         finals.append(h)
     out = torch.stack(outs).to(x.dtype)
     return (out, torch.stack(finals).float()) if return_final_states else out
 
 
-def stock_selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
+def stock_selective_scan_fn(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False
+):
     """mamba_ssm's contract: u, delta [b, Dm, L]; B, C [b, N, L]; zero initial state; the last
     state carries no gradient (as the CUDA kernel's)."""
     outs, lasts = [], []
     for b in range(u.shape[0]):
-        o, h = loop_selective_scan(u[b].T, delta[b].T, A, B[b].T, C[b].T, None, D=D, z=None if z is None else z[b].T, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        o, h = loop_selective_scan(
+            u[b].T,
+            delta[b].T,
+            A,
+            B[b].T,
+            C[b].T,
+            None,
+            D=D,
+            z=None if z is None else z[b].T,
+            delta_bias=delta_bias,
+            delta_softplus=delta_softplus,
+        )
         outs.append(o.T)
         lasts.append(h.detach())
     out = torch.stack(outs).to(u.dtype)
@@ -184,7 +248,16 @@ def _conv_seq(x, weight, bias, activation):
     return F.silu(y) if activation in ("silu", "swish") else y
 
 
-def stock_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False, final_states_out=None, activation=None):
+def stock_causal_conv1d_fn(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+):
     """causal-conv1d's contract: x [b, D, L]; ``seq_idx`` [b, L] restarts the conv at each change."""
     assert initial_states is None and not return_final_states
     xd, wd, bd = x.double(), weight.double(), None if bias is None else bias.double()
@@ -197,7 +270,18 @@ def stock_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=No
     return out.to(x.dtype)
 
 
-def stock_fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None, backend="triton", cu_seqlens=None, **_):
+def stock_fla_causal_conv1d(
+    x,
+    weight=None,
+    bias=None,
+    residual=None,
+    initial_state=None,
+    output_final_state=False,
+    activation=None,
+    backend="triton",
+    cu_seqlens=None,
+    **_,
+):
     """fla's ``causal_conv1d`` contract: x [1, T, D] with ``cu_seqlens``; returns (y, None)."""
     assert residual is None and initial_state is None and not output_final_state
     cu = [0, x.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()

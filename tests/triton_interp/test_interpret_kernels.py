@@ -25,7 +25,10 @@ from treepack.trainer.kernels.tree_scan import tree_schedule
 
 from helpers.trees import tree_plan
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests: run `make test-triton` (TRITON_INTERPRET=1 in .venv-triton)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton interpreter tests: run `make test-triton` (TRITON_INTERPRET=1 in .venv-triton)",
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 #: relative tolerance (max |err| / max |ref|) on outputs and on input gradients
@@ -76,7 +79,9 @@ def test_wrapper_matches_loop_reference(kernel, dtype, tree, interp_results):
         assert g is not None and gr is not None, f"no gradient reached {name}"
         errs[name] = _rel(g, gr)
     err_grad = max(errs.values())
-    result = interp_results.setdefault(kernel, {})[dtype] = dict(out=err_out, grad=err_grad, seconds=seconds, passed=False)
+    result = interp_results.setdefault(kernel, {})[dtype] = dict(
+        out=err_out, grad=err_grad, seconds=seconds, passed=False
+    )
     assert err_out <= TOL[dtype], f"{kernel} {dtype}: output rel err {err_out:.2e} > {TOL[dtype]}"
     assert err_grad <= TOL[dtype], f"{kernel} {dtype}: gradient rel errs {errs}"
     result["passed"] = True
@@ -117,7 +122,9 @@ def test_stock_signature_dropins_run_the_triton_kernels():
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     x, dt, B, C = r(1, T, H, P), r(1, T, H) - 1, r(1, T, 1, N) / 3, r(1, T, 1, N)
     A, D, h0 = -(0.5 + torch.rand(H, generator=g)), r(H), 0.3 * r(len(lens), H, P, N)
-    y, states = mamba_chunk_scan_varlen(x, dt, A, B, C, 64, D=D, dt_softplus=True, initial_states=h0, cu_seqlens=cu, return_varlen_states=True)
+    y, states = mamba_chunk_scan_varlen(
+        x, dt, A, B, C, 64, D=D, dt_softplus=True, initial_states=h0, cu_seqlens=cu, return_varlen_states=True
+    )
     for i in range(len(lens)):
         s = slice(int(cu[i]), int(cu[i + 1]))
         o, h = loop_mamba2(x[0, s], dt[0, s], A, B[0, s], C[0, s], h0[i], D=D, dt_softplus=True)

@@ -28,7 +28,16 @@ def model_dir() -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     d = tempfile.mkdtemp(prefix="treepack-verl-model-")
     Qwen2ForCausalLM(cfg).save_pretrained(d)
     return d
@@ -36,9 +45,25 @@ def model_dir() -> str:
 
 def configs(*, grad_ckpt: bool = False, path: str | None = None, **model: Any) -> dict[str, Any]:
     """verl's four engine configs (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
-    mc = HFModelConfig(path=path or model_dir(), load_tokenizer=False, override_config={"attn_implementation": "eager"}, enable_gradient_checkpointing=grad_ckpt, **model)
+    mc = HFModelConfig(
+        path=path or model_dir(),
+        load_tokenizer=False,
+        override_config={"attn_implementation": "eager"},
+        enable_gradient_checkpointing=grad_ckpt,
+        **model,
+    )
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, dtype="float32", model_dtype="fp32", mixed_precision=fp32, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2, max_token_len_per_gpu=160, infer_max_token_len_per_gpu=160)
+    ec = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=False,
+        dtype="float32",
+        model_dtype="fp32",
+        mixed_precision=fp32,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=2,
+        max_token_len_per_gpu=160,
+        infer_max_token_len_per_gpu=160,
+    )
     oc = FSDPOptimizerConfig(lr=1.0, optimizer="SGD", clip_grad=1e9, weight_decay=0.0, total_training_steps=10)
     return dict(model_config=mc, engine_config=ec, optimizer_config=oc, checkpoint_config=CheckpointConfig())
 
@@ -50,7 +75,9 @@ def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSD
     return eng
 
 
-def grpo_batch(*, groups: int = 2, n: int = 4, seed: int = 0, P: int = 28, R: int = 8, vocab: int = VOCAB) -> TensorDict:
+def grpo_batch(
+    *, groups: int = 2, n: int = 4, seed: int = 0, P: int = 28, R: int = 8, vocab: int = VOCAB
+) -> TensorDict:
     """A padded GRPO batch (``groups`` prompts x ``n`` responses) as verl's trainer holds it.
 
     Prompts (``P - 10`` to ``P`` tokens) are left-padded, responses (2 to ``R`` tokens)
@@ -92,15 +119,32 @@ def grpo_batch(*, groups: int = 2, n: int = 4, seed: int = 0, P: int = 28, R: in
     return left_right_2_no_padding(td)
 
 
-def flags(td: TensorDict, *, dynamic: bool, rmpad: bool, temperature: float = 1.0, micro: int = 4, **extra) -> TensorDict:
+def flags(
+    td: TensorDict, *, dynamic: bool, rmpad: bool, temperature: float = 1.0, micro: int = 4, **extra
+) -> TensorDict:
     """The engine keys verl's worker injects (micro-batching, remove-padding, temperature)."""
-    tu.assign_non_tensor(td, use_remove_padding=rmpad, use_dynamic_bsz=dynamic, max_token_len_per_gpu=160, micro_batch_size_per_gpu=micro, use_fused_kernels=False, temperature=temperature, **extra)
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=rmpad,
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=160,
+        micro_batch_size_per_gpu=micro,
+        use_fused_kernels=False,
+        temperature=temperature,
+        **extra,
+    )
     return td
 
 
 def loss_fn(loss_agg_mode: str):
     """verl's own PPO loss, as the actor worker binds it."""
-    cfg = FSDPActorConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=4, loss_agg_mode=loss_agg_mode, rollout_n=4, use_dynamic_bsz=False)
+    cfg = FSDPActorConfig(
+        strategy="fsdp2",
+        ppo_micro_batch_size_per_gpu=4,
+        loss_agg_mode=loss_agg_mode,
+        rollout_n=4,
+        use_dynamic_bsz=False,
+    )
     return functools.partial(ppo_loss, config=cfg)
 
 
@@ -129,7 +173,11 @@ def response_values(eng, td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, di
     mo = out["model_output"]
     m = td["response_mask"]
     mask = (m.to_padded_tensor(0) if m.is_nested else m).bool()
-    return no_padding_2_padding(mo["log_probs"], td)[mask], no_padding_2_padding(mo["entropy"], td)[mask], out["metrics"]
+    return (
+        no_padding_2_padding(mo["log_probs"], td)[mask],
+        no_padding_2_padding(mo["entropy"], td)[mask],
+        out["metrics"],
+    )
 
 
 def update(eng, td: TensorDict, mode: str = "token-mean", *, undo: bool = True) -> dict[str, torch.Tensor]:

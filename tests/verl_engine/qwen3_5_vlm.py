@@ -28,13 +28,32 @@ from treepack.trainer.hf.guards import trust_hook  # noqa: E402
 from treepack.trainer.verl import TreepackFSDPEngine  # noqa: E402
 
 text = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
 )
-vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, num_position_embeddings=16)
-cfg = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=VOCAB - 4, video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)
+vision = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, num_position_embeddings=16
+)
+cfg = Qwen3_5Config(
+    text_config=text,
+    vision_config=vision,
+    image_token_id=VOCAB - 4,
+    video_token_id=VOCAB - 3,
+    vision_start_token_id=VOCAB - 2,
+    vision_end_token_id=VOCAB - 1,
+)
 torch.manual_seed(0)
 path = tempfile.mkdtemp(prefix="treepack-verl-qwen3_5-vlm-")
 Qwen3_5ForConditionalGeneration(cfg).save_pretrained(path)

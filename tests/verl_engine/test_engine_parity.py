@@ -22,7 +22,11 @@ from helpers.tolerance import assert_close, assert_not_close
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-ckpt", "grad-ckpt"])
 def engines(request):
-    return build(FSDPEngineWithLMHead, grad_ckpt=request.param), build(TreepackFSDPEngine, grad_ckpt=request.param), request.param
+    return (
+        build(FSDPEngineWithLMHead, grad_ckpt=request.param),
+        build(TreepackFSDPEngine, grad_ckpt=request.param),
+        request.param,
+    )
 
 
 def _infer(eng, td):
@@ -45,15 +49,28 @@ def _update(eng, td, mode):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-bsz", "dynamic-bsz"])
 def test_infer_batch_matches_stock(engines, dynamic, rmpad):
     stock, tree, ckpt = engines
-    td = lambda: flags(grpo_batch(seed=1), dynamic=dynamic, rmpad=rmpad, temperature=0.7, calculate_entropy=True, compute_loss=False)  # noqa: E731
+    td = lambda: flags(
+        grpo_batch(seed=1), dynamic=dynamic, rmpad=rmpad, temperature=0.7, calculate_entropy=True, compute_loss=False
+    )  # noqa: E731
     lp_ref, ent_ref, _ = _infer(stock, td())
     lp, ent, metrics = _infer(tree, td())
-    mask = td()["response_mask"].to_padded_tensor(0).bool() if td()["response_mask"].is_nested else td()["response_mask"].bool()
+    mask = (
+        td()["response_mask"].to_padded_tensor(0).bool()
+        if td()["response_mask"].is_nested
+        else td()["response_mask"].bool()
+    )
     assert_close("log_probs", lp_ref[mask], lp[mask], atol=1e-5, nonzero_ref=True)
     assert_close("entropy", ent_ref[mask], ent[mask], atol=1e-5, nonzero_ref=True)
     saved = metrics["treepack/saved_fraction"].values
     assert saved and min(saved) > 0, saved  # every micro-batch holds whole groups: shared prompts
-    PARITY.append((f"infer ckpt={ckpt} dynamic={dynamic} rmpad={rmpad}", (lp - lp_ref)[mask].abs().max().item(), (ent - ent_ref)[mask].abs().max().item(), float("nan")))
+    PARITY.append(
+        (
+            f"infer ckpt={ckpt} dynamic={dynamic} rmpad={rmpad}",
+            (lp - lp_ref)[mask].abs().max().item(),
+            (ent - ent_ref)[mask].abs().max().item(),
+            float("nan"),
+        )
+    )
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -77,6 +94,7 @@ def test_negative_control_other_batch_differs(engines):
     assert_not_close("update of another batch", ref, got, atol=1e-4)
     # The loss_agg_mode parametrization exercises different losses (seq-mean-token-sum
     # weights the sequences differently from token-mean on this batch).
-    other, _ = _update(stock, flags(grpo_batch(seed=2), dynamic=False, rmpad=True, global_batch_size=8), "seq-mean-token-sum")
+    other, _ = _update(
+        stock, flags(grpo_batch(seed=2), dynamic=False, rmpad=True, global_batch_size=8), "seq-mean-token-sum"
+    )
     assert_not_close("token-mean vs seq-mean-token-sum update", ref, other, atol=1e-4)
-

@@ -35,7 +35,9 @@ def _refused(eng, td, what):
     assert not calls, "the model ran before the refusal"
 
 
-@pytest.mark.parametrize("key", ["use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared", "enable_routing_replay"])
+@pytest.mark.parametrize(
+    "key", ["use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared", "enable_routing_replay"]
+)
 def test_flag_refused(tree, key):
     td = flags(grpo_batch(), dynamic=False, rmpad=True, calculate_entropy=True, compute_loss=False)
     tu.assign_non_tensor(td, **{key: True})

@@ -31,7 +31,16 @@ from treepack.trainer.verl import TreepackFSDPEngine
 
 from helpers.tolerance import assert_close, assert_not_close
 
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+)
 
 
 def qwen3_5():
@@ -59,7 +68,18 @@ def qwen3_5():
 def bamba():
     from transformers import BambaConfig, BambaForCausalLM
 
-    cfg = BambaConfig(**TINY, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16)
+    cfg = BambaConfig(
+        **TINY,
+        num_hidden_layers=3,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=16,
+    )
     return BambaForCausalLM(cfg)
 
 
@@ -73,16 +93,25 @@ def engines(request):
 
 def test_no_fast_kernels_in_this_env():
     """The premise: stock verl runs the mixers on transformers' torch fallbacks here."""
-    present = [m for m in ("fla", "mamba_ssm", "causal_conv1d", "flash_attn") if importlib.util.find_spec(m) is not None]
+    present = [
+        m for m in ("fla", "mamba_ssm", "causal_conv1d", "flash_attn") if importlib.util.find_spec(m) is not None
+    ]
     assert not present, f"kernel packages in the verl test env: {present}"
 
 
 def _infer(eng, rmpad):
-    return response_values(eng, flags(grpo_batch(seed=1), dynamic=False, rmpad=rmpad, temperature=0.7, calculate_entropy=True, compute_loss=False))
+    return response_values(
+        eng,
+        flags(
+            grpo_batch(seed=1), dynamic=False, rmpad=rmpad, temperature=0.7, calculate_entropy=True, compute_loss=False
+        ),
+    )
 
 
 def _update(eng, rmpad):
-    return update(eng, flags(grpo_batch(seed=2), dynamic=False, rmpad=rmpad, calculate_entropy=False, global_batch_size=8))
+    return update(
+        eng, flags(grpo_batch(seed=2), dynamic=False, rmpad=rmpad, calculate_entropy=False, global_batch_size=8)
+    )
 
 
 def test_hybrid_infer_matches_stock_padded(engines):
@@ -96,15 +125,36 @@ def test_hybrid_infer_matches_stock_padded(engines):
     # concatenated micro-batch as one sequence.
     lp_rmpad, _, _ = _infer(stock, rmpad=True)
     assert_not_close(f"{name} stock remove-padding vs stock padded", lp_ref, lp_rmpad, atol=1e-3)
-    PARITY.append((f"{name} infer (vs stock padded)", (lp - lp_ref).abs().max().item(), (ent - ent_ref).abs().max().item(), float("nan")))
-    PARITY.append((f"{name} stock remove-padding vs stock padded", (lp_rmpad - lp_ref).abs().max().item(), float("nan"), float("nan")))
+    PARITY.append(
+        (
+            f"{name} infer (vs stock padded)",
+            (lp - lp_ref).abs().max().item(),
+            (ent - ent_ref).abs().max().item(),
+            float("nan"),
+        )
+    )
+    PARITY.append(
+        (
+            f"{name} stock remove-padding vs stock padded",
+            (lp_rmpad - lp_ref).abs().max().item(),
+            float("nan"),
+            float("nan"),
+        )
+    )
 
 
 def test_hybrid_update_matches_stock_padded(engines):
     stock, tree, name = engines
     ref, got = _update(stock, rmpad=False), _update(tree, rmpad=True)
     assert_close(f"{name} update", ref, got, ratio=1e-4, nonzero_ref=True)
-    PARITY.append((f"{name} update token-mean (vs stock padded)", float("nan"), float("nan"), max((ref[k] - got[k]).abs().max().item() for k in ref)))
+    PARITY.append(
+        (
+            f"{name} update token-mean (vs stock padded)",
+            float("nan"),
+            float("nan"),
+            max((ref[k] - got[k]).abs().max().item() for k in ref),
+        )
+    )
 
 
 def test_qwen3_5_vlm_refused_by_name():

@@ -65,14 +65,30 @@ def _log_probs(worker, seed=1):
     td = grpo_batch(groups=2, n=4, seed=seed)
     tu.assign_non_tensor(td, temperature=0.7, calculate_entropy=True, compute_loss=False)
     out = worker.infer_batch(td)
-    mask = td["response_mask"].to_padded_tensor(0).bool() if td["response_mask"].is_nested else td["response_mask"].bool()
-    return no_padding_2_padding(out["log_probs"], td)[mask], no_padding_2_padding(out["entropy"], td)[mask], tu.get(out, "metrics")
+    mask = (
+        td["response_mask"].to_padded_tensor(0).bool() if td["response_mask"].is_nested else td["response_mask"].bool()
+    )
+    return (
+        no_padding_2_padding(out["log_probs"], td)[mask],
+        no_padding_2_padding(out["entropy"], td)[mask],
+        tu.get(out, "metrics"),
+    )
 
 
 def _update_actor(worker, seed=2):
     """``update_actor``: 4 groups x 4, mini-batches of 8 (two SGD steps), no shuffle."""
     td = grpo_batch(groups=4, n=4, seed=seed)
-    tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=False, global_batch_size=8, mini_batch_size=8, epochs=1, seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    tu.assign_non_tensor(
+        td,
+        temperature=1.0,
+        calculate_entropy=False,
+        global_batch_size=8,
+        mini_batch_size=8,
+        epochs=1,
+        seed=42,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
     before = params(worker.engine)
     out = worker.train_mini_batch(td)
     after = params(worker.engine)
@@ -87,7 +103,14 @@ def test_worker_infer_batch_matches_stock(workers):
     assert_close("worker entropy", ent_ref, ent, atol=1e-5, nonzero_ref=True)
     saved = _values(metrics["treepack/saved_fraction"])
     assert saved and min(saved) > 0, saved
-    PARITY.append(("TrainingWorker.infer_batch", (lp - lp_ref).abs().max().item(), (ent - ent_ref).abs().max().item(), float("nan")))
+    PARITY.append(
+        (
+            "TrainingWorker.infer_batch",
+            (lp - lp_ref).abs().max().item(),
+            (ent - ent_ref).abs().max().item(),
+            float("nan"),
+        )
+    )
 
 
 def test_worker_train_mini_batch_matches_stock(workers):

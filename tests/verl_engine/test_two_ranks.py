@@ -31,7 +31,16 @@ def two_ranks():
     out = tempfile.mkdtemp(prefix="treepack-verl-2ranks-")
     init = tempfile.mktemp(prefix="treepack-verl-2ranks-gloo-")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "two_ranks.py"), str(r), init, model_dir(), out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "two_ranks.py"), str(r), init, model_dir(), out],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     logs = []
     for p in procs:
         try:
@@ -50,7 +59,10 @@ def _one_rank_update(first_half_only: bool) -> dict[str, torch.Tensor]:
     td = grpo_batch(groups=4, n=4, seed=2)
     if first_half_only:
         td = tu.chunk_tensordict(td, 2)[0]
-    return update(build(FSDPEngineWithLMHead), flags(td, dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=td.batch_size[0]))
+    return update(
+        build(FSDPEngineWithLMHead),
+        flags(td, dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=td.batch_size[0]),
+    )
 
 
 def test_two_ranks_infer_and_update_match_stock(two_ranks):
@@ -68,6 +80,8 @@ def test_two_ranks_reduce_the_gradient(two_ranks):
     """The 2-rank update is the whole batch's (gradients reduced over ranks), not one half's."""
     whole = _one_rank_update(False)
     assert_close("2 ranks vs 1 rank on the whole batch", whole, two_ranks["stock"], ratio=1e-4, nonzero_ref=True)
-    assert_close("2 ranks (treepack) vs 1 rank on the whole batch", whole, two_ranks["tree"], ratio=1e-4, nonzero_ref=True)
+    assert_close(
+        "2 ranks (treepack) vs 1 rank on the whole batch", whole, two_ranks["tree"], ratio=1e-4, nonzero_ref=True
+    )
     first_half = _one_rank_update(True)
     assert_not_close("1 rank on the first half only", first_half, two_ranks["stock"], atol=1e-4)

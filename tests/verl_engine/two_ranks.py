@@ -58,12 +58,29 @@ def half(td):
 
 
 def infer(eng):
-    td = flags(half(grpo_batch(groups=4, n=4, seed=1)), dynamic=False, rmpad=True, temperature=0.7, calculate_entropy=True, compute_loss=False)
+    td = flags(
+        half(grpo_batch(groups=4, n=4, seed=1)),
+        dynamic=False,
+        rmpad=True,
+        temperature=0.7,
+        calculate_entropy=True,
+        compute_loss=False,
+    )
     return response_values(eng, td)
 
 
 def update_of(eng):
-    return update(eng, flags(half(grpo_batch(groups=4, n=4, seed=2)), dynamic=False, rmpad=True, calculate_entropy=False, global_batch_size=16), undo=False)
+    return update(
+        eng,
+        flags(
+            half(grpo_batch(groups=4, n=4, seed=2)),
+            dynamic=False,
+            rmpad=True,
+            calculate_entropy=False,
+            global_batch_size=16,
+        ),
+        undo=False,
+    )
 
 
 def main() -> None:
@@ -77,7 +94,18 @@ def main() -> None:
     torch.distributed.all_reduce(errs, op=torch.distributed.ReduceOp.MAX)
     torch.distributed.all_reduce(saved, op=torch.distributed.ReduceOp.MIN)
     if RANK == 0:
-        torch.save({"logp_err": float(errs[0]), "entropy_err": float(errs[1]), "saved_min": float(saved), "stock": ref, "tree": got, "validated": VALIDATED[0], "ref_logp_max": float(lp_ref.abs().max())}, os.path.join(OUT_DIR, "result.pt"))
+        torch.save(
+            {
+                "logp_err": float(errs[0]),
+                "entropy_err": float(errs[1]),
+                "saved_min": float(saved),
+                "stock": ref,
+                "tree": got,
+                "validated": VALIDATED[0],
+                "ref_logp_max": float(lp_ref.abs().max()),
+            },
+            os.path.join(OUT_DIR, "result.pt"),
+        )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

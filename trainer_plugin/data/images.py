@@ -84,7 +84,9 @@ def batch_images(
         return None
     for name, v in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw)):
         if v is not None and len(v) != num_sequences:
-            raise RequestError(f"{name} has {len(v)} entries for {num_sequences} sequences", path=f"$.{name}", rule="length")
+            raise RequestError(
+                f"{name} has {len(v)} entries for {num_sequences} sequences", path=f"$.{name}", rule="length"
+            )
     index: dict[bytes, int] = {}
     pvs: list[torch.Tensor] = []
     grids: list[torch.Tensor | None] = []

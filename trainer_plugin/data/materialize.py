@@ -27,7 +27,6 @@ Two payload alignments:
 Unwritten slots are filled with NaN (floating), -1 (integer) or False (bool).
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -123,12 +122,21 @@ def _token_ids(sequences: Sequence[Any], plan: Plan, ix: _RowIndex, dev: torch.d
     """[ptr[-1]] int64 token ids of the local sequences, concatenated."""
     tokens = concat_arrays(sequences, ix.local_seqs, plan, dev, what="sequences")
     if tokens.ndim != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise InputTypeError(f"expected 1-D integer token ids, got {tokens.dtype} with per-token shape {tuple(tokens.shape[1:])}", path="$.sequences", rule="dtype")
+        raise InputTypeError(
+            f"expected 1-D integer token ids, got {tokens.dtype} with per-token shape {tuple(tokens.shape[1:])}",
+            path="$.sequences",
+            rule="dtype",
+        )
     return tokens.to(torch.int64)
 
 
 def _row_tensors(
-    tokens: torch.Tensor, ix: _RowIndex, tok_flat: torch.Tensor, gather_src: torch.Tensor, shape: tuple[int, int], pad_id: int
+    tokens: torch.Tensor,
+    ix: _RowIndex,
+    tok_flat: torch.Tensor,
+    gather_src: torch.Tensor,
+    shape: tuple[int, int],
+    pad_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat [K * C] ``input_ids``, ``position_ids``, ``subtree_end``: one gather of the token
     ids, padding as the contract says (``pad_id``, position 0, sees only itself)."""
@@ -143,7 +151,9 @@ def _row_tensors(
     return input_ids, position_ids, subtree_end
 
 
-def _check_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, ix: _RowIndex, seq_of_c: np.ndarray, seq_flat: torch.Tensor) -> None:
+def _check_tokens(
+    input_ids: torch.Tensor, tokens: torch.Tensor, ix: _RowIndex, seq_of_c: np.ndarray, seq_flat: torch.Tensor
+) -> None:
     """Reading each local sequence back from the rows must give its tokens (one gather)."""
     back = input_ids[seq_flat]
     bad = torch.nonzero(back != tokens).flatten()
@@ -174,7 +184,9 @@ class PayloadMismatchError(RequestError):
 
     kind = "payload_mismatch"
 
-    def __init__(self, message: str, *, path: str, rule: str = "sharers_disagree", sequences: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, message: str, *, path: str, rule: str = "sharers_disagree", sequences: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(message, path=path, rule=rule)
         self.sequences = tuple(sequences)
 
@@ -187,7 +199,9 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ne.reshape(ne.shape[0], -1).any(-1) if ne.ndim > 1 else ne
 
 
-def _check_token_payload(name: str, cat: torch.Tensor, packed_flat: torch.Tensor, ix: _RowIndex, seq_flat: torch.Tensor, size: int) -> None:
+def _check_token_payload(
+    name: str, cat: torch.Tensor, packed_flat: torch.Tensor, ix: _RowIndex, seq_flat: torch.Tensor, size: int
+) -> None:
     """Every local sequence must read its own values back from the packed payload (one gather)."""
     bad = torch.nonzero(_differs(packed_flat[seq_flat], cat)).flatten()
     if not bad.numel():
@@ -249,7 +263,11 @@ def _payloads(
         packed[name] = _unshared_view(entries[name], index["score_flat"], size, (*shape, *cat.shape[1:]))
     for name, value in (input_payloads or {}).items():
         if name in packed:
-            raise RequestError(f"payload name {name!r} is both target- and token-aligned", path=f"$.input_payloads.{name}", rule="unique")
+            raise RequestError(
+                f"payload name {name!r} is both target- and token-aligned",
+                path=f"$.input_payloads.{name}",
+                rule="unique",
+            )
         cat = concat_arrays(value, ix.local_seqs, plan, dev, what=f"input_payloads.{name}")
         flat = scatter_filled(cat[index["gather_src"]], index["tok_flat"], size)
         _check_token_payload(name, cat, flat, ix, index["seq_flat"], size)
@@ -335,9 +353,15 @@ def materialize(
             rule="cp_size",
         )
     if pixel_values_videos is not None:
-        raise RequestError("video inputs are not supported on tree rows (only images are)", path="$.pixel_values_videos", rule="unsupported")
+        raise RequestError(
+            "video inputs are not supported on tree rows (only images are)",
+            path="$.pixel_values_videos",
+            rule="unsupported",
+        )
     if cp is not None and pixel_values is not None:
-        raise RequestError("image inputs are not supported under context parallelism", path="$.pixel_values", rule="unsupported")
+        raise RequestError(
+            "image inputs are not supported under context parallelism", path="$.pixel_values", rule="unsupported"
+        )
     S, C = plan.num_sequences, plan.seq_len
     check_count(sequences, S)
     rows_arr = check_rows(rows, plan)
@@ -372,7 +396,9 @@ def materialize(
     _check_shared_targets(score_flat, score_target, score_seq)
     loss_mask = torch.zeros(size, dtype=torch.bool, device=dev)
     loss_mask[score_flat_t] = True
-    index = dict(entry_src=entry_src, score_flat=score_flat_t, tok_flat=tok_flat, gather_src=gather_src, seq_flat=seq_flat)
+    index = dict(
+        entry_src=entry_src, score_flat=score_flat_t, tok_flat=tok_flat, gather_src=gather_src, seq_flat=seq_flat
+    )
     packed, entries = _payloads(plan, ix, payloads, input_payloads, index, (K, C), dev)
     full = PackedBatch(
         plan=plan,
@@ -416,7 +442,11 @@ def cp_shard(full: PackedBatch, cp: Any, pad_id: int = 0) -> PackedBatch:
     shard_len)``; the scored entries are those whose position lies in the shard.
     """
     if full.images is not None:
-        raise RequestError("images are not supported under context parallelism (the vision tower runs on whole sequences)", path="$.cp", rule="unsupported")
+        raise RequestError(
+            "images are not supported under context parallelism (the vision tower runs on whole sequences)",
+            path="$.cp",
+            rule="unsupported",
+        )
     plan = full.plan
     K, C = full.num_rows, plan.seq_len
     Ls = plan.ranks.shard_len
@@ -481,7 +511,11 @@ def cp_strategy(plan: Any, cp: Any) -> str:
             rule="cp_strategy",
         )
     if asked == "ulysses" and not plan.ranks.contiguous:
-        raise RequestError("Ulysses attention needs contiguous CP shards; this plan's split is balanced for all-gather", path="$.cp.strategy", rule="cp_strategy")
+        raise RequestError(
+            "Ulysses attention needs contiguous CP shards; this plan's split is balanced for all-gather",
+            path="$.cp.strategy",
+            rule="cp_strategy",
+        )
     return asked if planned == "auto" else planned
 
 

@@ -177,12 +177,20 @@ class PackedBatch:
             self._cache[key] = dense_mask(self.subtree_end, self.position_ids, sliding_window, chunk_size)
         return self._cache[key]
 
-    def block_mask(self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None) -> Any:
+    def block_mask(
+        self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None
+    ) -> Any:
         """FlexAttention BlockMask of the tree mask; see :func:`~treepack.trainer.kernels.masks.block_mask`."""
         self._whole_rows_only("the attention mask")
         key = ("block", block_size, sliding_window, chunk_size)
         if key not in self._cache:
-            self._cache[key] = block_mask(self.subtree_end, self.position_ids, block_size=block_size, sliding_window=sliding_window, chunk_size=chunk_size)
+            self._cache[key] = block_mask(
+                self.subtree_end,
+                self.position_ids,
+                block_size=block_size,
+                sliding_window=sliding_window,
+                chunk_size=chunk_size,
+            )
         return self._cache[key]
 
     def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta:
@@ -218,13 +226,19 @@ class PackedBatch:
         # A CP shard holds part of every row: the masks and schedules of whole rows live on
         # cp_full, read by the CP paths that run whole rows (Ulysses attention).
         if self.cp is not None:
-            raise RequestError(f"{what} is a whole-row structure; this batch is one context-parallel shard (read batch.cp_full)", path="$.batch.cp", rule="cp_shard")
+            raise RequestError(
+                f"{what} is a whole-row structure; this batch is one context-parallel shard (read batch.cp_full)",
+                path="$.batch.cp",
+                rule="cp_shard",
+            )
 
     def _check_rows_tensor(self, x: torch.Tensor, what: str) -> None:
         K, L = self.num_rows, self.seq_len
         if not isinstance(x, torch.Tensor) or x.ndim < 2 or tuple(x.shape[:2]) != (K, L):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise RequestError(f"{what} must have shape [{K}, {L}, ...] (rows, seq_len), got {shape}", path=f"$.{what}", rule="shape")
+            raise RequestError(
+                f"{what} must have shape [{K}, {L}, ...] (rows, seq_len), got {shape}", path=f"$.{what}", rule="shape"
+            )
 
     def target_logprobs(
         self, logits: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
@@ -244,7 +258,9 @@ class PackedBatch:
         """
         self._check_rows_tensor(logits, "logits")
         if logits.ndim != 3:
-            raise RequestError(f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape")
+            raise RequestError(
+                f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape"
+            )
         _check_temperature(temperature)
         K, L, V = logits.shape
         pos = self._loss_positions(V, "logits")
@@ -252,7 +268,13 @@ class PackedBatch:
         return self._spread(pos, lp, ent)
 
     def target_logprobs_from_hidden(
-        self, hidden: torch.Tensor, head: Any, *, chunk_size: int = 4096, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        hidden: torch.Tensor,
+        head: Any,
+        *,
+        chunk_size: int = 4096,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`target_logprobs` from final hidden states, never holding [K, L, V] logits.
 
@@ -279,7 +301,9 @@ class PackedBatch:
         self._check_rows_tensor(hidden, "hidden")
         _check_temperature(temperature)
         if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise RequestError(f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range")
+            raise RequestError(
+                f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range"
+            )
         K, L, d = hidden.shape
         pos = self._loss_positions(None, "hidden")
         flat = hidden.reshape(K * L, d)
@@ -292,7 +316,9 @@ class PackedBatch:
         parts = []
         for a in range(0, int(pos.shape[0]), chunk_size):
             p = pos[a : a + chunk_size]
-            parts.append(checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p]))
+            parts.append(
+                checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p])
+            )
         empty = flat.new_zeros(0, dtype=torch.float32)
         lp = torch.cat([x[0] for x in parts]) if parts else empty
         ent = (torch.cat([x[1] for x in parts]) if parts else empty) if with_entropy else None
@@ -310,7 +336,11 @@ class PackedBatch:
             self._cache["loss_positions"] = torch.nonzero(self.loss_mask.reshape(-1)).flatten()
             self._cache["max_target"] = int(self.targets.max()) if self.targets.numel() else -1
         if vocab is not None and vocab <= self._cache["max_target"]:
-            raise RequestError(f"{what} have {vocab} vocabulary entries, but target token {self._cache['max_target']} needs more", path=f"$.{what}", rule="shape")
+            raise RequestError(
+                f"{what} have {vocab} vocabulary entries, but target token {self._cache['max_target']} needs more",
+                path=f"$.{what}",
+                rule="shape",
+            )
         return self._cache["loss_positions"]
 
     def entry_logprobs(self, x: torch.Tensor) -> torch.Tensor:
@@ -365,8 +395,15 @@ class PackedBatch:
 
 
 def _check_temperature(temperature: float) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 or temperature == float("inf"):
-        raise RequestError(f"temperature must be a finite number > 0, got {temperature!r}", path="$.temperature", rule="range")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not temperature > 0
+        or temperature == float("inf")
+    ):
+        raise RequestError(
+            f"temperature must be a finite number > 0, got {temperature!r}", path="$.temperature", rule="range"
+        )
 
 
 def _target_stats(

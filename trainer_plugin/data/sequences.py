@@ -53,7 +53,11 @@ def normalize_trainable(trainable: Sequence[Any] | None, plan: Plan) -> Callable
     if trainable is None:
         return lambda s: np.zeros(int(plan.seq_lens[s]), dtype=bool)
     if len(trainable) != S:
-        raise RequestError(f"trainable has {len(trainable)} entries for the plan's {S} sequences", path="$.trainable", rule="length_mismatch")
+        raise RequestError(
+            f"trainable has {len(trainable)} entries for the plan's {S} sequences",
+            path="$.trainable",
+            rule="length_mismatch",
+        )
 
     def flags(s: int) -> np.ndarray:
         n, m = int(plan.seq_lens[s]), int(plan.orig_lens[s])
@@ -63,11 +67,15 @@ def normalize_trainable(trainable: Sequence[Any] | None, plan: Plan) -> Callable
             raise InputTypeError(f"expected a bool array or a prompt length, got {x!r}", path=path, rule="type")
         if isinstance(x, (int, np.integer)):
             out = np.zeros(n, dtype=bool)
-            out[min(int(x), n):] = True
+            out[min(int(x), n) :] = True
             return out
         arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
         if arr.ndim != 1 or arr.shape[0] not in (n, m):
-            raise RequestError(f"trainable has shape {arr.shape} for a sequence of {m} tokens ({n} placed)", path=path, rule="length_mismatch")
+            raise RequestError(
+                f"trainable has shape {arr.shape} for a sequence of {m} tokens ({n} placed)",
+                path=path,
+                rule="length_mismatch",
+            )
         return arr[:n].astype(bool)
 
     return flags
@@ -89,11 +97,15 @@ def check_rows(rows: Any, plan: Plan) -> np.ndarray:
         return np.arange(plan.num_rows, dtype=np.int64)
     arr = np.asarray(rows)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InputTypeError(f"rows must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}", path="$.rows", rule="type")
+        raise InputTypeError(
+            f"rows must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}", path="$.rows", rule="type"
+        )
     arr = arr.astype(np.int64)
     bad = (arr < -1) | (arr >= plan.num_rows)
     if bad.any():
-        raise RequestError(f"row {int(arr[np.argmax(bad)])} is not in [-1, {plan.num_rows})", path="$.rows", rule="range")
+        raise RequestError(
+            f"row {int(arr[np.argmax(bad)])} is not in [-1, {plan.num_rows})", path="$.rows", rule="range"
+        )
     real = arr[arr >= 0]
     if np.unique(real).shape[0] != real.shape[0]:
         raise RequestError("rows lists a row twice", path="$.rows", rule="unique")
@@ -127,7 +139,11 @@ def concat_arrays(value: Any, seqs: np.ndarray, plan: Plan, device: torch.device
             )
         offsets = np.concatenate([[0], np.cumsum(plan.orig_lens)])
     elif not callable(value) and len(value) != plan.num_sequences:
-        raise RequestError(f"{what} has {len(value)} entries for the plan's {plan.num_sequences} sequences", path=f"$.{what}", rule="length_mismatch")
+        raise RequestError(
+            f"{what} has {len(value)} entries for the plan's {plan.num_sequences} sequences",
+            path=f"$.{what}",
+            rule="length_mismatch",
+        )
     probe = seqs
     if seqs.shape[0] == 0:
         # No sequence here (a rank holding only empty rows): read one kept sequence's
@@ -146,7 +162,9 @@ def concat_arrays(value: Any, seqs: np.ndarray, plan: Plan, device: torch.device
         parts.append(t[: n if seqs.shape[0] else 0].to(device))
     shapes = {tuple(p.shape[1:]) for p in parts}
     if len(shapes) > 1:
-        raise RequestError(f"{what}: per-token shapes differ between sequences: {sorted(shapes)}", path=f"$.{what}", rule="shape")
+        raise RequestError(
+            f"{what}: per-token shapes differ between sequences: {sorted(shapes)}", path=f"$.{what}", rule="shape"
+        )
     return torch.cat(parts)
 
 
@@ -159,7 +177,9 @@ def group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
     if groups is None:
         return np.arange(S, dtype=np.int64)
     if len(groups) != S:
-        raise RequestError(f"groups has {len(groups)} entries for the plan's {S} sequences", path="$.groups", rule="length_mismatch")
+        raise RequestError(
+            f"groups has {len(groups)} entries for the plan's {S} sequences", path="$.groups", rule="length_mismatch"
+        )
     codes = np.empty(S, dtype=np.int64)
     index: dict[Any, int] = {}
     for s, g in enumerate(groups):
@@ -168,7 +188,9 @@ def group_codes(groups: Sequence[Any] | None, S: int) -> np.ndarray:
         elif isinstance(g, np.integer):
             g = int(g)
         elif isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str)):
-            raise InputTypeError(f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type")
+            raise InputTypeError(
+                f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type"
+            )
         codes[s] = index.setdefault(g, len(index))
     return codes
 
@@ -183,7 +205,9 @@ def _plan_flat_flags(plan: Plan) -> np.ndarray:
     return pos >= np.repeat(plan.first_trainable.astype(np.int64), lens)
 
 
-def plan_trainable(plan: Plan, trainable: Sequence[Any] | None = None) -> tuple[Callable[[int], np.ndarray], np.ndarray]:
+def plan_trainable(
+    plan: Plan, trainable: Sequence[Any] | None = None
+) -> tuple[Callable[[int], np.ndarray], np.ndarray]:
     """The plan's trainable flags, checked against ``trainable`` when it is given.
 
     The plan carries the flags it was planned with (``first_trainable`` / ``trainable``), so

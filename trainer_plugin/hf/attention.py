@@ -54,7 +54,15 @@ from treepack.trainer.kernels.attention import tree_attention
 from treepack.trainer.kernels.cp import heads_to_seq, seq_to_heads
 from treepack.trainer.kernels.cp_attention import allgather_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "treepack_attention", "register_tree_attention", "attention_chunk_size", "mask_builder_window", "TREE_MASK_OPTION", "REFUSED_KEYWORDS"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "treepack_attention",
+    "register_tree_attention",
+    "attention_chunk_size",
+    "mask_builder_window",
+    "TREE_MASK_OPTION",
+    "REFUSED_KEYWORDS",
+]
 
 # PackedContext.options key of the mask packed_forward handed the model (None for flash).
 TREE_MASK_OPTION = "tree_mask"
@@ -96,7 +104,11 @@ def treepack_attention(
     """
     ctx = resolve_packed(kwargs, who=f"attention implementation {ATTN_IMPLEMENTATION!r}")
     if dropout:
-        raise RequestError(f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0", path="$.model.config.attention_dropout", rule="unsupported")
+        raise RequestError(
+            f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0",
+            path="$.model.config.attention_dropout",
+            rule="unsupported",
+        )
     if kwargs.get("indices") is not None:
         # A sparse (DSA) layer that reached the dense path: its top-k selection would be
         # silently ignored. Patched DSA layers never get here.
@@ -116,8 +128,14 @@ def treepack_attention(
             refusals=(("", type(module).__name__, why),),
         )
     opts = dict(ctx.options)
-    if TREE_MASK_OPTION in opts and attention_mask is not None and not _is_tree_mask(attention_mask, opts[TREE_MASK_OPTION]):
-        what = f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
+    if (
+        TREE_MASK_OPTION in opts
+        and attention_mask is not None
+        and not _is_tree_mask(attention_mask, opts[TREE_MASK_OPTION])
+    ):
+        what = (
+            f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
+        )
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function a mask or bias "
             f"that treepack did not build ({what}; e.g. a learned dynamic mask): tree attention would replace it, so the layer is refused",
@@ -134,7 +152,9 @@ def treepack_attention(
                 varlen_fn=opts.get("varlen_fn"), compile=opts.get("compile"), sinks=kwargs.get("s_aux"), chunk_size=attention_chunk_size(module),
             )  # fmt: skip
             return out.transpose(1, 2).contiguous(), None
-        return _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
+        return _ulysses(
+            module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")
+        ), None
     out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
@@ -210,7 +230,19 @@ def _ulysses(module, query, key, value, ctx, opts, scaling, sliding_window, soft
     q, k, v = (seq_to_heads(x, cp) for x in (query, key, value))
     C = batch.plan.seq_len
     heads = slice(cp.rank * (H // P), (cp.rank + 1) * (H // P))
-    out = _tree(module, q[:, :, :C], k[:, :, :C], v[:, :, :C], batch.cp_full, ctx, opts, scaling, sliding_window, softcap, None if sinks is None else sinks[heads])
+    out = _tree(
+        module,
+        q[:, :, :C],
+        k[:, :, :C],
+        v[:, :, :C],
+        batch.cp_full,
+        ctx,
+        opts,
+        scaling,
+        sliding_window,
+        softcap,
+        None if sinks is None else sinks[heads],
+    )
     if q.shape[2] > C:
         # Positions past seq_len are CP padding: nothing attends them and nothing reads them.
         out = torch.cat([out, out.new_zeros(*out.shape[:2], q.shape[2] - C, out.shape[3])], dim=2)
@@ -230,7 +262,11 @@ def attention_chunk_size(module: torch.nn.Module) -> int | None:
         return None
     c = getattr(cfg, "attention_chunk_size", None)
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise RequestError(f"{type(module).__name__} (layer {idx}) is chunked but attention_chunk_size is {c!r}", path="$.model.config.attention_chunk_size", rule="range")
+        raise RequestError(
+            f"{type(module).__name__} (layer {idx}) is chunked but attention_chunk_size is {c!r}",
+            path="$.model.config.attention_chunk_size",
+            rule="range",
+        )
     return c
 
 

@@ -111,19 +111,30 @@ def check_cp_layers(model: torch.nn.Module, cp_size: int, contiguous: bool = Tru
         if not contiguous:
             why = f"layer kind {layer.kind!r} runs under CP on contiguous shards only; this plan's split is balanced for all-gather (plan with cp_attention 'auto' or 'ulysses')"
         elif layer.shard is NOT_SHARDED:
-            why = f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+            why = (
+                f"layer kind {layer.kind!r} has no context-parallel path (its tree scan runs on whole rows of one rank)"
+            )
         else:
             why = layer.shard.refuse(mod, cp_size)
         if why is not None:
             refusals.append((name, type(mod).__name__, why))
     if refusals:
         lines = "; ".join(f"{n} ({c}): {w}" for n, c, w in refusals)
-        raise UnsupportedModelError(f"context parallelism over {cp_size} ranks refused: {lines}", rule="cp_unsupported_layer", refusals=tuple(refusals))
+        raise UnsupportedModelError(
+            f"context parallelism over {cp_size} ranks refused: {lines}",
+            rule="cp_unsupported_layer",
+            refusals=tuple(refusals),
+        )
 
 
 def _kwargs_key(kwargs: dict) -> tuple:
     """The model-call keyword arguments as a walk's setup key (values that are not plain: by type)."""
-    return tuple(sorted((k, v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__) for k, v in kwargs.items()))
+    return tuple(
+        sorted(
+            (k, v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__)
+            for k, v in kwargs.items()
+        )
+    )
 
 
 def _numerics(hf: torch.nn.Module) -> tuple:
@@ -132,7 +143,12 @@ def _numerics(hf: torch.nn.Module) -> tuple:
     p = next(hf.parameters(), None)
     dev = p.device.type if p is not None else "cpu"
     autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
-    return (str(p.dtype) if p is not None else "", str(p.device) if p is not None else "", torch.is_grad_enabled(), autocast)
+    return (
+        str(p.dtype) if p is not None else "",
+        str(p.device) if p is not None else "",
+        torch.is_grad_enabled(),
+        autocast,
+    )
 
 
 def _mask(batch: PackedBatch, backend: str, scans: bool = False) -> Any:
@@ -215,18 +231,48 @@ def packed_forward(
         # The walk once per model state and setup (treepack.trainer.hf.walk_cache): a model
         # changed since (hooks, patches, modules, modes, config) is walked, and judged, again.
         state = fingerprint(hf)
-        setup = ("check", backend, output, bool(patch_layers), batch.plan.seq_len, conv_width, bool(allow_dropout), (batch.cp.size, batch.plan.ranks.contiguous) if batch.cp is not None else 0, _kwargs_key(kwargs))
+        setup = (
+            "check",
+            backend,
+            output,
+            bool(patch_layers),
+            batch.plan.seq_len,
+            conv_width,
+            bool(allow_dropout),
+            (batch.cp.size, batch.plan.ranks.contiguous) if batch.cp is not None else 0,
+            _kwargs_key(kwargs),
+        )
         if not walked(hf, setup, state):
-            check_model(hf, backend=backend, output=output, patch_layers=patch_layers, hidden_applies_logit_transforms=True, row_len=batch.plan.seq_len, conv_width=conv_width, allow_dropout=allow_dropout, **kwargs)
+            check_model(
+                hf,
+                backend=backend,
+                output=output,
+                patch_layers=patch_layers,
+                hidden_applies_logit_transforms=True,
+                row_len=batch.plan.seq_len,
+                conv_width=conv_width,
+                allow_dropout=allow_dropout,
+                **kwargs,
+            )
             if batch.cp is not None:
                 check_cp_layers(hf, batch.cp.size, batch.plan.ranks.contiguous)
             enable_tree_attention(hf, patch_layers=patch_layers)
             # Whether layers of the registry read the rows' tree schedule (built before the forward).
-            remember_walk(hf, setup, info=bool(patch_layers) and any(handled_layer(m) is not None for m in hf.modules()))
+            remember_walk(
+                hf, setup, info=bool(patch_layers) and any(handled_layer(m) is not None for m in hf.modules())
+            )
             state = None
         probed = ("probe", backend, bool(patch_layers), conv_width, bool(allow_dropout), *_numerics(hf))
         if verify and not walked(hf, probed, state):
-            verify_model(hf, backend=backend, patch_layers=patch_layers, conv_width=conv_width, varlen_fn=varlen_fn, compile=compile, allow_dropout=allow_dropout)
+            verify_model(
+                hf,
+                backend=backend,
+                patch_layers=patch_layers,
+                conv_width=conv_width,
+                varlen_fn=varlen_fn,
+                compile=compile,
+                allow_dropout=allow_dropout,
+            )
             # The probe's own recording hooks, registered and removed, moved torch's hook
             # count: the model is the one just walked.
             remember_walk(hf, setup, info=walk_info(hf, setup))
@@ -234,7 +280,9 @@ def packed_forward(
     mm = image_inputs(hf, batch, kwargs)
     with record_function("treepack::metadata"):
         mask = _mask(batch, backend, scans=bool(walk_info(hf, setup)))
-    ctx = PackedContext(batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask})
+    ctx = PackedContext(
+        batch=batch, backend=backend, options={"varlen_fn": varlen_fn, "compile": compile, TREE_MASK_OPTION: mask}
+    )
     inputs = dict(
         input_ids=batch.input_ids,
         position_ids=mm.pop("position_ids", batch.position_ids),
@@ -282,16 +330,33 @@ def verify_model(
         step = 128 if backend == "flex" else 16
         seq_len = -(-sum(len(s) for s in seqs) // step) * step
         with Packer() as packer:
-            plan = packer.pack(seqs, seq_len=seq_len, trainable=[1] * len(seqs), min_shared_len=2, share_trainable=True, conv_width=conv_width, record=False)
+            plan = packer.pack(
+                seqs,
+                seq_len=seq_len,
+                trainable=[1] * len(seqs),
+                min_shared_len=2,
+                share_trainable=True,
+                conv_width=conv_width,
+                record=False,
+            )
         device = next(hf.parameters()).device
         return plan, materialize(plan, seqs, device=device, trainable=[1] * len(seqs), advise=False)
 
     def run_packed(b: PackedBatch) -> torch.Tensor:
-        return packed_forward(hf, b, backend=backend, varlen_fn=varlen_fn, compile=compile, patch_layers=patch_layers, verify=False)
+        return packed_forward(
+            hf, b, backend=backend, varlen_fn=varlen_fn, compile=compile, patch_layers=patch_layers, verify=False
+        )
 
     # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), (dropout_off(hf) if allow_dropout else nullcontext()):
-        return verify_packing(hf, backend=backend, patch_layers=patch_layers, run_packed=run_packed, plan_and_batch=plan_and_batch, extra=("allow_dropout",) if allow_dropout else ())
+    with use_packed(None), dropout_off(hf) if allow_dropout else nullcontext():
+        return verify_packing(
+            hf,
+            backend=backend,
+            patch_layers=patch_layers,
+            run_packed=run_packed,
+            plan_and_batch=plan_and_batch,
+            extra=("allow_dropout",) if allow_dropout else (),
+        )
 
 
 @contextmanager

@@ -128,12 +128,24 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
         if not mod.training:
             continue
         if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
-            out.append((path, type(mod).__name__, f"dropout p={mod.p} while training: every sharer of a packed prefix would get the same mask{hint}"))
+            out.append(
+                (
+                    path,
+                    type(mod).__name__,
+                    f"dropout p={mod.p} while training: every sharer of a packed prefix would get the same mask{hint}",
+                )
+            )
             continue
         for name, v in vars(mod).items():
             # attention_dropout is check_model's own refusal (the attention kernels run none).
             if DROPOUT_NAME.search(name) and _rate(v) > 0 and not name.startswith("_") and name != "attention_dropout":
-                out.append((path, type(mod).__name__, f"functional dropout {name}={v} while training: every sharer of a packed prefix would get the same mask{hint}"))
+                out.append(
+                    (
+                        path,
+                        type(mod).__name__,
+                        f"functional dropout {name}={v} while training: every sharer of a packed prefix would get the same mask{hint}",
+                    )
+                )
     src = None
     for where, cfg in _configs(model):
         for name, v in vars(cfg).items():
@@ -141,7 +153,13 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
                 continue
             src = _source_of(model) if src is None else src
             if re.search(rf"\b{re.escape(name)}\b", src):
-                out.append((f"{where}.{name}", type(cfg).__name__, f"{where}.{name}={v} while training: the model's dropout would give every sharer of a packed prefix one mask{hint}"))
+                out.append(
+                    (
+                        f"{where}.{name}",
+                        type(cfg).__name__,
+                        f"{where}.{name}={v} while training: the model's dropout would give every sharer of a packed prefix one mask{hint}",
+                    )
+                )
     return out
 
 
@@ -160,21 +178,47 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
     from torch.nn.modules import module as _module
 
     out: list[Triple] = []
-    for kind, hooks in (("global forward hook", _module._global_forward_hooks), ("global forward pre-hook", _module._global_forward_pre_hooks)):
+    for kind, hooks in (
+        ("global forward hook", _module._global_forward_hooks),
+        ("global forward pre-hook", _module._global_forward_pre_hooks),
+    ):
         for fn in hooks.values():
             if not _known(fn):
-                out.append(("<global>", "torch.nn.Module", f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row"))
+                out.append(
+                    (
+                        "<global>",
+                        "torch.nn.Module",
+                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row",
+                    )
+                )
     for path, mod in model.named_modules():
         cls = type(mod)
         inst = mod.__dict__.get("forward")
         if inst is not None and not _known(inst):
-            out.append((path, cls.__name__, f"forward replaced on the instance by {_describe(inst)}: its code may mix positions of the packed row"))
+            out.append(
+                (
+                    path,
+                    cls.__name__,
+                    f"forward replaced on the instance by {_describe(inst)}: its code may mix positions of the packed row",
+                )
+            )
         owner = next((b for b in cls.__mro__ if "forward" in b.__dict__), None)
         fn = owner.__dict__["forward"] if owner is not None else None
         if owner is not None and owner.__module__.split(".")[0] in KNOWN_CODE and fn is not None and not _known(fn):
-            out.append((path, cls.__name__, f"{owner.__name__}.forward replaced by {_describe(fn)} (a patch of a library class): its code may mix positions of the packed row"))
+            out.append(
+                (
+                    path,
+                    cls.__name__,
+                    f"{owner.__name__}.forward replaced by {_describe(fn)} (a patch of a library class): its code may mix positions of the packed row",
+                )
+            )
         for kind, fn in _hook_items(mod):
             if not _known(fn):
-                out.append((path, cls.__name__, f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row"))
+                out.append(
+                    (
+                        path,
+                        cls.__name__,
+                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row",
+                    )
+                )
     return out
-

@@ -78,7 +78,9 @@ def _candidates(hf: Any, lm_head: torch.nn.Module) -> list[OutputHead]:
         pre = [[("logit_scale", lambda x, s=scale: x * s)]]
     ls = _field(hf, "logits_scaling")
     if ls is not None and ls != 1:
-        pre = [p + [("logits_scaling", lambda x, s=ls: x / s)] for p in pre] + [p + [("logits_scaling*", lambda x, s=ls: x * s)] for p in pre]
+        pre = [p + [("logits_scaling", lambda x, s=ls: x / s)] for p in pre] + [
+            p + [("logits_scaling*", lambda x, s=ls: x * s)] for p in pre
+        ]
     mult = _field(hf, "output_multiplier")
     if mult is not None and mult != 1:
         pre = [p + [("output_multiplier", lambda x, m=mult: x * m)] for p in pre]
@@ -135,7 +137,9 @@ def output_head(model: Any, *, verify: bool = True) -> OutputHead:
         return cached
     lm_head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if lm_head is None:
-        raise RequestError(f"{type(hf).__name__} has no output embeddings (lm_head)", path="$.model", rule="unsupported")
+        raise RequestError(
+            f"{type(hf).__name__} has no output embeddings (lm_head)", path="$.model", rule="unsupported"
+        )
     heads = _candidates(hf, lm_head)
     head = _probe(hf, heads) if verify else heads[0]
     if head is None:

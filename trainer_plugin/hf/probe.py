@@ -52,7 +52,16 @@ import torch
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer.hf.walk_cache import forget_walks
 
-__all__ = ["ProbeReport", "verify_packing", "dropout_off", "run_probe", "probe_signature", "probe_sequences", "declared_sizes", "forget_probes"]
+__all__ = [
+    "ProbeReport",
+    "verify_packing",
+    "dropout_off",
+    "run_probe",
+    "probe_signature",
+    "probe_sequences",
+    "declared_sizes",
+    "forget_probes",
+]
 
 PROBE_SEED = 1729
 NOISE_FACTOR = 4.0
@@ -97,7 +106,11 @@ class ProbeReport:
 def _configs(hf: Any) -> list[Any]:
     cfg = getattr(hf, "config", None)
     out = [cfg] if cfg is not None else []
-    out += [getattr(cfg, a) for a in _SUBCONFIGS if getattr(cfg, a, None) is not None and hasattr(getattr(cfg, a), "to_dict")]
+    out += [
+        getattr(cfg, a)
+        for a in _SUBCONFIGS
+        if getattr(cfg, a, None) is not None and hasattr(getattr(cfg, a), "to_dict")
+    ]
     return out
 
 
@@ -113,7 +126,11 @@ def declared_sizes(hf: Any) -> dict[str, int]:
         for k, v in vars(cfg).items():
             if not _SIZE_FIELD.search(k) or isinstance(v, bool):
                 continue
-            vals = [x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, int) and not isinstance(x, bool)]
+            vals = [
+                x
+                for x in (v if isinstance(v, (list, tuple)) else [v])
+                if isinstance(x, int) and not isinstance(x, bool)
+            ]
             vals = [x for x in vals if 1 < x < limit]
             if vals:
                 out[k] = max(out.get(k, 0), max(vals))
@@ -142,14 +159,29 @@ def probe_sequences(hf: Any) -> tuple[list[np.ndarray], int]:
     a0 = np.concatenate([prompt, r(span + 5)])
     a1 = np.concatenate([a0[: p + 3], r(span // 3 + 2)])
     q = r(7)
-    seqs = [a0, a1, np.concatenate([prompt, r(4)]), prompt[: max(2, p // 2)].copy(), np.concatenate([q, r(span // 2 + 1)]), np.concatenate([q, r(3)]), r(span + 3)]
+    seqs = [
+        a0,
+        a1,
+        np.concatenate([prompt, r(4)]),
+        prompt[: max(2, p // 2)].copy(),
+        np.concatenate([q, r(span // 2 + 1)]),
+        np.concatenate([q, r(3)]),
+        r(span + 3),
+    ]
     return seqs, span
 
 
 def _checkpointing(hf: torch.nn.Module) -> tuple[bool, Any]:
     """(whether checkpointing runs in this mode, use_reentrant of its function or None)."""
     on = hf.training and any(getattr(m, "gradient_checkpointing", False) is True for m in hf.modules())
-    fn = next((m.__dict__.get("_gradient_checkpointing_func") for m in hf.modules() if "_gradient_checkpointing_func" in m.__dict__), None)
+    fn = next(
+        (
+            m.__dict__.get("_gradient_checkpointing_func")
+            for m in hf.modules()
+            if "_gradient_checkpointing_func" in m.__dict__
+        ),
+        None,
+    )
     reentrant = getattr(fn, "keywords", {}).get("use_reentrant") if fn is not None else None
     return on, reentrant
 
@@ -252,7 +284,9 @@ def _weighted(lps: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Ten
     return sum((torch.where(torch.isnan(lp), torch.zeros_like(lp), lp) * w).sum() for lp, w in zip(lps, weights))
 
 
-def _projected_grads(hf: torch.nn.Module, loss: torch.Tensor, reentrant: bool, want: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _projected_grads(
+    hf: torch.nn.Module, loss: torch.Tensor, reentrant: bool, want: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([P] gradient norms, [P, 3] random projections) of every trainable parameter.
 
     With reentrant checkpointing ``torch.autograd.grad`` is refused by torch, so the
@@ -382,8 +416,20 @@ def run_probe(
             f"{what}: packed rows differ from each sequence alone: logprobs by {lp_err:.3g} (bound {lp_tol:.3g}), "
             f"gradients up to {grad_ratio:.3g}x their bound; first diverging {kind}{_at(path, _cls(hf, path))}"
         )
-        raise UnsupportedModelError(msg, path="$.model" + (f".{path}" if path else ""), rule="probe_mismatch", refusals=((path or "", _cls(hf, path), msg),))
-    return ProbeReport(signature=signature, tokens=int(sum(a.shape[0] for a in arrays)), logprob_err=lp_err, logprob_tol=lp_tol, grad_err=grad_ratio, seconds=time.perf_counter() - t0)
+        raise UnsupportedModelError(
+            msg,
+            path="$.model" + (f".{path}" if path else ""),
+            rule="probe_mismatch",
+            refusals=((path or "", _cls(hf, path), msg),),
+        )
+    return ProbeReport(
+        signature=signature,
+        tokens=int(sum(a.shape[0] for a in arrays)),
+        logprob_err=lp_err,
+        logprob_tol=lp_tol,
+        grad_err=grad_ratio,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _at(path: str | None, cls: str = "") -> str:
@@ -486,11 +532,15 @@ def _packed_outputs(hf: Any, batch: Any, run_packed: Callable[[Any], torch.Tenso
     for s in range(batch.plan.num_sequences):
         row, idx = batch.plan.locate(s)
         idx_t = torch.as_tensor(idx)
-        per.append({key: t[row].index_select(0, idx_t.to(t.device)) for key, t in calls.items() if t.shape[:2] == (K, L)})
+        per.append(
+            {key: t[row].index_select(0, idx_t.to(t.device)) for key, t in calls.items() if t.shape[:2] == (K, L)}
+        )
     return list(calls), per
 
 
-def _first_divergence(hf: Any, seqs: list[torch.Tensor], other: Callable[[], tuple[list, list[dict]]], rel: float) -> str | None:
+def _first_divergence(
+    hf: Any, seqs: list[torch.Tensor], other: Callable[[], tuple[list, list[dict]]], rel: float
+) -> str | None:
     """The module where ``other``'s run first departs from every sequence alone.
 
     The first call, in finishing order, whose output differs by more than ``rel`` of its

@@ -65,12 +65,16 @@ from treepack.trainer.kernels.tree_scan import conv_width_refusal
 
 __all__ = ["check_model", "SupportReport", "Refusal", "ATTENTION_LAYER_TYPES"]
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global_attention", "local_attention", "chunked_attention"})
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "attention", "global_attention", "local_attention", "chunked_attention"}
+)
 # Layer types that hold only per-token work (an MLP or MoE block: Nemotron-H's "mlp" / "moe").
 # Their modules are still walked, so a token mixer hidden inside one is refused by mechanism.
 PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe", "ffn", "dense", "feed_forward"})
 STATE_PARAMS = frozenset({"A_log", "dt_bias", "D", "A", "time_decay", "time_first", "time_faaaa", "time_maa_x"})
-_MIXER_NAME = re.compile(r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|Retention|Hyena|Scan|Kda|KDA|Gdn|GDN")
+_MIXER_NAME = re.compile(
+    r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|Retention|Hyena|Scan|Kda|KDA|Gdn|GDN"
+)
 _POSITION_NAME = re.compile(r"pos|wpe|rotary|Rotary|Position|ALiBi|alibi", re.I)
 _ATTENTION_NAME = re.compile(r"Attention$|Attn$|SelfAttention")
 # Per-token modules whose names look like mixers (GPT-2's Conv1D is a transposed Linear).
@@ -138,7 +142,9 @@ def _conv_reason(mod: torch.nn.Module) -> str | None:
     if all(x == 1 for x in k):
         return None
     if isinstance(mod, torch.nn.Conv1d) and mod.groups == mod.in_channels and mod.padding[0] == k[0] - 1:
-        return f"depthwise causal Conv1d (kernel {k[0]}, {mod.groups} channels) runs over the whole row, across sequences"
+        return (
+            f"depthwise causal Conv1d (kernel {k[0]}, {mod.groups} channels) runs over the whole row, across sequences"
+        )
     return f"{type(mod).__name__} with kernel {k} mixes neighbouring tokens of the row"
 
 
@@ -147,7 +153,16 @@ def _mixer_reason(mod: torch.nn.Module) -> str | None:
     cls = type(mod)
     if f"{cls.__module__}.{cls.__name__}" in _PER_TOKEN:
         return None
-    if isinstance(mod, (torch.nn.RNNBase, torch.nn.MultiheadAttention, torch.nn.Transformer, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)):
+    if isinstance(
+        mod,
+        (
+            torch.nn.RNNBase,
+            torch.nn.MultiheadAttention,
+            torch.nn.Transformer,
+            torch.nn.TransformerEncoderLayer,
+            torch.nn.TransformerDecoderLayer,
+        ),
+    ):
         return f"torch {cls.__name__} mixes tokens of the whole row"
     own = {n for n, _ in mod.named_parameters(recurse=False)}
     state = sorted(own & STATE_PARAMS)
@@ -156,7 +171,12 @@ def _mixer_reason(mod: torch.nn.Module) -> str | None:
     convs = [c for c in mod.children() if _conv_reason(c)]
     if convs:
         return f"recurrent / convolutional mixer: {_conv_reason(convs[0])}"
-    if _MIXER_NAME.search(cls.__name__) and "Norm" not in cls.__name__ and not _dispatches_attention(cls) and not _holds_handled_mixer(mod):
+    if (
+        _MIXER_NAME.search(cls.__name__)
+        and "Norm" not in cls.__name__
+        and not _dispatches_attention(cls)
+        and not _holds_handled_mixer(mod)
+    ):
         return f"class name names a token mixer ({_MIXER_NAME.search(cls.__name__).group(0)}) with no tree-exact path"
     return None
 
@@ -171,29 +191,60 @@ def _attention_refusals(mod: torch.nn.Module, config: Any) -> list[str]:
     return out
 
 
-def _config_refusals(config: Any, *, output: str, hidden_transforms: bool, kwargs: dict, row_len: int | None = None) -> list[Refusal]:
+def _config_refusals(
+    config: Any, *, output: str, hidden_transforms: bool, kwargs: dict, row_len: int | None = None
+) -> list[Refusal]:
     """Model-wide settings with no tree-exact path (RoPE scaling, chunked attention, ALiBi, aux losses, logit transforms)."""
     out: list[Refusal] = []
     name = type(config).__name__
     for rope in _rope_dicts(config):
         kind = str(rope.get("rope_type", rope.get("type", "default")))
         if kind in _LENGTH_DEPENDENT_ROPE or "dynamic" in kind:
-            out.append(Refusal("config.rope_parameters", name, f"length-dependent RoPE {kind!r}: HF scales it by the longest position of the whole packed call, so sequences would change each other's rotary embedding"))
+            out.append(
+                Refusal(
+                    "config.rope_parameters",
+                    name,
+                    f"length-dependent RoPE {kind!r}: HF scales it by the longest position of the whole packed call, so sequences would change each other's rotary embedding",
+                )
+            )
     floor_scale = getattr(config, "floor_scale", None)
-    if getattr(config, "attn_temperature_tuning", False) and floor_scale and row_len is not None and row_len >= floor_scale:
+    if (
+        getattr(config, "attn_temperature_tuning", False)
+        and floor_scale
+        and row_len is not None
+        and row_len >= floor_scale
+    ):
         # Llama4 scales NoPE queries by log1p(floor((i + 1) / floor_scale)) of the ROW index i, not
         # of position_ids: every index below floor_scale - 1 gets scale 1 whatever the sequence, so
         # rows shorter than floor_scale are exact; longer rows would scale by the wrong position.
-        out.append(Refusal("config.attn_temperature_tuning", name, f"NoPE attention temperature tuning reads the row index, not the position: exact only for rows shorter than floor_scale={floor_scale}, got rows of {row_len}; use seq_len < {floor_scale}"))
+        out.append(
+            Refusal(
+                "config.attn_temperature_tuning",
+                name,
+                f"NoPE attention temperature tuning reads the row index, not the position: exact only for rows shorter than floor_scale={floor_scale}, got rows of {row_len}; use seq_len < {floor_scale}",
+            )
+        )
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         out.append(Refusal("config.alibi", name, "ALiBi biases are not applied by tree attention"))
     if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
-        out.append(Refusal("output_router_logits", name, "MoE auxiliary (load-balancing) loss: HF averages it over the packed positions, where a shared prefix counts once for all its sharers, so it differs from the unpacked batch's; pass output_router_logits=False"))
+        out.append(
+            Refusal(
+                "output_router_logits",
+                name,
+                "MoE auxiliary (load-balancing) loss: HF averages it over the packed positions, where a shared prefix counts once for all its sharers, so it differs from the unpacked batch's; pass output_router_logits=False",
+            )
+        )
     if output == "hidden" and not hidden_transforms:
         for attr in _LOGIT_TRANSFORMS:
             v = getattr(config, attr, None)
             if v not in (None, 0, 0.0, 1, 1.0):
-                out.append(Refusal(f"config.{attr}", name, f"output='hidden' returns states before the model's logit transform {attr}={v}; use output='logits'"))
+                out.append(
+                    Refusal(
+                        f"config.{attr}",
+                        name,
+                        f"output='hidden' returns states before the model's logit transform {attr}={v}; use output='logits'",
+                    )
+                )
     return out
 
 
@@ -225,30 +276,55 @@ def _classify(path: str, mod: torch.nn.Module, config: Any, report: SupportRepor
     patches = _patched_classes()
     if cls.__name__ in patches:
         if not patch_layers:
-            report.refusals.append(Refusal(path, cls.__name__, "its tree patch is off (patch_layers=False): the stock forward scans the whole row"))
+            report.refusals.append(
+                Refusal(
+                    path,
+                    cls.__name__,
+                    "its tree patch is off (patch_layers=False): the stock forward scans the whole row",
+                )
+            )
         else:
             report.handled[path] = f"patch:{cls.__name__}"
         return True
     if is_handled(mod):
         if not patch_layers:
-            report.refusals.append(Refusal(path, cls.__name__, f"its tree forward ({mixer_kind(mod)}) is off (patch_layers=False): the stock forward scans the whole row"))
+            report.refusals.append(
+                Refusal(
+                    path,
+                    cls.__name__,
+                    f"its tree forward ({mixer_kind(mod)}) is off (patch_layers=False): the stock forward scans the whole row",
+                )
+            )
         else:
             report.handled[path] = f"mixer:{mixer_kind(mod)}"
         return True
     patched_base = next((b.__name__ for b in cls.__mro__[1:] if b.__name__ in patches), None)
     if patched_base is not None:
-        report.refusals.append(Refusal(path, cls.__name__, f"subclass of {patched_base}, whose tree patch matches that exact class only (its forward may differ)"))
+        report.refusals.append(
+            Refusal(
+                path,
+                cls.__name__,
+                f"subclass of {patched_base}, whose tree patch matches that exact class only (its forward may differ)",
+            )
+        )
         return True
     origin = _origin(cls)
     if _dispatches_attention(cls):
         if origin is not None and not _is_known(origin):
-            report.refusals.append(Refusal(path, cls.__name__, f"attention forward overridden in {origin.__module__}.{origin.__name__}"))
+            report.refusals.append(
+                Refusal(path, cls.__name__, f"attention forward overridden in {origin.__module__}.{origin.__name__}")
+            )
         for reason in _attention_refusals(mod, config):
             report.refusals.append(Refusal(path, cls.__name__, reason))
         report.handled[path] = "tree_attention"
         return False
     reason = _mixer_reason(mod) or _conv_reason(mod)
-    if reason is None and _ATTENTION_NAME.search(cls.__name__) and any(True for _ in mod.parameters()) and not _has_dispatching_child(mod):
+    if (
+        reason is None
+        and _ATTENTION_NAME.search(cls.__name__)
+        and any(True for _ in mod.parameters())
+        and not _has_dispatching_child(mod)
+    ):
         reason = "attention that does not dispatch through HF's AttentionInterface (its own mask and softmax run over the whole row)"
     if reason is None and origin is not None and not _is_known(origin):
         reason = f"forward defined outside torch / transformers ({origin.__module__}.{origin.__qualname__}): treepack cannot tell whether it mixes tokens"
@@ -277,7 +353,13 @@ def _position_refusals(model: Any) -> list[Refusal]:
         return out
     for path, mod in (("", model), ("base_model", getattr(model, "base_model", None))):
         if isinstance(mod, torch.nn.Module) and "position_ids" not in inspect.signature(mod.forward).parameters:
-            out.append(Refusal(path, type(mod).__name__, "its forward takes no position_ids: positions would run over the whole row, not restart per sequence"))
+            out.append(
+                Refusal(
+                    path,
+                    type(mod).__name__,
+                    "its forward takes no position_ids: positions would run over the whole row, not restart per sequence",
+                )
+            )
             break
     return out
 
@@ -291,7 +373,9 @@ def _conv_width_refusals(model: Any, report: SupportReport, conv_width: int) -> 
             continue
         mod = model.get_submodule(path)
         layer = handled_layer(mod)
-        reason = None if layer is None or layer.conv_width is None else conv_width_refusal(layer.conv_width(mod), conv_width)
+        reason = (
+            None if layer is None or layer.conv_width is None else conv_width_refusal(layer.conv_width(mod), conv_width)
+        )
         if reason is not None:
             out.append(Refusal(path, type(mod).__name__, reason))
     return out
@@ -303,7 +387,12 @@ def _reads_positions(model: Any) -> bool:
     without ``position_ids`` loses nothing there; its mixers follow the tree from the plan."""
     for name, mod in model.named_modules():
         cls = type(mod)
-        if _dispatches_attention(cls) or _ATTENTION_NAME.search(cls.__name__) or _POSITION_NAME.search(name) or _POSITION_NAME.search(cls.__name__):
+        if (
+            _dispatches_attention(cls)
+            or _ATTENTION_NAME.search(cls.__name__)
+            or _POSITION_NAME.search(name)
+            or _POSITION_NAME.search(cls.__name__)
+        ):
             return True
     return False
 
@@ -318,7 +407,13 @@ def _backend_refusals(model: Any, backend: str) -> list[Refusal]:
         except (OSError, TypeError):
             continue
         if re.search(r"\battention_mask\.(ndim|dim\(\))", src):
-            return [Refusal("", type(mod).__name__, "its forward reads the attention mask as a tensor (ndim); the flex BlockMask is not one: use backend='sdpa' or 'flash'")]
+            return [
+                Refusal(
+                    "",
+                    type(mod).__name__,
+                    "its forward reads the attention mask as a tensor (ndim); the flex BlockMask is not one: use backend='sdpa' or 'flash'",
+                )
+            ]
     return []
 
 
@@ -326,16 +421,31 @@ def _layer_type_refusals(model: torch.nn.Module, config: Any, report: SupportRep
     types = getattr(config, "layer_types", None)
     if not isinstance(types, (list, tuple)) or not types:
         return
-    layers = next((m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(types) and n.endswith("layers")), None)
+    layers = next(
+        (
+            m
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and len(m) == len(types) and n.endswith("layers")
+        ),
+        None,
+    )
     prefix = next((n for n, m in model.named_modules() if m is layers), "")
     for i, kind in enumerate(types):
         if kind in ATTENTION_LAYER_TYPES or kind in PER_TOKEN_LAYER_TYPES:
             continue
         root = f"{prefix}.{i}"
-        covered = layers is not None and any(p == root or p.startswith(root + ".") for p, how in report.handled.items() if how != "tree_attention")
+        covered = layers is not None and any(
+            p == root or p.startswith(root + ".") for p, how in report.handled.items() if how != "tree_attention"
+        )
         refused = any(r.path == root or r.path.startswith(root + ".") for r in report.refusals)
         if not covered and not refused:
-            report.refusals.append(Refusal(root if layers is not None else "config.layer_types", str(kind), f"layer type {kind!r} (config.layer_types[{i}]) has no tree-exact mixer"))
+            report.refusals.append(
+                Refusal(
+                    root if layers is not None else "config.layer_types",
+                    str(kind),
+                    f"layer type {kind!r} (config.layer_types[{i}]) has no tree-exact mixer",
+                )
+            )
 
 
 def check_model(
@@ -380,7 +490,11 @@ def check_model(
     """
     report = SupportReport()
     for config in _configs(model):
-        report.refusals.extend(_config_refusals(config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs, row_len=row_len))
+        report.refusals.extend(
+            _config_refusals(
+                config, output=output, hidden_transforms=hidden_applies_logit_transforms, kwargs=kwargs, row_len=row_len
+            )
+        )
     report.refusals.extend(_position_refusals(model))
     report.refusals.extend(_backend_refusals(model, backend))
     config = getattr(model, "config", None)

@@ -43,7 +43,15 @@ from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.context import use_packed
 from treepack.trainer.planning.images import placeholder_counts
 
-__all__ = ["VISION_TOWERS", "REFUSED_VLMS", "vision_towers", "vision_refusals", "image_inputs", "vision_savings", "VisionSavings"]
+__all__ = [
+    "VISION_TOWERS",
+    "REFUSED_VLMS",
+    "vision_towers",
+    "vision_refusals",
+    "image_inputs",
+    "vision_savings",
+    "VisionSavings",
+]
 
 # Multimodal base model class -> (its vision tower attribute, tower classes known to mix only
 # within one image). The projector (LLaVA's multi_modal_projector, Qwen's merger) is per token.
@@ -59,7 +67,15 @@ REFUSED_VLMS: dict[str, str] = {
     "Gemma3nModel": "Gemma 3n's image tokens attend to each other bidirectionally; the tree mask is causal",
 }
 # Keyword arguments that would make the model compute image or video features over the rows.
-_ROW_IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids", "mm_encoder_outputs", "image_sizes")
+_ROW_IMAGE_KWARGS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "mm_token_type_ids",
+    "mm_encoder_outputs",
+    "image_sizes",
+)
 
 
 def _from_transformers(mod: torch.nn.Module) -> bool:
@@ -88,13 +104,19 @@ def vision_towers(model: torch.nn.Module) -> dict[str, str]:
         attr, classes = spec
         tower = getattr(mod, attr, None)
         if isinstance(tower, torch.nn.Module) and type(tower).__name__ in classes and _from_transformers(tower):
-            out[f"{path}.{attr}" if path else attr] = f"vision_tower:{type(tower).__name__} (per image, once per distinct image)"
+            out[f"{path}.{attr}" if path else attr] = (
+                f"vision_tower:{type(tower).__name__} (per image, once per distinct image)"
+            )
     return out
 
 
 def vision_refusals(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     """(path, class, reason) of every VLM of ``model`` refused by name (:data:`REFUSED_VLMS`)."""
-    return [(p, type(m).__name__, REFUSED_VLMS[type(m).__name__]) for p, m in model.named_modules() if type(m).__name__ in REFUSED_VLMS]
+    return [
+        (p, type(m).__name__, REFUSED_VLMS[type(m).__name__])
+        for p, m in model.named_modules()
+        if type(m).__name__ in REFUSED_VLMS
+    ]
 
 
 def _image_token_id(config: Any) -> int:
@@ -142,7 +164,11 @@ def _feature_index(batch: PackedBatch, tokens: np.ndarray, image_token: int) -> 
         counts = placeholder_counts([(images.pixel_values[u], images.grids[u]) for u in ids], ph.shape[0], s)
         for u, n in zip(ids, counts):
             if sizes[u] not in (None, n):
-                raise RequestError(f"sequence {s} gives an image {n} placeholder tokens, another sequence gives it {sizes[u]}", path=f"$.sequences[{s}]", rule="image_placeholders")
+                raise RequestError(
+                    f"sequence {s} gives an image {n} placeholder tokens, another sequence gives it {sizes[u]}",
+                    path=f"$.sequences[{s}]",
+                    rule="image_placeholders",
+                )
             sizes[u] = n
         per_seq.append((int(ptr[k]) + ph, ids))
     final = [n or 0 for n in sizes]
@@ -239,11 +265,19 @@ def image_inputs(hf: torch.nn.Module, batch: PackedBatch, kwargs: dict[str, Any]
     got = [f.shape[0] for f in feats]
     if got != sizes:
         u = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
-        raise RequestError(f"the vision tower gives distinct image {u} {got[u]} features, the text holds {sizes[u]} placeholder tokens for it", path="$.pixel_values", rule="image_placeholders")
+        raise RequestError(
+            f"the vision tower gives distinct image {u} {got[u]} features, the text holds {sizes[u]} placeholder tokens for it",
+            path="$.pixel_values",
+            rule="image_placeholders",
+        )
     ph = np.flatnonzero(batch.input_ids.reshape(-1).cpu().numpy() == image_token)
     sel = index[ph]
     if (sel < 0).any():
-        raise RequestError(f"row position {int(ph[np.argmax(sel < 0)])} holds the image token but no sequence's image (pad_id equals the image token?)", path="$.pad_id", rule="image_placeholders")
+        raise RequestError(
+            f"row position {int(ph[np.argmax(sel < 0)])} holds the image token but no sequence's image (pad_id equals the image token?)",
+            path="$.pad_id",
+            rule="image_placeholders",
+        )
     sel_t = torch.from_numpy(sel).to(feats[0].device)
     fields: dict[str, Any] = {"pooler_output": (torch.cat(feats)[sel_t],)}
     if deep[0]:
@@ -293,4 +327,11 @@ def vision_savings(batch: PackedBatch, image_token_id: int) -> VisionSavings:
     packed = int((tokens == image_token_id).sum())
     im = batch.images
     n, u = (im.num_occurrences, im.num_distinct) if im is not None else (0, 0)
-    return VisionSavings(images=n, distinct_images=u, tower_calls_saved=n - u, vision_tokens=unpacked, vision_tokens_packed=packed, vision_tokens_shared=unpacked - packed)
+    return VisionSavings(
+        images=n,
+        distinct_images=u,
+        tower_calls_saved=n - u,
+        vision_tokens=unpacked,
+        vision_tokens_packed=packed,
+        vision_tokens_shared=unpacked - packed,
+    )

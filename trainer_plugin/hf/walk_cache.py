@@ -37,7 +37,9 @@ __all__ = ["model_state", "fingerprint", "walked", "walk_info", "remember_walk",
 
 _CONFIG_ATTRS = ("text_config", "decoder", "language_config", "llm_config")
 # model -> (dropout-like attributes watched, {setup key: (fingerprint after the walk, info)})
-_WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]] = weakref.WeakKeyDictionary()
+_WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _frozen(v: Any) -> Any:
@@ -61,7 +63,9 @@ def _config_state(model: torch.nn.Module) -> tuple:
 
 def _dropout_attrs(model: torch.nn.Module) -> tuple:
     """(module, attribute) pairs named like a dropout rate (what the dropout guard reads)."""
-    return tuple((m, name) for m in model.modules() for name in vars(m) if not name.startswith("_") and DROPOUT_NAME.search(name))
+    return tuple(
+        (m, name) for m in model.modules() for name in vars(m) if not name.startswith("_") and DROPOUT_NAME.search(name)
+    )
 
 
 def model_state(model: torch.nn.Module, watched: tuple = ()) -> tuple:

@@ -60,7 +60,9 @@ def unwrap_model(model: Any) -> Any:
         m = nxt
     if not hasattr(m, "config") or not isinstance(m, torch.nn.Module):
         raise RequestError(
-            f"{type(model).__name__} holds no HF model (no .config inside its wrappers)", path="$.model", rule="unsupported"
+            f"{type(model).__name__} holds no HF model (no .config inside its wrappers)",
+            path="$.model",
+            rule="unsupported",
         )
     return m
 
@@ -109,5 +111,9 @@ def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
     finally:
         handle.remove()
     if len(seen) != 1:
-        raise RequestError(f"the base model of {type(hf).__name__} ran {len(seen)} times in one forward", path="$.model", rule="unsupported")
+        raise RequestError(
+            f"the base model of {type(hf).__name__} ran {len(seen)} times in one forward",
+            path="$.model",
+            rule="unsupported",
+        )
     return seen[0]

@@ -60,7 +60,9 @@ class TreeMasks(Protocol):
 
     def dense_mask(self, sliding_window: int | None = None, chunk_size: int | None = None) -> torch.Tensor: ...
 
-    def block_mask(self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None) -> Any: ...
+    def block_mask(
+        self, block_size: int = 128, sliding_window: int | None = None, chunk_size: int | None = None
+    ) -> Any: ...
 
     def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta: ...
 
@@ -76,11 +78,19 @@ def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TreeMasks) -> None:
     K, L = batch.num_rows, batch.seq_len
     if q.ndim != 4 or q.shape[0] != K or q.shape[2] != L:
-        raise RequestError(f"query must have shape [{K}, heads, {L}, head_dim], got {tuple(q.shape)}", path="$.query", rule="shape")
+        raise RequestError(
+            f"query must have shape [{K}, heads, {L}, head_dim], got {tuple(q.shape)}", path="$.query", rule="shape"
+        )
     if k.shape[0] != K or k.shape[2] != L or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
-        raise RequestError(f"key/value shapes {tuple(k.shape)} / {tuple(v.shape)} do not match query {tuple(q.shape)}", path="$.key", rule="shape")
+        raise RequestError(
+            f"key/value shapes {tuple(k.shape)} / {tuple(v.shape)} do not match query {tuple(q.shape)}",
+            path="$.key",
+            rule="shape",
+        )
     if q.shape[1] % k.shape[1]:
-        raise RequestError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}", path="$.key", rule="gqa")
+        raise RequestError(
+            f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}", path="$.key", rule="gqa"
+        )
 
 
 def tree_attention(
@@ -121,7 +131,9 @@ def tree_attention(
     _check(q, k, v, batch)
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
         shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise RequestError(f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape")
+        raise RequestError(
+            f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     if backend == "sdpa":
@@ -129,7 +141,9 @@ def tree_attention(
     if backend == "flex":
         return _flex(q, k, v, batch.block_mask(**mask), scale, softcap, compile, sinks)
     if backend == "flash":
-        return _flash(q, k, v, batch.varlen_meta(chunk_size=chunk_size), scale, sliding_window, softcap, varlen_fn, sinks)
+        return _flash(
+            q, k, v, batch.varlen_meta(chunk_size=chunk_size), scale, sliding_window, softcap, varlen_fn, sinks
+        )
     raise RequestError(f"backend must be one of {BACKENDS}, got {backend!r}", path="$.backend", rule="enum")
 
 
@@ -226,7 +240,9 @@ def _flash_varlen() -> Callable:
     return flash_attn_varlen_func
 
 
-def _differentiable_lse(fn: Callable, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, args: tuple, kw: dict, scale: float) -> torch.Tensor:
+def _differentiable_lse(
+    fn: Callable, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, args: tuple, kw: dict, scale: float
+) -> torch.Tensor:
     """[H, Tq] the kernel's LSE with its exact gradient (FlashAttention returns it detached).
 
     ``d lse_i / d q_i = scale * sum_j p_ij k_j`` and ``d lse_i / d k_j = scale * p_ij q_i``.
@@ -252,7 +268,13 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
     Hkv, Dv, Lk = k.shape[1], v.shape[-1], k.shape[2]
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
     args = (meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
-    kw = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=0.0 if softcap is None else float(softcap))
+    kw = dict(
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=True,
+        window_size=window,
+        softcap=0.0 if softcap is None else float(softcap),
+    )
     with record_function("treepack::layout"):
         qf = q.transpose(1, 2).reshape(K * L, H, D)
         kf = k.transpose(1, 2).reshape(K * Lk, Hkv, D)
@@ -280,7 +302,9 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
         # A padding token attends only itself: its output is its own value (times its sink factor).
         pad_v = _repeat_kv(vsf[meta.pad_index], H // Hkv, 1).to(out.dtype)
         if sinks is not None:
-            s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(ksf[meta.pad_index], H // Hkv, 1).float()).sum(-1)  # [P, H]
+            s_self = scale * (qf[meta.pad_index].float() * _repeat_kv(ksf[meta.pad_index], H // Hkv, 1).float()).sum(
+                -1
+            )  # [P, H]
             pad_v = (pad_v.float() * _sink_factor(s_self, sinks, 1)[..., None]).to(out.dtype)
         res = res.index_put((meta.pad_index,), pad_v)
         return res.view(K, L, H, Dv).transpose(1, 2)

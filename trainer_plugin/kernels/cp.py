@@ -66,7 +66,9 @@ class ContextParallel:
 
     def __init__(self, group: Any = None, *, strategy: str = "auto") -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ContextParallel needs an initialized torch.distributed process group (dist.init_process_group)")
+            raise RuntimeError(
+                "ContextParallel needs an initialized torch.distributed process group (dist.init_process_group)"
+            )
         if strategy not in ("auto", *CP_STRATEGIES):
             raise ValueError(f"strategy must be 'auto' or one of {CP_STRATEGIES}, got {strategy!r}")
         self.group = group
@@ -164,7 +166,6 @@ def gather_seq(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     return _GatherSeq.apply(x, cp)
 
 
-
 def rows_of_heads(x: torch.Tensor, cp: ContextParallel, seq_len: int) -> torch.Tensor:
     """A mixer's per-head tensor from sequence shards to whole rows of this rank's heads.
 
@@ -223,8 +224,16 @@ def tree_conv_heads(
     rows = [rows_of_heads(x, cp, seq_len) for x in parts]
     mine = [head_slice(x.shape[2], cp) for x in parts]
     W = weight.shape[-1]
-    w = torch.cat([p.reshape(x.shape[2], -1, W)[h].reshape(-1, W) for p, x, h in zip(torch.split(weight, sizes), parts, mine)])
-    b = None if bias is None else torch.cat([p.reshape(x.shape[2], -1)[h].reshape(-1) for p, x, h in zip(torch.split(bias, sizes), parts, mine)])
+    w = torch.cat(
+        [p.reshape(x.shape[2], -1, W)[h].reshape(-1, W) for p, x, h in zip(torch.split(weight, sizes), parts, mine)]
+    )
+    b = (
+        None
+        if bias is None
+        else torch.cat(
+            [p.reshape(x.shape[2], -1)[h].reshape(-1) for p, x, h in zip(torch.split(bias, sizes), parts, mine)]
+        )
+    )
     N = rows[0].shape[0]
     x = torch.cat([r.reshape(N, -1) for r in rows], dim=-1)
     out = tree_conv(x, w, b, schedule, activation).to(x.dtype)

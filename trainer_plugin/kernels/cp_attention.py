@@ -41,7 +41,9 @@ from treepack.trainer.kernels.masks import VarlenMeta, _meta, tree_mask_mod
 __all__ = ["allgather_attention", "shard_mask", "cp_dense_mask", "cp_block_mask", "cp_varlen_meta", "padded_rows"]
 
 
-def padded_rows(subtree_end: torch.Tensor, position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_rows(
+    subtree_end: torch.Tensor, position_ids: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole-row ``subtree_end`` and ``position_ids`` [K, C] padded to [K, length]: a padding
     position sees only itself (subtree end i + 1), at position id 0."""
     K, C = subtree_end.shape
@@ -99,7 +101,9 @@ def cp_block_mask(
     return create_block_mask(mask_mod, K, None, Lq, kpos.shape[1], device=qpos.device, BLOCK_SIZE=block_size)
 
 
-def cp_varlen_meta(meta: VarlenMeta, seq_len: int, qpos: np.ndarray, kpos: np.ndarray, device: Any = None) -> VarlenMeta:
+def cp_varlen_meta(
+    meta: VarlenMeta, seq_len: int, qpos: np.ndarray, kpos: np.ndarray, device: Any = None
+) -> VarlenMeta:
     """The whole rows' varlen metadata cut to this rank's queries (module docstring).
 
     Args:
@@ -172,7 +176,13 @@ def _mask_of(batch: Any, backend: str, sliding_window: int | None, chunk_size: i
         qpos, kpos = _positions(batch)
         if backend == "flash":
             full = batch.cp_full
-            m = cp_varlen_meta(full.varlen_meta(chunk_size=chunk_size), full.plan.seq_len, qpos.cpu().numpy(), kpos.cpu().numpy(), batch.device)
+            m = cp_varlen_meta(
+                full.varlen_meta(chunk_size=chunk_size),
+                full.plan.seq_len,
+                qpos.cpu().numpy(),
+                kpos.cpu().numpy(),
+                batch.device,
+            )
         else:
             se, pos = _padded(batch)
             build = cp_dense_mask if backend == "sdpa" else cp_block_mask

@@ -52,12 +52,16 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
         return y
     if activation in ("silu", "swish"):
         return F.silu(y)
-    raise RequestError(f"conv activation must be None, 'silu' or 'swish', got {activation!r}", path="$.activation", rule="enum")
+    raise RequestError(
+        f"conv activation must be None, 'silu' or 'swish', got {activation!r}", path="$.activation", rule="enum"
+    )
 
 
 def _check_conv(x: torch.Tensor, weight: torch.Tensor, n: int, width: int) -> None:
     if x.dim() != 2 or x.shape[0] != n:
-        raise RequestError(f"x must be [N, D] with N = rows * seq_len = {n}, got {tuple(x.shape)}", path="$.x", rule="shape")
+        raise RequestError(
+            f"x must be [N, D] with N = rows * seq_len = {n}, got {tuple(x.shape)}", path="$.x", rule="shape"
+        )
     if weight.shape != (x.shape[1], width):
         raise RequestError(
             f"weight must be [D, W] = {(x.shape[1], width)}, got {tuple(weight.shape)}",
@@ -139,14 +143,29 @@ def select_kernel(q: torch.Tensor) -> Kernel:
         except ImportError:
             return torch_chunk_gated_delta_rule
 
-        def fla_kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        def fla_kernel(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=None,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=None,
+        ):
             # Grouped values: repeat q/k heads ourselves (as HF's fallback does), so the
             # head mapping does not depend on the installed fla version.
             if v.shape[2] != q.shape[2]:
                 q = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2)
                 k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
             return chunk_gated_delta_rule(
-                q, k, v, g, beta,
+                q,
+                k,
+                v,
+                g,
+                beta,
                 scale=scale,
                 initial_state=initial_state,
                 output_final_state=output_final_state,
@@ -163,7 +182,11 @@ def _check_flat(q, k, v, g, beta, n: int) -> None:
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"expected a torch.Tensor, got {type(t).__name__}", path=f"$.{name}", rule="type")
         if t.dim() != d or t.shape[0] != n:
-            raise RequestError(f"{name} must be {d}-D with N = rows * seq_len = {n} first, got {tuple(t.shape)}", path=f"$.{name}", rule="shape")
+            raise RequestError(
+                f"{name} must be {d}-D with N = rows * seq_len = {n} first, got {tuple(t.shape)}",
+                path=f"$.{name}",
+                rule="shape",
+            )
 
 
 def tree_gated_delta_rule(
@@ -237,8 +260,15 @@ def naive_tree_gated_delta_rule(
         p = int(seg.parent[s])
         h0 = None if p < 0 else states[p][None]
         o, fin = naive_recurrent_gated_delta_rule(
-            q[t][None], k[t][None], v[t][None], g[t][None], beta[t][None],
-            scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            q[t][None],
+            k[t][None],
+            v[t][None],
+            g[t][None],
+            beta[t][None],
+            scale=scale,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         out[t] = o[0]
         states[s] = fin[0]

@@ -57,14 +57,22 @@ def check_gdn_inputs(
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"expected a torch.Tensor, got {type(t).__name__}", path=f"$.{name}", rule="type")
     if q.dim() != 4 or k.shape != q.shape:
-        raise RequestError(f"q and k must be [B, T, Hk, K] and equal, got {tuple(q.shape)} and {tuple(k.shape)}", path="$.k", rule="shape")
+        raise RequestError(
+            f"q and k must be [B, T, Hk, K] and equal, got {tuple(q.shape)} and {tuple(k.shape)}",
+            path="$.k",
+            rule="shape",
+        )
     B, T, Hk, _ = q.shape
     if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % Hk:
-        raise RequestError(f"v must be [B, T, Hv, V] with Hv a multiple of Hk={Hk}, got {tuple(v.shape)}", path="$.v", rule="shape")
+        raise RequestError(
+            f"v must be [B, T, Hv, V] with Hv a multiple of Hk={Hk}, got {tuple(v.shape)}", path="$.v", rule="shape"
+        )
     Hv = v.shape[2]
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (B, T, Hv):
-            raise RequestError(f"{name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}", path=f"$.{name}", rule="shape")
+            raise RequestError(
+                f"{name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}", path=f"$.{name}", rule="shape"
+            )
     if cu_seqlens is None:
         cu = torch.arange(B + 1, device=q.device, dtype=torch.int64) * T
     else:
@@ -72,7 +80,9 @@ def check_gdn_inputs(
             raise RequestError(f"with cu_seqlens the batch size must be 1, got {B}", path="$.q", rule="shape")
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-            raise RequestError(f"cu_seqlens must rise from 0 to T={T}, got {cu.tolist()[:8]}...", path="$.cu_seqlens", rule="monotone")
+            raise RequestError(
+                f"cu_seqlens must rise from 0 to T={T}, got {cu.tolist()[:8]}...", path="$.cu_seqlens", rule="monotone"
+            )
     n = cu.numel() - 1
     if initial_state is not None and initial_state.shape != (n, Hv, q.shape[3], v.shape[3]):
         raise RequestError(
@@ -138,7 +148,11 @@ def naive_recurrent_gated_delta_rule(
             outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
         finals.append(S)
     o = torch.stack(outs) if outs else v.new_zeros(0, H, V)
-    final = torch.stack(finals) if output_final_state and finals else (q.new_zeros(0, H, K, V) if output_final_state else None)
+    final = (
+        torch.stack(finals)
+        if output_final_state and finals
+        else (q.new_zeros(0, H, K, V) if output_final_state else None)
+    )
     return o.reshape(out_shape).to(out_dtype), final
 
 

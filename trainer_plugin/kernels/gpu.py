@@ -122,7 +122,19 @@ def available() -> dict[str, str | None]:
     return out
 
 
-def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
+def gated_delta_rule_level(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=True,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    kernel=None,
+):
     """fla's ``chunk_gated_delta_rule`` with the signature of ``gdn_ref.torch_chunk_gated_delta_rule``.
 
     Grouped values (fewer q/k heads than v heads) are expanded here, as HF's fallback does,
@@ -135,12 +147,32 @@ def gated_delta_rule_level(q, k, v, g, beta, scale=None, initial_state=None, out
         q = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2)
         k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
     return fn(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
     )
 
 
-def kda_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=None, kernel=None):
+def kda_level(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=True,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    kernel=None,
+):
     """fla's ``chunk_kda`` (Kimi Delta Attention): as :func:`gated_delta_rule_level` with a
     per-channel decay ``g [1, T, Hv, K]`` (log space, precomputed: no gate fused in the kernel)."""
     fn = kernel or load_kernel("fla.chunk_kda")
@@ -148,8 +180,16 @@ def kda_level(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2)
         k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
     return fn(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
     )
 
 
@@ -205,7 +245,24 @@ def _mamba_dt(dt, dt_bias, dt_softplus, dt_limit):
     return dt
 
 
-def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0, kernel=None):
+def mamba2_level(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    initial_state=None,
+    output_final_state=True,
+    cu_seqlens=None,
+    max_pad_ratio=1.0,
+    kernel=None,
+):
     """mamba_ssm's ``mamba_chunk_scan_combined`` on one tree level (module docstring).
 
     Args:
@@ -239,7 +296,22 @@ def mamba2_level(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, d
     return y[None], final.to(_f32(final.dtype))
 
 
-def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, output_final_state=True, cu_seqlens=None, max_pad_ratio=1.0, kernel=None):
+def selective_scan_level(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    output_final_state=True,
+    cu_seqlens=None,
+    max_pad_ratio=1.0,
+    kernel=None,
+):
     """mamba_ssm's ``selective_scan_fn`` (Mamba1) on one tree level (module docstring).
 
     Args:
@@ -263,7 +335,9 @@ def selective_scan_level(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     for group in length_buckets([cu[i + 1] - cu[i] for i in range(n)], max_pad_ratio):
         idx = _left_pad_index(cu, group, u.device)
         us, ds, Bs, Cs = (_gather_padded(t, idx).transpose(1, 2) for t in (u[0], delta, B[0], C[0]))
-        out = fn(us.to(u.dtype).contiguous(), ds.to(u.dtype).contiguous(), A, Bs.contiguous(), Cs.contiguous(), D=D).to(f32)
+        out = fn(us.to(u.dtype).contiguous(), ds.to(u.dtype).contiguous(), A, Bs.contiguous(), Cs.contiguous(), D=D).to(
+            f32
+        )
         us, ds, Bs, Cs = (t.to(f32) for t in (us, ds, Bs, Cs))
         cum = ds.cumsum(-1)  # [b, Dm, L]
         decay_in = torch.exp(Af[None, :, :, None] * cum[:, :, None, :])  # [b, Dm, N, L]

@@ -44,7 +44,25 @@ def seq_idx_to_cu_seqlens(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([edge, cut, edge + ids.numel()]).long()
 
 
-def mamba_chunk_scan_varlen(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False, return_varlen_states=False, kernel=None):
+def mamba_chunk_scan_varlen(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, math.inf),
+    return_final_states=False,
+    return_varlen_states=False,
+    kernel=None,
+):
     """``mamba_chunk_scan_combined`` with per-sequence ``initial_states [n, H, P, N]``.
 
     Args: as mamba_ssm's (batch 1 with ``cu_seqlens`` or ``seq_idx``; else each batch row
@@ -64,15 +82,31 @@ def mamba_chunk_scan_varlen(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=
         flat = [x, dt, B, C, z]
     xs, dts, Bs, Cs, zs = flat
     y, finals = mamba2_level(
-        xs, dts, A, Bs, Cs, chunk_size=chunk_size, D=D, z=zs, dt_bias=dt_bias, dt_softplus=dt_softplus,
-        dt_limit=dt_limit, initial_state=initial_states, cu_seqlens=cu_seqlens, kernel=kernel,
+        xs,
+        dts,
+        A,
+        Bs,
+        Cs,
+        chunk_size=chunk_size,
+        D=D,
+        z=zs,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        initial_state=initial_states,
+        cu_seqlens=cu_seqlens,
+        kernel=kernel,
     )
     out = y.reshape(x.shape)
-    rest = ([finals[-1:] if b == 1 else finals] if return_final_states else []) + ([finals] if return_varlen_states else [])
+    rest = ([finals[-1:] if b == 1 else finals] if return_final_states else []) + (
+        [finals] if return_varlen_states else []
+    )
     return (out, *rest) if rest else out
 
 
-def selective_scan_with_state(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False, kernel=None):
+def selective_scan_with_state(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False, kernel=None
+):
     """``selective_scan_fn`` whose last state is differentiable (module docstring).
 
     Args: as mamba_ssm's: u, delta [b, Dm, L]; A [Dm, N]; B, C [b, N, L]; D [Dm];
@@ -94,7 +128,18 @@ def selective_scan_with_state(u, delta, A, B, C, D=None, z=None, delta_bias=None
     return out, last
 
 
-def causal_conv1d_varlen(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False, final_states_out=None, activation=None, kernel=None, backend="auto"):
+def causal_conv1d_varlen(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+    kernel=None,
+    backend="auto",
+):
     """``causal_conv1d_fn`` (x [b, D, L] -> [b, D, L]); fla's Triton conv when causal-conv1d is absent.
 
     ``backend``: ``causal_conv1d``, ``fla`` or ``auto``. The fla path takes no
@@ -108,7 +153,16 @@ def causal_conv1d_varlen(x, weight, bias=None, seq_idx=None, initial_states=None
             backend = "fla"
     if backend == "causal_conv1d":
         fn = kernel or load_kernel("causal_conv1d.causal_conv1d_fn")
-        return fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, return_final_states=return_final_states, final_states_out=final_states_out, activation=activation)
+        return fn(
+            x,
+            weight,
+            bias,
+            seq_idx=seq_idx,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+            final_states_out=final_states_out,
+            activation=activation,
+        )
     if initial_states is not None or return_final_states:
         raise ValueError("the fla conv path takes no initial_states / final states: prefix the context tokens")
     fn = kernel or load_kernel("fla.causal_conv1d")

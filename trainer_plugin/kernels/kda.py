@@ -37,22 +37,40 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> torch.Tenso
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"expected a torch.Tensor, got {type(t).__name__}", path=f"$.{name}", rule="type")
     if q.dim() != 4 or k.shape != q.shape:
-        raise RequestError(f"q and k must be [B, T, H, K] and equal, got {tuple(q.shape)} and {tuple(k.shape)}", path="$.k", rule="shape")
+        raise RequestError(
+            f"q and k must be [B, T, H, K] and equal, got {tuple(q.shape)} and {tuple(k.shape)}",
+            path="$.k",
+            rule="shape",
+        )
     B, T, H, K = q.shape
     if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
-        raise RequestError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}", path="$.v", rule="shape")
+        raise RequestError(
+            f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}", path="$.v", rule="shape"
+        )
     HV = v.shape[2]
     if g.shape != (B, T, HV, K) or beta.shape != (B, T, HV):
-        raise RequestError(f"g must be [B, T, HV, K] = {(B, T, HV, K)} and beta [B, T, HV], got {tuple(g.shape)}, {tuple(beta.shape)}", path="$.g", rule="shape")
+        raise RequestError(
+            f"g must be [B, T, HV, K] = {(B, T, HV, K)} and beta [B, T, HV], got {tuple(g.shape)}, {tuple(beta.shape)}",
+            path="$.g",
+            rule="shape",
+        )
     if cu_seqlens is None:
         cu = torch.arange(B + 1, device=q.device, dtype=torch.int64) * T
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         if B != 1 or cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
-            raise RequestError(f"cu_seqlens must rise from 0 to T={T} with batch 1, got {cu.tolist()[:8]}", path="$.cu_seqlens", rule="monotone")
+            raise RequestError(
+                f"cu_seqlens must rise from 0 to T={T} with batch 1, got {cu.tolist()[:8]}",
+                path="$.cu_seqlens",
+                rule="monotone",
+            )
     n = cu.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (n, HV, K, v.shape[3]):
-        raise RequestError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, v.shape[3])}, got {tuple(initial_state.shape)}", path="$.initial_state", rule="shape")
+        raise RequestError(
+            f"initial_state must be [N, HV, K, V] = {(n, HV, K, v.shape[3])}, got {tuple(initial_state.shape)}",
+            path="$.initial_state",
+            rule="shape",
+        )
     return cu
 
 
@@ -68,7 +86,19 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
     return q * scale, k, v, g, beta, dt
 
 
-def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+def naive_recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    chunk_size=64,
+):
     """KDA token by token (reference for :func:`torch_chunk_kda`; ``chunk_size`` unused)."""
     cu = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     out_shape, out_dtype = v.shape, q.dtype
@@ -88,7 +118,19 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     return o.reshape(out_shape).to(out_dtype), final
 
 
-def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+def torch_chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    chunk_size=64,
+):
     """Chunked KDA, vectorized over all chunks (same contract as :func:`naive_recurrent_kda`).
 
     Inside a chunk with per-channel cumulative log decay ``c`` [L, K] and ``A[i, j] = beta_i
@@ -120,7 +162,9 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     qc, kc, vc, gc, bc = (chunked(x) for x in (q, k, v, g, beta))
     c = gc.cumsum(2)  # [C, H, L, K]
     lower = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-    decay = (c[:, :, :, None] - c[:, :, None, :]).masked_fill(~lower[:, :, None], float("-inf")).exp()  # [C, H, i, j, K]
+    decay = (
+        (c[:, :, :, None] - c[:, :, None, :]).masked_fill(~lower[:, :, None], float("-inf")).exp()
+    )  # [C, H, i, j, K]
     kb = kc * bc[..., None]
     A = torch.einsum("chik,chjk,chijk->chij", kb, kc, decay).tril(-1)
     eye = torch.eye(L, dtype=dt, device=dev)
@@ -178,8 +222,14 @@ def tree_kda(
     kernel = select_kda(q) if kernel is None else kernel
 
     def step(sel, h0, lv):
-        o, final = kernel(*(x[None] for x in sel), scale=scale, initial_state=h0, output_final_state=True,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=lv.cu_seqlens)
+        o, final = kernel(
+            *(x[None] for x in sel),
+            scale=scale,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=lv.cu_seqlens,
+        )
         return o[0], final
 
     return tree_scan(step, (q, k, v, g, beta), schedule, tuple(v.shape[1:]))

@@ -41,7 +41,11 @@ def _prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"expected a torch.Tensor, got {type(t).__name__}", path=f"$.{name}", rule="type")
     if u.dim() != 3 or delta.shape != u.shape or A.dim() != 2 or A.shape[0] != u.shape[1]:
-        raise RequestError(f"u, delta must be [B, D, L] and A [D, N], got {tuple(u.shape)}, {tuple(delta.shape)}, {tuple(A.shape)}", path="$.u", rule="shape")
+        raise RequestError(
+            f"u, delta must be [B, D, L] and A [D, N], got {tuple(u.shape)}, {tuple(delta.shape)}, {tuple(A.shape)}",
+            path="$.u",
+            rule="shape",
+        )
     b, Dd, L = u.shape
     N = A.shape[1]
     ct = torch.promote_types(u.dtype, torch.float32)
@@ -51,7 +55,11 @@ def _prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
             return M.to(ct).transpose(1, 2)[:, None].expand(b, Dd, L, N)
         if M.dim() == 4 and M.shape[0] == b and M.shape[2:] == (N, L) and Dd % M.shape[1] == 0:
             return M.to(ct).transpose(2, 3).repeat_interleave(Dd // M.shape[1], dim=1)
-        raise RequestError(f"{name} must be [B, N, L] or [B, G, N, L] with N = {N}, L = {L}, got {tuple(M.shape)}", path=f"$.{name}", rule="shape")
+        raise RequestError(
+            f"{name} must be [B, N, L] or [B, G, N, L] with N = {N}, L = {L}, got {tuple(M.shape)}",
+            path=f"$.{name}",
+            rule="shape",
+        )
 
     dt = delta.to(ct)
     if delta_bias is not None:
@@ -69,7 +77,9 @@ def _finish(y, u, D, z, out_dtype):
     return y.to(out_dtype)
 
 
-def naive_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
+def naive_selective_scan(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False
+):
     """The selective scan token by token (reference for :func:`torch_selective_scan`)."""
     uf, dt, Af, Bf, Cf, _ = _prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     b, Dd, L = u.shape
@@ -83,7 +93,9 @@ def naive_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     return (y, h) if return_last_state else y
 
 
-def torch_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
+def torch_selective_scan(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False
+):
     """The chunked selective scan (same contract as :func:`naive_selective_scan`).
 
     Inside a chunk with ``a_t = cumsum(dt A)``: ``h_t = exp(a_t) h0 + sum_{s<=t} exp(a_t - a_s)

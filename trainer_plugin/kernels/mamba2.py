@@ -57,15 +57,27 @@ def check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_
         raise RequestError(f"x must be [B, L, H, P], got {tuple(x.shape)}", path="$.x", rule="shape")
     b, L, H, P = x.shape
     if dt.shape != (b, L, H) or A.shape != (H,):
-        raise RequestError(f"dt must be [B, L, H] and A [H] with H = {H}, got {tuple(dt.shape)}, {tuple(A.shape)}", path="$.dt", rule="shape")
+        raise RequestError(
+            f"dt must be [B, L, H] and A [H] with H = {H}, got {tuple(dt.shape)}, {tuple(A.shape)}",
+            path="$.dt",
+            rule="shape",
+        )
     if B.dim() != 4 or B.shape[:2] != (b, L) or H % B.shape[2] or C.shape != B.shape:
-        raise RequestError(f"B and C must be [B, L, G, N] with H % G == 0, got {tuple(B.shape)}, {tuple(C.shape)}", path="$.B", rule="shape")
+        raise RequestError(
+            f"B and C must be [B, L, G, N] with H % G == 0, got {tuple(B.shape)}, {tuple(C.shape)}",
+            path="$.B",
+            rule="shape",
+        )
     for name, t, shapes in (("D", D, ((H,), (H, P))), ("z", z, ((b, L, H, P),)), ("dt_bias", dt_bias, ((H,),))):
         if t is not None and tuple(t.shape) not in shapes:
             raise RequestError(f"{name} must be one of {shapes}, got {tuple(t.shape)}", path=f"$.{name}", rule="shape")
     if cu_seqlens is None and seq_idx is not None:
         if b != 1 or tuple(seq_idx.shape) != (1, L):
-            raise RequestError(f"seq_idx must be [1, L] = (1, {L}) with batch 1, got {tuple(seq_idx.shape)}", path="$.seq_idx", rule="shape")
+            raise RequestError(
+                f"seq_idx must be [1, L] = (1, {L}) with batch 1, got {tuple(seq_idx.shape)}",
+                path="$.seq_idx",
+                rule="shape",
+            )
         change = torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1
         cu_seqlens = torch.cat([change.new_zeros(1), change, change.new_full((1,), L)])
     if cu_seqlens is None:
@@ -73,10 +85,18 @@ def check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_
     else:
         cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
         if b != 1 or cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != L or bool((cu[1:] < cu[:-1]).any()):
-            raise RequestError(f"cu_seqlens must rise from 0 to L={L} with batch 1, got {cu.tolist()[:8]}", path="$.cu_seqlens", rule="monotone")
+            raise RequestError(
+                f"cu_seqlens must rise from 0 to L={L} with batch 1, got {cu.tolist()[:8]}",
+                path="$.cu_seqlens",
+                rule="monotone",
+            )
     n, N = cu.numel() - 1, B.shape[3]
     if initial_states is not None and tuple(initial_states.shape) != (n, H, P, N):
-        raise RequestError(f"initial_states must be [n, H, P, N] = {(n, H, P, N)}, got {tuple(initial_states.shape)}", path="$.initial_states", rule="shape")
+        raise RequestError(
+            f"initial_states must be [n, H, P, N] = {(n, H, P, N)}, got {tuple(initial_states.shape)}",
+            path="$.initial_states",
+            rule="shape",
+        )
     return cu
 
 
@@ -115,8 +135,22 @@ def _returns(y, finals, cu, b, return_final_states, return_varlen_states):
 
 
 def naive_ssd_scan(
-    x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
-    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, return_varlen_states=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
 ):
     """The SSD recurrence token by token (reference for :func:`torch_ssd_chunk_scan`).
 
@@ -150,8 +184,22 @@ def naive_ssd_scan(
 
 
 def torch_ssd_chunk_scan(
-    x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
-    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, return_varlen_states=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
 ):
     """The chunked SSD scan, vectorized over all chunks (same contract as :func:`naive_ssd_scan`).
 
@@ -171,7 +219,14 @@ def torch_ssd_chunk_scan(
     total = int(nchunk.sum())
     S = xf.new_zeros(n, H, P, N) if initial_states is None else initial_states.to(ct)
     if total == 0:
-        return _returns(_finish(xf.new_zeros(0, H, P), xf, D, z, shape, x.dtype), S, cu, b, return_final_states, return_varlen_states)
+        return _returns(
+            _finish(xf.new_zeros(0, H, P), xf, D, z, shape, x.dtype),
+            S,
+            cu,
+            b,
+            return_final_states,
+            return_varlen_states,
+        )
     chunk_seq = torch.repeat_interleave(torch.arange(n, device=dev), nchunk)
     first_chunk = torch.cumsum(nchunk, 0) - nchunk
     chunk_no = torch.arange(total, device=dev) - first_chunk[chunk_seq]
@@ -244,8 +299,19 @@ def tree_ssd_scan(
     def step(sel, h0, lv):
         xs, dts, Bs, Cs = (t[None] for t in sel)
         y, states = scan_fn(
-            xs, dts, A, Bs, Cs, chunk_size, D=D, dt_bias=dt_bias, initial_states=h0,
-            seq_idx=lv.seq_idx[None], cu_seqlens=lv.cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            xs,
+            dts,
+            A,
+            Bs,
+            Cs,
+            chunk_size,
+            D=D,
+            dt_bias=dt_bias,
+            initial_states=h0,
+            seq_idx=lv.seq_idx[None],
+            cu_seqlens=lv.cu_seqlens,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
             return_varlen_states=True,
         )
         return y[0], states

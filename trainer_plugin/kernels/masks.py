@@ -290,7 +290,9 @@ class VarlenMeta:
     pad_index: torch.Tensor
 
 
-def _meta(size: int, device: Any, segs: np.ndarray, q: np.ndarray, k: np.ndarray, qlen: np.ndarray, klen: np.ndarray) -> VarlenMeta:
+def _meta(
+    size: int, device: Any, segs: np.ndarray, q: np.ndarray, k: np.ndarray, qlen: np.ndarray, klen: np.ndarray
+) -> VarlenMeta:
     used = np.zeros(size, dtype=bool)
     used[q] = True
     cu_q = np.zeros(segs.shape[0] + 1, dtype=np.int32)
@@ -377,7 +379,10 @@ def naive_varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None, chunk_si
                 s0 = int(seg.seq_start[g])  # keys[t] is position t of the sequence
                 chunks = sorted({(s0 + i) // chunk_size for i in range(len(own))})
                 pieces = [
-                    ([x for i, x in enumerate(own) if (s0 + i) // chunk_size == m], [x for t, x in enumerate(keys) if t // chunk_size == m and t < s0 + len(own)])
+                    (
+                        [x for i, x in enumerate(own) if (s0 + i) // chunk_size == m],
+                        [x for t, x in enumerate(keys) if t // chunk_size == m and t < s0 + len(own)],
+                    )
                     for m in chunks
                 ]
             for qp, kp in pieces:

@@ -24,12 +24,21 @@ from treepack.proto.errors import InputTypeError, RequestError
 from treepack.trainer.kernels.gpu import load_kernel
 from treepack.trainer.kernels.gpu_varlen import causal_conv1d_varlen
 
-__all__ = ["select_causal_conv1d", "gpu_kernel_available", "torch_causal_conv1d", "naive_causal_conv1d", "torch_gated_short_conv", "check_conv_args"]
+__all__ = [
+    "select_causal_conv1d",
+    "gpu_kernel_available",
+    "torch_causal_conv1d",
+    "naive_causal_conv1d",
+    "torch_gated_short_conv",
+    "check_conv_args",
+]
 
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def check_conv_args(ok_shape: bool, weight: torch.Tensor, D: int, bias: torch.Tensor | None, activation: str | None) -> None:
+def check_conv_args(
+    ok_shape: bool, weight: torch.Tensor, D: int, bias: torch.Tensor | None, activation: str | None
+) -> None:
     """Validate a depthwise conv's weight, bias and activation against D channels.
 
     Raises:
@@ -41,11 +50,15 @@ def check_conv_args(ok_shape: bool, weight: torch.Tensor, D: int, bias: torch.Te
     if not ok_shape:
         raise RequestError("x has the wrong number of dimensions", path="$.x", rule="shape")
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
-        raise RequestError(f"weight must be [D, W] with D = {D}, got {tuple(weight.shape)}", path="$.weight", rule="shape")
+        raise RequestError(
+            f"weight must be [D, W] with D = {D}, got {tuple(weight.shape)}", path="$.weight", rule="shape"
+        )
     if bias is not None and tuple(bias.shape) != (D,):
         raise RequestError(f"bias must be [D] = ({D},), got {tuple(bias.shape)}", path="$.bias", rule="shape")
     if activation not in ACTIVATIONS:
-        raise RequestError(f"activation must be None, 'silu' or 'swish', got {activation!r}", path="$.activation", rule="enum")
+        raise RequestError(
+            f"activation must be None, 'silu' or 'swish', got {activation!r}", path="$.activation", rule="enum"
+        )
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -57,12 +70,22 @@ def _prepare(x, weight, bias, seq_idx, initial_states, activation):
     Bsz, D, L = x.shape
     W = weight.shape[1]
     if seq_idx is not None and tuple(seq_idx.shape) != (Bsz, L):
-        raise RequestError(f"seq_idx must be [B, L] = {(Bsz, L)}, got {tuple(seq_idx.shape)}", path="$.seq_idx", rule="shape")
+        raise RequestError(
+            f"seq_idx must be [B, L] = {(Bsz, L)}, got {tuple(seq_idx.shape)}", path="$.seq_idx", rule="shape"
+        )
     if initial_states is not None:
         if seq_idx is not None:
-            raise RequestError("initial_states and seq_idx cannot be combined (as in causal-conv1d)", path="$.initial_states", rule="unsupported")
+            raise RequestError(
+                "initial_states and seq_idx cannot be combined (as in causal-conv1d)",
+                path="$.initial_states",
+                rule="unsupported",
+            )
         if tuple(initial_states.shape) != (Bsz, D, W - 1):
-            raise RequestError(f"initial_states must be [B, D, W-1] = {(Bsz, D, W - 1)}, got {tuple(initial_states.shape)}", path="$.initial_states", rule="shape")
+            raise RequestError(
+                f"initial_states must be [B, D, W-1] = {(Bsz, D, W - 1)}, got {tuple(initial_states.shape)}",
+                path="$.initial_states",
+                rule="shape",
+            )
     dt = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     front = x.new_zeros(Bsz, D, W - 1, dtype=dt) if initial_states is None else initial_states.to(dt)
     return torch.cat([front, x.to(dt)], dim=-1), weight.to(dt), dt
@@ -137,7 +160,9 @@ def naive_causal_conv1d(
     return (y, xp[:, :, xp.shape[-1] - (W - 1) :]) if return_final_states else y
 
 
-def torch_gated_short_conv(BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+def torch_gated_short_conv(
+    BCx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None
+) -> torch.Tensor:
     """LFM2's gated short convolution: ``C * conv(B * x)`` with ``B, C, x = BCx.chunk(3, dim=1)``.
 
     Args:

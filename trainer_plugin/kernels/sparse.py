@@ -65,11 +65,17 @@ def _check_topk(scores: torch.Tensor, subtree_end: torch.Tensor, position_ids: t
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"expected a torch.Tensor, got {type(t).__name__}", path=f"$.{name}", rule="type")
     if scores.dim() != 3 or scores.shape[1] != scores.shape[2]:
-        raise RequestError(f"scores must be [B, T, T] (queries are the row's own tokens), got {tuple(scores.shape)}", path="$.scores", rule="shape")
+        raise RequestError(
+            f"scores must be [B, T, T] (queries are the row's own tokens), got {tuple(scores.shape)}",
+            path="$.scores",
+            rule="shape",
+        )
     B, T = scores.shape[0], scores.shape[2]
     for name, t in (("subtree_end", subtree_end), ("position_ids", position_ids)):
         if t.shape != (B, T):
-            raise RequestError(f"{name} must be [B, T] = {(B, T)}, got {tuple(t.shape)}", path=f"$.{name}", rule="shape")
+            raise RequestError(
+                f"{name} must be [B, T] = {(B, T)}, got {tuple(t.shape)}", path=f"$.{name}", rule="shape"
+            )
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise RequestError(f"k must be a positive int, got {k!r}", path="$.k", rule="range")
 
@@ -129,12 +135,16 @@ def shard_tree_topk(
     return _topk(scores, subtree_end, position_ids, k, int(query_start))
 
 
-def _topk(scores: torch.Tensor, subtree_end: torch.Tensor, position_ids: torch.Tensor, k: int, query_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk(
+    scores: torch.Tensor, subtree_end: torch.Tensor, position_ids: torch.Tensor, k: int, query_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     S, T = scores.shape[1:]
     kk = min(k, T)
     j = torch.arange(T, device=subtree_end.device)
     i = torch.arange(query_start, query_start + S, device=subtree_end.device)
-    vis = (j[None, None, :] <= i[None, :, None]) & (i[None, :, None] < subtree_end[:, None, :])  # tree_visibility's rows i
+    vis = (j[None, None, :] <= i[None, :, None]) & (
+        i[None, :, None] < subtree_end[:, None, :]
+    )  # tree_visibility's rows i
     masked = scores.float().masked_fill(~vis, float("-inf"))
     by_pos = torch.argsort(position_ids, dim=-1, stable=True)  # [B, T]
     s_sorted = masked.gather(-1, by_pos[:, None, :].expand_as(masked))
@@ -174,9 +184,17 @@ def _check_attn(q, k, v, idx, valid) -> None:
         raise RequestError("q, k, v must be [B, H, T, D]", path="$.q", rule="shape")
     B, H, S, _ = q.shape
     if k.shape[0] != B or k.shape[1] == 0 or H % k.shape[1] or v.shape[:3] != k.shape[:3]:
-        raise RequestError(f"k/v must be [B, Hk, T, D] with H={H} a multiple of Hk, got {tuple(k.shape)}, {tuple(v.shape)}", path="$.k", rule="shape")
+        raise RequestError(
+            f"k/v must be [B, Hk, T, D] with H={H} a multiple of Hk, got {tuple(k.shape)}, {tuple(v.shape)}",
+            path="$.k",
+            rule="shape",
+        )
     if idx.shape[:2] != (B, S) or valid.shape != idx.shape:
-        raise RequestError(f"idx/valid must be [B, S, k] with (B, S) = {(B, S)}, got {tuple(idx.shape)}, {tuple(valid.shape)}", path="$.idx", rule="shape")
+        raise RequestError(
+            f"idx/valid must be [B, S, k] with (B, S) = {(B, S)}, got {tuple(idx.shape)}, {tuple(valid.shape)}",
+            path="$.idx",
+            rule="shape",
+        )
 
 
 def sparse_attention(

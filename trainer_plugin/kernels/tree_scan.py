@@ -42,7 +42,17 @@ from treepack.proto.plan import Plan
 from treepack.trainer.kernels.index import index_tensor, scatter_filled
 from treepack.trainer.kernels.short_conv import check_conv_args, select_causal_conv1d
 
-__all__ = ["TreeLevel", "TreeSchedule", "tree_schedule", "conv_width_refusal", "tree_conv", "tree_scan", "naive_tree_scan", "ConvFn", "LevelStep"]
+__all__ = [
+    "TreeLevel",
+    "TreeSchedule",
+    "tree_schedule",
+    "conv_width_refusal",
+    "tree_conv",
+    "tree_scan",
+    "naive_tree_scan",
+    "ConvFn",
+    "LevelStep",
+]
 
 ConvFn = Callable[..., torch.Tensor]
 LevelStep = Callable[[list, "torch.Tensor | None", "TreeLevel"], tuple[torch.Tensor, torch.Tensor]]
@@ -134,11 +144,15 @@ def _row_map(plan: Plan, rows: np.ndarray | None) -> tuple[np.ndarray, int]:
     keep = np.arange(plan.num_rows) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
     real_rows = keep[keep >= 0]
     if keep.size and (keep.min() < -1 or keep.max() >= plan.num_rows or np.unique(real_rows).size != real_rows.size):
-        raise RequestError(f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range")
+        raise RequestError(
+            f"rows must be distinct and in [-1, {plan.num_rows}), got {keep.tolist()}", path="$.rows", rule="range"
+        )
     return local_row_index(keep, plan.num_rows), int(keep.shape[0])
 
 
-def _level(depth: int, tok: np.ndarray, lens: np.ndarray, parent_slot: np.ndarray, ctx: np.ndarray, N: int, device) -> TreeLevel:
+def _level(
+    depth: int, tok: np.ndarray, lens: np.ndarray, parent_slot: np.ndarray, ctx: np.ndarray, N: int, device
+) -> TreeLevel:
     """Index tensors of one level from its token positions, segment lengths and conv context."""
     n, Wm1 = lens.shape[0], ctx.shape[1]
     cu = np.zeros(n + 1, dtype=np.int64)
@@ -225,7 +239,11 @@ def _check_flat(name: str, x: torch.Tensor, n: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"expected a torch.Tensor, got {type(x).__name__}", path=f"$.{name}", rule="type")
     if x.dim() < 2 or x.shape[0] != n:
-        raise RequestError(f"{name} must be [N, ...] with N = rows * seq_len = {n}, got {tuple(x.shape)}", path=f"$.{name}", rule="shape")
+        raise RequestError(
+            f"{name} must be [N, ...] with N = rows * seq_len = {n}, got {tuple(x.shape)}",
+            path=f"$.{name}",
+            rule="shape",
+        )
 
 
 def tree_conv(
@@ -281,7 +299,9 @@ def tree_conv(
     return scatter_filled(torch.cat(outs), torch.cat(idx), N)
 
 
-def tree_scan(step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSchedule, out_tail: tuple[int, ...]) -> torch.Tensor:
+def tree_scan(
+    step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSchedule, out_tail: tuple[int, ...]
+) -> torch.Tensor:
     """Run a varlen recurrent kernel over tree rows: one ``step`` call per depth level.
 
     Args:
@@ -314,7 +334,9 @@ def tree_scan(step: LevelStep, inputs: Sequence[torch.Tensor], schedule: TreeSch
     return scatter_filled(torch.cat(outs), torch.cat(idx), N)
 
 
-def naive_tree_scan(run: Callable, inputs: Sequence[torch.Tensor], plan: Plan, out_tail: tuple[int, ...]) -> torch.Tensor:
+def naive_tree_scan(
+    run: Callable, inputs: Sequence[torch.Tensor], plan: Plan, out_tail: tuple[int, ...]
+) -> torch.Tensor:
     """Reference for :func:`tree_scan`: segment by segment, walking parent pointers.
 
     Segments run in pre-order (parents first); each starts from its parent's final state,

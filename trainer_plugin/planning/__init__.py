@@ -24,4 +24,17 @@ from treepack.trainer.planning.microbatch import MicroBatches, plan_microbatches
 from treepack.trainer.planning.planner import PlanFunction, Planner, obtain_plan
 from treepack.trainer.planning.routing import routing_keys
 
-__all__ = ["PaddedSequences", "from_padded", "from_labeled", "routing_keys", "image_keys", "MicroBatches", "plan_microbatches", "MeshRanks", "mesh_ranks", "Planner", "PlanFunction", "obtain_plan"]
+__all__ = [
+    "PaddedSequences",
+    "from_padded",
+    "from_labeled",
+    "routing_keys",
+    "image_keys",
+    "MicroBatches",
+    "plan_microbatches",
+    "MeshRanks",
+    "mesh_ranks",
+    "Planner",
+    "PlanFunction",
+    "obtain_plan",
+]

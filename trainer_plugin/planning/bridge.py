@@ -99,24 +99,38 @@ class PaddedSequences:
         """
         K, L = batch.num_rows, batch.seq_len
         if values.ndim < 2 or tuple(values.shape[:2]) != (K, L):
-            raise RequestError(f"values must have shape [{K}, {L}, ...], got {tuple(values.shape)}", path="$.values", rule="shape")
+            raise RequestError(
+                f"values must have shape [{K}, {L}, ...], got {tuple(values.shape)}", path="$.values", rule="shape"
+            )
         B, C = self.batch_size, self.completion_width
         if batch.plan.num_sequences != B:
-            raise RequestError(f"the batch's plan has {batch.plan.num_sequences} sequences, the padded batch {B}", path="$.batch", rule="plan_mismatch")
+            raise RequestError(
+                f"the batch's plan has {batch.plan.num_sequences} sequences, the padded batch {B}",
+                path="$.batch",
+                rule="plan_mismatch",
+            )
         seq = batch.score_seq.cpu().numpy()
         pos = batch.score_pos.cpu().numpy()
         lens = self.lengths[seq]
         if (pos >= lens).any():
-            raise RequestError("the batch scores tokens past the padded rows' sequences", path="$.batch", rule="plan_mismatch")
+            raise RequestError(
+                "the batch scores tokens past the padded rows' sequences", path="$.batch", rule="plan_mismatch"
+            )
         cols = self.token_cols[self.token_ptr[seq] + pos]
         if (cols < 0).any():
-            raise RequestError("the batch scores tokens outside the completions: materialize it with trainable=padded.trainable", path="$.batch", rule="plan_mismatch")
+            raise RequestError(
+                "the batch scores tokens outside the completions: materialize it with trainable=padded.trainable",
+                path="$.batch",
+                rule="plan_mismatch",
+            )
         dev = values.device
         tail = tuple(values.shape[2:])
         if out is None:
             out = values.new_zeros((B, C, *tail))
         elif tuple(out.shape) != (B, C, *tail):
-            raise RequestError(f"out must have shape {(B, C, *tail)}, got {tuple(out.shape)}", path="$.out", rule="shape")
+            raise RequestError(
+                f"out must have shape {(B, C, *tail)}, got {tuple(out.shape)}", path="$.out", rule="shape"
+            )
         src = values.reshape(K * L, *tail)[batch.score_flat.to(dev)]
         idx = (torch.from_numpy(seq).to(dev), torch.from_numpy(cols).to(dev))
         return out.index_put(idx, src.to(out.dtype))
@@ -178,9 +192,17 @@ def from_padded(
         if x.dtype.is_floating_point or x.dtype == torch.bool:
             raise InputTypeError(f"{name} must hold integer ids, got {x.dtype}", path=f"$.{name}", rule="dtype")
     B = prompt_ids.shape[0]
-    for name, x, ref in (("prompt_mask", prompt_mask, prompt_ids), ("completion_ids", completion_ids, None), ("completion_mask", completion_mask, completion_ids)):
+    for name, x, ref in (
+        ("prompt_mask", prompt_mask, prompt_ids),
+        ("completion_ids", completion_ids, None),
+        ("completion_mask", completion_mask, completion_ids),
+    ):
         if (ref is not None and tuple(x.shape) != tuple(ref.shape)) or x.ndim != 2 or x.shape[0] != B:
-            raise RequestError(f"{name} has shape {tuple(x.shape)}; expected [{B}, ...] matching its ids", path=f"$.{name}", rule="shape")
+            raise RequestError(
+                f"{name} has shape {tuple(x.shape)}; expected [{B}, ...] matching its ids",
+                path=f"$.{name}",
+                rule="shape",
+            )
     p_start, p_len = _runs(prompt_mask, "prompt_mask")
     c_start, c_len = _runs(completion_mask, "completion_mask")
     orphan = np.flatnonzero((p_len == 0) & (c_len > 0))
@@ -224,8 +246,16 @@ def from_labeled(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: 
         RequestError: mismatched shapes, padding inside a row, a label on a padding position
             or a label that is not the row's own next token.
     """
-    if input_ids.dtype.is_floating_point or tuple(attention_mask.shape) != tuple(input_ids.shape) or tuple(labels.shape) != tuple(input_ids.shape):
-        raise RequestError(f"input_ids, attention_mask and labels must be [B, T] ids alike; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(labels.shape)}", path="$.input_ids", rule="shape")
+    if (
+        input_ids.dtype.is_floating_point
+        or tuple(attention_mask.shape) != tuple(input_ids.shape)
+        or tuple(labels.shape) != tuple(input_ids.shape)
+    ):
+        raise RequestError(
+            f"input_ids, attention_mask and labels must be [B, T] ids alike; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(labels.shape)}",
+            path="$.input_ids",
+            rule="shape",
+        )
     start, n = _runs(attention_mask, "attention_mask")
     ids = input_ids.detach().cpu().numpy().astype(np.int64)
     lab = labels.detach().cpu().numpy().astype(np.int64)
@@ -235,7 +265,11 @@ def from_labeled(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: 
     bad = np.argwhere(on & (~m | (lab != ids)))
     if bad.shape[0]:
         b, t = (int(x) for x in bad[0])
-        raise RequestError(f"labels[{b}, {t}] = {int(lab[b, t])} is not the row's token there (or sits on padding)", path=f"$.labels[{b}][{t}]", rule="plan_mismatch")
+        raise RequestError(
+            f"labels[{b}, {t}] = {int(lab[b, t])} is not the row's token there (or sits on padding)",
+            path=f"$.labels[{b}][{t}]",
+            rule="plan_mismatch",
+        )
     seqs = [ids[b, start[b] : start[b] + n[b]] for b in range(B)]
     flags = [on[b, start[b] : start[b] + n[b]] for b in range(B)]
     cols = [np.concatenate([[-1], np.arange(start[b], start[b] + n[b] - 1)]) if n[b] else np.zeros(0) for b in range(B)]
@@ -252,7 +286,14 @@ def from_labeled(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: 
 
 
 # TRL's per-token log-probability keywords for image inputs that tree rows do not take.
-_REFUSED_IMAGE_KWARGS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "image_position_ids")
+_REFUSED_IMAGE_KWARGS = (
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "image_position_ids",
+)
 
 
 def sequence_images(
@@ -297,28 +338,60 @@ def sequence_images(
     given = [k for k, v in other.items() if v is not None]
     if given:
         what = given[0]
-        why = "not a model input tree rows take" if what not in _REFUSED_IMAGE_KWARGS else "supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)"
+        why = (
+            "not a model input tree rows take"
+            if what not in _REFUSED_IMAGE_KWARGS
+            else "supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)"
+        )
         raise RequestError(f"the packed forward got {what}: {why}", path=f"$.{what}", rule="unsupported")
     if mm_token_type_ids is not None:
         mm = mm_token_type_ids.to(attention_mask.device)
         if bool((mm > 1).any()):
-            raise RequestError("mm_token_type_ids marks video tokens: video inputs are not supported on tree rows", path="$.mm_token_type_ids", rule="unsupported")
-        placeholders = (input_ids == image_token_id) & attention_mask.bool() if image_token_id is not None else torch.zeros_like(attention_mask, dtype=torch.bool)
+            raise RequestError(
+                "mm_token_type_ids marks video tokens: video inputs are not supported on tree rows",
+                path="$.mm_token_type_ids",
+                rule="unsupported",
+            )
+        placeholders = (
+            (input_ids == image_token_id) & attention_mask.bool()
+            if image_token_id is not None
+            else torch.zeros_like(attention_mask, dtype=torch.bool)
+        )
         if not torch.equal(mm.bool() & attention_mask.bool(), placeholders):
-            raise RequestError(f"mm_token_type_ids marks other positions than the image token {image_token_id}", path="$.mm_token_type_ids", rule="image_placeholders")
+            raise RequestError(
+                f"mm_token_type_ids marks other positions than the image token {image_token_id}",
+                path="$.mm_token_type_ids",
+                rule="image_placeholders",
+            )
     if pixel_values is None:
         if image_grid_thw is not None:
             raise RequestError("image_grid_thw given without pixel_values", path="$.image_grid_thw", rule="missing")
         return None, None
     if image_grid_thw is None:
-        raise RequestError("pixel_values without image_grid_thw: supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)", path="$.image_grid_thw", rule="missing")
+        raise RequestError(
+            "pixel_values without image_grid_thw: supported image inputs are pixel_values with image_grid_thw (Qwen-VL families)",
+            path="$.image_grid_thw",
+            rule="missing",
+        )
     B = input_ids.shape[0]
     rows = image_grid_thw.prod(-1).tolist()
     if sum(rows) != pixel_values.shape[0]:
-        raise RequestError(f"image_grid_thw covers {sum(rows)} patch rows, pixel_values has {pixel_values.shape[0]}", path="$.image_grid_thw", rule="shape")
-    counts = _image_counts(input_ids, attention_mask, image_token_id, rows) if num_images is None else [int(n) for n in num_images]
+        raise RequestError(
+            f"image_grid_thw covers {sum(rows)} patch rows, pixel_values has {pixel_values.shape[0]}",
+            path="$.image_grid_thw",
+            rule="shape",
+        )
+    counts = (
+        _image_counts(input_ids, attention_mask, image_token_id, rows)
+        if num_images is None
+        else [int(n) for n in num_images]
+    )
     if len(counts) != B or sum(counts) != image_grid_thw.shape[0]:
-        raise RequestError(f"num_images {counts} does not cover {B} sequences and {image_grid_thw.shape[0]} image grids", path="$.num_images", rule="length")
+        raise RequestError(
+            f"num_images {counts} does not cover {B} sequences and {image_grid_thw.shape[0]} image grids",
+            path="$.num_images",
+            rule="length",
+        )
     pv: list[torch.Tensor | None] = []
     thw: list[torch.Tensor | None] = []
     img = row = 0
@@ -330,7 +403,9 @@ def sequence_images(
     return pv, thw
 
 
-def _image_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int | None, patches: list[int]) -> list[int]:
+def _image_counts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int | None, patches: list[int]
+) -> list[int]:
     """[B] images of each row, read from its placeholder tokens (images in row order).
 
     Every image takes ``patches / m`` placeholders, ``m`` the batch's patches per
@@ -341,7 +416,11 @@ def _image_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_t
         RequestError: placeholders that do not cover the images image by image (e.g. cut by
             truncation), naming the row.
     """
-    per_row = ((input_ids == image_token_id) & attention_mask.bool()).sum(1).tolist() if image_token_id is not None else [0] * input_ids.shape[0]
+    per_row = (
+        ((input_ids == image_token_id) & attention_mask.bool()).sum(1).tolist()
+        if image_token_id is not None
+        else [0] * input_ids.shape[0]
+    )
     total = sum(per_row)
     m = sum(patches) // total if total else 0
     if not m or m * total != sum(patches) or any(p % m for p in patches):
@@ -357,6 +436,10 @@ def _image_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_t
             n -= patches[img] // m
             img += 1
         if n != 0:
-            raise RequestError(f"row {b}'s image placeholder tokens do not cover whole images (truncated by max_length?)", path=f"$.input_ids[{b}]", rule="image_placeholders")
+            raise RequestError(
+                f"row {b}'s image placeholder tokens do not cover whole images (truncated by max_length?)",
+                path=f"$.input_ids[{b}]",
+                rule="image_placeholders",
+            )
         counts.append(img - start)
     return counts

@@ -44,7 +44,9 @@ def _as_tensor(x: Any, path: str) -> torch.Tensor:
     try:
         return torch.as_tensor(np.asarray(x))
     except Exception as e:  # noqa: BLE001 - named in the error below
-        raise RequestError(f"expected a tensor or array, got {type(x).__name__} ({e})", path=path, rule="type") from None
+        raise RequestError(
+            f"expected a tensor or array, got {type(x).__name__} ({e})", path=path, rule="type"
+        ) from None
 
 
 def split_images(pixel_values: Any, image_grid_thw: Any, s: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -60,12 +62,18 @@ def split_images(pixel_values: Any, image_grid_thw: Any, s: int) -> list[tuple[t
     """
     if pixel_values is None:
         if image_grid_thw is not None:
-            raise RequestError(f"sequence {s} has image_grid_thw but no pixel_values", path=f"$.pixel_values[{s}]", rule="missing")
+            raise RequestError(
+                f"sequence {s} has image_grid_thw but no pixel_values", path=f"$.pixel_values[{s}]", rule="missing"
+            )
         return []
     pv = _as_tensor(pixel_values, f"$.pixel_values[{s}]")
     if image_grid_thw is None:
         if pv.ndim < 2:
-            raise RequestError(f"sequence {s}: pixel_values without image_grid_thw must be [images, ...], got shape {tuple(pv.shape)}", path=f"$.pixel_values[{s}]", rule="shape")
+            raise RequestError(
+                f"sequence {s}: pixel_values without image_grid_thw must be [images, ...], got shape {tuple(pv.shape)}",
+                path=f"$.pixel_values[{s}]",
+                rule="shape",
+            )
         return [(pv[j : j + 1], None) for j in range(pv.shape[0])]
     grid = _as_tensor(image_grid_thw, f"$.image_grid_thw[{s}]").to(torch.int64).reshape(-1, 3)
     rows = grid.prod(-1).tolist()
@@ -91,7 +99,9 @@ def image_digest(pixel_values: torch.Tensor, grid: torch.Tensor | None) -> bytes
     return h.digest()
 
 
-def placeholder_counts(images: list[tuple[torch.Tensor, torch.Tensor | None]], n_placeholders: int, s: int) -> list[int]:
+def placeholder_counts(
+    images: list[tuple[torch.Tensor, torch.Tensor | None]], n_placeholders: int, s: int
+) -> list[int]:
     """Placeholder tokens of each image of sequence s, from the sequence's placeholder total.
 
     Images without a grid take equal shares; with grids, shares proportional to their
@@ -101,7 +111,11 @@ def placeholder_counts(images: list[tuple[torch.Tensor, torch.Tensor | None]], n
     total = sum(weights)
     if not images:
         if n_placeholders:
-            raise RequestError(f"sequence {s} holds {n_placeholders} image placeholder tokens but no pixel_values", path=f"$.pixel_values[{s}]", rule="missing")
+            raise RequestError(
+                f"sequence {s} holds {n_placeholders} image placeholder tokens but no pixel_values",
+                path=f"$.pixel_values[{s}]",
+                rule="missing",
+            )
         return []
     counts = [n_placeholders * w // total for w in weights]
     if any(n_placeholders * w % total for w in weights) or sum(counts) != n_placeholders or min(counts) < 1:

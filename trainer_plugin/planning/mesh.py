@@ -53,10 +53,18 @@ def mesh_ranks(mesh: Any, *, strategy: str = "auto") -> MeshRanks:
     """
     names = getattr(mesh, "mesh_dim_names", None)
     if not names or not hasattr(mesh, "get_group"):
-        raise InputTypeError(f"mesh must be a torch DeviceMesh with mesh_dim_names from {MESH_DIMS}, got {type(mesh).__name__}", path="$.mesh", rule="type")
+        raise InputTypeError(
+            f"mesh must be a torch DeviceMesh with mesh_dim_names from {MESH_DIMS}, got {type(mesh).__name__}",
+            path="$.mesh",
+            rule="type",
+        )
     bad = [n for n in names if n not in MESH_DIMS]
     if bad or len(set(names)) != len(names):
-        raise InputTypeError(f"mesh dimensions must be named from {MESH_DIMS}, got {tuple(names)}", path="$.mesh.mesh_dim_names", rule="mesh_dims")
+        raise InputTypeError(
+            f"mesh dimensions must be named from {MESH_DIMS}, got {tuple(names)}",
+            path="$.mesh.mesh_dim_names",
+            rule="mesh_dims",
+        )
 
     def dim(name: str) -> tuple[int, int, Any]:
         if name not in names:
@@ -78,6 +86,10 @@ def mesh_plan_options(ranks: MeshRanks, plan_kwargs: dict[str, Any]) -> dict[str
     kw = dict(plan_kwargs)
     for key, size, dim in (("num_ranks", ranks.dp_size, "dp"), ("cp_size", ranks.cp_size, "cp")):
         if kw.get(key, size) != size:
-            raise RequestError(f"{key}={kw[key]} disagrees with the mesh's {dim!r} dimension of size {size}; leave it out with a mesh", path=f"$.{key}", rule="mesh")
+            raise RequestError(
+                f"{key}={kw[key]} disagrees with the mesh's {dim!r} dimension of size {size}; leave it out with a mesh",
+                path=f"$.{key}",
+                rule="mesh",
+            )
         kw[key] = size
     return kw

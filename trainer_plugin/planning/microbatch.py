@@ -85,7 +85,9 @@ def split_rows(plan: Plan, num_microbatches: int) -> np.ndarray:
     """
     M = int(num_microbatches)
     if M < 1:
-        raise RequestError(f"num_microbatches must be >= 1, got {num_microbatches}", path="$.num_microbatches", rule="range")
+        raise RequestError(
+            f"num_microbatches must be >= 1, got {num_microbatches}", path="$.num_microbatches", rule="range"
+        )
     rank_rows = plan.ranks.rank_rows
     P = rank_rows.shape[0]
     real = [r[r >= 0] for r in rank_rows]

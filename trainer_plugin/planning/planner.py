@@ -58,4 +58,6 @@ def obtain_plan(sequences: Sequence[Any], *, planner: PlannerArg = None, **plan_
         return planner.pack(sequences, **plan_kwargs)
     if callable(planner):
         return planner(sequences, **plan_kwargs)
-    raise InputTypeError(f"planner must have .pack(...) or be callable, got {type(planner).__name__}", path="$.planner", rule="type")
+    raise InputTypeError(
+        f"planner must have .pack(...) or be callable, got {type(planner).__name__}", path="$.planner", rule="type"
+    )

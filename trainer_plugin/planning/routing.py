@@ -36,9 +36,15 @@ def _as_rows(x: Any, s: int) -> np.ndarray:
     arr = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
     path = f"$.routing[{s}]"
     if arr.ndim < 1:
-        raise RequestError(f"routing array must be [tokens, ...] (e.g. [tokens, layers, top_k]), got shape {arr.shape}", path=path, rule="shape")
+        raise RequestError(
+            f"routing array must be [tokens, ...] (e.g. [tokens, layers, top_k]), got shape {arr.shape}",
+            path=path,
+            rule="shape",
+        )
     if arr.dtype.kind not in "iub":
-        raise InputTypeError(f"routing arrays hold expert indices (integers), got dtype {arr.dtype}", path=path, rule="dtype")
+        raise InputTypeError(
+            f"routing arrays hold expert indices (integers), got dtype {arr.dtype}", path=path, rule="dtype"
+        )
     return arr.reshape(arr.shape[0], -1).astype(np.int64).view(np.uint64)
 
 

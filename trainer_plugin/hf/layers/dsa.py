@@ -111,12 +111,17 @@ def dsa_indexer_scores(
 
 
 def _indexer_qkw(
-    indexer: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    indexer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    q_resid: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stock indexer's queries [B, S, H, D], keys [B, S, D] (RoPE applied) and head weights [B, S, H]."""
     name = type(indexer).__name__
     if name not in _INDEXER_ROPE:
-        raise RequestError(f"unsupported sparse indexer {name}; known: {sorted(_INDEXER_ROPE)}", path="$.model", rule="unsupported")
+        raise RequestError(
+            f"unsupported sparse indexer {name}; known: {sorted(_INDEXER_ROPE)}", path="$.model", rule="unsupported"
+        )
     rope = getattr(_modeling(indexer), _INDEXER_ROPE[name])
     B, S, _ = hidden_states.shape
     cos, sin = position_embeddings
@@ -128,7 +133,9 @@ def _indexer_qkw(
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads**-0.5)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * (
+        indexer.n_heads**-0.5
+    )
     return q, k, weights
 
 
@@ -222,7 +229,9 @@ def dsa_shard_attention(
         with torch.no_grad():  # as the stock indexer
             q, k, w = _indexer_qkw(attn.indexer, hidden_states, q_resid, position_embeddings)
             scores = indexer_scores(q, gather_seq(k, cp)[:, :C], w, attn.indexer.softmax_scale)
-            idx, valid = shard_tree_topk(scores, full.subtree_end, full.position_ids, attn.indexer.index_topk, query_start=cp.rank * Ls)
+            idx, valid = shard_tree_topk(
+                scores, full.subtree_end, full.position_ids, attn.indexer.index_topk, query_start=cp.rank * Ls
+            )
             sel = TreeSelection(gather_seq(idx, cp)[:, :C], gather_seq(valid.to(torch.uint8), cp)[:, :C].bool())
     else:
         sel = _shared(attn, shared, K, C)
@@ -244,17 +253,32 @@ def _shared(attn: torch.nn.Module, shared: Any, K: int, L: int) -> TreeSelection
     )
 
 
-def _project(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], batch: Any) -> tuple[torch.Tensor, ...]:
+def _project(
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
+) -> tuple[torch.Tensor, ...]:
     """The stock MLA projections: (q_resid [K, L, q_lora], query [K, H, L, dq], key [K, H, L, dq], value [K, H, L, dv])."""
     K, L = hidden_states.shape[:2]
     if (K, L) != tuple(batch.subtree_end.shape):
-        raise RequestError(f"hidden_states has {K} rows of {L}, the batch {tuple(batch.subtree_end.shape)}", path="$.hidden_states", rule="shape")
+        raise RequestError(
+            f"hidden_states has {K} rows of {L}, the batch {tuple(batch.subtree_end.shape)}",
+            path="$.hidden_states",
+            rule="shape",
+        )
     if attn.training and attn.attention_dropout:
-        raise RequestError(f"attention dropout {attn.attention_dropout} is not supported on packed rows; set attention_dropout=0", path="$.model.config.attention_dropout", rule="unsupported")
+        raise RequestError(
+            f"attention dropout {attn.attention_dropout} is not supported on packed rows; set attention_dropout=0",
+            path="$.model.config.attention_dropout",
+            rule="unsupported",
+        )
     q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
     q_states = attn.q_b_proj(q_resid).view(K, L, -1, attn.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(
+        attn.kv_a_proj_with_mqa(hidden_states), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1
+    )
     k_pass = attn.kv_a_layernorm(kv_pass).view(K, 1, L, attn.kv_lora_rank)
     k_rot = k_rot.view(K, 1, L, attn.qk_rope_head_dim)
     cos, sin = position_embeddings
@@ -276,9 +300,15 @@ def dsa_forward(
     """Patched ``DeepseekV32Attention.forward``: tree rows when a packed batch is active, else stock."""
     ctx = packed_context(kwargs)
     if ctx is None:
-        return getattr(self, STOCK_ATTR)(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, **kwargs)
+        return getattr(self, STOCK_ATTR)(
+            hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, **kwargs
+        )
     if cache is not None:
-        raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
+        raise RequestError(
+            "packed rows run without a cache: call the model with use_cache=False",
+            path="$.use_cache",
+            rule="unsupported",
+        )
     run = dsa_tree_attention if ctx.batch.cp is None else dsa_shard_attention
     return run(self, hidden_states, position_embeddings, ctx.batch)[0], None
 
@@ -302,9 +332,21 @@ def glm_dsa_forward(
     ctx = packed_context(kwargs)
     if ctx is None:
         stock = getattr(self, STOCK_ATTR)
-        return stock(hidden_states, position_embeddings, attention_mask, cache=cache, position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
+        return stock(
+            hidden_states,
+            position_embeddings,
+            attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            prev_topk_indices=prev_topk_indices,
+            **kwargs,
+        )
     if cache is not None:
-        raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
+        raise RequestError(
+            "packed rows run without a cache: call the model with use_cache=False",
+            path="$.use_cache",
+            rule="unsupported",
+        )
     run = dsa_tree_attention if ctx.batch.cp is None else dsa_shard_attention
     out, sel = run(self, hidden_states, position_embeddings, ctx.batch, shared=prev_topk_indices)
     return out, None, sel
@@ -321,5 +363,7 @@ DSA = TreeLayer(kind="dsa", classes=("DeepseekV32Attention",), patch=dsa_forward
 GLM_DSA = TreeLayer(kind="glm_dsa", classes=("GlmMoeDsaAttention",), patch=glm_dsa_forward, shard=_SHARD)
 # The indexers of patched DSA layers break ties by position on unpacked calls too; on tree
 # rows (and under CP) their DSA layer computes the scores itself.
-DSA_INDEXER = TreeLayer(kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward, shard=ContextShard())
+DSA_INDEXER = TreeLayer(
+    kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward, shard=ContextShard()
+)
 LAYERS = (DSA, GLM_DSA, DSA_INDEXER)

@@ -28,7 +28,15 @@ from treepack.trainer.kernels.cp import divide_refusal, rows_of_heads, shards_of
 from treepack.trainer.kernels.gdn import tree_causal_conv1d, tree_gated_delta_rule
 from treepack.trainer.kernels.tree_scan import TreeSchedule
 
-__all__ = ["LAYERS", "GDN", "gdn_layer_tree_forward", "gdn_shard_forward", "gdn_params", "gated_delta_shard", "gdn_shard_refusal"]
+__all__ = [
+    "LAYERS",
+    "GDN",
+    "gdn_layer_tree_forward",
+    "gdn_shard_forward",
+    "gdn_params",
+    "gated_delta_shard",
+    "gdn_shard_refusal",
+]
 
 
 def gdn_params(module: torch.nn.Module) -> bool:
@@ -44,7 +52,8 @@ def gdn_params(module: torch.nn.Module) -> bool:
 
 def _structure(module: torch.nn.Module) -> bool:
     return gdn_params(module) and (
-        has_attrs(module, "in_proj_qkvz", "in_proj_ba", "norm", "out_proj") or has_attrs(module, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj")
+        has_attrs(module, "in_proj_qkvz", "in_proj_ba", "norm", "out_proj")
+        or has_attrs(module, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj")
     )
 
 
@@ -97,7 +106,14 @@ def gdn_shard_refusal(layer: torch.nn.Module, cp_size: int) -> str | None:
 
 
 def gated_delta_shard(
-    layer: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, schedule: TreeSchedule, batch: Any
+    layer: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    schedule: TreeSchedule,
+    batch: Any,
 ) -> torch.Tensor:
     """Conv and gated delta rule of a GDN layer on whole rows of this rank's heads (module docstring).
 
@@ -131,7 +147,9 @@ def _repeat_qk(t: torch.Tensor, Hk: int, dk: int, rep: int) -> torch.Tensor:
     return torch.cat([qk, rest])
 
 
-def gdn_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+def gdn_shard_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+) -> torch.Tensor:
     """A stock HF Gated DeltaNet layer on one context-parallel shard (:func:`gated_delta_shard`).
 
     Args:
@@ -148,7 +166,16 @@ def gdn_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sched
     beta = b.sigmoid().reshape(K, Ls, -1)
     g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).reshape(K, Ls, -1)
     shape = lambda x, d: x.reshape(K, Ls, -1, d)  # noqa: E731
-    core = gated_delta_shard(layer, shape(q, layer.head_k_dim), shape(k, layer.head_k_dim), shape(v, layer.head_v_dim), g, beta, schedule, batch)
+    core = gated_delta_shard(
+        layer,
+        shape(q, layer.head_k_dim),
+        shape(k, layer.head_k_dim),
+        shape(v, layer.head_v_dim),
+        g,
+        beta,
+        schedule,
+        batch,
+    )
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(K, Ls, -1))
 

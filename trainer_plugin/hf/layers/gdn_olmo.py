@@ -23,7 +23,9 @@ __all__ = ["LAYERS", "GDN_OLMO", "olmo_gdn_tree_forward", "olmo_gdn_shard_forwar
 
 
 def _structure(module: torch.nn.Module) -> bool:
-    return gdn_params(module) and has_attrs(module, "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj")
+    return gdn_params(module) and has_attrs(
+        module, "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"
+    )
 
 
 def olmo_gdn_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
@@ -45,22 +47,31 @@ def olmo_gdn_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, s
     K, L = check_rows(hidden_states, schedule)
     N = K * L
     mixed = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)], dim=-1)
-    conv = tree_causal_conv1d(mixed.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
+    conv = tree_causal_conv1d(
+        mixed.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation
+    )
     q, k, v = torch.split(conv.to(mixed.dtype), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     beta = layer.b_proj(hidden_states).sigmoid()
     if layer.allow_neg_eigval:
         beta = beta * 2.0
     g = -layer.A_log.float().exp() * F.softplus(layer.a_proj(hidden_states).float() + layer.dt_bias)
     o = tree_gated_delta_rule(
-        q.reshape(N, -1, layer.head_k_dim), k.reshape(N, -1, layer.head_k_dim), v.reshape(N, -1, layer.head_v_dim),
-        g.reshape(N, -1), beta.reshape(N, -1), schedule, use_qk_l2norm_in_kernel=True,
+        q.reshape(N, -1, layer.head_k_dim),
+        k.reshape(N, -1, layer.head_k_dim),
+        v.reshape(N, -1, layer.head_v_dim),
+        g.reshape(N, -1),
+        beta.reshape(N, -1),
+        schedule,
+        use_qk_l2norm_in_kernel=True,
     )
     gate = layer.g_proj(hidden_states).reshape(-1, layer.head_v_dim)
     o = layer.o_norm(o.reshape(-1, layer.head_v_dim), gate).reshape(K, L, -1)
     return layer.o_proj(o)
 
 
-def olmo_gdn_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+def olmo_gdn_shard_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+) -> torch.Tensor:
     """OLMo-hybrid's Gated DeltaNet variant on one context-parallel shard.
 
     Args:
@@ -73,7 +84,10 @@ def olmo_gdn_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, 
     """
     K, Ls = check_shard_rows(hidden_states, batch)
     hk, hv = layer.head_k_dim, layer.head_v_dim
-    q, k, v = (proj(hidden_states).reshape(K, Ls, -1, d) for proj, d in ((layer.q_proj, hk), (layer.k_proj, hk), (layer.v_proj, hv)))
+    q, k, v = (
+        proj(hidden_states).reshape(K, Ls, -1, d)
+        for proj, d in ((layer.q_proj, hk), (layer.k_proj, hk), (layer.v_proj, hv))
+    )
     beta = layer.b_proj(hidden_states).sigmoid()
     if layer.allow_neg_eigval:
         beta = beta * 2.0

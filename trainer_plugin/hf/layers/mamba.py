@@ -37,7 +37,17 @@ __all__ = ["LAYERS", "MAMBA", "mamba_tree_forward", "mamba_shard_forward"]
 def _structure(module: torch.nn.Module) -> bool:
     A_log = getattr(module, "A_log", None)
     return (
-        has_attrs(module, "in_proj", "x_proj", "dt_proj", "out_proj", "D", "time_step_rank", "ssm_state_size", "intermediate_size")
+        has_attrs(
+            module,
+            "in_proj",
+            "x_proj",
+            "dt_proj",
+            "out_proj",
+            "D",
+            "time_step_rank",
+            "ssm_state_size",
+            "intermediate_size",
+        )
         and depthwise_conv(getattr(module, "conv1d", None))
         and isinstance(A_log, torch.Tensor)
         and A_log.dim() == 2
@@ -62,7 +72,9 @@ def mamba_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sche
     K, L = check_rows(hidden_states, schedule)
     N, dtype = K * L, hidden_states.dtype
     xBC, gate = layer.in_proj(hidden_states).reshape(N, -1).chunk(2, dim=-1)
-    x = tree_conv(xBC, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation).to(xBC.dtype)
+    x = tree_conv(xBC, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation).to(
+        xBC.dtype
+    )
     ts, B, C = torch.split(layer.x_proj(x), [layer.time_step_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1)
     ts, B, C = layer.dt_layernorm(ts), layer.b_layernorm(B), layer.c_layernorm(C)
     dt = ts @ layer.dt_proj.weight.T
@@ -72,7 +84,9 @@ def mamba_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sche
     return layer.out_proj(y.reshape(K, L, -1).to(dtype))
 
 
-def mamba_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+def mamba_shard_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+) -> torch.Tensor:
     """Jamba's Mamba mixer on one context-parallel shard (module docstring).
 
     Args:
@@ -87,7 +101,15 @@ def mamba_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     cp, Cl, dtype = batch.cp, batch.plan.seq_len, hidden_states.dtype
     P, N = cp.size, K * Cl
     xBC, gate = layer.in_proj(hidden_states).chunk(2, dim=-1)
-    (x,) = tree_conv_heads([xBC.reshape(K, Ls, P, -1)], layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, cp, Cl, layer.activation)
+    (x,) = tree_conv_heads(
+        [xBC.reshape(K, Ls, P, -1)],
+        layer.conv1d.weight.squeeze(1),
+        layer.conv1d.bias,
+        schedule,
+        cp,
+        Cl,
+        layer.activation,
+    )
     xs = shards_of_heads(x, cp, K, Ls).reshape(K, Ls, -1)  # x_proj reads every channel of a token
     ts, B, C = torch.split(layer.x_proj(xs), [layer.time_step_rank, layer.ssm_state_size, layer.ssm_state_size], dim=-1)
     ts, B, C = layer.dt_layernorm(ts), layer.b_layernorm(B), layer.c_layernorm(C)
@@ -97,7 +119,9 @@ def mamba_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     mine = head_slice(layer.intermediate_size, cp)
     bias = layer.dt_proj.bias.float()[mine] if layer.dt_proj.bias is not None else None
     A = -torch.exp(layer.A_log.float())[mine]
-    y = tree_selective_scan(x.reshape(N, -1), dt, A, B, C, schedule, D=layer.D.float()[mine], z=z, delta_bias=bias, delta_softplus=True)
+    y = tree_selective_scan(
+        x.reshape(N, -1), dt, A, B, C, schedule, D=layer.D.float()[mine], z=z, delta_bias=bias, delta_softplus=True
+    )
     y = shards_of_heads(y.reshape(N, 1, -1), cp, K, Ls).reshape(K, Ls, -1)
     return layer.out_proj(y.to(dtype))
 
@@ -108,6 +132,9 @@ MAMBA = TreeLayer(
     stock=(("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),),
     tree_forward=mamba_tree_forward,
     conv_width=conv1d_width,
-    shard=ContextShard(forward=mamba_shard_forward, refusal=lambda layer, cp_size: divide_refusal("channels", layer.intermediate_size, cp_size)),
+    shard=ContextShard(
+        forward=mamba_shard_forward,
+        refusal=lambda layer, cp_size: divide_refusal("channels", layer.intermediate_size, cp_size),
+    ),
 )
 LAYERS = (MAMBA,)

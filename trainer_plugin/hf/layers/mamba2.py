@@ -33,7 +33,21 @@ __all__ = ["LAYERS", "MAMBA2", "mamba2_tree_forward", "mamba2_shard_forward"]
 def _structure(module: torch.nn.Module) -> bool:
     A_log = getattr(module, "A_log", None)
     return (
-        has_attrs(module, "in_proj", "out_proj", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups", "ssm_state_size", "chunk_size", "conv_dim", "intermediate_size")
+        has_attrs(
+            module,
+            "in_proj",
+            "out_proj",
+            "D",
+            "dt_bias",
+            "norm",
+            "num_heads",
+            "head_dim",
+            "n_groups",
+            "ssm_state_size",
+            "chunk_size",
+            "conv_dim",
+            "intermediate_size",
+        )
         and depthwise_conv(getattr(module, "conv1d", None))
         and isinstance(A_log, torch.Tensor)
         and A_log.dim() == 1
@@ -41,7 +55,9 @@ def _structure(module: torch.nn.Module) -> bool:
     )
 
 
-def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, *, falcon: bool | None = None) -> torch.Tensor:
+def mamba2_tree_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, *, falcon: bool | None = None
+) -> torch.Tensor:
     """A stock HF Mamba2 mixer's torch forward on tree rows.
 
     Same projections (Falcon-H1: ``ssm_in_multiplier`` and the muP vector), conv
@@ -68,7 +84,9 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
         proj = proj * layer.mup_vector
     A = -torch.exp(layer.A_log.float())
     gate, xBC, dt = proj.split([layer.intermediate_size, layer.conv_dim, layer.num_heads], dim=-1)
-    xBC = tree_conv(xBC.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation)
+    xBC = tree_conv(
+        xBC.reshape(N, -1), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, schedule, activation=layer.activation
+    )
     xBC = xBC.to(proj.dtype)
     G, S = layer.n_groups, layer.ssm_state_size
     x, B, C = torch.split(xBC, [layer.intermediate_size, G * S, G * S], dim=-1)
@@ -93,7 +111,9 @@ def mamba2_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, sch
     return layer.out_proj(y.to(dtype))
 
 
-def mamba2_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+def mamba2_shard_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+) -> torch.Tensor:
     """A stock HF Mamba2 mixer on one context-parallel shard (module docstring).
 
     Args:
@@ -154,6 +174,8 @@ MAMBA2 = TreeLayer(
     tree_forward=mamba2_tree_forward,
     conv_width=conv1d_width,
     chunk_size=lambda layer: int(layer.chunk_size),
-    shard=ContextShard(forward=mamba2_shard_forward, refusal=lambda layer, cp_size: divide_refusal("heads", layer.num_heads, cp_size)),
+    shard=ContextShard(
+        forward=mamba2_shard_forward, refusal=lambda layer, cp_size: divide_refusal("heads", layer.num_heads, cp_size)
+    ),
 )
 LAYERS = (MAMBA2,)

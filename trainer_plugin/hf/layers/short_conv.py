@@ -32,7 +32,9 @@ def _structure(module: torch.nn.Module) -> bool:
     )
 
 
-def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule) -> torch.Tensor:
+def short_conv_tree_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule
+) -> torch.Tensor:
     """LFM2's gated short convolution (``out_proj(C * conv(B * x))``) on tree rows.
 
     Args:
@@ -50,7 +52,9 @@ def short_conv_tree_forward(layer: torch.nn.Module, hidden_states: torch.Tensor,
     return layer.out_proj(C * conv.reshape(K, L, -1))
 
 
-def short_conv_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor:
+def short_conv_shard_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+) -> torch.Tensor:
     """LFM2's gated short convolution on one context-parallel shard (module docstring).
 
     Args:
@@ -64,7 +68,9 @@ def short_conv_shard_forward(layer: torch.nn.Module, hidden_states: torch.Tensor
     K, Ls = check_shard_rows(hidden_states, batch)
     B, C, x = layer.in_proj(hidden_states).chunk(3, dim=-1)
     Bx = (B * x).reshape(K, Ls, batch.cp.size, -1)  # rank r's channels as its one "head"
-    (conv,) = tree_conv_heads([Bx], layer.conv.weight.squeeze(1), layer.conv.bias, schedule, batch.cp, batch.plan.seq_len)
+    (conv,) = tree_conv_heads(
+        [Bx], layer.conv.weight.squeeze(1), layer.conv.bias, schedule, batch.cp, batch.plan.seq_len
+    )
     conv = shards_of_heads(conv, batch.cp, K, Ls).reshape(K, Ls, -1)
     return layer.out_proj(C * conv)
 
@@ -78,6 +84,9 @@ SHORT_CONV = TreeLayer(
     ),
     tree_forward=short_conv_tree_forward,
     conv_width=conv1d_width,
-    shard=ContextShard(forward=short_conv_shard_forward, refusal=lambda layer, cp_size: divide_refusal("conv channels", layer.conv.in_channels, cp_size)),
+    shard=ContextShard(
+        forward=short_conv_shard_forward,
+        refusal=lambda layer, cp_size: divide_refusal("conv channels", layer.conv.in_channels, cp_size),
+    ),
 )
 LAYERS = (SHORT_CONV,)

@@ -59,7 +59,9 @@ class ShardForward(Protocol):
     schedule (``batch.cp_full``'s), ``batch`` the shard (``batch.cp`` its group).
     """
 
-    def __call__(self, layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any) -> torch.Tensor: ...
+    def __call__(
+        self, layer: torch.nn.Module, hidden_states: torch.Tensor, schedule: TreeSchedule, batch: Any
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +145,9 @@ class TreeLayer:
         if self.structure is None and not self.classes:
             raise TypeError(f"layer kind {self.kind!r} is recognised by nothing: give structure or classes")
         if self.structure is not None and not self.stock:
-            raise TypeError(f"layer kind {self.kind!r} is found by structure but names no stock layer to compare code with")
+            raise TypeError(
+                f"layer kind {self.kind!r} is found by structure but names no stock layer to compare code with"
+            )
 
     def matches(self, module: torch.nn.Module) -> bool:
         """True when ``module`` is of this kind (by structure)."""
@@ -218,16 +222,24 @@ def schedule_forward(
         return getattr(self, STOCK_ATTR)(hidden_states, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("cache_params", args[0] if args else None)))
     if cache is not None:
-        raise RequestError("packed rows run without a cache: call the model with use_cache=False", path="$.use_cache", rule="unsupported")
+        raise RequestError(
+            "packed rows run without a cache: call the model with use_cache=False",
+            path="$.use_cache",
+            rule="unsupported",
+        )
     width = None if conv_width is None else conv_width(self)
     batch = ctx.batch
     if batch.cp is None:
         return tree_forward(self, hidden_states, batch.tree_schedule(width, who=layer_name(self)))
     if shard is NOT_SHARDED or shard.forward is None:
-        raise UnsupportedModelError(f"{layer_name(self)} has no context-parallel path", path="$.model", rule="cp_unsupported_layer")
+        raise UnsupportedModelError(
+            f"{layer_name(self)} has no context-parallel path", path="$.model", rule="cp_unsupported_layer"
+        )
     reason = shard.refuse(self, batch.cp.size)
     if reason is not None:
-        raise UnsupportedModelError(f"context parallelism: {layer_name(self)}: {reason}", path="$.model", rule="cp_unsupported_layer")
+        raise UnsupportedModelError(
+            f"context parallelism: {layer_name(self)}: {reason}", path="$.model", rule="cp_unsupported_layer"
+        )
     return shard.forward(self, hidden_states, batch.cp_full.tree_schedule(width, who=layer_name(self)), batch)
 
 

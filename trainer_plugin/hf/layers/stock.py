@@ -30,7 +30,11 @@ def has_attrs(module: torch.nn.Module, *names: str) -> bool:
 
 def depthwise_conv(conv: object) -> bool:
     """True for a depthwise ``nn.Conv1d`` (one filter per channel): a mixer's causal conv."""
-    return isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels and conv.weight.shape[1] == 1
+    return (
+        isinstance(conv, torch.nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and conv.weight.shape[1] == 1
+    )
 
 
 def _code_key(c: types.CodeType) -> tuple:
