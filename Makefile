@@ -14,7 +14,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
 
-.PHONY: demo test bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+.PHONY: demo test lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ test: venv
 	$(PIP) install --no-compile $(TORCH_PIP)
 	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
 	$(BIN)/python -m pytest -q
+
+# The house's habits: ruff's lint and format check over the tree (pyproject.toml [tool.ruff]).
+lint: venv
+	$(PIP) install --no-compile ruff==0.17.6
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).
 # Never in .venv: transformers picks flash-linear-attention whenever it imports, and its
