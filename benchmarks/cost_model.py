@@ -56,8 +56,16 @@ def qwen3(vocab: int, hidden: int, layers: int):
 
     torch.manual_seed(0)
     heads = max(2, hidden // 32)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, max_position_embeddings=8192)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden // heads,
+        max_position_embeddings=8192,
+    )
     return Qwen3ForCausalLM(cfg).float()
 
 
@@ -67,11 +75,22 @@ def bamba(vocab: int, hidden: int, layers: int):
     torch.manual_seed(0)
     heads = max(2, hidden // 32)
     cfg = BambaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), attn_layer_indices=list(range(1, layers, 4)),
-        mamba_n_heads=heads * 2, mamba_d_head=hidden // heads, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-        mamba_expand=2, mamba_chunk_size=32, max_position_embeddings=8192,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        attn_layer_indices=list(range(1, layers, 4)),
+        mamba_n_heads=heads * 2,
+        mamba_d_head=hidden // heads,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=32,
+        max_position_embeddings=8192,
+    )
     model = BambaForCausalLM(cfg).float()
     model.set_attn_implementation("sdpa")
     return model
@@ -174,8 +193,19 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, rounds: i
     for j, (bname, label, plan, _seqs) in enumerate(held):
         m = measured[len(cal) + j]
         p = cost.predict_ms(plan)
-        rows.append(dict(batch=bname, plan=label, rows=plan.num_rows, segments=plan.segments.num_segments, saved=plan.stats.saved_fraction,
-                         measured_ms=m, spread=spread[len(cal) + j], predicted_ms=p, error=p / m - 1))  # fmt: skip
+        rows.append(
+            dict(
+                batch=bname,
+                plan=label,
+                rows=plan.num_rows,
+                segments=plan.segments.num_segments,
+                saved=plan.stats.saved_fraction,
+                measured_ms=m,
+                spread=spread[len(cal) + j],
+                predicted_ms=p,
+                error=p / m - 1,
+            )
+        )
     choices = []
     for bname in dict.fromkeys(r["batch"] for r in rows):
         b = held_out(seq_len, vocab)[bname]
@@ -194,8 +224,17 @@ def run(name: str, hidden: int, layers: int, vocab: int, seq_len: int, rounds: i
         label = chosen.strategy.split(" by time")[0]
         hit = next((r for r in mine if r["plan"] == label or (r["plan"] == "plain" and label == "no_share")), mine[0])
         fastest = min(mine, key=lambda r: r["measured_ms"])
-        choices.append(dict(batch=bname, strategy=chosen.strategy, chosen=hit["plan"], chosen_ms=hit["measured_ms"],
-                            plain_ms=next(r["measured_ms"] for r in mine if r["plan"] == "plain"), fastest=fastest["plan"], fastest_ms=fastest["measured_ms"]))  # fmt: skip
+        choices.append(
+            dict(
+                batch=bname,
+                strategy=chosen.strategy,
+                chosen=hit["plan"],
+                chosen_ms=hit["measured_ms"],
+                plain_ms=next(r["measured_ms"] for r in mine if r["plan"] == "plain"),
+                fastest=fastest["plan"],
+                fastest_ms=fastest["measured_ms"],
+            )
+        )
     return dict(
         model=name,
         seconds=bench_s,
@@ -231,18 +270,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.models, args.hidden, args.layers, args.vocab, args.seq_len, args.rounds = "qwen3", 32, 2, 128, 128, 1
     torch.set_num_threads(args.threads)
     out = []
-    print(f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, median of {args.rounds} interleaved rounds, {args.clock} clock")  # fmt: skip
+    print(
+        f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, median of {args.rounds} interleaved rounds, {args.clock} clock"
+    )
     for name in args.models.split(","):
         r = run(name, args.hidden, args.layers, args.vocab, args.seq_len, args.rounds, args.clock)
         out.append(r)
-        print(f"\n{name}: {r['seconds']:.0f} s; fit on {int(r['fit']['batches'])} calibration plans "
-              f"(median error {r['fit']['median_rel_err']:.1%}, max {r['fit']['max_rel_err']:.1%})")  # fmt: skip
+        print(
+            f"\n{name}: {r['seconds']:.0f} s; fit on {int(r['fit']['batches'])} calibration plans "
+            f"(median error {r['fit']['median_rel_err']:.1%}, max {r['fit']['max_rel_err']:.1%})"
+        )
         print("| batch | plan | rows | segments | saved | measured ms | spread | predicted ms | error |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for x in r["results"]:
-            print(f"| {x['batch']} | {x['plan']} | {x['rows']} | {x['segments']} | {x['saved']:.2f} | "
-                  f"{x['measured_ms']:.1f} | {x['spread']:.0%} | {x['predicted_ms']:.1f} | {x['error']:+.1%} |")  # fmt: skip
+            print(
+                f"| {x['batch']} | {x['plan']} | {x['rows']} | {x['segments']} | {x['saved']:.2f} | "
+                f"{x['measured_ms']:.1f} | {x['spread']:.0%} | {x['predicted_ms']:.1f} | {x['error']:+.1%} |"
+            )
         worst = max(abs(x["error"]) for x in r["results"])
         print(f"worst |error| {worst:.1%}" + ("" if math.isfinite(worst) else " (not finite)"))
         print("| batch | auto with the cost model | its plan, measured | plain packing, measured | fastest measured |")

@@ -59,9 +59,15 @@ def _model(hidden: int, layers: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = tf.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 16,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1 << 16,
+    )
     return tf.Qwen3ForCausalLM(cfg).float()
 
 

@@ -131,8 +131,19 @@ def bench_memory(pythonpath: str | None, mib: list[int], timeout: float) -> list
     for fmt, make in (("msgpack", empty_maps_msgpack), ("json", empty_objects_json)):
         for m in mib:
             body = make(m << 20)
-            server = Server(pythonpath, "--max-body-bytes", str(max(m, 1) * 2 << 20), "--intake-budget-bytes", str(4 * m << 20),
-                            "--malloc-keep-mb", "0", "--request-timeout-s", str(int(timeout)), "--body-timeout-s", "600")  # fmt: skip
+            server = Server(
+                pythonpath,
+                "--max-body-bytes",
+                str(max(m, 1) * 2 << 20),
+                "--intake-budget-bytes",
+                str(4 * m << 20),
+                "--malloc-keep-mb",
+                "0",
+                "--request-timeout-s",
+                str(int(timeout)),
+                "--body-timeout-s",
+                "600",
+            )
             try:
                 _post(server.url + "/v1/pack", _small_pack(), MP, 60)
                 base = server.hwm()
@@ -140,8 +151,14 @@ def bench_memory(pythonpath: str | None, mib: list[int], timeout: float) -> list
                 grew = server.hwm() - base
             finally:
                 server.stop()
-            row = {"case": f"{fmt} empty containers", "mib": m, "status": status, "seconds": round(took, 2),
-                   "peak_gain_mib": round(grew / 2**20, 1), "x_body": round(grew / len(body), 2)}  # fmt: skip
+            row = {
+                "case": f"{fmt} empty containers",
+                "mib": m,
+                "status": status,
+                "seconds": round(took, 2),
+                "peak_gain_mib": round(grew / 2**20, 1),
+                "x_body": round(grew / len(body), 2),
+            }
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
@@ -150,9 +167,14 @@ def bench_memory(pythonpath: str | None, mib: list[int], timeout: float) -> list
 def bench_whatif(pythonpath: str | None, timeout: float) -> dict[str, Any]:
     run = 64 << 20
     shape = {
-        "seq_len": run, "min_shared_len": 8, "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"), "run_hash": (7).to_bytes(8, "little"),
-        "run_len": run.to_bytes(8, "little"), "first_trainable": b"\x00" * 8, "groups": [None],
-    }  # fmt: skip
+        "seq_len": run,
+        "min_shared_len": 8,
+        "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"),
+        "run_hash": (7).to_bytes(8, "little"),
+        "run_len": run.to_bytes(8, "little"),
+        "first_trainable": b"\x00" * 8,
+        "groups": [None],
+    }
     body = msgpack.packb(
         {"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]}
     )
@@ -188,8 +210,14 @@ def bench_stalled(pythonpath: str | None, repeats: int) -> dict[str, Any]:
     finally:
         server.stop()
     lat = [t for _, t in results]
-    row = {"case": "small pack beside two stalled 256 MiB uploads", "statuses": sorted({s for s, _ in results}),
-           "median_s": round(statistics.median(lat), 3), "min_s": round(min(lat), 3), "max_s": round(max(lat), 3), "repeats": repeats}  # fmt: skip
+    row = {
+        "case": "small pack beside two stalled 256 MiB uploads",
+        "statuses": sorted({s for s, _ in results}),
+        "median_s": round(statistics.median(lat), 3),
+        "min_s": round(min(lat), 3),
+        "max_s": round(max(lat), 3),
+        "repeats": repeats,
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -245,10 +273,16 @@ def bench_digest(repeats: int) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             plan_batch(**w.plan_kwargs())
             plan.append(time.perf_counter() - t0)
-        row = {"case": "sha256 of the body vs planning", "tokens": tokens, "body_mib": round(len(body) / 2**20, 2),
-               "digest_ms_median": round(1e3 * statistics.median(digest), 2), "digest_ms_range": [round(1e3 * min(digest), 2), round(1e3 * max(digest), 2)],
-               "plan_ms_median": round(1e3 * statistics.median(plan), 1), "plan_ms_range": [round(1e3 * min(plan), 1), round(1e3 * max(plan), 1)],
-               "digest_over_plan": round(statistics.median(digest) / statistics.median(plan), 4)}  # fmt: skip
+        row = {
+            "case": "sha256 of the body vs planning",
+            "tokens": tokens,
+            "body_mib": round(len(body) / 2**20, 2),
+            "digest_ms_median": round(1e3 * statistics.median(digest), 2),
+            "digest_ms_range": [round(1e3 * min(digest), 2), round(1e3 * max(digest), 2)],
+            "plan_ms_median": round(1e3 * statistics.median(plan), 1),
+            "plan_ms_range": [round(1e3 * min(plan), 1), round(1e3 * max(plan), 1)],
+            "digest_over_plan": round(statistics.median(digest) / statistics.median(plan), 4),
+        }
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -266,8 +300,18 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     only = set(args.only or ["memory", "whatif", "stalled", "flood", "digest"])
-    print(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                      "date": time.strftime("%Y-%m-%d %H:%M %Z"), "server_build": args.pythonpath or "this checkout"}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+                "server_build": args.pythonpath or "this checkout",
+            }
+        ),
+        flush=True,
+    )
     results: dict[str, Any] = {}
     if "memory" in only:
         results["memory"] = bench_memory(args.pythonpath, args.mib or [16, 64], args.timeout)

@@ -73,8 +73,18 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tempfile.TemporaryDirectory()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}
-        cmd = [sys.executable, "-m", "treepack.service", "--port", str(self.port), "--log-level", "warning",
-               "--history-path", str(Path(self.tmp.name) / "history.sqlite3"), *flags]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "treepack.service",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            "--history-path",
+            str(Path(self.tmp.name) / "history.sqlite3"),
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, env=env)
         deadline = time.monotonic() + 60
         while True:
@@ -105,8 +115,11 @@ class Server:
 def _load_batches(groups: int, seq_len: int) -> list[dict[str, Any]]:
     out = []
     for seed in range(3):
-        for w in (curriculum(groups, seed=seed, seq_len=seq_len), agentic(max(1, groups // 2), seed=seed, seq_len=seq_len),
-                  distillation(max(1, groups // 2), seed=seed, seq_len=seq_len)):  # fmt: skip
+        for w in (
+            curriculum(groups, seed=seed, seq_len=seq_len),
+            agentic(max(1, groups // 2), seed=seed, seq_len=seq_len),
+            distillation(max(1, groups // 2), seed=seed, seq_len=seq_len),
+        ):
             out.append(dict(**w.plan_kwargs(), tags=w.tags))
     return out
 
@@ -219,8 +232,12 @@ def _floor_ms(url: str, body: bytes, repeats: int) -> float:
 def _sums(metrics: str) -> dict[str, tuple[float, float]]:
     """(sum s, count) of the server's per-pack histograms, for means over a window."""
     out = {}
-    for key, series in (("request", 'treepack_request_seconds_{}{{route="/v1/pack"}}'), ("plan", "treepack_plan_seconds_{}"),
-                        ("decode", 'treepack_pack_phase_seconds_{}{{phase="decode"}}'), ("encode", 'treepack_pack_phase_seconds_{}{{phase="encode"}}')):  # fmt: skip
+    for key, series in (
+        ("request", 'treepack_request_seconds_{}{{route="/v1/pack"}}'),
+        ("plan", "treepack_plan_seconds_{}"),
+        ("decode", 'treepack_pack_phase_seconds_{}{{phase="decode"}}'),
+        ("encode", 'treepack_pack_phase_seconds_{}{{phase="encode"}}'),
+    ):
         vals = []
         for part in ("sum", "count"):
             m = re.search(rf"^{re.escape(series.format(part))} (\S+)$", metrics, re.M)
@@ -332,9 +349,11 @@ def main(argv: list[str] | None = None) -> int:
             "| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        print(f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | {r['wall_s']:.1f} | {r['throughput']:.1f} | "
-              f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
-              f"{r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | {r['recorded']:.0f} / {r['skipped']:.0f} |")  # fmt: skip
+        print(
+            f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | {r['wall_s']:.1f} | {r['throughput']:.1f} | "
+            f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
+            f"{r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | {r['recorded']:.0f} / {r['skipped']:.0f} |"
+        )
         if r["timed_out"]:
             print(f"(stopped after --max-seconds {args.max_seconds:g})")
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -346,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         rows = run_roundtrip(sizes, args.repeats)
         for row in rows:
-            print(f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
-                  f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |")  # fmt: skip
+            print(
+                f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
+                f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |"
+            )
         print("\nwhere the HTTP time goes (client steps: medians; server: means from its histograms; same requests):")
         print(
             "| tokens | client encode ms | client request ms | server request ms | server decode ms | server planner ms | server encode ms | client decode ms |"
@@ -355,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             d = row["breakdown"]
-            print(f"| {row['tokens']:,} | {d['client_encode_ms']:.2f} | {d['client_request_ms']:.2f} | {d['server_request_ms']:.2f} | "
-                  f"{d['server_decode_ms']:.2f} | {d['server_plan_ms']:.2f} | {d['server_encode_ms']:.2f} | {d['client_decode_ms']:.2f} |")  # fmt: skip
+            print(
+                f"| {row['tokens']:,} | {d['client_encode_ms']:.2f} | {d['client_request_ms']:.2f} | {d['server_request_ms']:.2f} | "
+                f"{d['server_decode_ms']:.2f} | {d['server_plan_ms']:.2f} | {d['server_encode_ms']:.2f} | {d['client_decode_ms']:.2f} |"
+            )
     return 0
 
 

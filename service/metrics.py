@@ -133,9 +133,12 @@ class ServiceMetrics:
             "treepack_plan_seconds", "planner time per packed batch", buckets=_LATENCY, registry=r
         )
         self.pack_phase = Histogram(
-            "treepack_pack_phase_seconds", "pack work besides planning: decode (body to batch), encode (plan to body)", ["phase"],
-            buckets=_LATENCY, registry=r,
-        )  # fmt: skip
+            "treepack_pack_phase_seconds",
+            "pack work besides planning: decode (body to batch), encode (plan to body)",
+            ["phase"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.tokens_in = Counter("treepack_tokens_in", "unpacked tokens of packed batches", registry=r)
         self.packed_tokens = Counter("treepack_packed_tokens", "tokens laid out in rows", registry=r)
         self.saved = Histogram(

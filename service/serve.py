@@ -61,8 +61,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="record no batch shapes",
     )
-    p.add_argument("--recover-history", dest="history_recover", action="store_const", const=True, default=None,
-                   help="move a damaged history file aside and start a fresh one (env TREEPACK_HISTORY_RECOVER)")  # fmt: skip
+    p.add_argument(
+        "--recover-history",
+        dest="history_recover",
+        action="store_const",
+        const=True,
+        default=None,
+        help="move a damaged history file aside and start a fresh one (env TREEPACK_HISTORY_RECOVER)",
+    )
     p.add_argument(
         "--token-file",
         default=None,

@@ -43,7 +43,7 @@ PUBLIC = [
             "TreepackWarning",
         },
         id="proto",
-    ),  # fmt: skip
+    ),
     pytest.param("treepack.service", {"create_app", "Settings", "__version__"}, id="service"),
     pytest.param(
         "treepack.service.planner",
@@ -66,7 +66,7 @@ PUBLIC = [
             "naive_build_tree",
         },
         id="planner",
-    ),  # fmt: skip
+    ),
     pytest.param("treepack.service.cli", {"main", "build_parser"}, id="cli"),
     pytest.param(
         "treepack.client",
@@ -96,7 +96,7 @@ PUBLIC = [
             "time_step",
         },
         id="trainer",
-    ),  # fmt: skip
+    ),
 ]
 
 

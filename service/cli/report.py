@@ -62,11 +62,21 @@ def plans_table(items: Sequence[tuple[str, Plan]]) -> str:
     rows = []
     for name, p in items:
         st = p.stats
-        rows.append((
-            name, p.placement if p.placement != "auto" else f"auto:{p.strategy}", st.rows, st.lower_bound_rows,
-            st.packed_tokens, st.unpacked_tokens, st.tree_tokens, 100.0 * st.saved_fraction,
-            st.timings_ms["tree"], st.timings_ms["placement"], st.timings_ms["total"],
-        ))  # fmt: skip
+        rows.append(
+            (
+                name,
+                p.placement if p.placement != "auto" else f"auto:{p.strategy}",
+                st.rows,
+                st.lower_bound_rows,
+                st.packed_tokens,
+                st.unpacked_tokens,
+                st.tree_tokens,
+                100.0 * st.saved_fraction,
+                st.timings_ms["tree"],
+                st.timings_ms["placement"],
+                st.timings_ms["total"],
+            )
+        )
     return format_table(
         [
             "batch",
@@ -88,10 +98,13 @@ def plans_table(items: Sequence[tuple[str, Plan]]) -> str:
 def rows_table(plan: Plan) -> str:
     """One line per row of ``plan``: its tokens, fill and segment count."""
     seg = plan.segments
-    return format_table(["row", "tokens", "fill %", "segments"], [
-        (r, int(plan.row_len[r]), 100.0 * plan.row_len[r] / plan.seq_len, int(seg.row_ptr[r + 1] - seg.row_ptr[r]))
-        for r in range(plan.num_rows)
-    ])  # fmt: skip
+    return format_table(
+        ["row", "tokens", "fill %", "segments"],
+        [
+            (r, int(plan.row_len[r]), 100.0 * plan.row_len[r] / plan.seq_len, int(seg.row_ptr[r + 1] - seg.row_ptr[r]))
+            for r in range(plan.num_rows)
+        ],
+    )
 
 
 def _is_num(x: Any) -> bool:

@@ -34,9 +34,21 @@ from helpers.service import pack_body, rss_bytes, running_server, small_batch
 SUITE_S = 120.0
 RSS_BOUND = 160 << 20
 FLAGS = (
-    "--max-body-bytes", str(16 << 20), "--intake-budget-bytes", str(48 << 20), "--body-timeout-s", "2", "--header-timeout-s", "2",
-    "--max-connections", "96", "--request-timeout-s", "5", "--malloc-keep-mb", "64",
-)  # fmt: skip
+    "--max-body-bytes",
+    str(16 << 20),
+    "--intake-budget-bytes",
+    str(48 << 20),
+    "--body-timeout-s",
+    "2",
+    "--header-timeout-s",
+    "2",
+    "--max-connections",
+    "96",
+    "--request-timeout-s",
+    "5",
+    "--malloc-keep-mb",
+    "64",
+)
 
 
 def _raw(url: str) -> socket.socket:
@@ -170,11 +182,19 @@ def test_fault_suite(tmp_path):
         stopped = _metric(url, "treepack_work_stopped_total")
         ready = httpx.get(url + "/readyz", timeout=10).status_code
         report.update(
-            packs=len(done), pack_errors=len(errors), load_s=round(elapsed, 1), packs_per_s=round(len(done) / elapsed, 1),
-            half_headers_closed_s=max(slow["half_headers_s"], key=lambda x: x or 1e9), stalled_body_closed_s=max(slow["stalled_body_s"], key=lambda x: x or 1e9),
-            oversized=oversized.status_code, gzip=gz.status_code, burst={str(k): burst_status.count(k) for k in sorted(set(burst_status))},
-            work_stopped=stopped, rss_before_mb=round(rss_before / 2**20, 1), rss_after_mb=round(rss_after / 2**20, 1),
-        )  # fmt: skip
+            packs=len(done),
+            pack_errors=len(errors),
+            load_s=round(elapsed, 1),
+            packs_per_s=round(len(done) / elapsed, 1),
+            half_headers_closed_s=max(slow["half_headers_s"], key=lambda x: x or 1e9),
+            stalled_body_closed_s=max(slow["stalled_body_s"], key=lambda x: x or 1e9),
+            oversized=oversized.status_code,
+            gzip=gz.status_code,
+            burst={str(k): burst_status.count(k) for k in sorted(set(burst_status))},
+            work_stopped=stopped,
+            rss_before_mb=round(rss_before / 2**20, 1),
+            rss_after_mb=round(rss_after / 2**20, 1),
+        )
         assert errors == [], errors[:3]
         assert all(x is not None and x < 4.5 for x in slow["half_headers_s"]), slow  # header_timeout_s 2 (+ slack)
         assert all(x is not None and x < 4.5 for x in slow["stalled_body_s"]), slow  # body_timeout_s 2 -> 408
@@ -251,9 +271,14 @@ def test_fault_decoding_holds_a_small_multiple_of_the_body():
 def test_fault_a_tiny_whatif_is_refused_before_any_trial():
     run = 1 << 22
     shape = {
-        "seq_len": run, "min_shared_len": 8, "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"), "run_hash": (7).to_bytes(8, "little"),
-        "run_len": run.to_bytes(8, "little"), "first_trainable": b"\x00" * 8, "groups": [None],
-    }  # fmt: skip
+        "seq_len": run,
+        "min_shared_len": 8,
+        "seq_ptr": b"\x00" * 8 + (1).to_bytes(8, "little"),
+        "run_hash": (7).to_bytes(8, "little"),
+        "run_len": run.to_bytes(8, "little"),
+        "first_trainable": b"\x00" * 8,
+        "groups": [None],
+    }
     body = msgpack.packb(
         {"version": 1, "seq_len": run, "trials": 16, "compositions": [{"groups": 1}], "shapes": [shape]}
     )
@@ -335,8 +360,12 @@ def test_fault_history_problems_are_reported_in_one_short_line(tmp_path):
         assert r.status_code == 503 and str(path) not in r.text and len(r.text) < 400, r.text
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
-    out = subprocess.run([sys.executable, "-m", "treepack.service", "--history-path", str(blocker / "h.sqlite3"), "--port", "1"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "treepack.service", "--history-path", str(blocker / "h.sqlite3"), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "--no-history" in lines[0], out.stderr
 

@@ -41,15 +41,41 @@ TIMEOUT_S = 420  # a safety net on a loaded machine; the runs take far less
 # it). A third entry turns on activation checkpointing (HF's, reentrant or not) on the CP model.
 WINDOWED = ("gemma2", "gpt_oss", "llama4")  # a sliding window or chunked attention on some layer
 CASES = [
-    (2, {
-        "auto": (("qwen3", "sdpa"), ("gemma2", "sdpa"), ("gpt_oss", "sdpa"), ("llama4", "sdpa"), ("qwen3_3h", "sdpa"), ("qwen3", "sdpa", "reentrant")),
-        "allgather": (("qwen3_3h", "sdpa"), ("qwen3_3h", "sdpa", "nonreentrant"), ("gemma2", "sdpa"), ("gpt_oss", "sdpa"), ("llama4", "flash"), ("qwen3_3h", "flex")),
-    }),
-    (4, {
-        "auto": (("qwen3", "sdpa"), ("gemma2", "sdpa"), ("gpt_oss", "sdpa"), ("llama4", "sdpa"), ("qwen3_3h", "sdpa")),
-        "allgather": (("gemma2", "sdpa"), ("gpt_oss", "flash"), ("llama4", "flash")),
-    }),
-]  # fmt: skip
+    (
+        2,
+        {
+            "auto": (
+                ("qwen3", "sdpa"),
+                ("gemma2", "sdpa"),
+                ("gpt_oss", "sdpa"),
+                ("llama4", "sdpa"),
+                ("qwen3_3h", "sdpa"),
+                ("qwen3", "sdpa", "reentrant"),
+            ),
+            "allgather": (
+                ("qwen3_3h", "sdpa"),
+                ("qwen3_3h", "sdpa", "nonreentrant"),
+                ("gemma2", "sdpa"),
+                ("gpt_oss", "sdpa"),
+                ("llama4", "flash"),
+                ("qwen3_3h", "flex"),
+            ),
+        },
+    ),
+    (
+        4,
+        {
+            "auto": (
+                ("qwen3", "sdpa"),
+                ("gemma2", "sdpa"),
+                ("gpt_oss", "sdpa"),
+                ("llama4", "sdpa"),
+                ("qwen3_3h", "sdpa"),
+            ),
+            "allgather": (("gemma2", "sdpa"), ("gpt_oss", "flash"), ("llama4", "flash")),
+        },
+    ),
+]
 
 
 def _build(family):
@@ -69,10 +95,23 @@ def _tiny_qwen3_next():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     return Qwen3NextForCausalLM(cfg).float().eval()
 
@@ -194,11 +233,19 @@ def _run_mode(world, cp_attention, runs):
                     if masked
                     else None
                 )
-        result["runs"].append({
-            **step, "family": family, "backend": backend, "ckpt": ckpt, "ran": ran, "backward_attention_calls": len(calls),
-            "layers": model.config.num_hidden_layers, "control_lp_diff": oracle.lp_diff(ctl_lps, ref.lp),
-            "unmasked_lp_diff": unmasked,
-        })  # fmt: skip
+        result["runs"].append(
+            {
+                **step,
+                "family": family,
+                "backend": backend,
+                "ckpt": ckpt,
+                "ran": ran,
+                "backward_attention_calls": len(calls),
+                "layers": model.config.num_hidden_layers,
+                "control_lp_diff": oracle.lp_diff(ctl_lps, ref.lp),
+                "unmasked_lp_diff": unmasked,
+            }
+        )
     if world == 2:
         try:
             packed_forward(_tiny_qwen3_next(), mine)

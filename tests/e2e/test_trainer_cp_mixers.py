@@ -66,10 +66,22 @@ def qwen3_5(value_heads: int = 4):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=value_heads,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.08, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+    )
     return Qwen3_5ForCausalLM(cfg)
 
 
@@ -77,11 +89,25 @@ def qwen3_next():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, initializer_range=0.08, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+    )
     return Qwen3NextForCausalLM(cfg)
 
 
@@ -89,11 +115,25 @@ def olmo_hybrid():
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
     cfg = OlmoHybridConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, max_position_embeddings=512, initializer_range=0.08,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return OlmoHybridForCausalLM(cfg)
 
 
@@ -101,10 +141,23 @@ def bamba(n_groups: int = 2):
     from transformers import BambaConfig, BambaForCausalLM
 
     cfg = BambaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=4,
-        num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=n_groups, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
-        mamba_chunk_size=16, max_position_embeddings=512, initializer_range=0.08,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_n_groups=n_groups,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=16,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+    )
     return BambaForCausalLM(cfg)
 
 
@@ -112,10 +165,25 @@ def jamba():
     from transformers import JambaConfig, JambaForCausalLM
 
     cfg = JambaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
-        mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=8, max_position_embeddings=512, initializer_range=0.08,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_dt_rank=8,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+    )
     return JambaForCausalLM(cfg)
 
 
@@ -123,9 +191,17 @@ def lfm2():
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     cfg = Lfm2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["conv", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, max_position_embeddings=512, initializer_range=0.08,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layer_types=["conv", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+    )
     return Lfm2ForCausalLM(cfg)
 
 
@@ -133,12 +209,31 @@ def kimi_linear():
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     cfg = KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, layer_types=["linear_attention", "full_attention"],
-        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, max_position_embeddings=512, initializer_range=0.08,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        layer_types=["linear_attention", "full_attention"],
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return KimiLinearForCausalLM(cfg)
 
 
@@ -148,11 +243,30 @@ def deepseek_v32():
     from treepack.trainer.hf.layers import patch_layers
 
     cfg = DeepseekV32Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
-        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=16,
-        index_n_heads=4, initializer_range=0.08, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=4,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+    )
     model = DeepseekV32ForCausalLM(cfg)
     patch_layers(model)  # the indexers' position tie-break, as test_sparse_hf
     return model
@@ -164,11 +278,31 @@ def glm_moe_dsa():
     from treepack.trainer.hf.layers import patch_layers
 
     cfg = GlmMoeDsaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
-        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=16,
-        index_n_heads=4, initializer_range=0.08, max_position_embeddings=512, indexer_types=["full", "shared"],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=4,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+        indexer_types=["full", "shared"],
+    )
     model = GlmMoeDsaForCausalLM(cfg)
     patch_layers(model)
     return model

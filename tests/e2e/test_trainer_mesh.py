@@ -106,11 +106,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         )  # noqa: E731
 
         result = {
-            "dp_rank": rp.rank, "cp_rank": rp.cp.rank, "rows": rp.rows.tolist(), "shape": list(batch.input_ids.shape),
-            "strategy": batch.cp_strategy, "same_plan": bool(same_plan), "cp_size": rp.plan.ranks.cp_size,
-            "num_ranks": rp.plan.ranks.num_ranks, "shard_len": rp.plan.ranks.shard_len, "seq_len": rp.plan.seq_len,
-            "ref_loss": float(ref.detach()), "wraps": {},
-        }  # fmt: skip
+            "dp_rank": rp.rank,
+            "cp_rank": rp.cp.rank,
+            "rows": rp.rows.tolist(),
+            "shape": list(batch.input_ids.shape),
+            "strategy": batch.cp_strategy,
+            "same_plan": bool(same_plan),
+            "cp_size": rp.plan.ranks.cp_size,
+            "num_ranks": rp.plan.ranks.num_ranks,
+            "shard_len": rp.plan.ranks.shard_len,
+            "seq_len": rp.plan.seq_len,
+            "ref_loss": float(ref.detach()),
+            "wraps": {},
+        }
         for kind in WRAPS:
             model, averaged_over = _wrap(kind, tiny_model("qwen3", heads=(3, 1)), mesh)  # 3 heads: all-gather attention
             loss = loss_of(batch, packed_forward(model, batch, verify=False))

@@ -139,10 +139,19 @@ def rss_bytes(pid: int) -> int:
 async def asgi_request(app: Any, path: str, headers: dict[str, str], receive: Any) -> tuple[int, dict[str, str], bytes]:
     """Run one POST through the raw ASGI app with a ``receive`` the test controls; (status, headers, body)."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     out: dict = {"status": None, "headers": {}, "body": b""}
 
     async def send(message: dict) -> None:

@@ -220,10 +220,19 @@ def tiny_gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        max_position_embeddings=512,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg).float().eval()
     with torch.no_grad():
@@ -237,10 +246,20 @@ def tiny_llama4():
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     cfg = Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-        attention_chunk_size=16, max_position_embeddings=512, interleave_moe_layer_step=2,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        intermediate_size_mlp=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        attention_chunk_size=16,
+        max_position_embeddings=512,
+        interleave_moe_layer_step=2,
+    )
     assert cfg.layer_types.count("chunked_attention") == 3
     torch.manual_seed(0)
     return Llama4ForCausalLM(cfg).float().eval()

@@ -30,13 +30,17 @@ def _busy_whatif(trials: int = 100_000) -> bytes:
     s = 32
     run_len = np.tile([200, 400], s)
     shape = {
-        "seq_len": 1024, "min_shared_len": 8,
+        "seq_len": 1024,
+        "min_shared_len": 8,
         "seq_ptr": np.arange(0, 2 * s + 1, 2, dtype="<i8").tobytes(),
-        "run_hash": np.stack([np.ones(s, np.uint64), rng.integers(2, 2**62, s).astype(np.uint64)], 1).reshape(-1).astype("<u8").tobytes(),
+        "run_hash": np.stack([np.ones(s, np.uint64), rng.integers(2, 2**62, s).astype(np.uint64)], 1)
+        .reshape(-1)
+        .astype("<u8")
+        .tobytes(),
         "run_len": run_len.astype("<i8").tobytes(),
         "first_trainable": np.full(s, 200, "<i8").tobytes(),
         "groups": [i // 4 for i in range(s)],
-    }  # fmt: skip
+    }
     return msgpack.packb(
         {"version": 1, "seq_len": 1024, "trials": trials, "compositions": [{"groups": 6}], "shapes": [shape]}
     )

@@ -145,9 +145,14 @@ async def test_bytes_are_charged_as_they_arrive_and_small_bodies_keep_room():
 def _one_run_whatif(run: int, trials: int) -> bytes:
     """A tiny what-if whose one inline shape is one sequence of one ``run``-token run."""
     shape = {
-        "seq_len": run, "min_shared_len": 8, "seq_ptr": np.array([0, 1], "<i8").tobytes(), "run_hash": np.array([7], "<u8").tobytes(),
-        "run_len": np.array([run], "<i8").tobytes(), "first_trainable": np.array([0], "<i8").tobytes(), "groups": [None],
-    }  # fmt: skip
+        "seq_len": run,
+        "min_shared_len": 8,
+        "seq_ptr": np.array([0, 1], "<i8").tobytes(),
+        "run_hash": np.array([7], "<u8").tobytes(),
+        "run_len": np.array([run], "<i8").tobytes(),
+        "first_trainable": np.array([0], "<i8").tobytes(),
+        "groups": [None],
+    }
     return msgpack.packb(
         {"version": 1, "seq_len": run, "trials": trials, "compositions": [{"groups": 1}], "shapes": [shape]}
     )

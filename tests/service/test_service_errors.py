@@ -90,8 +90,15 @@ _WHATIF = encode_body({"version": 1, "seq_len": 512, "compositions": [{"groups":
 def _shape(run_len, seq_ptr=(0, 3)):
     """An inline what-if shape of one sequence with the given run lengths."""
     n = len(run_len)
-    return {"seq_len": 512, "min_shared_len": 8, "seq_ptr": _i8(seq_ptr), "run_hash": np.arange(1, n + 1, dtype="<u8").tobytes(),
-            "run_len": _i8(run_len), "first_trainable": _i8([0]), "groups": [None]}  # fmt: skip
+    return {
+        "seq_len": 512,
+        "min_shared_len": 8,
+        "seq_ptr": _i8(seq_ptr),
+        "run_hash": np.arange(1, n + 1, dtype="<u8").tobytes(),
+        "run_len": _i8(run_len),
+        "first_trainable": _i8([0]),
+        "groups": [None],
+    }
 
 
 # Run lengths that wrap int64 to 0: every later check passed on the wrapped sum (SIGSEGV).

@@ -52,8 +52,19 @@ EXTREMES = [
     2**64,
     -(2**64),
 ]
-_DTYPE = {"tokens": "<u4", "offsets": "<i8", "prompt_lens": "<i8", "keys": "<u8", "prefix_src": "<i8", "prefix_len": "<i8", "trainable": "|u1",
-          "seq_ptr": "<i8", "run_hash": "<u8", "run_len": "<i8", "first_trainable": "<i8"}  # fmt: skip
+_DTYPE = {
+    "tokens": "<u4",
+    "offsets": "<i8",
+    "prompt_lens": "<i8",
+    "keys": "<u8",
+    "prefix_src": "<i8",
+    "prefix_len": "<i8",
+    "trainable": "|u1",
+    "seq_ptr": "<i8",
+    "run_hash": "<u8",
+    "run_len": "<i8",
+    "first_trainable": "<i8",
+}
 OUTCOMES: Counter = Counter()
 
 
@@ -156,9 +167,12 @@ _BASE_PACK = {
     max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    key=st.sampled_from(PACK_FIELDS + ["groups"]), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 3000)),
-    as_list=st.booleans(), pair=st.booleans(),
-)  # fmt: skip
+    key=st.sampled_from(PACK_FIELDS + ["groups"]),
+    value=st.sampled_from(EXTREMES),
+    where=st.one_of(st.none(), st.integers(0, 3000)),
+    as_list=st.booleans(),
+    pair=st.booleans(),
+)
 @example(key="prefix_len", value=2**63 - 1, where=1, as_list=False, pair=True)
 def test_pack_request_extremes(svc, key, value, where, as_list, pair):
     msg = copy.deepcopy(_BASE_PACK)
@@ -237,9 +251,12 @@ _SHAPE_FIELDS = [
     max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    key=st.sampled_from(_WHATIF_FIELDS + _SHAPE_FIELDS), value=st.sampled_from(EXTREMES), where=st.one_of(st.none(), st.integers(0, 50)),
-    as_list=st.booleans(), pair=st.booleans(),
-)  # fmt: skip
+    key=st.sampled_from(_WHATIF_FIELDS + _SHAPE_FIELDS),
+    value=st.sampled_from(EXTREMES),
+    where=st.one_of(st.none(), st.integers(0, 50)),
+    as_list=st.booleans(),
+    pair=st.booleans(),
+)
 @example(key="shape.run_len", value=2**63 - 1, where=0, as_list=False, pair=True)  # the SIGSEGV of issue 12
 def test_whatif_request_extremes(svc, key, value, where, as_list, pair):
     msg = copy.deepcopy(_BASE_WHATIF)

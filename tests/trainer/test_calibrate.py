@@ -70,8 +70,16 @@ def tiny_lfm2():
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Lfm2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                     layer_types=["conv", "full_attention"], conv_L_cache=3)  # fmt: skip
+    cfg = Lfm2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+    )
     return Lfm2ForCausalLM(cfg).float()
 
 

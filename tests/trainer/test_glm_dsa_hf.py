@@ -32,12 +32,31 @@ def tiny_glm_moe_dsa(seed: int = 0):
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     cfg = GlmMoeDsaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-        first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
-        n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, index_topk=TOPK, index_head_dim=16, index_n_heads=4, initializer_range=0.08,
-        max_position_embeddings=512, indexer_types=["full", "shared", "full", "shared"],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_topk=TOPK,
+        index_head_dim=16,
+        index_n_heads=4,
+        initializer_range=0.08,
+        max_position_embeddings=512,
+        indexer_types=["full", "shared", "full", "shared"],
+    )
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM(cfg).float().eval()
     model.set_attn_implementation("eager")

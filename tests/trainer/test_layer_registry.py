@@ -55,10 +55,19 @@ def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
     from treepack.trainer.hf.forward import check_cp_layers
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6,
-        linear_key_head_dim=8, linear_value_head_dim=8,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
     model = Qwen3_5ForCausalLM(cfg)
     check_cp_layers(model, 2)  # 2 key heads, 6 value heads: both divide
     with pytest.raises(
