@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = []
     print(
         f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, median of {args.rounds} interleaved rounds, {args.clock} clock"
+        f"hidden {args.hidden} x {args.layers} layers, rows of {args.seq_len}, "
+        f"median of {args.rounds} interleaved rounds, {args.clock} clock"
     )
     for name in args.models.split(","):
         r = run(name, args.hidden, args.layers, args.vocab, args.seq_len, args.rounds, args.clock)
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("|---|---|---:|---:|---|")
         for c in r["choices"]:
             print(
-                f"| {c['batch']} | {c['strategy']} | {c['chosen']} {c['chosen_ms']:.1f} ms | {c['plain_ms']:.1f} ms | {c['fastest']} {c['fastest_ms']:.1f} ms |"
+                f"| {c['batch']} | {c['strategy']} | {c['chosen']} {c['chosen_ms']:.1f} ms | "
+                f"{c['plain_ms']:.1f} ms | {c['fastest']} {c['fastest_ms']:.1f} ms |"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             )
     base = np.median(rows[0]["peak_mib"]) if rows[0]["cp"] == 1 else None
     report = {
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}",
+        "machine": (
+            f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}"
+        ),
         "args": args,
         "rows": rows,
     }

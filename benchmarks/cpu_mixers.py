@@ -111,7 +111,9 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int, chunk: i
         r["time_ratio"] = r["time_s"] / t_base
         r["token_ratio"] = r["tokens"] / unpacked_tokens
     return dict(
-        machine=f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        machine=(
+            f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        ),
         scale=scale,
         seq_len=case["seq_len"],
         levels=len(plan.gdn.levels),
@@ -145,8 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, args.chunk)
     m = out["model"]
     print(
-        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}, {out['levels']} depth levels, {out['segments']} segments), "
-        f"Bamba hidden {m['hidden']} x {m['layers']} layers ({m['mamba_layers']} Mamba2, chunk {m['chunk']}), median of {args.repeats}"
+        f"# {out['machine']}; golden / {out['scale']} "
+        f"(rows of {out['seq_len']}, {out['levels']} depth levels, {out['segments']} segments), "
+        f"Bamba hidden {m['hidden']} x {m['layers']} layers ({m['mamba_layers']} Mamba2, chunk {m['chunk']}), "
+        f"median of {args.repeats}"
     )
     report(out, args.json)
     return out

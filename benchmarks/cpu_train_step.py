@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     variants = ["tree/varlen", "tree/sdpa", "no_share/varlen"]
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats, variants, args.varlen, args.clock)
     print(
-        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, {args.varlen} varlen kernel, {args.clock} clock"
+        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), "
+        f"Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.repeats}, "
+        f"{args.varlen} varlen kernel, {args.clock} clock"
     )
     report(out, args.json)
     return out
@@ -244,7 +246,8 @@ def report(out: dict, json_path: str | None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
         print(
-            f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | {r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |"
+            f"| {r['variant']} | {r['rows']} | {r['tokens']:,} | {r['time_s']:.3f} | {r['time_ratio']:.2f} | "
+            f"{r['token_ratio']:.2f} | {r['loss']:.6f} | {r['max_grad_rel']:.1e} |"
         )
     if json_path:
         with open(json_path, "w") as f:

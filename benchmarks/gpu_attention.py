@@ -223,10 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
     out = run(args)
     print(
         f"# {out['device']}, torch {out['torch']}; golden / {out['scale']}: {out['rows']} rows of {out['seq_len']}, "
-        f"{out['packed_tokens']:,} packed of {out['unpacked_tokens']:,} tokens; heads {args.heads}/{args.kv_heads} x {args.head_dim}, {out['shape']['dtype']}"
+        f"{out['packed_tokens']:,} packed of {out['unpacked_tokens']:,} tokens; "
+        f"heads {args.heads}/{args.kv_heads} x {args.head_dim}, {out['shape']['dtype']}"
     )
     print(
-        "| variant | ms fwd+bwd | tokens/s | unpacked tokens/s | peak GiB | time / baseline | tokens / unpacked | pairs / unpacked | max abs diff |"
+        "| variant | ms fwd+bwd | tokens/s | unpacked tokens/s | peak GiB | "
+        "time / baseline | tokens / unpacked | pairs / unpacked | max abs diff |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"| {r['variant']} | {r.get('error', '-')} | | | | | | | {r.get('max_abs_diff', float('nan')):.2e} |")
             continue
         print(
-            f"| {r['variant']} | {r['time_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['unpacked_tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
+            f"| {r['variant']} | {r['time_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['unpacked_tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
             f"{r['time_ratio']:.3f} | {r['token_ratio']:.3f} | {r['pair_ratio']:.3f} | {r['max_abs_diff']:.2e} |"
         )
     if args.json:

@@ -187,7 +187,8 @@ def kernels(args) -> dict:
                 r = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
             res[kernel][dtype] = r
             print(
-                f"  {kernel:16s} {dtype:9s} ok={r.get('ok')} out={r.get('out_rel_err', float('nan')):.2e} grad={r.get('grad_rel_err', float('nan')):.2e} {r.get('timing', r.get('error', ''))}",
+                f"  {kernel:16s} {dtype:9s} ok={r.get('ok')} out={r.get('out_rel_err', float('nan')):.2e} "
+                f"grad={r.get('grad_rel_err', float('nan')):.2e} {r.get('timing', r.get('error', ''))}",
                 flush=True,
             )
     res["ok"] = all(r.get("ok") is not False for per in res.values() if isinstance(per, dict) for r in per.values())
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(
-            "gpu_check: no CUDA device here. Run it on a machine with a GPU (make gpu-check), or --cpu-smoke for the CPU code paths.",
+            "gpu_check: no CUDA device here. Run it on a machine with a GPU (make gpu-check), "
+            "or --cpu-smoke for the CPU code paths.",
             file=sys.stderr,
         )
         raise SystemExit(2)

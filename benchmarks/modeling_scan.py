@@ -68,8 +68,13 @@ KNOWN_KEYWORDS = frozenset(
 
 # How each handled hit is handled (README wording).
 HANDLED = {
-    "kwargs_dropped": "the packed context reaches attention through a context variable, and HF's checkpoint replay runs inside it",
-    "window_by_mask_builder": "tree attention reads the window from config.sliding_window (per layer through layer_types), as the mask builders do",
+    "kwargs_dropped": (
+        "the packed context reaches attention through a context variable, and HF's checkpoint replay runs inside it"
+    ),
+    "window_by_mask_builder": (
+        "tree attention reads the window from config.sliding_window (per layer through layer_types), "
+        "as the mask builders do"
+    ),
     "model_built_mask": "checked at run time: tree attention refuses any mask but the one packed_forward built",
 }
 
@@ -279,8 +284,9 @@ def render_summary(hits: tuple[Hit, ...]) -> list[str]:
     files = len(list(_models_root().glob("*/modeling_*.py")))
     mine = [h for h in hits if h.module in lm]
     lines = [
-        f"Static scan (`python benchmarks/modeling_scan.py`): {files} modeling modules of this transformers read, {len(lm)} of them "
-        f"define a causal-LM class; {len(mine)} hits there (vision-tower classes are not scanned: no causal-LM class builds one). "
+        f"Static scan (`python benchmarks/modeling_scan.py`): {files} modeling modules of this transformers read, "
+        f"{len(lm)} of them define a causal-LM class; {len(mine)} hits there "
+        "(vision-tower classes are not scanned: no causal-LM class builds one). "
         "Patterns: "
         + "; ".join(f"**{k}**: {v}" for k, v in PATTERNS.items())
         + ". A hit with no handling fails the tests.",

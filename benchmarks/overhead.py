@@ -231,17 +231,22 @@ def main(argv: list[str] | None = None) -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out["load_average"] = load
     print(
-        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.rounds} rounds (spread), step clock {args.clock}, load {load:.1f}"
+        f"# {out['machine']}; golden / {out['scale']} (rows of {out['seq_len']}), "
+        f"Qwen3 hidden {args.hidden} x {args.layers} layers, median of {args.rounds} rounds (spread), "
+        f"step clock {args.clock}, load {load:.1f}"
     )
     print(
-        "| variant | step ms | profiled ms | walk | metadata | layout | dispatch | treepack share | loss | materialize (loader) |"
+        "| variant | step ms | profiled ms | walk | metadata | layout | dispatch | "
+        "treepack share | loss | materialize (loader) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["results"]:
         cell = lambda k: f"{r[k]:.1f} ({r[k + '_spread']:.0%})"  # noqa: E731
         print(
-            f"| {r['variant']} | {cell('step_ms')} | {cell('profiled_ms')} | {r['walk_ms']:.1f} | {r['metadata_ms']:.1f} | {r['layout_ms']:.1f} | "
-            f"{r['dispatch_ms']:.1f} | **{r['share']:.1%}** ({r['share_spread']:.0%}) | {r['loss_ms']:.1f} | {r['materialize_ms']:.1f} |"
+            f"| {r['variant']} | {cell('step_ms')} | {cell('profiled_ms')} | "
+            f"{r['walk_ms']:.1f} | {r['metadata_ms']:.1f} | {r['layout_ms']:.1f} | "
+            f"{r['dispatch_ms']:.1f} | **{r['share']:.1%}** ({r['share_spread']:.0%}) | "
+            f"{r['loss_ms']:.1f} | {r['materialize_ms']:.1f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

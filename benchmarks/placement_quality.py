@@ -153,20 +153,24 @@ def quality(per_family: int, node_limit: int) -> dict:
             by[key, "auto>bfd"] += r["auto"] > r["bfd"]
             by[key, "auto=bound"] += r["auto"] == r["bound"]
     print(
-        f"{'family':13s} {'n':>4s} {'proven':>6s} {'auto=opt':>8s} {'no-repair=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'old bound=opt':>13s} {'auto=bound':>10s} {'auto>bfd':>8s}"
+        f"{'family':13s} {'n':>4s} {'proven':>6s} {'auto=opt':>8s} {'no-repair=opt':>13s} {'bfd=opt':>7s} "
+        f"{'bound=opt':>9s} {'old bound=opt':>13s} {'auto=bound':>10s} {'auto>bfd':>8s}"
     )
     for key in ["all"] + sorted({r["family"] for r in rows}):
         g = lambda k: by[key, k]  # noqa: E731
         print(
-            f"{key:13s} {g('n'):4d} {g('proven'):6d} {g('auto=opt'):8d} {g('greedy=opt'):13d} {g('bfd=opt'):7d} {g('bound=opt'):9d} {g('old_bound=opt'):13d} {g('auto=bound'):10d} {g('auto>bfd'):8d}"
+            f"{key:13s} {g('n'):4d} {g('proven'):6d} {g('auto=opt'):8d} {g('greedy=opt'):13d} {g('bfd=opt'):7d} "
+            f"{g('bound=opt'):9d} {g('old_bound=opt'):13d} {g('auto=bound'):10d} {g('auto>bfd'):8d}"
         )
     gaps = Counter(r["auto"] - r["opt"] for r in rows if r["proven"])
     print("auto - optimum over proven instances:", dict(sorted(gaps.items())))
     print(
-        f"unproven: {sum(not r['proven'] for r in rows)} (auto - best found: {dict(Counter(r['auto'] - r['opt'] for r in rows if not r['proven']))})"
+        f"unproven: {sum(not r['proven'] for r in rows)} "
+        f"(auto - best found: {dict(Counter(r['auto'] - r['opt'] for r in rows if not r['proven']))})"
     )
     print(
-        f"leaves per instance: {min(r['leaves'] for r in rows)}-{max(r['leaves'] for r in rows)}; total {time.perf_counter() - t_start:.1f}s"
+        f"leaves per instance: {min(r['leaves'] for r in rows)}-{max(r['leaves'] for r in rows)}; "
+        f"total {time.perf_counter() - t_start:.1f}s"
     )
     return dict(rows=rows)
 
@@ -212,7 +216,9 @@ def hard(seeds: int, node_limit: int) -> dict:
                 rec["opt"], rec["proven"] = exact_min_rows(tree, C, bound, best, node_limit=node_limit)
                 rows.append(rec)
     print(
-        f"{'class':9s} {'n':>3s} {'leaves':>7s} {'proven':>6s} {'auto=opt':>8s} {'auto 1s=opt':>11s} {'narrow 1s=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'auto>bfd':>8s} {'auto CPU ms':>12s} {'auto 1s CPU ms':>14s}"
+        f"{'class':9s} {'n':>3s} {'leaves':>7s} {'proven':>6s} {'auto=opt':>8s} {'auto 1s=opt':>11s} "
+        f"{'narrow 1s=opt':>13s} {'bfd=opt':>7s} {'bound=opt':>9s} {'auto>bfd':>8s} "
+        f"{'auto CPU ms':>12s} {'auto 1s CPU ms':>14s}"
     )
     keys = sorted({(r["family"], r["size"]) for r in rows}, key=lambda k: (HARD_FAMILIES.index(k[0]), k[1]))
     for key in keys + [("all", -1)]:
@@ -223,8 +229,10 @@ def hard(seeds: int, node_limit: int) -> dict:
         name = "all" if key[0] == "all" else f"{key[0]}-{key[1]}"
         lv = f"{min(r['leaves'] for r in g)}-{max(r['leaves'] for r in g)}"
         print(
-            f"{name:9s} {len(g):3d} {lv:>7s} {len(p):6d} {n_opt('auto'):8d} {n_opt('auto1000'):11d} {n_opt('narrow1000'):13d} {n_opt('bfd'):7d} {n_opt('bound'):9d} "
-            f"{sum(r['auto'] > r['bfd'] or r['auto1000'] > r['bfd'] for r in g):8d} {ms('auto'):>12s} {ms('auto1000'):>14s}"
+            f"{name:9s} {len(g):3d} {lv:>7s} {len(p):6d} {n_opt('auto'):8d} {n_opt('auto1000'):11d} "
+            f"{n_opt('narrow1000'):13d} {n_opt('bfd'):7d} {n_opt('bound'):9d} "
+            f"{sum(r['auto'] > r['bfd'] or r['auto1000'] > r['bfd'] for r in g):8d} "
+            f"{ms('auto'):>12s} {ms('auto1000'):>14s}"
         )
     print(f"total {time.perf_counter() - t_start:.1f}s")
     return dict(rows=rows)
@@ -233,7 +241,8 @@ def hard(seeds: int, node_limit: int) -> dict:
 def budget(repeats: int) -> dict:
     out = []
     print(
-        f"{'workload':18s} {'budget':>6s} {'rows':>5s} {'bound':>5s} {'plan CPU ms (median, min-max)':>30s} {'repair ms':>9s}"
+        f"{'workload':18s} {'budget':>6s} {'rows':>5s} {'bound':>5s} "
+        f"{'plan CPU ms (median, min-max)':>30s} {'repair ms':>9s}"
     )
     for w in (W.curriculum(768), W.agentic(256), W.distillation(512), W.golden_example()):
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
@@ -254,7 +263,8 @@ def budget(repeats: int) -> dict:
             )
             out.append(rec)
             print(
-                f"{w.name:18s} {ms:6.0f} {plan.num_rows:5d} {rec['bound']:5d} {np.median(cpu):14.1f} ({min(cpu):.1f}-{max(cpu):.1f}) {np.median(rep):9.1f}",
+                f"{w.name:18s} {ms:6.0f} {plan.num_rows:5d} {rec['bound']:5d} "
+                f"{np.median(cpu):14.1f} ({min(cpu):.1f}-{max(cpu):.1f}) {np.median(rep):9.1f}",
                 flush=True,
             )
     return dict(budget=out)
@@ -267,7 +277,8 @@ def scaling(groups: list[int]) -> dict:
         w = W.curriculum(n)
         batch = normalize_batch(w.sequences, seq_len=w.seq_len, trainable=w.trainable, groups=w.groups)
         print(
-            f"[curriculum-{n}] {len(w.sequences):,} completions, {w.num_tokens:,} tokens, generated in {time.perf_counter() - t:.1f}s",
+            f"[curriculum-{n}] {len(w.sequences):,} completions, {w.num_tokens:,} tokens, "
+            f"generated in {time.perf_counter() - t:.1f}s",
             flush=True,
         )
         del w
@@ -286,7 +297,8 @@ def scaling(groups: list[int]) -> dict:
         rec["auto_over_bfd_placement"] = a["placement"] / b["placement"]
         rec["auto_plan_over_tree"] = a["total"] / a["tree"]
         print(
-            f"  auto placement / bfd placement = {rec['auto_over_bfd_placement']:.2f}; auto plan_batch / its tree build = {rec['auto_plan_over_tree']:.2f}",
+            f"  auto placement / bfd placement = {rec['auto_over_bfd_placement']:.2f}; "
+            f"auto plan_batch / its tree build = {rec['auto_plan_over_tree']:.2f}",
             flush=True,
         )
         out.append(rec)
@@ -375,7 +387,8 @@ def sharing() -> dict:
         print(f"[{w.name}] {batch.num_sequences:,} sequences, {int(batch.lens.sum()):,} tokens, C = {w.seq_len:,}")
         unpacked = int(batch.lens.sum())
         print(
-            f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'saved':>6s} {'packed':>12s} {'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}"
+            f"  {'rule':28s} {'rows':>5s} {'bound':>5s} {'tree tokens':>12s} {'saved':>6s} {'packed':>12s} "
+            f"{'segments':>9s} {'attn blocks':>11s} {'GDN chunk tok':>13s}"
         )
         for label, msl, saving in SHARING_RULES:
             tree = build_tree(batch, msl, min_shared_saving=saving)
@@ -394,7 +407,9 @@ def sharing() -> dict:
             )
             out.append(rec)
             print(
-                f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} {1 - rec['tree_tokens'] / unpacked:6.1%} {rec['packed']:12,} {rec['segments']:9,} {rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}",
+                f"  {label:28s} {rec['rows']:5d} {rec['bound']:5d} {rec['tree_tokens']:12,} "
+                f"{1 - rec['tree_tokens'] / unpacked:6.1%} {rec['packed']:12,} {rec['segments']:9,} "
+                f"{rec['attn_blocks']:11,} {rec['gdn_chunk_tokens']:13,}",
                 flush=True,
             )
     return dict(sharing=out)
@@ -417,7 +432,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     print(
-        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.processor() or platform.machine()}  python {platform.python_version()}  {' '.join(sys.argv)}"
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.processor() or platform.machine()}  "
+        f"python {platform.python_version()}  {' '.join(sys.argv)}"
     )
     if args.what == "quality":
         res = quality(args.per_family, args.node_limit)

@@ -192,7 +192,10 @@ def _stall(url: str, nbytes: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)), timeout=30)
     s.sendall(
-        f"POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: {nbytes}\r\n\r\n".encode()
+        (
+            "POST /v1/pack HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\n"
+            f"Content-Length: {nbytes}\r\n\r\n"
+        ).encode()
     )
     return s
 

@@ -343,15 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_load:
         r = run_load(args.clients, args.requests, args.load_groups, args.load_seq_len, args.max_seconds)
         print(
-            f"\nload: {r['clients']} clients x {r['requests_per_client']} packs, batches of {r['mean_tokens']:,.0f} tokens on average"
+            f"\nload: {r['clients']} clients x {r['requests_per_client']} packs, "
+            f"batches of {r['mean_tokens']:,.0f} tokens on average"
         )
         print(
-            "| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |"
+            "| requests | errors | wall s | req/s | Mtokens/s | p50 ms | p99 ms | server p50 <= ms | "
+            "server p99 <= ms | RSS before MB | RSS after MB | shapes recorded / skipped |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print(
-            f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | {r['wall_s']:.1f} | {r['throughput']:.1f} | "
-            f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
+            f"| {r['done']}/{r['planned']} | {r['errors']} {r['error_kinds'] or ''} | "
+            f"{r['wall_s']:.1f} | {r['throughput']:.1f} | "
+            f"{r['tokens_per_s'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['server_p50_le_ms']:g} | {r['server_p99_le_ms']:g} | "
             f"{r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | {r['recorded']:.0f} / {r['skipped']:.0f} |"
         )
         if r["timed_out"]:
@@ -360,25 +364,29 @@ def main(argv: list[str] | None = None) -> int:
     if sizes:
         print(f"\nround trip (msgpack over loopback vs embedded; median of {args.repeats}):")
         print(
-            "| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | transport floor ms | server planner ms | HTTP ms, no dedup |"
+            "| tokens | sequences | tokens MB | body sent MB | embedded ms | HTTP ms | HTTP / embedded | "
+            "transport floor ms | server planner ms | HTTP ms, no dedup |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         rows = run_roundtrip(sizes, args.repeats)
         for row in rows:
             print(
-                f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | {row['embedded_ms']:.1f} | "
-                f"{row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | {row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |"
+                f"| {row['tokens']:,} | {row['sequences']:,} | {row['plain_mb']:.1f} | {row['body_mb']:.1f} | "
+                f"{row['embedded_ms']:.1f} | {row['http_ms']:.1f} | {row['ratio']:.2f}x | {row['floor_ms']:.1f} | "
+                f"{row['server_plan_ms']:.1f} | {row['http_plain_ms']:.1f} |"
             )
         print("\nwhere the HTTP time goes (client steps: medians; server: means from its histograms; same requests):")
         print(
-            "| tokens | client encode ms | client request ms | server request ms | server decode ms | server planner ms | server encode ms | client decode ms |"
+            "| tokens | client encode ms | client request ms | server request ms | server decode ms | "
+            "server planner ms | server encode ms | client decode ms |"
         )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             d = row["breakdown"]
             print(
-                f"| {row['tokens']:,} | {d['client_encode_ms']:.2f} | {d['client_request_ms']:.2f} | {d['server_request_ms']:.2f} | "
-                f"{d['server_decode_ms']:.2f} | {d['server_plan_ms']:.2f} | {d['server_encode_ms']:.2f} | {d['client_decode_ms']:.2f} |"
+                f"| {row['tokens']:,} | {d['client_encode_ms']:.2f} | {d['client_request_ms']:.2f} | "
+                f"{d['server_request_ms']:.2f} | {d['server_decode_ms']:.2f} | {d['server_plan_ms']:.2f} | "
+                f"{d['server_encode_ms']:.2f} | {d['client_decode_ms']:.2f} |"
             )
     return 0
 

@@ -132,12 +132,16 @@ def main() -> None:
     train = lambda r: r["s"] - r["gen_s"]  # noqa: E731
     same = [h["reward"] for h in steps(stock)] == [h["reward"] for h in steps(packed)]
     print(
-        "| steps | B (prompts x 8) | P / C tokens | model | wall s stock / treepack | generation s stock / treepack | training s (wall - generation) stock / treepack | training speedup | saved fraction | token ratio unpacked / packed | same rewards |"
+        "| steps | B (prompts x 8) | P / C tokens | model | wall s stock / treepack | generation s stock / treepack | "
+        "training s (wall - generation) stock / treepack | training speedup | saved fraction | "
+        "token ratio unpacked / packed | same rewards |"
     )
     print("|---:|---:|---|---|---|---|---|---:|---:|---:|---|")
     print(
-        f"| {a.steps} | {8 * a.prompts} | {a.prompt_len} / {a.completion_len} | Qwen3 {a.layers}x{a.hidden} | {stock['s']:.1f} / {packed['s']:.1f} | "
-        f"{stock['gen_s']:.1f} / {packed['gen_s']:.1f} | {train(stock):.1f} / {train(packed):.1f} | {train(stock) / train(packed):.2f}x | {mean:.3f} | {1 / (1 - mean):.2f} | {same} |"
+        f"| {a.steps} | {8 * a.prompts} | {a.prompt_len} / {a.completion_len} | Qwen3 {a.layers}x{a.hidden} | "
+        f"{stock['s']:.1f} / {packed['s']:.1f} | "
+        f"{stock['gen_s']:.1f} / {packed['gen_s']:.1f} | {train(stock):.1f} / {train(packed):.1f} | "
+        f"{train(stock) / train(packed):.2f}x | {mean:.3f} | {1 / (1 - mean):.2f} | {same} |"
     )
 
 

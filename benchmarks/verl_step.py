@@ -96,13 +96,15 @@ def main() -> None:
     cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
     print(f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
     print(
-        f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, vocab {a.vocab}; {a.repeats} repeats"
+        f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, "
+        f"vocab {a.vocab}; {a.repeats} repeats"
     )
     print("| stock layout | stock | treepack | stock / treepack | token ratio |")
     print("| --- | --- | --- | --- | --- |")
     for k in ("stock remove-padding", "stock padded"):
         print(
-            f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | {med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |"
+            f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | "
+            f"{med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |"
         )
 
 

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, h in enumerate(packed["logs"], start=1):
             print(
                 f"step {i}: loss {h['loss']:.6f}  grad_norm {h['grad_norm']:.6f}  "
-                f"saved {100 * h['treepack/saved_fraction']:.1f}%  rows {h['treepack/rows']:.0f}  plan {h['treepack/plan_ms']:.1f} ms"
+                f"saved {100 * h['treepack/saved_fraction']:.1f}%  rows {h['treepack/rows']:.0f}  "
+                f"plan {h['treepack/plan_ms']:.1f} ms"
             )
         if not args.check:
             return 0
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in bad:
         print(f"check: MISMATCH {line}")
     print(
-        f"check: {'FAILED' if bad else 'ok'}: {len(stock['loss'])} steps, loss and grad_norm within 1e-5 abs / 1e-4 rel of stock TRL, same completions"
+        f"check: {'FAILED' if bad else 'ok'}: {len(stock['loss'])} steps, "
+        "loss and grad_norm within 1e-5 abs / 1e-4 rel of stock TRL, same completions"
     )
     return 1 if bad else 0
 

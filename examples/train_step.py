@@ -113,7 +113,8 @@ def main() -> None:
         opt.zero_grad()
         print(
             f"step: loss {float(loss.detach()):.6f}, grad norm {float(norm):.4f}, "
-            f"materialize+old logprobs {1e3 * (t1 - t0):.0f} ms, forward+backward+step {1e3 * (time.perf_counter() - t1):.0f} ms"
+            f"materialize+old logprobs {1e3 * (t1 - t0):.0f} ms, "
+            f"forward+backward+step {1e3 * (time.perf_counter() - t1):.0f} ms"
         )
     else:
         print(f"forward only (flex on CPU): loss {float(loss.detach()):.6f}")
@@ -140,7 +141,8 @@ def main() -> None:
         )
         diff_lp = max(float((a[1:][f[1:]] - b.detach()[1:][f[1:]]).abs().max()) for a, b, f in zip(old, seq_lp, flags))
         print(
-            f"check: packed loss {float(loss.detach()):.8f} vs unpacked {float(ref.detach()):.8f}; max |logprob diff| {diff_lp:.2e}"
+            f"check: packed loss {float(loss.detach()):.8f} vs unpacked {float(ref.detach()):.8f}; "
+            f"max |logprob diff| {diff_lp:.2e}"
         )
         if args.backend != "flex":
             ref.backward()

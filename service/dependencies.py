@@ -5,8 +5,9 @@ the thread pool), evaluated in the order a route declares them: a route's
 ``dependencies=[Depends(authorize)]`` first, then its parameters. The pack and what-if
 routes declare ``negotiate`` before ``read_body``, so a request is refused for its token
 (401), then for its formats (415), then for its encoding (415), its size (413) and the
-intake budget (503, charged as the bytes arrive), before any byte is decoded. Every refusal is raised as the project's exception; the app's
-one exception handler turns it into the JSON error body.
+intake budget (503, charged as the bytes arrive), before any byte is decoded. Every
+refusal is raised as the project's exception; the app's one exception handler turns it
+into the JSON error body.
 """
 
 from __future__ import annotations

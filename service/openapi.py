@@ -40,7 +40,10 @@ ERRORS = {
     413: "body, sequences, tokens or what-if work over the configured limits",
     415: "Content-Type or Accept names a format other than msgpack/JSON, or the body has a Content-Encoding",
     422: "the request breaks a rule; the body names the field path and the rule",
-    503: "the planner queue or the body intake budget is full (retry after Retry-After seconds), or the history is damaged",
+    503: (
+        "the planner queue or the body intake budget is full (retry after Retry-After seconds), "
+        "or the history is damaged"
+    ),
     504: "the work ran past request_timeout_s and was stopped",
 }
 
@@ -176,7 +179,8 @@ def install_openapi(app: FastAPI, *, description: str, bearer: bool, settings: A
 
 # /docs without a network: a page of this file only, listing the operations of
 # /openapi.json (Swagger UI's assets are not bundled: settings.docs="swagger" loads them
-# from their CDN).
+# from their CDN). A backslash at a line's end joins it to the next (keeps lines short;
+# the page's text is unchanged).
 OFFLINE_DOCS = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>treepack API</title>
 <style>body{font:14px/1.4 sans-serif;margin:2em;max-width:60em}code{background:#eee;padding:0 .2em}
@@ -188,8 +192,10 @@ fetch("openapi.json").then(r => r.json()).then(doc => {
   const ops = document.getElementById("ops"); ops.textContent = "";
   for (const [path, item] of Object.entries(doc.paths)) for (const [method, op] of Object.entries(item)) {
     const h = document.createElement("h2"); h.textContent = method.toUpperCase() + " " + path; ops.appendChild(h);
-    const p = document.createElement("p"); p.textContent = (op.summary || "") + ": " + (op.description || ""); ops.appendChild(p);
-    const s = document.createElement("p"); s.textContent = "answers: " + Object.keys(op.responses || {}).join(", "); ops.appendChild(s);
+    const p = document.createElement("p"); p.textContent = (op.summary || "") + ": " + (op.description || ""); \
+ops.appendChild(p);
+    const s = document.createElement("p"); s.textContent = "answers: " + Object.keys(op.responses || {}).join(", "); \
+ops.appendChild(s);
   }
 });
 </script></body></html>

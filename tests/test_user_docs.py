@@ -44,7 +44,10 @@ def _help_texts() -> dict[str, str]:
 
 
 def test_the_check_finds_what_it_looks_for():
-    bad = "see issue 12 and #7, SPEC section 4, /work/shared/SPEC.md, branch i21-newcomer; no GPU was lent to this session"
+    bad = (
+        "see issue 12 and #7, SPEC section 4, /work/shared/SPEC.md, branch i21-newcomer; "
+        "no GPU was lent to this session"
+    )
     found = " ".join(internal_refs(bad))
     for what, _ in INTERNAL:
         assert what in found, (what, found)

@@ -74,7 +74,8 @@ def _bench_workload(name: str, w: Workload, repeats: int, naive_max_leaves: int,
         rec = best[placement] = _bench_placement(name, w, batch, placement, repeats)
         print(
             f"  {placement:9s} rows {rec['rows']:5d} (bound {rec['lower_bound_rows']})  tree {rec['tree_ms']:8.1f} ms"
-            f"  placement {rec['placement_ms']:8.1f} ms  layout+meta {rec['layout_ms']:7.1f} ms  total {rec['total_ms']:8.1f} ms",
+            f"  placement {rec['placement_ms']:8.1f} ms  layout+meta {rec['layout_ms']:7.1f} ms"
+            f"  total {rec['total_ms']:8.1f} ms",
             file=out,
             flush=True,
         )
@@ -119,7 +120,8 @@ def run_benchmark(
         t = time.perf_counter()
         w = make()
         print(
-            f"[{name}] generated {len(w.sequences):,} sequences, {w.num_tokens:,} tokens in {time.perf_counter() - t:.1f}s",
+            f"[{name}] generated {len(w.sequences):,} sequences, {w.num_tokens:,} tokens "
+            f"in {time.perf_counter() - t:.1f}s",
             file=out,
             flush=True,
         )

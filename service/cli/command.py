@@ -53,7 +53,8 @@ def plain_text(text: str | None) -> str | None:
 
 def _missing_service(missing: str) -> int:
     print(
-        f"treepack serve: error: the service extra is not installed ({missing} is missing): pip install -e '.[service]' in the clone",
+        f"treepack serve: error: the service extra is not installed ({missing} is missing): "
+        "pip install -e '.[service]' in the clone",
         file=sys.stderr,
     )
     return 2

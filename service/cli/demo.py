@@ -42,7 +42,8 @@ def run_demo(args: argparse.Namespace) -> int:
     best = dict(realistic)["auto"]
     print(
         f"\nauto needs {best.num_rows} rows where plain packing needs {base}: "
-        f"{100.0 * (1 - best.num_rows / base):.1f}% fewer rows, {100.0 * best.stats.saved_fraction:.1f}% fewer tokens to compute."
+        f"{100.0 * (1 - best.num_rows / base):.1f}% fewer rows, "
+        f"{100.0 * best.stats.saved_fraction:.1f}% fewer tokens to compute."
     )
     if args.png:
         draw_rows(dict(plans)["auto"], args.png, groups=gold.groups, title="golden example, auto")

@@ -173,7 +173,10 @@ def draw_rows(
     ax.set_yticklabels([f"row {r}" for r in range(shown)])
     ax.set_xlabel("row position (tokens)")
     st = plan.stats
-    note = f"{plan.num_rows} rows ({st.lower_bound_rows} lower bound), packed {st.packed_tokens:,} of {st.unpacked_tokens:,} tokens"
+    note = (
+        f"{plan.num_rows} rows ({st.lower_bound_rows} lower bound), "
+        f"packed {st.packed_tokens:,} of {st.unpacked_tokens:,} tokens"
+    )
     if shown < plan.num_rows:
         note += f"; first {shown} rows shown"
     ax.set_title(f"{title}\n{note}" if title else note, fontsize=10)

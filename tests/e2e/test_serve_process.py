@@ -8,7 +8,10 @@ import sys
 
 
 def test_importing_the_package_loads_no_fastapi():
-    code = "import sys, treepack.service, treepack.service.planner, treepack.service.serve; print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
+    code = (
+        "import sys, treepack.service, treepack.service.planner, treepack.service.serve; "
+        "print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 

@@ -102,7 +102,8 @@ def tiny_vl_processor() -> Any:
     fast.padding_side = "left"
     template = (
         "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"
-        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|> {% elif p['type'] == 'text' %}{{ p['text'] }} {% endif %}"
+        "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|> "
+        "{% elif p['type'] == 'text' %}{{ p['text'] }} {% endif %}"
         "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}w0 {% endif %}"
     )
 

@@ -1,4 +1,7 @@
-"""The treepack command line in-process: plan, demo, the serve hook (``bench`` as a process: tests/e2e/test_cli_process.py)."""
+"""The treepack command line in-process: plan, demo, the serve hook.
+
+``bench`` as a process: tests/e2e/test_cli_process.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The shape history: retention, reopening, the background recorder (SIGKILL mid-write: tests/e2e/test_history_sigkill.py)."""
+"""The shape history: retention, reopening, the background recorder.
+
+SIGKILL mid-write: tests/e2e/test_history_sigkill.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""``treepack serve``: flags and environment (in-process; the entry points as processes: tests/e2e/test_serve_process.py)."""
+"""``treepack serve``: flags and environment, in-process.
+
+The entry points as processes: tests/e2e/test_serve_process.py.
+"""
 
 from __future__ import annotations
 

@@ -211,7 +211,10 @@ def test_subclass_overriding_attention_forward_is_refused(case):
     model.model.layers[0].self_attn.__class__ = overridden
     with pytest.raises(
         UnsupportedModelError,
-        match=r"model\.layers\.0\.self_attn \(MyAttention\): (attention forward overridden|attention that does not dispatch)",
+        match=(
+            r"model\.layers\.0\.self_attn \(MyAttention\): "
+            r"(attention forward overridden|attention that does not dispatch)"
+        ),
     ):
         packed_forward(model, case["batch"])
 
@@ -299,7 +302,8 @@ def test_training_setups_exact(name):
     assert sorted(errs) == sorted(f"{b}, {'reentrant' if r else 'non-reentrant'}" for b, r in ms.TRAIN_SETUPS)
     for setup, e in errs.items():
         assert ms.within(e), (
-            f"{name} {setup}: logprob error {e[0]:.3g} (<= {ms.LOGPROB_TOL}), gradient error {e[1]:.3g} (<= {ms.GRAD_RTOL} relative)"
+            f"{name} {setup}: logprob error {e[0]:.3g} (<= {ms.LOGPROB_TOL}), "
+            f"gradient error {e[1]:.3g} (<= {ms.GRAD_RTOL} relative)"
         )
     recorded = ms.recorded_training()["rows"].get(name)
     assert recorded is not None and all(ms.within(tuple(e)) for e in recorded.values()), (
@@ -400,10 +404,15 @@ SWEEP_SKIPS: dict[str, str] = {
     "dots1": r"unbuildable: TypeError: empty\(\) takes 1 positional argument but 3 were given",
     "gemma3n": r"unbuildable: ImportError",
     "gemma3n_text": r"unbuildable: ValueError: The set of layer types producing a cache is different",
-    "gemma4_assistant": r"unbuildable: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture'",
+    "gemma4_assistant": (
+        r"unbuildable: StrictDataclassClassValidationError: "
+        r"Class validation error for validator 'validate_architecture'"
+    ),
     "lfm2_moe": r"unbuildable: TypeError: 'NoneType' object is not subscriptable",
     "nemotron": r"unbuildable: TypeError: unsupported operand type\(s\) for //: 'int' and 'NoneType'",
-    "reformer": r"unbuildable: AssertionError: If you want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`",
+    "reformer": (
+        r"unbuildable: AssertionError: If you want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`"
+    ),
     "zamba": r"unbuildable: ValueError: There is an issue with your definition of `tie_weights_keys`",
 }
 

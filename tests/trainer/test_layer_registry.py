@@ -43,7 +43,8 @@ def test_every_kind_module_is_registered_and_shards():
     kinds = [k.kind for k in registered()]
     assert sorted(found) == sorted(kinds) and len(kinds) == len(set(kinds))
     assert {"gdn", "gdn_olmo", "kda", "mamba2", "mamba", "short_conv", "dsa", "glm_dsa", "dsa_indexer"} <= set(kinds)
-    # Every built-in kind says how it runs under context parallelism (the CP oracle is tests/e2e/test_trainer_cp_mixers.py).
+    # Every built-in kind says how it runs under context parallelism (the CP oracle is
+    # tests/e2e/test_trainer_cp_mixers.py).
     assert all(isinstance(k.shard, ContextShard) for k in registered())
     # Their patched forwards handle the shard themselves; every schedule-driven kind has a shard forward.
     assert sorted(k.kind for k in registered() if k.shard.forward is None) == ["dsa", "dsa_indexer", "glm_dsa"]

@@ -44,7 +44,10 @@ def model_dir() -> str:
 
 
 def configs(*, grad_ckpt: bool = False, path: str | None = None, **model: Any) -> dict[str, Any]:
-    """verl's four engine configs (on ``path``, default :func:`model_dir`): FSDP2, fp32, eager attention, SGD lr 1, no clipping."""
+    """verl's four engine configs (on ``path``, default :func:`model_dir`).
+
+    FSDP2, fp32, eager attention, SGD lr 1, no clipping.
+    """
     mc = HFModelConfig(
         path=path or model_dir(),
         load_tokenizer=False,
@@ -165,7 +168,10 @@ def restore(eng, saved: dict[str, torch.Tensor]) -> None:
 
 
 def response_values(eng, td: TensorDict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``infer_batch`` log-probs and entropies at the response-mask positions (read back as verl's trainer does), and the metrics."""
+    """``infer_batch`` log-probs and entropies at the response-mask positions, and the metrics.
+
+    The log-probs are read back as verl's trainer does.
+    """
     from verl.workers.utils.padding import no_padding_2_padding
 
     with eng.eval_mode():
