@@ -140,9 +140,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = svc
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     install_openapi(app, description=DESCRIPTION, bearer=settings.token is not None, settings=settings)
-    app.add_exception_handler(TreepackError, on_treepack_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Starlette types every handler as taking Exception; each of these takes the class it is registered for.
+    app.add_exception_handler(TreepackError, on_treepack_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_bug)
     app.include_router(router)
     return app

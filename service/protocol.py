@@ -94,7 +94,7 @@ except ImportError:  # httptools is optional
 
 if HttpToolsProtocol is not None:
 
-    class GuardedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):  # type: ignore[misc,valid-type]
+    class GuardedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
         """uvicorn's httptools protocol with the header deadline and the header size bound."""
 
         _header_bytes = 0

@@ -46,10 +46,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         optional = bool(args)
         default = "unset" if field.default is None else repr(field.default)
         hint = " ('none' clears it)" if optional else ""
+        kind: type = int if base is int else float if base is float else str
         p.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=_typed(base if base in (int, float) else str) if optional else (base if base in (int, float) else str),
+            type=_typed(kind) if optional else kind,
             default=None,
             help=f"env TREEPACK_{name.upper()}; default {default}{hint}",
         )

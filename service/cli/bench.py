@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TextIO
 
 from treepack.proto.batch import SequenceBatch, normalize_batch
@@ -32,7 +33,7 @@ __all__ = ["run_benchmark", "add_bench_parser"]
 def _suite(full: bool) -> list[tuple[str, Callable[[], Workload]]]:
     items: list[tuple[str, Callable[[], Workload]]] = [("golden", golden_example)]
     for n in (12, 48, 192, 768, 3072) + ((7680,) if full else ()):
-        items.append((f"curriculum-{n}", lambda n=n: curriculum(n)))
+        items.append((f"curriculum-{n}", partial(curriculum, n)))
     items.append(("agentic-256", lambda: agentic(256)))
     items.append(("distill-512", lambda: distillation(512)))
     return items

@@ -113,7 +113,8 @@ def _is_num(x: Any) -> bool:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, (float, np.floating)):
-        return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.2f}" if abs(x) >= 1 else f"{x:.3f}"
+        v = float(x)
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return f"{int(x):,}"
     return str(x)
