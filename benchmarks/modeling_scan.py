@@ -2,7 +2,7 @@
 
 Three patterns make a model's packed run depend on more than its layer classes
 (``python benchmarks/modeling_scan.py`` prints every hit; ``benchmarks/model_support.py
---write-readme`` writes the per-pattern summary into the README):
+--write-docs`` writes the per-pattern summary into docs/models.md):
 
 - ``kwargs_dropped``: a class whose ``forward`` calls its attention (``self.self_attn(...)``,
   ``self.attn``, ``self.attention``, ``self.self_attention``) without ``**kwargs``, so a
@@ -66,7 +66,7 @@ KNOWN_KEYWORDS = frozenset(
     }
 )
 
-# How each handled hit is handled (README wording).
+# How each handled hit is handled (docs/models.md wording).
 HANDLED = {
     "kwargs_dropped": (
         "the packed context reaches attention through a context variable, and HF's checkpoint replay runs inside it"
@@ -279,7 +279,7 @@ def unhandled(hits: tuple[Hit, ...] | list[Hit], modules: frozenset[str] | None 
 
 
 def render_summary(hits: tuple[Hit, ...]) -> list[str]:
-    """README lines: per pattern and handling, the hits in causal-LM modules and the modules."""
+    """docs/models.md lines: per pattern and handling, the hits in causal-LM modules and the modules."""
     lm = causal_lm_modules()
     files = len(list(_models_root().glob("*/modeling_*.py")))
     mine = [h for h in hits if h.module in lm]

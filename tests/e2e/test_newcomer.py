@@ -27,14 +27,6 @@ NOT_RUN_HERE = {
     "make test": "the suite this check is part of",
     "git clone <this repository> treepack && cd treepack": "the clone this check itself makes",
     'pip install ".[trainer,trl]"': "the wheel install below (planner only) and make wheel-check in CI (trainer extra)",
-    'pip install -e ".[service]"': (
-        "the service extra is installed by make test; its guide's blocks run in tests/service"
-    ),
-    "treepack serve --port 8000 --history-path ~/.treepack/history.sqlite3": (
-        "a server that runs until stopped: tests/e2e/test_serve_process.py"
-    ),
-    "make test-triton": "a second venv with triton: run by CI (.ci/run)",
-    "make gpu-check": "needs a CUDA device (docs/gpu.md)",
 }
 
 

@@ -291,21 +291,21 @@ def _check_mode(world, cp_attention, runs, results):
         oracle.assert_same_summed_loss([r["runs"][i] for r in results])
 
 
-def _readme_block():
+def _guide_block():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "context-parallel.md").read_text()
     blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "ContextParallel(" in b]
     assert len(blocks) == 1
     return blocks[0]
 
 
-def _readme_worker(rank: int, port: int, out_dir: str) -> None:
+def _guide_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     ns = {"__name__": "__doc_example__"}
-    exec(compile(_readme_block(), "<README CP example>", "exec"), ns)
+    exec(compile(_guide_block(), "<docs/context-parallel.md example>", "exec"), ns)
     lps = [None if x is None else x.tolist() for x in ns["per_seq"]]
     grads = {n: float(p.grad.abs().sum()) for n, p in ns["model"].named_parameters()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -314,7 +314,7 @@ def _readme_worker(rank: int, port: int, out_dir: str) -> None:
         )
 
 
-def test_readme_cp_example_runs_on_two_ranks(tmp_path):
-    r0, r1 = run_ranks(_readme_worker, tmp_path, TIMEOUT_S)
+def test_guide_cp_example_runs_on_two_ranks(tmp_path):
+    r0, r1 = run_ranks(_guide_worker, tmp_path, TIMEOUT_S)
     assert r0["lps"] == r1["lps"] and r0["grads"] == r1["grads"]  # whole sequences and summed gradients on both
     assert r0["shape"][1] == 32 and all(x is not None for x in r0["lps"])

@@ -9,8 +9,8 @@ sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), a
 :class:`UnsupportedModelError` matching its reason, and the model is left untouched.
 Training mode: gradient checkpointing (reentrant and not) on both backends with a CPU
 backward, for a representative subset here (:data:`TRAIN_SUBSET`) and for every row by
-``python benchmarks/model_support.py --train``, whose record the README shows; the
-config's default dropout is refused by name in training mode (README column, checked).
+``python benchmarks/model_support.py --train``, whose record docs/models.md shows; the
+config's default dropout is refused by name in training mode (the table's column, checked).
 Rows marked ``lands_with`` (recurrent mixers, sinks, chunked attention, GLM-MoE-DSA) are
 refused with their reason until that work lands, after which the check accepts them and
 they must pass the same oracle. After every ``packed_forward`` the same model runs
@@ -275,11 +275,11 @@ def test_training_with_attention_dropout_is_refused():
     check_model(model)
 
 
-def test_readme_table_matches_the_sweep():
-    text = ms.README.read_text()
+def test_docs_table_matches_the_sweep():
+    text = ms.MODELS_DOC.read_text()
     statuses = {row.name: ms.status_of(row) for row in ms.FAMILIES}
-    assert ms.readme_section(text) == ms.render_table(statuses), (
-        "README model-support table is stale: run `python benchmarks/model_support.py --write-readme`"
+    assert ms.doc_section(text) == ms.render_table(statuses), (
+        "docs/models.md's model-support table is stale: run `python benchmarks/model_support.py --write-docs`"
     )
     # The dropout column is not vacuous: defaults with dropout are refused by name, others run.
     dropout = [d for s, _, d in statuses.values() if s == "exact"]
@@ -312,13 +312,13 @@ def test_training_setups_exact(name):
 
 
 def test_the_training_record_covers_every_exact_row():
-    """The README's checkpointing column comes from the recorded ``--train`` run: it must be of
+    """The docs' checkpointing column comes from the recorded ``--train`` run: it must be of
     this transformers and torch, cover exactly the rows check_model accepts, every setup each."""
     import transformers
 
     rec = ms.recorded_training()
     assert (rec.get("transformers"), rec.get("torch")) == (transformers.__version__, torch.__version__.split("+")[0]), (
-        "rerun `python benchmarks/model_support.py --train --write-readme`"
+        "rerun `python benchmarks/model_support.py --train --write-docs`"
     )
     exact = {r.name for r in ms.FAMILIES if r.refused is None or r.lands_with is not None and not _expect_refusal(r)}
     assert set(rec["rows"]) == exact
@@ -427,7 +427,7 @@ def test_automatic_sweep_none_silently_wrong(model_type):
     """
     status, detail = ms.sweep_one(model_type)
     if any(row.model_type == model_type and row.refused is None for row in ms.FAMILIES):
-        assert status == "pass", f"{model_type} is exact in the README table, but the sweep says {status} ({detail})"
+        assert status == "pass", f"{model_type} is exact in the docs' table, but the sweep says {status} ({detail})"
     if status in ("unbuildable", "stock_fails"):
         said = f"{status}: {detail}"
         assert model_type in SWEEP_SKIPS, (

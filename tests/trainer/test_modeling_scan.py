@@ -2,7 +2,7 @@
 
 Every ``models/*/modeling_*.py`` is read (not imported). Three patterns make a model's
 packed run depend on more than its layer classes; each hit in a module that defines a
-causal-LM class must be handled, and how is named per hit (the README lists them):
+causal-LM class must be handled, and how is named per hit (docs/models.md lists them):
 
 1. ``kwargs_dropped``, a decoder layer calling its attention without ``**kwargs``
    (StableLM, Nemotron): the packed context reaches attention through a context variable,
@@ -49,7 +49,7 @@ def test_scan_finds_the_known_cases():
 def test_every_hit_in_a_causal_lm_module_is_handled():
     bad = scan.unhandled(scan.scan_transformers())
     assert not bad, (
-        "unhandled patterns in transformers' modeling code (handle or refuse them, then regenerate the README):\n"
+        "unhandled patterns in transformers' modeling code (handle or refuse them, then regenerate docs/models.md):\n"
         + "\n".join(map(str, bad))
     )
 

@@ -1,4 +1,9 @@
-"""Every Python example of the README and docs/trainer.md runs as written (CPU)."""
+"""Every Python example of the README and of the guides below runs as written (CPU).
+
+docs/service.md's blocks build on each other and run in order in tests/service/test_docs.py;
+docs/context-parallel.md's needs several ranks (tests/e2e/test_trainer_cp.py);
+:func:`test_every_python_block_of_the_docs_is_run` holds that no guide's block is left unrun.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,41 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/trainer.md")
+DOCS = (
+    "README.md",
+    "docs/planner.md",
+    "docs/trainer.md",
+    "docs/vision.md",
+    "docs/trl.md",
+)
+#: Guides whose blocks another test runs, and which.
+RUN_ELSEWHERE = {
+    "docs/service.md": "tests/service/test_docs.py",
+    "docs/context-parallel.md": "tests/e2e/test_trainer_cp.py (on 2 gloo ranks)",
+}
+
+#: Blocks not run here, by what they contain, and why (where they are run instead).
+NOT_RUN_HERE = {
+    "ContextParallel(": "needs a process group of several ranks: tests/e2e/test_trainer_cp.py runs it",
+    "from_pretrained(": "downloads a checkpoint: a real run's sketch (tests/trainer/test_trl_vlm.py runs a tiny one)",
+}
+
+
+def _python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ``python`` blocks of a markdown text: (line of the fence, code)."""
+    return [
+        (text[: m.start()].count("\n") + 1, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)
+    ]
 
 
 def _blocks():
     out = []
     for doc in DOCS:
-        text = (ROOT / doc).read_text()
-        for _i, m in enumerate(re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)):
-            line = text[: m.start()].count("\n") + 1
-            if "ContextParallel(" in m.group(1):
-                continue  # needs a process group of several ranks: tests/e2e/test_trainer_cp.py runs it
-            out.append(pytest.param(m.group(1), id=f"{doc}:{line}"))
+        for line, code in _python_blocks((ROOT / doc).read_text()):
+            if any(marker in code for marker in NOT_RUN_HERE):
+                continue
+            out.append(pytest.param(code, id=f"{doc}:{line}"))
     return out
 
 
@@ -29,9 +57,15 @@ BLOCKS = _blocks()
 
 def test_the_docs_have_examples():
     ids = [p.id for p in BLOCKS]
-    assert (
-        sum(i.startswith("README.md") for i in ids) >= 2 and sum(i.startswith("docs/trainer.md") for i in ids) >= 1
-    ), ids
+    assert sum(i.startswith("README.md:") for i in ids) >= 2, ids
+    for doc in DOCS[1:]:
+        assert any(i.startswith(f"{doc}:") for i in ids), (doc, ids)
+
+
+def test_every_python_block_of_the_docs_is_run():
+    docs = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+    unrun = [d for d in docs if _python_blocks((ROOT / d).read_text()) and d not in DOCS and d not in RUN_ELSEWHERE]
+    assert unrun == [], f"python blocks that no test runs: add the guide to DOCS ({unrun})"
 
 
 @pytest.mark.parametrize("code", BLOCKS)
