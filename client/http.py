@@ -53,10 +53,12 @@ from treepack.proto.errors import (
     TreepackError,
     error_from_payload,
 )
-from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
+from treepack.proto.pack_messages import PackResponse
 from treepack.proto.plan import Plan
 from treepack.proto.plan_wire import plan_from_wire
+from treepack.proto.service_messages import HistorySummary
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
+from treepack.proto.whatif_messages import WhatIfResponse
 from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
 __all__ = [

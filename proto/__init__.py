@@ -59,9 +59,10 @@ from treepack.proto.version import WIRE_VERSION
 from treepack.proto.whatif import Composition, WhatIfQuery, WhatIfResult
 
 __all__ = [
-    "WIRE_VERSION", "Plan", "PlanStats", "PlanOptions", "PackInput", "SequenceBatch", "BatchShape", "Composition", "WhatIfQuery",
-    "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError", "PayloadTooLargeError",
-    "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError", "UnsupportedVersionError", "UnsupportedModelError",
-    "AuthError", "OverloadedError", "ServerError", "DeadlineError", "UnavailableError", "TransportError",
-    "CostModel", "load_cost_model", "CostModelError", "TreepackWarning",
+    "WIRE_VERSION", "Plan", "PlanStats", "PlanOptions", "PackInput", "SequenceBatch", "BatchShape", "Composition",
+    "WhatIfQuery", "WhatIfResult", "TreepackError", "RequestError", "InputTypeError", "CapacityError", "DecodeError",
+    "PayloadTooLargeError", "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError",
+    "UnsupportedVersionError", "UnsupportedModelError", "AuthError", "OverloadedError", "ServerError",
+    "DeadlineError", "UnavailableError", "TransportError", "CostModel", "load_cost_model", "CostModelError",
+    "TreepackWarning",
 ]  # fmt: skip

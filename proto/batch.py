@@ -422,7 +422,8 @@ def _normalize_one(sequences: Any, trainable: Any, keys: Any, s: int, seq_len: i
     if m > seq_len:
         if on_overflow == "error":
             raise CapacityError(
-                f"sequence {s} has {m} tokens, longer than seq_len {seq_len} (set on_overflow='truncate' or 'drop' to allow)",
+                f"sequence {s} has {m} tokens, longer than seq_len {seq_len} "
+                "(set on_overflow='truncate' or 'drop' to allow)",
                 path=f"$.sequences[{s}]",
                 rule="max_len",
             )

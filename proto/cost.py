@@ -278,7 +278,8 @@ class CostModel:
             )
         if d.get("version") != COST_VERSION:
             raise CostModelError(
-                f"cost model version {d.get('version')!r} is not supported (this build reads {COST_VERSION}); recalibrate",
+                f"cost model version {d.get('version')!r} is not supported "
+                f"(this build reads {COST_VERSION}); recalibrate",
                 path="$.version",
                 rule="version",
             )

@@ -52,9 +52,9 @@ import msgpack
 
 from treepack.proto.codec import parse_message
 from treepack.proto.errors import TreepackError
-from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
+from treepack.proto.whatif_messages import BatchShapeMessage
 
 __all__ = [
     "HistoryStore",
@@ -150,7 +150,10 @@ def history_path_problem(path: str | Path) -> str | None:
         if not os.access(p, os.R_OK | os.W_OK):
             return f"cannot read and write the history database {p} (permission denied); {advice}"
     if not os.access(p.parent, os.W_OK | os.X_OK):
-        return f"cannot create the history database {p} (its folder is not writable; SQLite also writes -wal/-shm files there); {advice}"
+        return (
+            f"cannot create the history database {p} "
+            f"(its folder is not writable; SQLite also writes -wal/-shm files there); {advice}"
+        )
     return None
 
 

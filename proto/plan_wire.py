@@ -18,8 +18,8 @@ import numpy as np
 
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire, exact_sum
 from treepack.proto.errors import RequestError
-from treepack.proto.messages import PlanMessage
 from treepack.proto.options import CP_ALIGN, PlanOptions, cp_shard_len
+from treepack.proto.pack_messages import PlanMessage
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
@@ -124,7 +124,8 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
     shard = cp_shard_len(msg.seq_len, msg.ranks.cp_size)
     if msg.ranks.shard_len is not None and msg.ranks.shard_len != shard:
         raise RequestError(
-            f"ranks.shard_len {msg.ranks.shard_len} is not the CP shard of seq_len {msg.seq_len} over {msg.ranks.cp_size} ranks ({shard})",
+            f"ranks.shard_len {msg.ranks.shard_len} is not the CP shard of seq_len {msg.seq_len} "
+            f"over {msg.ranks.cp_size} ranks ({shard})",
             path="$.ranks.shard_len",
             rule="cp_shard",
         )
@@ -335,9 +336,9 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
     if (a.trainable is None) != (b.trainable is None):
-        out.append(
-            f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}"
-        )
+        flags_a = "flags" if a.trainable is not None else "None"
+        flags_b = "flags" if b.trainable is not None else "None"
+        out.append(f"trainable: {flags_a} != {flags_b}")
     elif a.trainable is not None and b.trainable is not None:
         _diff_array("trainable", a.trainable, b.trainable, out)
     sources = {
