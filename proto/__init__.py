@@ -11,7 +11,8 @@ else of treepack.
   trainable flags and group ids.
 - :mod:`~treepack.proto.shape` — batch shapes (fingerprints) for history and what-if;
   :mod:`~treepack.proto.history` — their SQLite store, written by the sidecar and the
-  embedded client alike.
+  embedded client alike (its file: ``history_schema``; rows written: ``history_write``;
+  read back: ``history_read``).
 - :mod:`~treepack.proto.whatif` — what-if queries, compositions and results.
 - :mod:`~treepack.proto.index` — shared numpy index helpers.
 - ``batch_columns``, ``batch_wire``, ``plan_wire``, ``shape_wire``, ``whatif_wire`` — every
@@ -19,7 +20,9 @@ else of treepack.
 - :mod:`~treepack.proto.cost` — :class:`CostModel`: a plan's predicted step time (numbers
   only; its coefficients measured by ``treepack.trainer.calibrate``), its JSON file.
 - :mod:`~treepack.proto.errors` — the one error hierarchy and its HTTP statuses.
-- :mod:`~treepack.proto.messages` — pydantic v2 models of every message on the wire.
+- :mod:`~treepack.proto.messages` — the catalogue of the pydantic v2 models of every message
+  on the wire, which live by endpoint in ``pack_messages``, ``whatif_messages`` and
+  ``service_messages``, over the field types of ``wire_fields``.
 - :mod:`~treepack.proto.buffers` — how arrays travel: typed little-endian buffers.
 - :mod:`~treepack.proto.codec` — msgpack / JSON bodies and content negotiation.
 - :mod:`~treepack.proto.schema` — the JSON Schema files kept next to this module

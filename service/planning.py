@@ -23,7 +23,9 @@ from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
 from treepack.proto.codec import Format, encode_body, parse_message
 from treepack.proto.cost import load_cost_model
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
-from treepack.proto.history import HistoryDamaged, HistoryStore, empty_summary, move_aside
+from treepack.proto.history import HistoryStore
+from treepack.proto.history_read import empty_summary
+from treepack.proto.history_schema import HistoryDamaged, move_aside
 from treepack.proto.options import OPTION_NAMES, PlanOptions
 from treepack.proto.pack_messages import PackRequest
 from treepack.proto.plan_wire import plan_to_wire
