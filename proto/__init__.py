@@ -8,7 +8,7 @@ else of treepack.
 - :mod:`~treepack.proto.options` — :class:`PlanOptions` (checked by the planner).
 - :mod:`~treepack.proto.batch` — the pack request :class:`PackInput` that every entry
   point takes, and the normalized :class:`SequenceBatch`; the one normalisation of
-  trainable flags and group ids.
+  trainable flags and group ids (``batch_fields``, one field at a time).
 - :mod:`~treepack.proto.shape` — batch shapes (fingerprints) for history and what-if;
   :mod:`~treepack.proto.history` — their SQLite store, written by the sidecar and the
   embedded client alike (its file: ``history_schema``; rows written: ``history_write``;
@@ -18,7 +18,8 @@ else of treepack.
 - ``batch_columns``, ``batch_wire``, ``plan_wire``, ``shape_wire``, ``whatif_wire`` — every
   message codec.
 - :mod:`~treepack.proto.cost` — :class:`CostModel`: a plan's predicted step time (numbers
-  only; its coefficients measured by ``treepack.trainer.calibrate``), its JSON file.
+  only; its coefficients measured by ``treepack.trainer.calibrate`` and fitted by
+  ``cost_fit``), its JSON file.
 - :mod:`~treepack.proto.errors` — the one error hierarchy and its HTTP statuses.
 - :mod:`~treepack.proto.messages` — the catalogue of the pydantic v2 models of every message
   on the wire, which live by endpoint in ``pack_messages``, ``whatif_messages`` and

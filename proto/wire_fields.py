@@ -184,7 +184,7 @@ ShareOption = _option(
 )
 Index = Annotated[int, Field(ge=-1, le=INT64[1])]
 GroupId = Union[Annotated[int, Field(ge=INT64[0], le=INT64[1])], Annotated[str, Field(max_length=256)], None]
-# A request's group ids are judged by the planner's normalisation (treepack.proto.batch.group_codes),
+# A request's group ids are judged by the planner's normalisation (treepack.proto.batch_fields.group_codes),
 # which gives the embedded planner's errors; the schema documents the same limits.
 GroupIdInput = Annotated[
     Any,
