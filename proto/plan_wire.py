@@ -209,8 +209,17 @@ def check_plan_structure(plan: Plan) -> None:
     Raises:
         RequestError: (rule ``plan_structure``) naming the first field that disagrees.
     """
+    s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(plan.segments.row.shape[0])
+    _check_sequences_and_segments(plan, s, r, g)
+    _check_attention(plan, g)
+    _check_gdn_levels(plan, r, g)
+    _check_ranks(plan, r)
+    _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
+
+
+def _check_sequences_and_segments(plan: Plan, s: int, r: int, g: int) -> None:
+    """The per-sequence arrays and the segment table: sizes, CSR pointers, ranges, lengths within seq_len."""
     seg, c = plan.segments, plan.seq_len
-    s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(seg.row.shape[0])
     _sizes({f: getattr(plan, f) for f in ("orig_lens", "row_of", "first_trainable", "group_codes")}, s, "", "sequences")
     _sizes(
         {
@@ -249,6 +258,10 @@ def check_plan_structure(plan: Plan) -> None:
         "first_trainable outside [0, seq_lens]",
         "$.first_trainable",
     )
+
+
+def _check_attention(plan: Plan, g: int) -> None:
+    """The ancestor chains: one per segment, pointing at segments."""
     att = plan.attention
     _need(
         att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g,
@@ -257,6 +270,11 @@ def check_plan_structure(plan: Plan) -> None:
     )
     _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
     _in(att.anc_segs, 0, g, "$.attention.anc_segs")
+
+
+def _check_gdn_levels(plan: Plan, r: int, g: int) -> None:
+    """Each GDN level: sizes, segments and conv context in range, parent slots in the previous level."""
+    seg, c = plan.segments, plan.seq_len
     prev = 0
     for d, lv in enumerate(plan.gdn.levels):
         n = int(lv.segs.shape[0])
@@ -274,6 +292,10 @@ def check_plan_structure(plan: Plan) -> None:
         _in(lv.parent_slot, -1, prev, f"{where}.parent_slot")  # a slot of the previous level
         _csr(lv.cu_seqlens, int(seg.length[lv.segs].sum()), f"{where}.cu_seqlens")
         prev = n
+
+
+def _check_ranks(plan: Plan, r: int) -> None:
+    """The rank tables and, under CP, the tile map."""
     rk = plan.ranks
     _need(
         rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks,
@@ -293,7 +315,6 @@ def check_plan_structure(plan: Plan) -> None:
         f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}",
         "$.ranks.cp_tiles",
     )
-    _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
 def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:
