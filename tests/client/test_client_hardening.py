@@ -90,8 +90,10 @@ async def _cut_off(reader, writer, n):
 def _always_503(retry_after: str) -> Handler:
     async def answer(reader, writer, n):
         body = b'{"version":1,"error":"overloaded","message":"busy","path":"$","rule":"queue_full"}'
-        writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: " + retry_after.encode()
-                     + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+        head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: "
+        writer.write(
+            head + retry_after.encode() + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         await writer.drain()
 
     return answer
