@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from golden_scaled import scaled_golden  # noqa: E402
 
-from treepack.proto.cost import CostModel, CostWarning, cost_terms, fit_cost_model  # noqa: E402
+from treepack.proto.cost import CostModel, CostWarning, cost_terms  # noqa: E402
+from treepack.proto.cost_fit import fit_cost_model  # noqa: E402
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.service.planner.by_time import time_candidates  # noqa: E402
 from treepack.trainer import time_step  # noqa: E402

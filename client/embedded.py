@@ -13,7 +13,8 @@ from typing import Any
 from treepack.proto import WIRE_VERSION
 from treepack.proto.batch import PackInput
 from treepack.proto.cost import CostModel
-from treepack.proto.history import HistoryStore, empty_summary
+from treepack.proto.history import HistoryStore
+from treepack.proto.history_read import empty_summary
 from treepack.proto.plan import Plan
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.service.planner.api import plan_request

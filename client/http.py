@@ -1,222 +1,41 @@
-"""The HTTP backends (sync and async) of the client: msgpack over httpx, retries, error mapping.
+"""The HTTP backends (sync and async) of the client: msgpack over httpx.
 
 Both backends share everything but the I/O loop: request bodies are built and answers
-decoded by the functions below, and :func:`raise_for_response` is the one place where
-an HTTP answer becomes the project's exception (the server's kind, message, path and
-rule), while :func:`transport_error` does the same for httpx's transport failures.
-
-Retries, up to ``retries`` times:
-
-- a connection that cannot be made (the request surely did not reach the server);
-- a connection dropped before the whole answer arrived, only when repeating the request
-  is safe: a GET, a what-if (it records nothing), or a pack that carries an
-  ``Idempotency-Key`` (the default: the server answers a repeated key from its cache, so
-  the batch is planned and recorded once);
-- a 503 of an overloaded server (not one that says the history is damaged).
-
-A 503's ``Retry-After`` (seconds or an HTTP date) is honoured when it is a finite,
-non-negative number; otherwise (``nan``, ``-1``, garbage) the wait is ``backoff *
-2**attempt`` with +-25% jitter; every wait is capped at ``max_backoff``. Timeouts are not
-retried (the server may still be planning).
-
-Deadlines: ``timeout`` bounds each attempt as a whole (connect, send, wait, receive: a
-server trickling its answer cannot stretch it; the async backend cuts at exactly
-``timeout``, the sync one checks between received chunks, so at most twice it), and
-``total_timeout`` bounds the call, attempts and waits together.
+decoded by the functions below; retries and deadlines are :mod:`~treepack.client.retry`'s
+(:class:`~treepack.client.retry.RetryPolicy`, one :class:`~treepack.client.retry.Call`
+per request), and an HTTP answer or a transport failure becomes the project's exception
+in :mod:`~treepack.client.http_errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import json
-import math
-import random
 import time
 import uuid
-from dataclasses import dataclass
-from datetime import timezone
 from typing import Any
 
 import httpx
-import msgpack
 
+from treepack.client.retry import Call, RetryPolicy
 from treepack.proto.batch import PackInput
 from treepack.proto.batch_columns import BodyChunks
 from treepack.proto.batch_wire import encode_pack_body, encode_pack_chunks
 from treepack.proto.codec import Format, content_type, decode_body, encode_body, parse_message
 from treepack.proto.errors import (
-    OverloadedError,
     RequestError,
     ServerError,
     TransportError,
     TreepackError,
-    error_from_payload,
 )
-from treepack.proto.messages import HistorySummary, PackResponse, WhatIfResponse
+from treepack.proto.pack_messages import PackResponse
 from treepack.proto.plan import Plan
 from treepack.proto.plan_wire import plan_from_wire
+from treepack.proto.service_messages import HistorySummary
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
+from treepack.proto.whatif_messages import WhatIfResponse
 from treepack.proto.whatif_wire import whatif_request, whatif_result_from_wire
 
-__all__ = [
-    "RetryPolicy",
-    "HttpBackend",
-    "AsyncHttpBackend",
-    "raise_for_response",
-    "transport_error",
-    "parse_retry_after",
-]
-
-# Failures before the request left: always safe to retry.
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-# The connection broke after the request may have arrived: retried only when safe.
-_CUT_OFF = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetryPolicy:
-    """How often and how long to wait (module docstring).
-
-    Attributes:
-        retries: retries after the first attempt.
-        backoff: first wait in seconds without a usable Retry-After (doubles each retry).
-        max_backoff: cap on any single wait, Retry-After included.
-        total_timeout: seconds for the whole call, attempts and waits (None: no bound).
-    """
-
-    retries: int = 4
-    backoff: float = 0.2
-    max_backoff: float = 30.0
-    total_timeout: float | None = None
-
-    def delay(self, attempt: int, retry_after: float | None) -> float:
-        """Seconds to wait before retry ``attempt`` (0-based)."""
-        if retry_after is not None and math.isfinite(retry_after) and retry_after >= 0:
-            return min(retry_after, self.max_backoff)
-        return min(self.backoff * 2**attempt * random.uniform(0.75, 1.25), self.max_backoff)
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """``Retry-After`` as seconds from now: delta-seconds or an HTTP date; None when unusable.
-
-    Non-finite, negative or unparsable values give None (the caller falls back to its
-    backoff); huge ones are returned as they are (the policy caps every wait).
-    """
-    if value is None:
-        return None
-    text = value.strip()
-    try:
-        secs = float(text)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        secs = when.timestamp() - time.time()
-    return secs if math.isfinite(secs) and secs >= 0 else None
-
-
-def _retry_after(resp: httpx.Response) -> float | None:
-    return parse_retry_after(resp.headers.get("retry-after"))
-
-
-def _retryable_503(resp: httpx.Response) -> bool:
-    """A 503 worth retrying: overload (or uvicorn's connection limit), not a damaged history."""
-    if resp.status_code != 503:
-        return False
-    try:
-        return json.loads(resp.content).get("error") != "unavailable"
-    except (ValueError, AttributeError):
-        return True
-
-
-class _Call:
-    """The deadlines and retry decisions of one client call (module docstring)."""
-
-    def __init__(self, policy: RetryPolicy, timeout: float, url: str, safe: bool) -> None:
-        self.policy, self.timeout, self.url, self.safe = policy, timeout, url, safe
-        self.start = time.monotonic()
-        self.attempt = 0
-
-    def attempt_timeout(self) -> float:
-        """Seconds the next attempt may take (the per-attempt bound, within the total)."""
-        if self.policy.total_timeout is None:
-            return self.timeout
-        left = self.start + self.policy.total_timeout - time.monotonic()
-        if left <= 0:
-            raise TransportError(
-                f"request to {self.url} timed out: the total deadline of {self.policy.total_timeout:g} s passed",
-                path="$",
-                rule="total_timeout",
-            )
-        return min(self.timeout, left)
-
-    def wait_for_retry(self, exc: BaseException | None, resp: httpx.Response | None) -> float | None:
-        """Seconds to wait before retrying, or None to give up (then the caller raises)."""
-        if self.attempt >= self.policy.retries:
-            return None
-        if exc is not None and not (isinstance(exc, _NOT_SENT) or (isinstance(exc, _CUT_OFF) and self.safe)):
-            return None
-        wait = self.policy.delay(self.attempt, None if resp is None else _retry_after(resp))
-        if self.policy.total_timeout is not None and time.monotonic() + wait >= self.start + self.policy.total_timeout:
-            return None
-        self.attempt += 1
-        return wait
-
-    def retry_after_failure(self, exc: httpx.HTTPError) -> float:
-        """Seconds to wait before retrying an attempt that failed with ``exc``.
-
-        Raises:
-            TransportError: the failure is not retried (module docstring).
-        """
-        wait = self.wait_for_retry(exc, None)
-        if wait is None:
-            raise transport_error(exc, self.url) from None
-        return wait
-
-    def retry_after_answer(self, resp: httpx.Response) -> float | None:
-        """Seconds to wait before retrying a retryable 503, or None when ``resp`` is the answer.
-
-        Raises:
-            TreepackError: (a subclass) for a 4xx/5xx answer that is not retried.
-        """
-        wait = self.wait_for_retry(None, resp) if _retryable_503(resp) else None
-        if wait is None:
-            raise_for_response(resp)
-        return wait
-
-
-def raise_for_response(resp: httpx.Response) -> None:
-    """Raise the project's exception for a 4xx/5xx answer (no-op otherwise)."""
-    status = resp.status_code
-    if status < 400:
-        return
-    payload: Any = None
-    try:
-        if "msgpack" in resp.headers.get("content-type", ""):
-            payload = msgpack.unpackb(resp.content, raw=False)
-        else:
-            payload = json.loads(resp.content)
-    except (ValueError, msgpack.UnpackException):
-        payload = None
-    if not isinstance(payload, dict) or "error" not in payload:
-        text = resp.content[:200].decode("utf-8", "replace")
-        payload = {"message": f"HTTP {status} from {resp.request.url}: {text}", "path": "$"}
-    err = error_from_payload(payload, status)
-    if isinstance(err, OverloadedError):
-        ra = _retry_after(resp)
-        if ra is not None:
-            err.retry_after = ra
-    raise err
-
-
-def transport_error(exc: httpx.HTTPError, url: str) -> TransportError:
-    """A :class:`TransportError` for an httpx failure, naming the URL and the cause."""
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-    return TransportError(f"request to {url} {kind}: {type(exc).__name__}: {exc}", path="$", rule=type(exc).__name__)
+__all__ = ["HttpBackend", "AsyncHttpBackend", "pack_body", "decode_pack", "whatif_body", "decode_whatif"]
 
 
 def _decode(resp: httpx.Response, model: type) -> Any:
@@ -312,7 +131,7 @@ class _HttpBase:
     Args:
         url: the sidecar's base URL.
         token: bearer token, or None.
-        timeout: seconds per attempt as a whole (module docstring).
+        timeout: seconds per attempt as a whole (:mod:`~treepack.client.retry`).
         policy: retries and the total deadline.
         fmt: the body format sent and asked for.
         transport: an httpx transport (tests: ``httpx.ASGITransport``), or None.
@@ -344,9 +163,9 @@ class _HttpBase:
             base_url=self.url, timeout=timeout, headers=_headers(token, fmt), transport=transport
         )
 
-    def _call(self, method: str, path: str, safe: bool | None) -> _Call:
+    def _call(self, method: str, path: str, safe: bool | None) -> Call:
         """The deadlines and retries of one call; ``safe`` defaults to GET-only."""
-        return _Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
+        return Call(self.policy, self.timeout, self.url + path, method == "GET" if safe is None else safe)
 
     def _idempotency_key(self) -> str | None:
         return uuid.uuid4().hex if self.idempotent else None
@@ -365,7 +184,7 @@ class HttpBackend(_HttpBase):
         safe: bool | None = None,
         key: str | None = None,
     ) -> httpx.Response:
-        """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
+        """One call with retries and deadlines (:mod:`~treepack.client.retry`); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
         call = self._call(method, path, safe)
         while True:
@@ -412,7 +231,7 @@ class AsyncHttpBackend(_HttpBase):
         safe: bool | None = None,
         key: str | None = None,
     ) -> httpx.Response:
-        """One call with retries and deadlines (module docstring); ``safe`` defaults to GET-only."""
+        """One call with retries and deadlines (:mod:`~treepack.client.retry`); ``safe`` defaults to GET-only."""
         headers = _request_headers(self.fmt, body, accept, key)
         call = self._call(method, path, safe)
         while True:

@@ -68,7 +68,8 @@ class _Packers:
                 path="$.cost_model",
                 rule="embedded_only",
             )
-        from treepack.client.http import AsyncHttpBackend, HttpBackend, RetryPolicy
+        from treepack.client.http import AsyncHttpBackend, HttpBackend
+        from treepack.client.retry import RetryPolicy
 
         policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
         cls = AsyncHttpBackend if self._asynchronous else HttpBackend
@@ -103,7 +104,7 @@ class Packer(_Packers):
         idempotent: HTTP only: send each pack with a fresh ``Idempotency-Key``, so a pack
             whose answer was cut off is retried safely (recorded once); False never
             retries a pack that may have reached the server.
-        retries: retries on connection failures and 503 (module ``treepack.client.http``).
+        retries: retries on connection failures and 503 (module ``treepack.client.retry``).
         backoff: first retry wait in seconds (doubles each retry) when no Retry-After.
         max_backoff: cap on any single wait, Retry-After included.
         fmt: ``msgpack`` (default) or ``json`` on the wire.

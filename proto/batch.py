@@ -12,21 +12,18 @@ input already has the right dtype (the wire's columnar buffer is sliced, not cop
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from treepack.proto.batch_fields import as_keys, as_tokens, as_trainable, group_codes, prompt_mask
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import OverflowEvent
 
-__all__ = ["PackInput", "SequenceBatch", "normalize_batch", "as_trainable", "normalize_trainable", "group_codes"]
-
-MAX_GROUP_LABEL = 256  # characters, as on the wire
-_UINT32_MAX = np.iinfo(np.uint32).max
-_SAFE_UNSIGNED = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+__all__ = ["PackInput", "SequenceBatch", "normalize_batch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,157 +171,6 @@ class PackInput:
         )
 
 
-def _as_tokens(x: Any, i: int) -> np.ndarray:
-    path = f"$.sequences[{i}]"
-    arr = np.asarray(x)
-    if arr.ndim != 1:
-        raise InputTypeError(f"expected a 1-D array of token ids, got shape {arr.shape}", path=path, rule="ndim")
-    if arr.dtype in _SAFE_UNSIGNED:
-        return np.ascontiguousarray(arr, dtype=np.uint32)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.uint32)
-    if arr.dtype.kind not in "iu":
-        raise InputTypeError(f"expected integer token ids, got dtype {arr.dtype}", path=path, rule="dtype")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0:
-        j = int(np.argmax(arr < 0))
-        raise RequestError(f"token id must be >= 0, got {int(arr[j])}", path=f"{path}[{j}]", rule="token_range")
-    if hi > _UINT32_MAX:
-        j = int(np.argmax(arr > _UINT32_MAX))
-        raise RequestError(f"token id must fit uint32, got {int(arr[j])}", path=f"{path}[{j}]", rule="token_range")
-    return arr.astype(np.uint32)
-
-
-def as_trainable(x: Any, n: int, path: str, *, placed: int | None = None) -> tuple[np.ndarray | None, int]:
-    """One sequence's trainable flags, in either form: (bool array or None, prompt length or -1).
-
-    Args:
-        x: a bool (or 0/1 integer) array of ``n`` flags, or a prompt length p in [0, n]
-            (tokens p.. are trainable).
-        n: the sequence's length.
-        path: where ``x`` is in the request, for errors.
-        placed: another accepted array length (the placed length of a truncated
-            sequence); flags of the full length are then cut to it.
-
-    Raises:
-        InputTypeError: neither form (rules ``type``, ``ndim``, ``dtype``).
-        RequestError: a prompt length out of range, or flags of another length.
-    """
-    if isinstance(x, (bool, np.bool_)):
-        raise InputTypeError(f"expected a bool array or a prompt length, got {x!r}", path=path, rule="type")
-    if isinstance(x, (int, np.integer)):
-        p = int(x)
-        if not 0 <= p <= n:
-            raise RequestError(f"prompt length must be in [0, {n}], got {p}", path=path, rule="prompt_len_range")
-        return None, p if placed is None else min(p, placed)
-    arr = np.asarray(x)
-    if arr.ndim != 1:
-        raise InputTypeError(f"expected a 1-D bool array, got shape {arr.shape}", path=path, rule="ndim")
-    if arr.shape[0] != n and arr.shape[0] != placed:
-        raise RequestError(f"trainable has {arr.shape[0]} flags for {n} tokens", path=path, rule="length_mismatch")
-    if arr.dtype != np.bool_:
-        if arr.dtype.kind not in "iub" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
-            raise InputTypeError(f"expected bools or 0/1, got dtype {arr.dtype}", path=path, rule="dtype")
-        arr = arr.astype(bool)
-    if placed is not None:
-        arr = arr[:placed]
-    return np.ascontiguousarray(arr), -1
-
-
-def normalize_trainable(
-    trainable: Sequence[Any] | None,
-    seq_lens: np.ndarray,
-    orig_lens: np.ndarray | None = None,
-    *,
-    path: str = "$.trainable",
-) -> Callable[[int], np.ndarray]:
-    """Per-sequence trainable flags cut to the placed lengths (the trainer's view of a plan).
-
-    Args:
-        trainable: None (nothing trainable), or per sequence what :func:`as_trainable`
-            takes (flags of the submitted or the placed length, or a prompt length).
-        seq_lens: [S] placed lengths (``plan.seq_lens``).
-        orig_lens: [S] submitted lengths (``plan.orig_lens``); default ``seq_lens``.
-        path: the argument's path, for errors (``{path}[s]`` names one sequence).
-
-    Returns:
-        ``flags(s)`` -> [seq_lens[s]] bool.
-    """
-    orig = seq_lens if orig_lens is None else orig_lens
-    S = int(seq_lens.shape[0])
-    if trainable is None:
-        return lambda s: np.zeros(int(seq_lens[s]), dtype=bool)
-    if len(trainable) != S:
-        raise RequestError(
-            f"trainable has {len(trainable)} entries for the plan's {S} sequences", path=path, rule="length_mismatch"
-        )
-
-    def flags(s: int) -> np.ndarray:
-        n = int(seq_lens[s])
-        arr, p = as_trainable(trainable[s], int(orig[s]), f"{path}[{s}]", placed=n)
-        return _prompt_mask(n, p) if arr is None else arr
-
-    return flags
-
-
-def _as_keys(x: Any, n: int, i: int) -> np.ndarray | None:
-    if x is None:
-        return None
-    path = f"$.sequences[{i}].keys"
-    arr = np.asarray(x)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise RequestError(
-            f"keys must be one uint64 per token ({n}), got shape {arr.shape}", path=path, rule="length_mismatch"
-        )
-    if arr.dtype.kind not in "iu":
-        raise InputTypeError(f"expected integer keys, got dtype {arr.dtype}", path=path, rule="dtype")
-    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-        raise RequestError("keys must be >= 0 (uint64)", path=path, rule="key_range")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
-
-
-def group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple[Any, ...]]:
-    """([n] int64 dense group codes in order of first appearance, the label of each code).
-
-    A sequence without a group (None, or ``groups`` None) gets a code of its own. Labels
-    are ints or strings within the wire's limits (256 characters, int64).
-    """
-    if groups is None:
-        return np.arange(n, dtype=np.int64), (None,) * n
-    if len(groups) != n:
-        raise RequestError(
-            f"groups has {len(groups)} entries for {n} sequences", path="$.groups", rule="length_mismatch"
-        )
-    codes = np.empty(n, dtype=np.int64)
-    index: dict[Any, int] = {}
-    labels: list[Any] = []
-    for s, g in enumerate(groups):
-        if g is None:
-            codes[s] = len(labels)
-            labels.append(None)
-            continue
-        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, str, np.integer)):
-            raise InputTypeError(
-                f"group must be an int or a string, got {type(g).__name__}", path=f"$.groups[{s}]", rule="type"
-            )
-        key = int(g) if isinstance(g, np.integer) else g
-        # The wire's limits, so the embedded planner and the sidecar accept the same batches.
-        if isinstance(key, str) and len(key) > MAX_GROUP_LABEL:
-            raise RequestError(
-                f"group label has {len(key)} characters, at most {MAX_GROUP_LABEL}",
-                path=f"$.groups[{s}]",
-                rule="max_length",
-            )
-        if isinstance(key, int) and not -(2**63) <= key < 2**63:
-            raise RequestError(f"group id {key} does not fit int64", path=f"$.groups[{s}]", rule="int64")
-        c = index.get(key)
-        if c is None:
-            c = index[key] = len(labels)
-            labels.append(key)
-        codes[s] = c
-    return codes, tuple(labels)
-
-
 def normalize_batch(
     sequences: Sequence[Any],
     *,
@@ -364,7 +210,7 @@ def normalize_batch(
     prompt_lens: np.ndarray | None = prompt
     if trainable is not None and any(p.flags is not None for p in per):
         train_tuple = tuple(
-            p.flags if p.flags is not None else _prompt_mask(int(lens[s]), p.prompt) for s, p in enumerate(per)
+            p.flags if p.flags is not None else prompt_mask(int(lens[s]), p.prompt) for s, p in enumerate(per)
         )
         prompt_lens = None
     codes, labels = group_codes(groups, n)
@@ -412,17 +258,18 @@ class _One:
 
 
 def _normalize_one(sequences: Any, trainable: Any, keys: Any, s: int, seq_len: int, on_overflow: str) -> _One:
-    arr = _as_tokens(sequences[s], s)
+    arr = as_tokens(sequences[s], s)
     m = arr.shape[0]
     if m == 0:
         raise RequestError("sequence has no tokens", path=f"$.sequences[{s}]", rule="non_empty")
     tr, p = (None, m) if trainable is None else as_trainable(trainable[s], m, f"$.sequences[{s}].trainable")
-    ky = None if keys is None else _as_keys(keys[s], m, s)
+    ky = None if keys is None else as_keys(keys[s], m, s)
     event = None
     if m > seq_len:
         if on_overflow == "error":
             raise CapacityError(
-                f"sequence {s} has {m} tokens, longer than seq_len {seq_len} (set on_overflow='truncate' or 'drop' to allow)",
+                f"sequence {s} has {m} tokens, longer than seq_len {seq_len} "
+                "(set on_overflow='truncate' or 'drop' to allow)",
                 path=f"$.sequences[{s}]",
                 rule="max_len",
             )
@@ -436,9 +283,3 @@ def _normalize_one(sequences: Any, trainable: Any, keys: Any, s: int, seq_len: i
         j = int(np.argmax(tr)) if n else 0
         first = j if n and tr[j] else n
     return _One(tokens=arr, orig=m, flags=tr, prompt=p, first=first, keys=ky, event=event)
-
-
-def _prompt_mask(m: int, p: int) -> np.ndarray:
-    out = np.zeros(m, dtype=bool)
-    out[p:] = True
-    return out

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 
 from treepack.proto.batch import normalize_batch
-from treepack.proto.messages import MAX_SEQ_LEN
+from treepack.proto.options import MAX_SEQ_LEN
 
 __all__ = [
     "Column",
@@ -71,7 +71,7 @@ class Column:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchColumns:
-    """The batch fields of a ``PackRequest`` (:mod:`treepack.proto.messages`).
+    """The batch fields of a ``PackRequest`` (:mod:`treepack.proto.pack_messages`).
 
     Attributes:
         tokens: ``<u4`` every sequence's tokens not covered by its prefix reference.

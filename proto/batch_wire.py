@@ -1,6 +1,6 @@
 """Batches on the wire: ``PackRequest`` <-> :class:`~treepack.proto.batch.PackInput`.
 
-Request side of :mod:`treepack.proto.messages`, shared by the service (decode) and the
+Request side of :mod:`treepack.proto.pack_messages`, shared by the service (decode) and the
 HTTP client (encode). No FastAPI here: the client imports it.
 
 Encoding builds the columns with :mod:`~.batch_columns` (which writes the msgpack body
@@ -26,8 +26,8 @@ from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgp
 from treepack.proto.buffers import Format, decode_buffer, encode_request_buffer
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import PayloadTooLargeError, RequestError
-from treepack.proto.messages import PackRequest
 from treepack.proto.options import OPTION_NAMES, PlanOptions
+from treepack.proto.pack_messages import PackRequest
 
 __all__ = ["Limits", "decode_pack_request", "encode_pack_request", "encode_pack_body", "encode_pack_chunks"]
 

@@ -34,6 +34,8 @@ import msgpack
 
 from treepack.proto.codec import Format, decode_body
 from treepack.proto.errors import DecodeError, PayloadTooLargeError
+from treepack.proto.pack_messages import PackRequest
+from treepack.proto.whatif_messages import BatchShapeMessage, Composition, WhatIfRequest
 
 __all__ = ["decode_request", "PACK_SPEC", "WHATIF_SPEC", "BUDGET_FACTOR", "ALLOWANCE", "decode_budget"]
 
@@ -72,12 +74,10 @@ def _spec(model: Any, kinds: Mapping[str, Any]) -> Spec:
 
 
 def _specs() -> tuple[Spec, Spec]:
-    from treepack.proto import messages as m
-
     buffers = ("tokens", "offsets", "trainable", "prompt_lens", "keys", "prefix_src", "prefix_len")
-    pack = _spec(m.PackRequest, {**{b: BUFFER for b in buffers}, "groups": SCALARS, "tags": SCALARS})
+    pack = _spec(PackRequest, {**{b: BUFFER for b in buffers}, "groups": SCALARS, "tags": SCALARS})
     shape = _spec(
-        m.BatchShapeMessage,
+        BatchShapeMessage,
         {
             "seq_ptr": BUFFER,
             "run_hash": BUFFER,
@@ -87,8 +87,8 @@ def _specs() -> tuple[Spec, Spec]:
             "tags": SCALARS,
         },
     )
-    comp = _spec(m.Composition, {"by_tag": STRMAP})
-    whatif = _spec(m.WhatIfRequest, {"compositions": ListOf(comp), "shapes": ListOf(shape)})
+    comp = _spec(Composition, {"by_tag": STRMAP})
+    whatif = _spec(WhatIfRequest, {"compositions": ListOf(comp), "shapes": ListOf(shape)})
     return pack, whatif
 
 
@@ -103,7 +103,8 @@ def decode_budget(nbytes: int) -> int:
 def _over(cost: int, nbytes: int, fmt: str) -> PayloadTooLargeError:
     return PayloadTooLargeError(
         f"decoding this {nbytes}-byte {fmt} body would build over {cost} bytes of objects, more than "
-        f"{BUDGET_FACTOR} x its size + {ALLOWANCE >> 20} MiB; send buffers as msgpack bin or base64, not lists of numbers",
+        f"{BUDGET_FACTOR} x its size + {ALLOWANCE >> 20} MiB; "
+        "send buffers as msgpack bin or base64, not lists of numbers",
         path="$",
         rule="decode_budget",
     )

@@ -2,11 +2,11 @@
 
 The file both planners write: the sidecar (through :class:`~treepack.service.recorder.HistoryRecorder`)
 and the embedded client (``Packer(history_path=...)``), so it lives in the contract;
-it needs nothing of treepack beyond the shape codec.
-
-One table, one row per batch: summary columns (time, seq_len, counts, rows, savings,
-groups per tag) plus the shape itself as a msgpack blob (``BatchShapeMessage``, no
-tokens). Durability:
+it needs nothing of treepack beyond the shape codec. Its file format and how a file is
+judged: :mod:`~treepack.proto.history_schema`; a row and retention:
+:mod:`~treepack.proto.history_write`; the summary and the shapes read back:
+:mod:`~treepack.proto.history_read`. This module holds the store: the connection, its
+lock, its damage state and the cache of decoded shapes. Durability:
 
 - WAL journal with ``synchronous=NORMAL``: a commit is atomic and survives the process
   being killed (SIGKILL) at any point; readers never see a half-written batch. (A power
@@ -24,23 +24,21 @@ tokens). Durability:
   a request.
 - Integrity: opening runs ``PRAGMA quick_check`` and the checksums; a file that is not a
   database, fails the check, is empty, foreign or has another schema raises
-  :class:`HistoryDamaged`, one line naming the file and the cause, with a short
-  path-free :attr:`HistoryDamaged.reason` for unauthenticated readers
-  (:func:`move_aside` is the recovery: rename it and start fresh). A path that cannot be
-  created or written raises :class:`HistoryPathError` instead (moving nothing aside
-  helps; :func:`history_path_problem` finds it before a server starts). A database
-  error later marks the store damaged (:attr:`HistoryStore.damaged`, for readiness) and
-  raises :class:`HistoryDamaged` too.
+  :class:`~treepack.proto.history_schema.HistoryDamaged`, one line naming the file and the
+  cause, with a short path-free ``reason`` for unauthenticated readers
+  (:func:`~treepack.proto.history_schema.move_aside` is the recovery: rename it and start
+  fresh). A path that cannot be created or written raises
+  :class:`~treepack.proto.history_schema.HistoryPathError` instead (moving nothing aside
+  helps; :func:`~treepack.proto.history_schema.history_path_problem` finds it before a
+  server starts). A database error later marks the store damaged
+  (:attr:`HistoryStore.damaged`, for readiness) and raises ``HistoryDamaged`` too.
 - :meth:`HistoryStore.checkpoint` (at shutdown, and in :meth:`HistoryStore.close`) folds
   the WAL into the database file, so the file alone is complete after a clean stop.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -48,132 +46,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
-from treepack.proto.codec import parse_message
-from treepack.proto.errors import TreepackError
-from treepack.proto.messages import BatchShapeMessage
+from treepack.proto.history_read import decode_row, shape_rows, summarize, summary_rows
+from treepack.proto.history_schema import (
+    HistoryDamaged,
+    HistoryPathError,
+    checksum_or_none,
+    clip,
+    history_path_problem,
+    one_line,
+    prepare_file,
+)
+from treepack.proto.history_write import RetentionLimits, batch_row, insert_batch, prune
 from treepack.proto.shape import BatchShape
-from treepack.proto.shape_wire import shape_from_wire, shape_to_wire
 
-__all__ = [
-    "HistoryStore",
-    "HistoryDamaged",
-    "HistoryPathError",
-    "SCHEMA_VERSION",
-    "APPLICATION_ID",
-    "empty_summary",
-    "move_aside",
-    "history_path_problem",
-    "shape_checksum",
-]
+__all__ = ["HistoryStore"]
 
 log = logging.getLogger("treepack.history")
-
-SCHEMA_VERSION = 2  # 2: a checksum per row
-APPLICATION_ID = 0x74706B68  # "tpkh": this file is a treepack history
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS batches (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    created REAL NOT NULL,
-    seq_len INTEGER NOT NULL,
-    min_shared_len INTEGER NOT NULL,
-    sequences INTEGER NOT NULL,
-    groups INTEGER NOT NULL,
-    tokens INTEGER NOT NULL,
-    rows INTEGER NOT NULL,
-    packed_tokens INTEGER NOT NULL,
-    saved_fraction REAL NOT NULL,
-    tags TEXT NOT NULL,
-    shape BLOB NOT NULL,
-    checksum BLOB
-);
-CREATE INDEX IF NOT EXISTS batches_created ON batches (created);
-"""
-
-
-def _groups_per_tag(shape: BatchShape) -> dict[str, int]:
-    seen: dict[Any, str] = {}
-    out: dict[str, int] = {}
-    for s, g in enumerate(shape.groups):
-        key = ("seq", s) if g is None else ("group", g)
-        if key not in seen:
-            tag = (shape.tags[s] if shape.tags is not None else None) or ""
-            seen[key] = tag
-            out[tag] = out.get(tag, 0) + 1
-    return out
-
-
-def shape_checksum(blob: bytes) -> bytes:
-    """The checksum stored beside a shape blob (BLAKE2b, 16 bytes)."""
-    return hashlib.blake2b(blob, digest_size=16).digest()
-
-
-class HistoryDamaged(RuntimeError):
-    """The history database cannot be used; the message names the file and the cause in one line.
-
-    Attributes:
-        reason: the cause alone, short and without the path (for unauthenticated readers).
-    """
-
-    def __init__(self, message: str, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = _clip(reason if reason is not None else message)
-
-
-class HistoryPathError(RuntimeError):
-    """The history path cannot be created or written: one line naming it and what to do."""
-
-
-def _clip(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def history_path_problem(path: str | Path) -> str | None:
-    """Why a history file cannot be created or written at ``path`` (one line, with what to do), or None.
-
-    Checks the folder (created if missing) and the file's permissions; it opens no database.
-    """
-    p = Path(path)
-    advice = (
-        "make that folder writable by this user, set TREEPACK_HISTORY_PATH (--history-path) to a writable file, "
-        "or run without a history (--no-history)"
-    )
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create the folder of the history database {p}: {exc.strerror or exc}; {advice}"
-    if p.exists():
-        if p.is_dir():
-            return f"the history path {p} is a folder; set TREEPACK_HISTORY_PATH (--history-path) to a file in it"
-        if not os.access(p, os.R_OK | os.W_OK):
-            return f"cannot read and write the history database {p} (permission denied); {advice}"
-    if not os.access(p.parent, os.W_OK | os.X_OK):
-        return f"cannot create the history database {p} (its folder is not writable; SQLite also writes -wal/-shm files there); {advice}"
-    return None
-
-
-def move_aside(path: str | Path) -> Path | None:
-    """Rename a damaged history file (and its ``-wal``/``-shm``) to ``<file>.damaged-<unix time>``.
-
-    Returns:
-        The new path of the database file, or None when there was no file.
-    """
-    src = Path(path)
-    stamp = int(time.time())
-    target = src.with_name(f"{src.name}.damaged-{stamp}")
-    moved = None
-    for suffix in ("", "-wal", "-shm"):
-        f = src.with_name(src.name + suffix)
-        if f.exists():
-            f.rename(target.with_name(target.name + suffix))
-            moved = moved or target
-    return moved
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class HistoryStore:
@@ -220,16 +108,16 @@ class HistoryStore:
             self._conn = sqlite3.connect(where, check_same_thread=False, isolation_level=None, timeout=30.0)
         except (OSError, sqlite3.Error) as exc:
             raise HistoryDamaged(
-                f"history database {where}: cannot open: {_one_line(exc)}", f"cannot open: {_one_line(exc)}"
+                f"history database {where}: cannot open: {one_line(exc)}", f"cannot open: {one_line(exc)}"
             ) from None
-        self._conn.create_function("treepack_checksum", 1, _checksum_or_none, deterministic=True)
+        self._conn.create_function("treepack_checksum", 1, checksum_or_none, deterministic=True)
         try:
             self._open()
         except (sqlite3.Error, HistoryDamaged) as exc:
             self._conn.close()
             if isinstance(exc, HistoryDamaged):
                 raise
-            raise HistoryDamaged(f"history database {where}: {_one_line(exc)}", _one_line(exc)) from None
+            raise HistoryDamaged(f"history database {where}: {one_line(exc)}", one_line(exc)) from None
 
     @property
     def undecodable(self) -> int:
@@ -238,42 +126,7 @@ class HistoryStore:
 
     def _open(self) -> None:
         with self._lock:
-            c = self._conn
-            check = c.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:
-                cause = f"integrity check failed: {_one_line(Exception(check[0][0]))}"
-                raise HistoryDamaged(f"history database {self.path}: {cause}", cause)
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            app_id = c.execute("PRAGMA application_id").fetchone()[0]
-            tables = {
-                r[0]
-                for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
-            }
-            foreign = sorted(tables - {"batches"}) if version == 0 else []
-            if app_id not in (0, APPLICATION_ID) or foreign:
-                held = f" (it holds tables {', '.join(foreign[:4])})" if foreign else f" (application id {app_id:#x})"
-                raise HistoryDamaged(
-                    f"history database {self.path} is another application's database{held}",
-                    "another application's database",
-                )
-            if version not in (0, 1, SCHEMA_VERSION):
-                cause = f"schema version {version}; this build reads {SCHEMA_VERSION}"
-                raise HistoryDamaged(f"history database {self.path} has {cause}", cause)
-            # Only now the file is written to (a refused file is left exactly as it was).
-            if self.path is not None:
-                c.execute("PRAGMA journal_mode=WAL")
-            c.execute("PRAGMA synchronous=NORMAL")
-            c.executescript(_SCHEMA)
-            if "checksum" not in {r[1] for r in c.execute("PRAGMA table_info(batches)")}:
-                # A file of schema 1: add the checksums, trusting the rows as they are.
-                c.execute("ALTER TABLE batches ADD COLUMN checksum BLOB")
-                c.execute("UPDATE batches SET checksum = treepack_checksum(shape)")
-            c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            c.execute(f"PRAGMA application_id={APPLICATION_ID}")
-            bad = c.execute(
-                "SELECT id FROM batches WHERE checksum IS NULL OR checksum IS NOT treepack_checksum(shape)"
-            ).fetchall()
-            for (bid,) in bad:
+            for bid in prepare_file(self._conn, self.path):
                 self._skip(bid, "its shape does not match its checksum")
 
     def _skip(self, bid: int, why: str) -> None:
@@ -284,8 +137,8 @@ class HistoryStore:
 
     def _failed(self, exc: sqlite3.Error) -> HistoryDamaged:
         """Mark the store damaged after a database error (readiness reports it)."""
-        self.damaged = f"history database {self.path or ':memory:'}: {_one_line(exc)}"
-        self.damaged_reason = _clip(_one_line(exc))
+        self.damaged = f"history database {self.path or ':memory:'}: {one_line(exc)}"
+        self.damaged_reason = clip(one_line(exc))
         log.error("%s", self.damaged)
         return HistoryDamaged(self.damaged, self.damaged_reason)
 
@@ -298,63 +151,21 @@ class HistoryStore:
             The batch's id.
         """
         now = time.time() if created is None else created
-        blob = msgpack.packb(shape_to_wire(shape, "msgpack"), use_bin_type=True)
-        per_tag = _groups_per_tag(shape)
-        row = (
-            now,
-            shape.seq_len,
-            shape.min_shared_len,
-            shape.num_sequences,
-            sum(per_tag.values()),
-            shape.num_tokens,
-            int(rows),
-            int(packed_tokens),
-            float(saved_fraction),
-            json.dumps(per_tag, sort_keys=True),
-            blob,
-            shape_checksum(blob),
-        )
+        row = batch_row(shape, rows=rows, packed_tokens=packed_tokens, saved_fraction=saved_fraction, created=now)
         with self._lock:
-            c = self._conn
             try:
-                c.execute("BEGIN IMMEDIATE")
-                try:
-                    cur = c.execute(
-                        "INSERT INTO batches (created, seq_len, min_shared_len, sequences, groups, tokens, rows,"
-                        " packed_tokens, saved_fraction, tags, shape, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                        row,
-                    )
-                    self._prune(now)
-                    c.execute("COMMIT")
-                except BaseException:
-                    if c.in_transaction:
-                        c.execute("ROLLBACK")
-                    raise
+                return insert_batch(self._conn, row, self._retention(), now)
             except sqlite3.DatabaseError as exc:
                 raise self._failed(exc) from None
-            return int(cur.lastrowid)
 
-    def _prune(self, now: float) -> None:
-        c = self._conn
-        c.execute(
-            "DELETE FROM batches WHERE id <= (SELECT id FROM batches ORDER BY id DESC LIMIT 1 OFFSET ?)",
-            (self.max_batches,),
-        )
-        if self.max_age_s is not None:
-            c.execute("DELETE FROM batches WHERE created < ?", (now - self.max_age_s,))
-        if self.max_bytes is not None:
-            # Oldest first, until the shapes from the newest back fit; the newest always stays.
-            c.execute(
-                "DELETE FROM batches WHERE id < (SELECT MAX(id) FROM batches) AND id IN (SELECT id FROM"
-                " (SELECT id, SUM(LENGTH(shape)) OVER (ORDER BY id DESC) AS kept FROM batches) WHERE kept > ?)",
-                (self.max_bytes,),
-            )
+    def _retention(self) -> RetentionLimits:
+        return RetentionLimits(max_batches=self.max_batches, max_age_s=self.max_age_s, max_bytes=self.max_bytes)
 
     def prune(self, now: float | None = None) -> None:
         """Apply retention now (recording does it too; this serves an idle store)."""
         with self._lock:
             try:
-                self._prune(time.time() if now is None else now)
+                prune(self._conn, time.time() if now is None else now, self._retention())
             except sqlite3.DatabaseError as exc:
                 raise self._failed(exc) from None
 
@@ -377,36 +188,7 @@ class HistoryStore:
 
     def summary(self) -> dict[str, Any]:
         """Counts, time span, seq_lens, groups per tag and means over the retained batches."""
-
-        def read(c: sqlite3.Connection) -> tuple[Any, ...]:
-            head = c.execute(
-                "SELECT COUNT(*), COALESCE(SUM(sequences),0), COALESCE(SUM(groups),0), COALESCE(SUM(tokens),0),"
-                " MIN(created), MAX(created), AVG(rows), AVG(saved_fraction) FROM batches"
-            ).fetchone()
-            seq_lens = [int(r[0]) for r in c.execute("SELECT DISTINCT seq_len FROM batches ORDER BY seq_len")]
-            return head, seq_lens, c.execute("SELECT tags FROM batches").fetchall()
-
-        (n, seqs, groups, toks, oldest, newest, mean_rows, mean_saved), seq_lens, tag_rows = self._query(read)
-        tags: dict[str, int] = {}
-        for (t,) in tag_rows:
-            try:
-                per_tag = json.loads(t)
-                for k, v in per_tag.items():
-                    tags[k] = tags.get(k, 0) + int(v)
-            except (TypeError, ValueError, AttributeError):
-                continue  # an undecodable row's tags: counted by shapes(), skipped here
-        return dict(
-            batches=int(n),
-            sequences=int(seqs),
-            groups=int(groups),
-            tokens=int(toks),
-            oldest=oldest,
-            newest=newest,
-            seq_lens=seq_lens,
-            tags=dict(sorted(tags.items())),
-            mean_rows=None if mean_rows is None else float(mean_rows),
-            mean_saved_fraction=None if mean_saved is None else float(mean_saved),
-        )
+        return summarize(self._query(summary_rows))
 
     def shapes(self, limit: int | None = None) -> list[BatchShape]:
         """The most recent ``limit`` batches (all if None), oldest first.
@@ -415,29 +197,16 @@ class HistoryStore:
         repeated what-if requests only decode batches recorded since the last one.
         """
 
-        def read(c: sqlite3.Connection) -> tuple[list[int], list[Any]]:
-            ids = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),)
-                )
-            ]
-            missing = [i for i in ids if i not in self._decoded and i not in self._bad]
-            rows = []
-            for k in range(0, len(missing), 500):  # stay under SQLite's bound-parameter limit
-                part = missing[k : k + 500]
-                rows += c.execute(
-                    f"SELECT id, shape, checksum FROM batches WHERE id IN ({','.join('?' * len(part))})", part
-                ).fetchall()
-            return ids, rows
+        def seen(i: int) -> bool:
+            return i in self._decoded or i in self._bad
 
-        ids, rows = self._query(read)
+        ids, rows = self._query(lambda c: shape_rows(c, limit, seen))
         fresh = {}
         for bid, blob, checksum in rows:
-            if _checksum_or_none(blob) != checksum:
+            if checksum_or_none(blob) != checksum:
                 self._skip(bid, "its shape does not match its checksum")
                 continue
-            shape = _decode_row(bid, blob)
+            shape = decode_row(bid, blob)
             if shape is None:
                 self._skip(bid, "its shape does not decode")
             else:
@@ -478,32 +247,3 @@ class HistoryStore:
             pass  # already logged; closing is all that is left
         with self._lock:
             self._conn.close()
-
-
-def _checksum_or_none(blob: Any) -> bytes | None:
-    return shape_checksum(bytes(blob)) if isinstance(blob, (bytes, bytearray, memoryview)) else None
-
-
-def _decode_row(bid: int, blob: Any) -> BatchShape | None:
-    """A stored shape, or None (logged) when the row does not decode or is inconsistent."""
-    try:
-        return shape_from_wire(parse_message(BatchShapeMessage, msgpack.unpackb(blob, raw=False)), f"history[{bid}]")
-    except (TreepackError, ValueError, TypeError, msgpack.UnpackException) as exc:
-        log.warning("history row %d does not decode (%s)", bid, _one_line(exc))
-        return None
-
-
-def empty_summary() -> dict[str, Any]:
-    """The summary of a disabled history."""
-    return dict(
-        batches=0,
-        sequences=0,
-        groups=0,
-        tokens=0,
-        oldest=None,
-        newest=None,
-        seq_lens=[],
-        tags={},
-        mean_rows=None,
-        mean_saved_fraction=None,
-    )

@@ -1,8 +1,8 @@
 """How to pack a batch: :class:`PlanOptions`, and the limits every option is held to.
 
 One frozen dataclass carries the options from the caller (``plan_batch``, either client,
-the wire) to the planner, and the plan keeps the checked copy (``Plan.options``). It is loosely typed on purpose: whatever a caller gave travels
-as given, and one function of the planner
+the wire) to the planner, and the plan keeps the checked copy (``Plan.options``). It is
+loosely typed on purpose: whatever a caller gave travels as given, and one function of the planner
 (:func:`treepack.service.planner.options.check_options`) judges it, so the embedded
 planner and the sidecar answer a bad option with the same error, rule, path and message.
 """

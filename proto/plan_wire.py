@@ -18,8 +18,8 @@ import numpy as np
 
 from treepack.proto.buffers import Format, array_from_wire, array_to_wire, exact_sum
 from treepack.proto.errors import RequestError
-from treepack.proto.messages import PlanMessage
 from treepack.proto.options import CP_ALIGN, PlanOptions, cp_shard_len
+from treepack.proto.pack_messages import PlanMessage
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
 
 __all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
@@ -124,7 +124,8 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
     shard = cp_shard_len(msg.seq_len, msg.ranks.cp_size)
     if msg.ranks.shard_len is not None and msg.ranks.shard_len != shard:
         raise RequestError(
-            f"ranks.shard_len {msg.ranks.shard_len} is not the CP shard of seq_len {msg.seq_len} over {msg.ranks.cp_size} ranks ({shard})",
+            f"ranks.shard_len {msg.ranks.shard_len} is not the CP shard of seq_len {msg.seq_len} "
+            f"over {msg.ranks.cp_size} ranks ({shard})",
             path="$.ranks.shard_len",
             rule="cp_shard",
         )
@@ -208,8 +209,17 @@ def check_plan_structure(plan: Plan) -> None:
     Raises:
         RequestError: (rule ``plan_structure``) naming the first field that disagrees.
     """
+    s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(plan.segments.row.shape[0])
+    _check_sequences_and_segments(plan, s, r, g)
+    _check_attention(plan, g)
+    _check_gdn_levels(plan, r, g)
+    _check_ranks(plan, r)
+    _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
+
+
+def _check_sequences_and_segments(plan: Plan, s: int, r: int, g: int) -> None:
+    """The per-sequence arrays and the segment table: sizes, CSR pointers, ranges, lengths within seq_len."""
     seg, c = plan.segments, plan.seq_len
-    s, r, g = int(plan.seq_lens.shape[0]), int(plan.num_rows), int(seg.row.shape[0])
     _sizes({f: getattr(plan, f) for f in ("orig_lens", "row_of", "first_trainable", "group_codes")}, s, "", "sequences")
     _sizes(
         {
@@ -248,6 +258,10 @@ def check_plan_structure(plan: Plan) -> None:
         "first_trainable outside [0, seq_lens]",
         "$.first_trainable",
     )
+
+
+def _check_attention(plan: Plan, g: int) -> None:
+    """The ancestor chains: one per segment, pointing at segments."""
     att = plan.attention
     _need(
         att.anc_ptr.shape[0] == g + 1 and att.key_lens.shape[0] == g,
@@ -256,6 +270,11 @@ def check_plan_structure(plan: Plan) -> None:
     )
     _csr(att.anc_ptr, int(att.anc_segs.shape[0]), "$.attention.anc_ptr")
     _in(att.anc_segs, 0, g, "$.attention.anc_segs")
+
+
+def _check_gdn_levels(plan: Plan, r: int, g: int) -> None:
+    """Each GDN level: sizes, segments and conv context in range, parent slots in the previous level."""
+    seg, c = plan.segments, plan.seq_len
     prev = 0
     for d, lv in enumerate(plan.gdn.levels):
         n = int(lv.segs.shape[0])
@@ -273,6 +292,10 @@ def check_plan_structure(plan: Plan) -> None:
         _in(lv.parent_slot, -1, prev, f"{where}.parent_slot")  # a slot of the previous level
         _csr(lv.cu_seqlens, int(seg.length[lv.segs].sum()), f"{where}.cu_seqlens")
         prev = n
+
+
+def _check_ranks(plan: Plan, r: int) -> None:
+    """The rank tables and, under CP, the tile map."""
     rk = plan.ranks
     _need(
         rk.rank_rows.shape[0] == rk.num_ranks and rk.rank_cost.shape[0] == rk.num_ranks,
@@ -292,7 +315,6 @@ def check_plan_structure(plan: Plan) -> None:
         f"cp_tiles of shape {list(rk.cp_tiles.shape)}, expected {want}",
         "$.ranks.cp_tiles",
     )
-    _need(plan.stats.rows == r, f"stats.rows {plan.stats.rows} for num_rows {r}", "$.stats.rows")
 
 
 def _flags(obj: Any, num_tokens: int) -> np.ndarray | None:
@@ -335,9 +357,9 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
     if (a.trainable is None) != (b.trainable is None):
-        out.append(
-            f"trainable: {'flags' if a.trainable is not None else 'None'} != {'flags' if b.trainable is not None else 'None'}"
-        )
+        flags_a = "flags" if a.trainable is not None else "None"
+        flags_b = "flags" if b.trainable is not None else "None"
+        out.append(f"trainable: {flags_a} != {flags_b}")
     elif a.trainable is not None and b.trainable is not None:
         _diff_array("trainable", a.trainable, b.trainable, out)
     sources = {

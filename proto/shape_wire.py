@@ -12,8 +12,8 @@ import numpy as np
 
 from treepack.proto.buffers import Format, decode_buffer, encode_request_buffer, exact_sum
 from treepack.proto.errors import RequestError
-from treepack.proto.messages import BatchShapeMessage
 from treepack.proto.shape import BatchShape
+from treepack.proto.whatif_messages import BatchShapeMessage
 
 __all__ = ["MAX_SHAPE_TOKENS", "shape_to_wire", "shape_from_wire"]
 

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.buffers import Format
-from treepack.proto.messages import Composition as CompositionMessage
-from treepack.proto.messages import WhatIfResultMessage
 from treepack.proto.shape_wire import shape_to_wire
 from treepack.proto.version import WIRE_VERSION
 from treepack.proto.whatif import Composition, Distribution, WhatIfQuery, WhatIfResult
+from treepack.proto.whatif_messages import Composition as CompositionMessage
+from treepack.proto.whatif_messages import WhatIfResultMessage
 
 __all__ = [
     "composition_to_wire",

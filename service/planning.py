@@ -23,12 +23,15 @@ from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
 from treepack.proto.codec import Format, encode_body, parse_message
 from treepack.proto.cost import load_cost_model
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
-from treepack.proto.history import HistoryDamaged, HistoryStore, empty_summary, move_aside
-from treepack.proto.messages import PackRequest, WhatIfRequest
+from treepack.proto.history import HistoryStore
+from treepack.proto.history_read import empty_summary
+from treepack.proto.history_schema import HistoryDamaged, move_aside
 from treepack.proto.options import OPTION_NAMES, PlanOptions
+from treepack.proto.pack_messages import PackRequest
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.proto.shape import BatchShape
 from treepack.proto.shape_wire import shape_from_wire
+from treepack.proto.whatif_messages import WhatIfRequest
 from treepack.proto.whatif_wire import composition_from_wire, whatif_result_to_wire
 from treepack.service.metrics import ServiceMetrics
 from treepack.service.planner.api import plan_request

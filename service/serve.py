@@ -139,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"treepack serve needs the service extra: pip install 'treepack[service]' ({exc})", file=sys.stderr)
         return 2
     if settings.history_enabled and settings.history_path is not None:
-        from treepack.proto.history import history_path_problem
+        from treepack.proto.history_schema import history_path_problem
 
         problem = history_path_problem(settings.history_path)
         if problem is not None:  # one line that says what to do, not a worker's traceback

@@ -5,7 +5,7 @@
 (:func:`calibration_batches`: GRPO groups, agent trees with a shared system prompt, plain
 unshared sequences, many short ones; from under one row to several), planned by the
 embedded planner (each as the tree plan and plain packing), times them in interleaved
-rounds, and fits the cost model's non-negative coefficients to the median step times (:func:`~treepack.proto.cost.fit_cost_model`). The model's token-mixer kinds
+rounds, and fits the cost model's non-negative coefficients to the median step times (:func:`~treepack.proto.cost_fit.fit_cost_model`). The model's token-mixer kinds
 (GDN, Mamba2, short conv, ...; sparse indexer attention) are read from its modules, so
 their per-level and per-chunk terms are measured too. Save the result with
 ``cost.save(path)`` and give it to the planner (``plan_batch(..., cost_model=cost)``, the
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from treepack.proto.cost import MIXER_KINDS, CostModel, fit_cost_model
+from treepack.proto.cost import MIXER_KINDS, CostModel
+from treepack.proto.cost_fit import fit_cost_model
 from treepack.proto.errors import RequestError
 from treepack.proto.plan import Plan
 from treepack.trainer.data import materialize

@@ -291,7 +291,7 @@ def test_server_side_errors_keep_kind_message_and_path(server):
     r = httpx.post(
         server + "/v1/pack", content=encode_body(msg, "msgpack"), headers={"content-type": "application/msgpack"}
     )
-    from treepack.client.http import raise_for_response
+    from treepack.client.http_errors import raise_for_response
 
     with pytest.raises(UnsupportedVersionError) as e:
         raise_for_response(r)

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import pytest
 
 from treepack.client import AsyncPacker, Packer
-from treepack.client.http import RetryPolicy, parse_retry_after
+from treepack.client.http_errors import parse_retry_after
+from treepack.client.retry import RetryPolicy
 from treepack.proto.errors import RequestError, TransportError, TreepackError
 from treepack.proto.plan_wire import check_plan_structure, plan_from_wire, plan_to_wire
 from treepack.service.planner import plan_batch

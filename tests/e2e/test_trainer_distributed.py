@@ -13,7 +13,7 @@ import torch
 
 from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
-from treepack.proto.messages import PlanMessage
+from treepack.proto.pack_messages import PlanMessage
 from treepack.proto.plan_wire import plan_to_wire
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan

@@ -12,7 +12,7 @@ from treepack.proto.batch import PackInput, normalize_batch
 from treepack.proto.batch_columns import BodyChunks, Column, batch_columns, msgpack_body, naive_prefix_refs, prefix_refs
 from treepack.proto.batch_wire import decode_pack_request, encode_pack_body, encode_pack_request
 from treepack.proto.codec import decode_body, encode_body, parse_message
-from treepack.proto.messages import PackRequest
+from treepack.proto.pack_messages import PackRequest
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 
 

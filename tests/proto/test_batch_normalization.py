@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from treepack.proto.batch import group_codes, normalize_trainable
+from treepack.proto.batch_fields import group_codes, normalize_trainable
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.service.planner import plan_batch
 

@@ -14,11 +14,11 @@ from treepack.proto.cost import (
     CostModelError,
     CostWarning,
     cost_terms,
-    fit_cost_model,
     load_cost_model,
     naive_attention_pairs,
     plan_features,
 )
+from treepack.proto.cost_fit import fit_cost_model
 from treepack.proto.errors import TreepackWarning
 from treepack.service.planner import plan_batch
 

@@ -274,8 +274,14 @@ def test_every_structural_rule_refuses_alone(base, name):
 
 
 def test_every_bound_of_the_guard_is_tried():
-    """The source's ``_in(...)`` and ``_need``/``_csr``/``_sizes`` paths all appear in the tables above."""
-    src = inspect.getsource(plan_wire.check_plan_structure).replace("{where}", "$.gdn.levels[{d}]")
+    """The source's ``_in(...)`` and ``_need``/``_csr``/``_sizes`` paths all appear in the tables above.
+
+    The guard is ``check_plan_structure`` and its named steps (``_check_*``), all scanned.
+    """
+    steps = [plan_wire.check_plan_structure] + [
+        getattr(plan_wire, n) for n in dir(plan_wire) if n.startswith("_check_")
+    ]
+    src = "".join(inspect.getsource(fn) for fn in steps).replace("{where}", "$.gdn.levels[{d}]")
     bound_paths = {re.sub(r"\{d\}", "1", m) for m in re.findall(r'_in\([^\n]*?f?"(\$[^"]*)"\)', src)}
     assert len(bound_paths) >= 15, f"the scan found {len(bound_paths)} bounds: its pattern no longer matches"
     tried = {b[0] for b in BOUNDS}

@@ -16,7 +16,7 @@ from treepack.proto.batch_wire import Limits, decode_pack_request, encode_pack_r
 from treepack.proto.buffers import array_from_wire, array_to_wire, decode_buffer
 from treepack.proto.codec import decode_body, encode_body, parse_message, response_format
 from treepack.proto.errors import DecodeError, InputTypeError, RequestError, UnsupportedMediaTypeError
-from treepack.proto.messages import PackRequest
+from treepack.proto.pack_messages import PackRequest
 from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
 from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example

@@ -10,7 +10,8 @@ import httpx
 import msgpack
 import pytest
 
-from treepack.proto.history import HistoryDamaged, HistoryPathError, HistoryStore, history_path_problem
+from treepack.proto.history import HistoryStore
+from treepack.proto.history_schema import HistoryDamaged, HistoryPathError, history_path_problem
 from treepack.service import Settings, create_app
 
 from helpers.service import pack_body, small_batch

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treepack.trainer.kernels import gpu
+from treepack.trainer.kernels import gpu, gpu_ssm
 
 
 def test_available_names_every_kernel_with_a_reason():
@@ -33,7 +33,7 @@ def test_load_kernel_error_names_the_kernel():
 
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.sampled_from([0.0, 0.5, 1.0, 3.0]))
 def test_length_buckets_cover_once_and_bound_padding(lens, ratio):
-    groups = gpu.length_buckets(lens, ratio)
+    groups = gpu_ssm.length_buckets(lens, ratio)
     flat = sorted(i for g in groups for i in g)
     assert flat == list(range(len(lens)))
     for g in groups:

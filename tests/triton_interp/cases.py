@@ -32,7 +32,7 @@ from loop_refs import (
     stock_selective_scan_fn,
 )
 
-from treepack.trainer.kernels import gpu
+from treepack.trainer.kernels import gpu, gpu_ssm
 from treepack.trainer.kernels.gdn import naive_tree_causal_conv1d, tree_gated_delta_rule
 
 __all__ = ["KERNELS", "SHAPES", "STOCK", "make_inputs", "run_case"]
@@ -130,7 +130,7 @@ def run_case(
         chunk = SHAPES[shape]["chunk"]
 
         def level(x, dt, B, C, z, **kw):
-            return gpu.mamba2_level(
+            return gpu_ssm.mamba2_level(
                 x,
                 dt,
                 p["A"],
@@ -147,7 +147,7 @@ def run_case(
     elif kernel == "mamba1":
 
         def level(u, delta, B, C, z, **kw):
-            return gpu.selective_scan_level(
+            return gpu_ssm.selective_scan_level(
                 u,
                 delta,
                 p["A"],

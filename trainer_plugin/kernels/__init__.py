@@ -18,7 +18,8 @@ for mamba_ssm's ``selective_scan_fn``); ``tree_*`` runs on tree rows.
   (causal conv, LFM2's gated short conv), :mod:`~treepack.trainer.kernels.mamba2` (SSD),
   :mod:`~treepack.trainer.kernels.mamba` (selective scan), :mod:`~treepack.trainer.kernels.kda`;
 - :mod:`~treepack.trainer.kernels.gpu`: the GPU mixer kernels (fla, mamba_ssm,
-  causal-conv1d) wrapped for one tree level each, and which of them import here;
+  causal-conv1d) wrapped for one tree level each, and which of them import here (the
+  state-space ones, as padded batches, in :mod:`~treepack.trainer.kernels.gpu_ssm`);
   :mod:`~treepack.trainer.kernels.gpu_varlen`: the same kernels behind the stock
   signatures (per-sequence states) for the mixers' ``select_*`` dispatch points.
 

@@ -224,7 +224,8 @@ def _flex(q, k, v, block_mask, scale, softcap, compile, sinks):
 
 
 _SINK_SOFTCAP = (
-    "attention sinks with logit soft-capping are not exact on backend='{backend}' (the LSE gradient assumes plain logits); "
+    "attention sinks with logit soft-capping are not exact on backend='{backend}' "
+    "(the LSE gradient assumes plain logits); "
     "use backend='sdpa'"
 )
 
@@ -289,7 +290,8 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
         if tuple(lse.shape) != (H, qg.shape[0]):
             # Older flash-attn returned a padded [B, H, max_seqlen_q] LSE for varlen calls.
             raise RequestError(
-                f"the varlen kernel returned an LSE of shape {tuple(lse.shape)}, expected [heads, total_q] = {[H, qg.shape[0]]}; "
+                f"the varlen kernel returned an LSE of shape {tuple(lse.shape)}, "
+                f"expected [heads, total_q] = {[H, qg.shape[0]]}; "
                 "attention sinks need flash-attn >= 2.6 (or backend='sdpa' / 'flex')",
                 path="$.backend",
                 rule="unsupported",

@@ -249,5 +249,8 @@ def head_slice(num_heads: int, cp: ContextParallel) -> slice:
 def divide_refusal(what: str, count: int, cp_size: int) -> str | None:
     """Why ``count`` ``what`` (heads, channels) cannot be dealt to ``cp_size`` ranks, or None."""
     if count % cp_size:
-        return f"{count} {what} do not divide over {cp_size} context-parallel ranks (each rank runs whole rows of {what} / cp)"
+        return (
+            f"{count} {what} do not divide over {cp_size} context-parallel ranks "
+            f"(each rank runs whole rows of {what} / cp)"
+        )
     return None

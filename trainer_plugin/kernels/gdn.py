@@ -77,7 +77,9 @@ def tree_causal_conv1d(
     schedule: TreeSchedule,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv of width W along every token's ancestor chain (:func:`~treepack.trainer.kernels.tree_scan.tree_conv`).
+    """Depthwise causal conv of width W along every token's ancestor chain.
+
+    Runs through :func:`~treepack.trainer.kernels.tree_scan.tree_conv`.
 
     Args:
         x: [N, D] flat row inputs.

@@ -86,7 +86,8 @@ def check_gdn_inputs(
     n = cu.numel() - 1
     if initial_state is not None and initial_state.shape != (n, Hv, q.shape[3], v.shape[3]):
         raise RequestError(
-            f"initial_state must be [N, Hv, K, V] = {(n, Hv, q.shape[3], v.shape[3])}, got {tuple(initial_state.shape)}",
+            f"initial_state must be [N, Hv, K, V] = {(n, Hv, q.shape[3], v.shape[3])}, "
+            f"got {tuple(initial_state.shape)}",
             path="$.initial_state",
             rule="shape",
         )
@@ -186,28 +187,53 @@ def torch_chunk_gated_delta_rule(
     out_shape, out_dtype = v.shape, q.dtype
     q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     n, H, K, V, L = cu.numel() - 1, v.shape[1], k.shape[-1], v.shape[-1], chunk_size
-    dev = q.device
     lens = cu[1:] - cu[:-1]
     nchunk = (lens + L - 1) // L
     total = int(nchunk.sum())
     if n == 0 or total == 0:
         final = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dt)
         return v.new_zeros(out_shape).to(out_dtype), (final if output_final_state else None)
+    first_chunk, tok, real = _chunk_tokens(cu, nchunk, total, L)
+    terms = _chunk_terms(*(_chunked(x, tok, real) for x in (q, k, v, g, beta)), dt)
+    S0 = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dt)
+    o, S = _scan_chunks(terms, S0, nchunk, first_chunk, total)
+    o = o[real]  # tokens in order: chunks are in token order, padding dropped
+    return o.reshape(out_shape).to(out_dtype), (S if output_final_state else None)
 
-    # Chunk c of sequence i holds tokens cu[i] + c*L + (0..L-1), those below cu[i+1] real.
-    chunk_seq = torch.repeat_interleave(torch.arange(n, device=dev), nchunk)
+
+def _chunk_tokens(
+    cu: torch.Tensor, nchunk: torch.Tensor, total: int, L: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the chunks are: (first chunk of each sequence [n], token of each chunk slot [C, L], real [C, L]).
+
+    Chunk c of sequence i holds tokens cu[i] + c*L + (0..L-1), those below cu[i+1] real;
+    the others point at token 0.
+    """
+    dev = cu.device
+    chunk_seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), nchunk)
     first_chunk = torch.cumsum(nchunk, 0) - nchunk
     chunk_no = torch.arange(total, device=dev) - first_chunk[chunk_seq]
     tok = cu[chunk_seq][:, None] + chunk_no[:, None] * L + torch.arange(L, device=dev)[None, :]
     real = tok < cu[chunk_seq + 1][:, None]  # [C, L]
-    tok = torch.where(real, tok, 0)
+    return first_chunk, torch.where(real, tok, 0), real
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [C, H, L, ...], zero padded
-        y = x[tok]
-        y = y * real.reshape(*real.shape, *([1] * (y.dim() - 2))).to(y.dtype)
-        return y.transpose(1, 2)
 
-    qc, kc, vc, gc, bc = (chunked(x) for x in (q, k, v, g, beta))
+def _chunked(x: torch.Tensor, tok: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[T, H, ...] -> [C, H, L, ...], zero padded."""
+    y = x[tok]
+    y = y * real.reshape(*real.shape, *([1] * (y.dim() - 2))).to(y.dtype)
+    return y.transpose(1, 2)
+
+
+def _chunk_terms(qc, kc, vc, gc, bc, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """What each chunk contributes independently of its initial state (the function's docstring).
+
+    Returns:
+        (u, w, qk, q_dec, k_dec, chunk_decay): the writes' two parts ``u - w S0``, the
+        intra-chunk scores, the decayed queries and keys, and the chunk's total decay
+        [C, H, 1, 1].
+    """
+    L, dev = qc.shape[2], qc.device
     c = gc.cumsum(-1)  # [C, H, L] cumulative log decay inside each chunk
     lower = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     # exp(c_i - c_j) for j <= i; the upper triangle is masked before exp (it would overflow).
@@ -222,12 +248,27 @@ def torch_chunk_gated_delta_rule(
     q_dec = qc * c.exp()[..., None]
     k_dec = kc * (c[..., -1:] - c).exp()[..., None]
     chunk_decay = c[..., -1].exp()[..., None, None]  # [C, H, 1, 1]
+    return u, w, qk, q_dec, k_dec, chunk_decay
 
-    # Scan: sequences sorted by chunk count (descending), so those alive at step s are a prefix.
+
+def _scan_chunks(
+    terms: tuple[torch.Tensor, ...], S: torch.Tensor, nchunk: torch.Tensor, first_chunk: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state scan over chunk index, all sequences that still have a chunk at once.
+
+    Args:
+        terms: from :func:`_chunk_terms`. S: [n, H, K, V] initial states.
+
+    Returns:
+        (outputs [C, L, H, V] in chunk order, final states [n, H, K, V]).
+    """
+    u, w, qk, q_dec, k_dec, chunk_decay = terms
+    n, dev = S.shape[0], nchunk.device
+    # Sequences sorted by chunk count (descending), so those alive at step s are a prefix.
     order = torch.argsort(nchunk, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(n, device=dev)
-    S = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dt)[order]
+    S = S[order]
     counts = nchunk[order].tolist()
     o_parts, o_chunks = [], []
     for s in range(counts[0]):
@@ -241,7 +282,4 @@ def torch_chunk_gated_delta_rule(
         S = torch.cat([S_next, S[live:]]) if live < n else S_next
     inv = torch.empty(total, dtype=torch.int64, device=dev)
     inv[torch.cat(o_chunks)] = torch.arange(total, device=dev)
-    o = torch.cat(o_parts)[inv].transpose(1, 2)  # [C, L, H, V]
-    o = o[real]  # tokens in order: chunks are in token order, padding dropped
-    final = S[rank] if output_final_state else None
-    return o.reshape(out_shape).to(out_dtype), final
+    return torch.cat(o_parts)[inv].transpose(1, 2), S[rank]

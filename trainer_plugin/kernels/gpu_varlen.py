@@ -6,7 +6,7 @@ needs it; their ``select_*`` dispatch points can return these on CUDA tensors:
 
 - :func:`mamba_chunk_scan_varlen`: ``mamba_chunk_scan_combined``'s signature with one
   initial state per varlen sequence (``cu_seqlens`` or ``seq_idx``) and
-  ``return_varlen_states`` differentiable; runs :func:`~treepack.trainer.kernels.gpu.mamba2_level`.
+  ``return_varlen_states`` differentiable; runs :func:`~treepack.trainer.kernels.gpu_ssm.mamba2_level`.
 - :func:`selective_scan_with_state`: ``selective_scan_fn``'s signature whose
   ``last_state`` carries gradients. The CUDA kernel's does not ("the gradient of the
   last state is not considered in the backward pass"), so a tree path that forks the
@@ -29,7 +29,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from treepack.trainer.kernels.gpu import load_kernel, mamba2_level
+from treepack.trainer.kernels.gpu import load_kernel
+from treepack.trainer.kernels.gpu_ssm import mamba2_level
 
 __all__ = ["mamba_chunk_scan_varlen", "selective_scan_with_state", "causal_conv1d_varlen", "seq_idx_to_cu_seqlens"]
 

@@ -212,7 +212,7 @@ def torch_ssd_chunk_scan(
     cu = check_ssd_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
     shape, b = x.shape, x.shape[0]
     xf, dtf, Af, Bf, Cf, ct = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
-    H, P, N, Lc, dev = xf.shape[1], xf.shape[2], Bf.shape[2], int(chunk_size), xf.device
+    H, P, N, Lc = xf.shape[1], xf.shape[2], Bf.shape[2], int(chunk_size)
     n = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     nchunk = (lens + Lc - 1) // Lc
@@ -227,13 +227,40 @@ def torch_ssd_chunk_scan(
             return_final_states,
             return_varlen_states,
         )
-    chunk_seq = torch.repeat_interleave(torch.arange(n, device=dev), nchunk)
+    first_chunk, tok, real = _chunk_tokens(cu, nchunk, total, Lc, xf.device)
+    y_diag, chunk_states, chunk_decay, c_dec = _chunk_terms(xf, dtf, Af, Bf, Cf, tok, real.to(ct))
+    off, S = _scan_chunks(c_dec, chunk_decay, chunk_states, S, nchunk, first_chunk, total)
+    y = (y_diag + off)[real]  # tokens in order, padding dropped
+    return _returns(_finish(y, xf, D, z, shape, x.dtype), S, cu, b, return_final_states, return_varlen_states)
+
+
+def _chunk_tokens(
+    cu: torch.Tensor, nchunk: torch.Tensor, total: int, Lc: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the chunks are: (first chunk of each sequence [n], token of each slot [Cn, Lc], real [Cn, Lc]).
+
+    Chunk c of a sequence holds its tokens ``c * Lc ..``; slots past its end point at token 0.
+    """
+    chunk_seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), nchunk)
     first_chunk = torch.cumsum(nchunk, 0) - nchunk
     chunk_no = torch.arange(total, device=dev) - first_chunk[chunk_seq]
     tok = cu[chunk_seq][:, None] + chunk_no[:, None] * Lc + torch.arange(Lc, device=dev)[None, :]
     real = tok < cu[chunk_seq + 1][:, None]  # [Cn, Lc]
-    tok = torch.where(real, tok, 0)
-    m = real.to(ct)
+    return first_chunk, torch.where(real, tok, 0), real
+
+
+def _chunk_terms(xf, dtf, Af, Bf, Cf, tok: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What each chunk contributes independently of its initial state (see :func:`torch_ssd_chunk_scan`).
+
+    Args:
+        xf, dtf, Af, Bf, Cf: from ``_prepare``. tok: [Cn, Lc] token of each slot. m: [Cn, Lc]
+            1 on real slots, 0 on padding (compute dtype).
+
+    Returns:
+        (y_diag [Cn, Lc, H, P] the in-chunk outputs, chunk_states [Cn, H, P, N] the writes,
+        chunk_decay [Cn, H, 1, 1], c_dec [Cn, Lc, H, N] the decayed C that reads S0).
+    """
+    Lc, dev = tok.shape[1], tok.device
     xc, Bc, Cc = xf[tok], Bf[tok], Cf[tok]  # [Cn, Lc, H, P|N]
     dtc = dtf[tok] * m[..., None]  # [Cn, Lc, H]
     a = torch.cumsum(dtc * Af, dim=1).transpose(1, 2)  # [Cn, H, Lc]
@@ -246,7 +273,17 @@ def torch_ssd_chunk_scan(
     chunk_states = torch.einsum("clhn,chl,clhp->chpn", Bc, w_state, xdt)
     chunk_decay = a[..., -1].exp()[..., None, None]  # [Cn, H, 1, 1]
     c_dec = Cc * a.transpose(1, 2).exp()[..., None]  # [Cn, Lc, H, N]
+    return y_diag, chunk_states, chunk_decay, c_dec
 
+
+def _scan_chunks(c_dec, chunk_decay, chunk_states, S, nchunk, first_chunk, total: int):
+    """The state scan over chunk index, every sequence that still has a chunk at once.
+
+    Returns:
+        (the outputs read from each chunk's initial state [Cn, Lc, H, P] in chunk order,
+        final states [n, H, P, N]).
+    """
+    n, dev = S.shape[0], nchunk.device
     order = torch.argsort(nchunk, descending=True, stable=True)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(n, device=dev)
@@ -263,8 +300,7 @@ def torch_ssd_chunk_scan(
         S = torch.cat([S_next, S[live:]]) if live < n else S_next
     inv = torch.empty(total, dtype=torch.int64, device=dev)
     inv[torch.cat(off_ids)] = torch.arange(total, device=dev)
-    y = (y_diag + torch.cat(off_parts)[inv])[real]  # tokens in order, padding dropped
-    return _returns(_finish(y, xf, D, z, shape, x.dtype), S[rank], cu, b, return_final_states, return_varlen_states)
+    return torch.cat(off_parts)[inv], S[rank]
 
 
 def tree_ssd_scan(

@@ -188,7 +188,10 @@ def conv_width_refusal(kernel: int, conv_width: int) -> str | None:
     """
     if kernel <= conv_width:
         return None
-    return f"its causal conv has kernel {kernel} but the plan was made with conv_width={conv_width}; plan with conv_width >= {kernel}"
+    return (
+        f"its causal conv has kernel {kernel} but the plan was made with conv_width={conv_width}; "
+        f"plan with conv_width >= {kernel}"
+    )
 
 
 def tree_schedule(plan: Plan, device: torch.device | str | None = None, rows: np.ndarray | None = None) -> TreeSchedule:

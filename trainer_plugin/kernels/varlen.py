@@ -46,6 +46,65 @@ def length_buckets(nq: np.ndarray, nk: np.ndarray) -> list[tuple[np.ndarray, int
     return [(m, int(nq[m].max()), int(nk[m].max())) for m in np.split(order, bounds) if m.size]
 
 
+def _bucket_mask(
+    nq: np.ndarray, nk: np.ndarray, Q: int, K: int, causal: bool, window_size: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which (query, key) pairs a bucket computes.
+
+    Args:
+        nq, nk: [b] query and key counts of the bucket's members. Q, K: their padded counts.
+        causal, window_size: as :func:`varlen_attention`.
+
+    Returns:
+        (q_ok [b, Q] real queries, k_ok [b, K] real keys, ok [b, Q, K] the visible pairs).
+    """
+    left, right = window_size
+    a = np.arange(Q)
+    b_ = np.arange(K)
+    q_ok = a[None, :] < nq[:, None]  # [b, Q]
+    k_ok = b_[None, :] < nk[:, None]  # [b, K]
+    # Query a of a member sits at key index nk - nq + a (bottom-right alignment).
+    at = (nk - nq)[:, None, None] + a[None, :, None]  # [b, Q, 1]
+    j = b_[None, None, :]
+    ok = k_ok[:, None, :] & q_ok[:, :, None]
+    if causal:
+        ok &= j <= at
+    elif right >= 0:
+        ok &= j <= at + right
+    if left >= 0:
+        ok &= j >= at - left
+    # A padding query (or a query that sees nothing) gets one key so the softmax is finite; it is dropped.
+    ok[:, :, 0] |= ~ok.any(-1)
+    return q_ok, k_ok, ok
+
+
+def _bucket_attention(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    plain: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One bucket's attention: sdpa, or (soft-capping, log-sum-exp) plain batched ops.
+
+    Args:
+        qb: [b, H, Q, D]; kb, vb: [b, H, K, D|Dv]; mask: [b, 1, Q, K] bool.
+
+    Returns:
+        (out [b, H, Q, Dv], lse [H, b, Q] float32 or None without ``plain``).
+    """
+    if not plain:
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale), None
+    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.float().masked_fill(~mask, -math.inf)
+    p = torch.softmax(s, dim=-1).to(vb.dtype)
+    return torch.matmul(p, vb), torch.logsumexp(s, dim=-1).transpose(0, 1)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,45 +140,23 @@ def varlen_attention(
     nq, nk = np.diff(cq), np.diff(ck)
     if nq.size and (nq.max() > max_seqlen_q or nk.max() > max_seqlen_k):
         raise RequestError("max_seqlen smaller than a sequence", path="$.max_seqlen_q", rule="range")
-    left, right = window_size
     plain = bool(softcap) or return_attn_probs
     q_pos, outs, lses = [], [], []
     dev = q.device
     for members, Q, K in length_buckets(nq, nk):
         a = np.arange(Q)
-        b_ = np.arange(K)
-        q_ok = a[None, :] < nq[members, None]  # [b, Q]
-        k_ok = b_[None, :] < nk[members, None]  # [b, K]
+        q_ok, k_ok, ok = _bucket_mask(nq[members], nk[members], Q, K, causal, window_size)
         qi = torch.as_tensor(np.where(q_ok, cq[members, None] + a, 0), device=dev)
-        ki = torch.as_tensor(np.where(k_ok, ck[members, None] + b_, 0), device=dev)
-        # Query a of a member sits at key index nk - nq + a (bottom-right alignment).
-        at = (nk[members] - nq[members])[:, None, None] + a[None, :, None]  # [b, Q, 1]
-        j = b_[None, None, :]
-        ok = k_ok[:, None, :] & q_ok[:, :, None]
-        if causal:
-            ok &= j <= at
-        elif right >= 0:
-            ok &= j <= at + right
-        if left >= 0:
-            ok &= j >= at - left
-        # A padding query (or a query that sees nothing) gets one key so the softmax is finite; it is dropped.
-        ok[:, :, 0] |= ~ok.any(-1)
+        ki = torch.as_tensor(np.where(k_ok, ck[members, None] + np.arange(K), 0), device=dev)
         mask = torch.as_tensor(ok, device=dev)[:, None]  # [b, 1, Q, K]
         qb = q[qi].transpose(1, 2)  # [b, H, Q, D]
         kb, vb = k[ki].transpose(1, 2), v[ki].transpose(1, 2)
         if H != Hkv:
             kb, vb = kb.repeat_interleave(H // Hkv, 1), vb.repeat_interleave(H // Hkv, 1)
-        if plain:
-            s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            s = s.float().masked_fill(~mask, -math.inf)
-            p = torch.softmax(s, dim=-1).to(vb.dtype)
-            ob = torch.matmul(p, vb)
-            lses.append(torch.logsumexp(s, dim=-1).transpose(0, 1)[:, torch.as_tensor(q_ok, device=dev)])  # [H, n]
-        else:
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        ob, lse = _bucket_attention(qb, kb, vb, mask, scale, softcap, plain)
         keep = torch.as_tensor(q_ok, device=dev)
+        if lse is not None:
+            lses.append(lse[:, keep])  # [H, n]
         outs.append(ob.transpose(1, 2)[keep])  # [n, H, Dv], members' real queries in order
         q_pos.append((cq[members, None] + a)[q_ok])
     if not outs:
