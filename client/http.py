@@ -193,9 +193,10 @@ class HttpBackend(_HttpBase):
             except httpx.HTTPError as exc:
                 wait = call.retry_after_failure(exc)
             else:
-                wait = call.retry_after_answer(resp)
-                if wait is None:
+                again = call.retry_after_answer(resp)
+                if again is None:
                     return resp
+                wait = again
             time.sleep(wait)
 
     def pack(self, request: PackInput) -> Plan:
@@ -247,13 +248,15 @@ class AsyncHttpBackend(_HttpBase):
             except httpx.HTTPError as exc:
                 wait = call.retry_after_failure(exc)
             else:
-                wait = call.retry_after_answer(resp)
-                if wait is None:
+                again = call.retry_after_answer(resp)
+                if again is None:
                     return resp
+                wait = again
             await asyncio.sleep(wait)
 
     async def pack(self, request: PackInput) -> Plan:
         body = await asyncio.to_thread(pack_body, request, self.fmt, dedup=self.dedup)
+        assert isinstance(body, bytes)  # not chunked: the async client sends bytes
         key = self._idempotency_key()
         resp = await self.request("POST", "/v1/pack", body, safe=key is not None, key=key)
         return await asyncio.to_thread(decode_pack, resp)

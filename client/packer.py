@@ -37,6 +37,7 @@ class _Packers:
     """The configuration both packers share (see :class:`Packer` for the arguments)."""
 
     _asynchronous = False
+    _b: Backend | AsyncBackend
 
     def __init__(
         self,

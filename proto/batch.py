@@ -67,6 +67,7 @@ class SequenceBatch:
         """[lens[s]] bool trainable flags of sequence s."""
         if self.trainable is not None:
             return self.trainable[s]
+        assert self.prompt_lens is not None  # one of trainable / prompt_lens is always set
         out = np.zeros(int(self.lens[s]), dtype=bool)
         out[int(self.prompt_lens[s]) :] = True
         return out
@@ -120,7 +121,7 @@ class PackInput:
     @classmethod
     def of(
         cls,
-        sequences: Sequence[Any],
+        sequences: Sequence[Any] | PackInput,
         options: PlanOptions | None = None,
         *,
         trainable: Sequence[Any] | None = None,

@@ -212,8 +212,8 @@ def prefix_refs(
             hb = head.get(j)
             if hb is None or hb[2] < k:
                 # Only the guessed prefix as bytes: completions are never copied.
-                hb = head[j] = (tokens[j][:k].tobytes(), memoryview(tokens[j]), k)
-            va = memoryview(tokens[i])
+                hb = head[j] = (tokens[j][:k].tobytes(), tokens[j].data, k)
+            va = tokens[i].data
             if not (hb[0].startswith(va[:k]) and (k == m or va[k] != hb[1][k])):
                 k = guess[j] = _lcp(tokens[i], tokens[j], m)
         else:
@@ -266,10 +266,15 @@ def batch_columns(
             be written as its column.
     """
     toks = _wire_tokens(sequences)
-    lens = None if toks is None else np.fromiter((t.shape[0] for t in toks), np.int64, len(toks))
-    train = None if toks is None or trainable is None else _wire_trainable(trainable, lens)
-    key_parts = None if toks is None or keys is None else _wire_keys(keys, lens)
-    grp = None if toks is None or groups is None else _wire_groups(groups, len(toks))
+    lens: np.ndarray | None = None
+    train: tuple[np.ndarray | None, list[np.ndarray] | None] | None = None
+    key_parts: list[np.ndarray] | None = None
+    grp: list[Any] | None = None
+    if toks is not None:
+        lens = np.fromiter((t.shape[0] for t in toks), np.int64, len(toks))
+        train = None if trainable is None else _wire_trainable(trainable, lens)
+        key_parts = None if keys is None else _wire_keys(keys, lens)
+        grp = None if groups is None else _wire_groups(groups, len(toks))
     slow = toks is None or (trainable is not None and train is None) or (keys is not None and key_parts is None)
     if slow or (groups is not None and grp is None):
         # Capacity is the server's check (it applies on_overflow): no seq_len limit here.
@@ -291,6 +296,7 @@ def batch_columns(
             ]
         if groups is not None:
             grp = [int(g) if isinstance(g, np.integer) else g for g in groups]
+    assert toks is not None and lens is not None  # the fast path or normalize_batch set both
     refs = prefix_refs(toks, grp, min_prefix) if dedup else None
     own = toks if refs is None else [t[k:] if k else t for t, k in zip(toks, refs[1].tolist())]
     off = np.zeros(len(own) + 1, dtype=np.int64)

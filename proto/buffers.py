@@ -166,7 +166,7 @@ def encode_buffer(arr: np.ndarray, dtype: str, fmt: Format) -> Any:
     a = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
     if fmt == "json":
         return a.reshape(-1).tolist()
-    return memoryview(a.reshape(-1)).cast("B") if a.size else b""
+    return a.reshape(-1).data.cast("B") if a.size else b""
 
 
 def encode_request_buffer(arr: np.ndarray, dtype: str, fmt: Format) -> Any:

@@ -152,7 +152,9 @@ def whole_number(text: str) -> int | float:
     return float(text)
 
 
-def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = True, whole_floats: bool = False) -> Any:
+def decode_body(
+    body: bytes | bytearray | memoryview, fmt: Format, *, unique_keys: bool = True, whole_floats: bool = False
+) -> Any:
     """Parse a request or response body.
 
     Args:
@@ -184,7 +186,7 @@ def decode_body(body: bytes | bytearray, fmt: Format, *, unique_keys: bool = Tru
             raise DecodeError(f"malformed msgpack: {exc}", path="$", rule="msgpack") from None
     try:
         return json.loads(
-            body,
+            body.tobytes() if isinstance(body, memoryview) else body,  # json reads no memoryview
             parse_constant=_reject_constant,
             object_pairs_hook=hook,
             parse_float=whole_number if whole_floats else None,

@@ -96,6 +96,7 @@ def insert_batch(c: sqlite3.Connection, row: tuple[Any, ...], retention: Retenti
         if c.in_transaction:
             c.execute("ROLLBACK")
         raise
+    assert cur.lastrowid is not None  # an INSERT sets it
     return int(cur.lastrowid)
 
 

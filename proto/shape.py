@@ -135,12 +135,10 @@ def run_hash(tokens: np.ndarray, keys: np.ndarray | None = None) -> int:
         keys: [n] uint64 the run's keys, or None; all-zero keys hash like no keys, as
             the tree treats them alike.
     """
-    h = hashlib.blake2b(
-        memoryview(np.ascontiguousarray(tokens, dtype=np.uint32)).cast("B"), digest_size=8, person=_PERSON
-    )
+    h = hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.uint32).data.cast("B"), digest_size=8, person=_PERSON)
     if keys is not None and keys.shape[0] and keys.any():
         h.update(b"keys")
-        h.update(memoryview(np.ascontiguousarray(keys, dtype=np.uint64)).cast("B"))
+        h.update(np.ascontiguousarray(keys, dtype=np.uint64).data.cast("B"))
     return int.from_bytes(h.digest(), "little") or 1
 
 
