@@ -7,9 +7,9 @@ shared, ``min_shared_len=1``), so the tree is ``DEPTH`` levels deep. A tree ``d`
 deep has sequences of at least ``d * (d + 1) / 2`` tokens and about as many path entries
 (each level needs a sequence of its own branching off there), so ``DEPTH`` is the depth
 that stays within seconds, not 100,000: a few times the recursion limit, which the
-negative control shows a recursive walk of the same tree hitting. Both go through both tree builders, the plan
-(placement, the DFS row layout with its ``subtree_end`` and depths, metadata) and
-:func:`validate_plan`.
+negative control shows a recursive walk of the same tree hitting. Both go through both
+tree builders, the plan (placement, the DFS row layout with its ``subtree_end`` and depths,
+metadata) and :func:`validate_plan` with the sequences.
 """
 
 from __future__ import annotations
