@@ -7,11 +7,14 @@ from treepack.proto.options import PLACEMENTS
 from treepack.service.planner.api import PlanResult, plan_batch, plan_normalized, plan_with_tree
 from treepack.service.planner.baselines import naive_place
 from treepack.service.planner.bounds import lower_bound_rows
+from treepack.service.planner.invariant import PlanInvariantError
 from treepack.service.planner.layout import layout_rows
+from treepack.service.planner.naive_tree import naive_build_tree
 from treepack.service.planner.options import check_options
 from treepack.service.planner.placement import place_leaves
-from treepack.service.planner.tree import Tree, build_tree, naive_build_tree
-from treepack.service.planner.validate import PlanInvariantError, naive_tree_mask, validate_plan
+from treepack.service.planner.tree import Tree, build_tree
+from treepack.service.planner.validate import validate_plan
+from treepack.service.planner.validate_rows import naive_tree_mask
 
 __all__ = [
     "plan_batch",

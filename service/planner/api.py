@@ -16,13 +16,13 @@ from typing import Any
 from treepack.proto.batch import PackInput, SequenceBatch
 from treepack.proto.cost import CostModel
 from treepack.proto.options import PlanOptions, as_options
-from treepack.proto.plan import Plan, PlanStats
+from treepack.proto.plan import Plan, PlanStats, Segments
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.by_time import choose_by_time, repair_budget_ms, with_prediction
 from treepack.service.planner.layout import layout_rows
 from treepack.service.planner.metadata import attention_meta, gdn_meta
 from treepack.service.planner.options import check_options
-from treepack.service.planner.placement import place_leaves
+from treepack.service.planner.placement import Placement, place_leaves
 from treepack.service.planner.ranks import assign_ranks
 from treepack.service.planner.tree import Tree, build_tree, flat_tree
 
@@ -126,14 +126,7 @@ def plan_with_tree(
         The plan and its tree.
     """
     if cost_model is not None:
-        if options.placement == "auto":
-            # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
-            budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
-            return choose_by_time(
-                batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget)
-            )
-        res = plan_with_tree(batch, options, t0=t0, check=check)
-        return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
+        return _plan_by_cost(batch, options, cost_model, t0=t0, check=check, repair_ms=repair_ms)
     t0 = time.perf_counter() if t0 is None else t0
     check = check or _no_check
     seq_len = options.seq_len
@@ -162,9 +155,86 @@ def plan_with_tree(
         seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size, cp_attention=options.cp_attention
     )
     t5 = time.perf_counter()
+    stats = _plan_stats(batch, tree, seg, placed, bound, seq_len, (t0, t1, t2, t3, t4, t5), repair_ms)
+    plan = Plan(
+        options=options,
+        num_rows=num_rows,
+        strategy=strategy,
+        seq_lens=batch.lens,
+        orig_lens=batch.orig_lens,
+        row_of=row_of,
+        first_trainable=batch.first_trainable,
+        trainable=batch.flat_trainable(),
+        group_codes=batch.group_codes,
+        segments=seg,
+        attention=att,
+        gdn=gdn,
+        ranks=rk,
+        stats=stats,
+        overflow=batch.overflow,
+    )
+    return PlanResult(plan=plan, batch=batch, tree=tree)
+
+
+def _plan_by_cost(
+    batch: SequenceBatch,
+    options: PlanOptions,
+    cost_model: CostModel,
+    *,
+    t0: float | None,
+    check: Callable[[], None] | None,
+    repair_ms: float | None,
+) -> PlanResult:
+    """:func:`plan_with_tree` with a cost model: the candidates by time, or one plan and its prediction.
+
+    Every plan is made by :func:`plan_with_tree` without a cost model, so this recursion is
+    one level deep by construction.
+
+    Args:
+        batch, options, t0, check, repair_ms: as for :func:`plan_with_tree`.
+        cost_model: the cost model.
+
+    Returns:
+        The plan (``stats.predicted_ms`` set) and its tree.
+    """
+    if options.placement == "auto":
+        # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
+        budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
+        return choose_by_time(
+            batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget)
+        )
+    res = plan_with_tree(batch, options, t0=t0, check=check)
+    return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
+
+
+def _plan_stats(
+    batch: SequenceBatch,
+    tree: Tree,
+    seg: Segments,
+    placed: Placement,
+    bound: int,
+    seq_len: int,
+    times: tuple[float, float, float, float, float, float],
+    repair_ms: float | None,
+) -> PlanStats:
+    """The plan's stats: token counts of the batch, tree and rows, and the phases' timings.
+
+    Args:
+        batch, tree, seg, placed: the batch, its tree, the rows' segments and the placement.
+        bound: the lower bound on rows.
+        seq_len: the row capacity.
+        times: ``perf_counter`` at the request's start and after normalize, tree,
+            placement, layout and metadata.
+        repair_ms: the repair budget given instead of the option's, or None.
+
+    Returns:
+        The :class:`PlanStats`.
+    """
+    t0, t1, t2, t3, t4, t5 = times
+    num_rows = placed.num_rows
     unpacked = int(batch.lens.sum())
     packed = int(seg.row_len.sum())
-    stats = PlanStats(
+    return PlanStats(
         sequences=batch.num_sequences,
         kept_sequences=int(batch.kept.sum()),
         unpacked_tokens=unpacked,
@@ -185,21 +255,3 @@ def plan_with_tree(
         }
         | ({} if repair_ms is None else {"repair_budget": float(repair_ms)}),
     )
-    plan = Plan(
-        options=options,
-        num_rows=num_rows,
-        strategy=strategy,
-        seq_lens=batch.lens,
-        orig_lens=batch.orig_lens,
-        row_of=row_of,
-        first_trainable=batch.first_trainable,
-        trainable=batch.flat_trainable(),
-        group_codes=batch.group_codes,
-        segments=seg,
-        attention=att,
-        gdn=gdn,
-        ranks=rk,
-        stats=stats,
-        overflow=batch.overflow,
-    )
-    return PlanResult(plan=plan, batch=batch, tree=tree)

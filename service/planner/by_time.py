@@ -118,7 +118,8 @@ def choose_by_time(
 
     Returns:
         The winner's ``PlanResult`` (its ``tree`` the one of the asked options, what the
-        history records) with ``options.placement`` still ``auto`` (what was asked), its ``strategy`` saying which candidate won and by how much, its
+        history records) with ``options.placement`` still ``auto`` (what was asked), its
+        ``strategy`` saying which candidate won and by how much, its
         ``stats.predicted_ms``, and ``stats.timings_ms["by_time"]``: planning and
         predicting the other candidates, ms (also in ``total``).
     """
@@ -145,9 +146,10 @@ def choose_by_time(
     if not shares and bool((first.plan.segments.sharers >= 2).any()):
         warnings.warn(
             CostWarning(
-                f"tree packing does not pay on this batch: {name} (no shared segment) is predicted at {preds[win]:.4g} ms per step, "
-                f"the tree at {preds[0]:.4g} ms ({plan.stats.sequences} sequences, tree tokens {first.plan.stats.tree_tokens} "
-                f"of {plan.stats.unpacked_tokens}); auto packed them without sharing"
+                f"tree packing does not pay on this batch: {name} (no shared segment) is predicted at "
+                f"{preds[win]:.4g} ms per step, the tree at {preds[0]:.4g} ms ({plan.stats.sequences} sequences, "
+                f"tree tokens {first.plan.stats.tree_tokens} of {plan.stats.unpacked_tokens}); "
+                "auto packed them without sharing"
             ),
             stacklevel=4,
         )

@@ -31,16 +31,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
         The :class:`Segments` of all rows.
     """
     n_nodes = tree.num_nodes
-    seqs = np.flatnonzero(row_of >= 0)
-    plen = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
-    p_node = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
-    p_seq = np.repeat(seqs, plen)
-    p_row = row_of[p_seq]
-    key = p_row * n_nodes + p_node
-    uniq, inv, cnt = np.unique(key, return_inverse=True, return_counts=True)
-    # The row's own source for each (row, node): its lowest sequence through the node.
-    src = np.full(uniq.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(src, inv, p_seq)
+    p_seq, uniq, inv, cnt, src = _row_node_pairs(tree, row_of)
     u_row = uniq // n_nodes
     u_node = uniq % n_nodes
     u_len = tree.length[u_node]
@@ -62,13 +53,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
     # Map every (row, node) pair, empty leaves included, to its segment (-1 for empty).
     seg_of_pair = np.full(uniq.shape[0], -1, dtype=np.int64)
     seg_of_pair[np.flatnonzero(keep)] = seg_of_pair_kept
-    first_node = k_node[first]
-    par_node = tree.parent[first_node]
-    has_par = par_node >= 0
-    seg_parent = np.full(g, -1, dtype=np.int64)
-    if has_par.any():
-        pk = seg_row[has_par] * n_nodes + par_node[has_par]
-        seg_parent[has_par] = seg_of_pair[np.searchsorted(uniq, pk)]
+    seg_parent = _segment_parents(tree, uniq, seg_of_pair, seg_row, k_node[first])
     seg_depth = forest_depth(seg_parent)
 
     row_ptr = np.zeros(num_rows + 1, dtype=np.int64)
@@ -77,16 +62,7 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
     seg_row_start = csum - csum[row_ptr[seg_row]] if g else csum
     sub = accumulate_up(seg_len, seg_parent, seg_depth)
     row_len = np.bincount(seg_row, weights=seg_len, minlength=num_rows).astype(np.int64)
-
-    # Each sequence's segments: its pairs' segments, consecutive duplicates (merged runs)
-    # and empty leaves removed.
-    p_seg = seg_of_pair[inv]
-    p_new = p_seg >= 0
-    if p_seg.shape[0] > 1:
-        p_new[1:] &= ~((p_seg[1:] == p_seg[:-1]) & (p_seq[1:] == p_seq[:-1]))
-    seq_segs = p_seg[p_new]
-    seq_ptr = np.zeros(row_of.shape[0] + 1, dtype=np.int64)
-    np.cumsum(np.bincount(p_seq[p_new], minlength=row_of.shape[0]), out=seq_ptr[1:])
+    seq_ptr, seq_segs = _sequence_segments(seg_of_pair[inv], p_seq, row_of.shape[0])
     return Segments(
         row=seg_row,
         row_start=seg_row_start,
@@ -102,3 +78,71 @@ def layout_rows(tree: Tree, row_of: np.ndarray, num_rows: int) -> Segments:
         seq_ptr=seq_ptr,
         seq_segs=seq_segs,
     )
+
+
+def _row_node_pairs(
+    tree: Tree, row_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The (row, node) pairs the placed sequences' paths make, each once.
+
+    Args:
+        tree: the tree.
+        row_of: [S] int64 row of each sequence, -1 for dropped ones.
+
+    Returns:
+        ``(p_seq, uniq, inv, cnt, src)``: [P] the sequence of each path entry (placed
+        sequences in order, each root to leaf); [U] the pairs as ``row * N + node``, sorted
+        (so by row, then in pre-order); [P] each path entry's pair; [U] sequences through
+        each pair; [U] the row's own source of each pair (its lowest sequence through the node).
+    """
+    seqs = np.flatnonzero(row_of >= 0)
+    plen = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
+    p_node = csr_gather(tree.path_ptr, tree.path_nodes, seqs)
+    p_seq = np.repeat(seqs, plen)
+    key = row_of[p_seq] * tree.num_nodes + p_node
+    uniq, inv, cnt = np.unique(key, return_inverse=True, return_counts=True)
+    src = np.full(uniq.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(src, inv, p_seq)
+    return p_seq, uniq, inv, cnt, src
+
+
+def _segment_parents(
+    tree: Tree, uniq: np.ndarray, seg_of_pair: np.ndarray, seg_row: np.ndarray, first_node: np.ndarray
+) -> np.ndarray:
+    """[G] int64 parent segment of each segment: the segment of its first node's parent in its row, -1 for roots.
+
+    Args:
+        tree: the tree.
+        uniq: [U] the sorted (row, node) pairs as ``row * N + node``.
+        seg_of_pair: [U] segment of each pair, -1 for empty leaves.
+        seg_row: [G] row of each segment.
+        first_node: [G] the first (shallowest) node of each segment's run.
+    """
+    par_node = tree.parent[first_node]
+    has_par = par_node >= 0
+    seg_parent = np.full(first_node.shape[0], -1, dtype=np.int64)
+    if has_par.any():
+        pk = seg_row[has_par] * tree.num_nodes + par_node[has_par]
+        seg_parent[has_par] = seg_of_pair[np.searchsorted(uniq, pk)]
+    return seg_parent
+
+
+def _sequence_segments(p_seg: np.ndarray, p_seq: np.ndarray, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's segments: its path entries' segments, with consecutive duplicates
+    (merged runs) and empty leaves removed.
+
+    Args:
+        p_seg: [P] segment of each path entry, -1 for an empty leaf.
+        p_seq: [P] sequence of each path entry.
+        num_seqs: S.
+
+    Returns:
+        ``(seq_ptr, seq_segs)``: [S+1] CSR offsets and the segments, root to leaf.
+    """
+    p_new = p_seg >= 0
+    if p_seg.shape[0] > 1:
+        p_new[1:] &= ~((p_seg[1:] == p_seg[:-1]) & (p_seq[1:] == p_seq[:-1]))
+    seq_segs = p_seg[p_new]
+    seq_ptr = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(p_seq[p_new], minlength=num_seqs), out=seq_ptr[1:])
+    return seq_ptr, seq_segs

@@ -61,13 +61,17 @@ def naive_conv_context(seg: Segments, seq_len: int, width: int) -> np.ndarray:
     g = seg.num_segments
     k = width - 1
     out = np.full((g, max(k, 0)), -1, dtype=np.int64)
+    parent, row, row_start, length = (a.tolist() for a in (seg.parent, seg.row, seg.row_start, seg.length))
     for i in range(g):
-        chain: list[int] = []
-        p = int(seg.parent[i])
+        # The ancestors nearest first, then concatenated root first (once: prepending each
+        # would cost depth squared per segment on a deep tree).
+        parts: list[range] = []
+        p = parent[i]
         while p >= 0:
-            b = int(seg.row[p]) * seq_len + int(seg.row_start[p])
-            chain = list(range(b, b + int(seg.length[p]))) + chain
-            p = int(seg.parent[p])
+            b = row[p] * seq_len + row_start[p]
+            parts.append(range(b, b + length[p]))
+            p = parent[p]
+        chain = [v for part in reversed(parts) for v in part]
         tail = chain[-k:] if k > 0 else []
         for j, v in enumerate(tail):
             out[i, k - len(tail) + j] = v

@@ -16,7 +16,8 @@ Two builders with one output:
   edges are byte strings compared with one ``memcmp`` each (``bytes.startswith`` on a
   zero-copy view), then applies the minimum-shared-length rule in one pass over the trie.
   Work is O(total shareable tokens) in memcmp plus O(sum of path depths) in Python.
-- :func:`naive_build_tree` applies the SPEC's recursive rule 4 literally, token by token.
+- :func:`~.naive_tree.naive_build_tree` (its own module, the reference) applies the SPEC's
+  rule 4 literally, token by token.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from treepack.proto.batch import SequenceBatch
 from treepack.proto.index import ancestor_chains, forest_depth
 
-__all__ = ["Tree", "build_tree", "naive_build_tree", "flat_tree"]
+__all__ = ["Tree", "TreeEmitter", "build_tree", "check_thresholds", "flat_tree", "shares_run"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,21 +85,25 @@ class Tree:
         return self.path_nodes[self.path_ptr[s] : self.path_ptr[s + 1]]
 
 
-def _min_shared_len(value: int) -> int:
+def check_thresholds(min_shared_len: int, min_shared_saving: int) -> tuple[int, int]:
+    """The builders' thresholds as ints, asserted in range.
+
+    Args:
+        min_shared_len: rule 4's threshold, >= 1.
+        min_shared_saving: the sharing-by-saving threshold, >= 0 (0: off).
+
+    Returns:
+        ``(min_shared_len, min_shared_saving)``.
+    """
     # Checked by check_options on every planning path; the tree builders are also called
     # directly (tests, what-if), where a bad value is the caller's bug.
-    assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1, value
-    return int(value)
+    for value, least in ((min_shared_len, 1), (min_shared_saving, 0)):
+        assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least, value
+    return int(min_shared_len), int(min_shared_saving)
 
 
-def _min_shared_saving(value: int) -> int:
-    # Checked by check_options, like min_shared_len.
-    assert isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0, value
-    return int(value)
-
-
-class _Emitter:
-    """Collects nodes in pre-order and turns them into a :class:`Tree`."""
+class TreeEmitter:
+    """Collects nodes in pre-order and turns them into a :class:`Tree` (for every builder)."""
 
     __slots__ = ("parent", "start", "length", "source", "sharers", "leaf_of")
 
@@ -207,10 +212,9 @@ def build_tree(
             many tokens (:func:`shares_run`).
 
     Returns:
-        The :class:`Tree`, identical to :func:`naive_build_tree`'s.
+        The :class:`Tree`, identical to :func:`~.naive_tree.naive_build_tree`'s.
     """
-    msl = _min_shared_len(min_shared_len)
-    saving = _min_shared_saving(min_shared_saving)
+    msl, saving = check_thresholds(min_shared_len, min_shared_saving)
     floor = 1 if saving else msl  # the shortest run that may be shared at all
     n = batch.num_sequences
     sh_all = batch.lens.copy() if share_trainable else batch.shareable_lens()
@@ -261,7 +265,7 @@ def build_tree(
 
     if share_trainable:
         _cut_scored_branches(root, batch)
-    em = _Emitter(n)
+    em = TreeEmitter(n)
     # Sequences that can share nothing hang off the forest as root leaves, merged with the
     # trie's top-level subtrees in order of lowest sequence index.
     loners = np.flatnonzero(kept & (sh_all < floor)).tolist()
@@ -309,7 +313,9 @@ def _first_key(node: _TrieNode, w: int) -> int:
     return (k << 32) | t
 
 
-def _emit_children(em: _Emitter, root: _TrieNode, loners: list[int], lens: np.ndarray, msl: int, saving: int) -> None:
+def _emit_children(
+    em: TreeEmitter, root: _TrieNode, loners: list[int], lens: np.ndarray, msl: int, saving: int
+) -> None:
     """Emit the trie as tree nodes in pre-order, applying rule 4.
 
     Iterative DFS over frames of (remaining children, tree parent); a node's children are
@@ -379,98 +385,9 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
     return out
 
 
-def naive_build_tree(
-    batch: SequenceBatch, min_shared_len: int = 64, *, share_trainable: bool = False, min_shared_saving: int = 0
-) -> Tree:
-    """Reference builder: SPEC section 2 rules 2 and 4, literally, on Python lists (no helper
-    of the fast builder: the shareable prefix and the sharing rule are written out here).
-
-    ``node(S, start)``: find the common run of S from ``start`` (within everyone's
-    shareable prefix); if it is at least ``min_shared_len`` long, it becomes an internal
-    node and S splits by the following token; otherwise S splits by the following token
-    and each part is retried from ``start``. A sequence left alone is a leaf from
-    ``start``. In the generalized mode the run is everyone's common prefix, less its last
-    position when that position is scored for a sequence going on past the divergence.
-    """
-    msl = _min_shared_len(min_shared_len)
-    saving = _min_shared_saving(min_shared_saving)
-    n = batch.num_sequences
-    trains = [batch.trainable_of(s).tolist() for s in range(n)]
-    lens = batch.lens.tolist()
-
-    def shareable(s: int) -> int:
-        # Rule 2, from the flags (not the fast path's helper): up to the first scored
-        # position, which is the one before the first trainable token.
-        if share_trainable or True not in trains[s]:
-            return lens[s]
-        return max(trains[s].index(True) - 1, 0)
-
-    def shared(run: int, count: int) -> bool:
-        # Rule 4 (and sharing by saving), written out here rather than calling shares_run.
-        return run >= msl or (saving > 0 and run > 0 and (count - 1) * run >= saving)
-
-    sh = [shareable(s) for s in range(n)]
-    toks = [t.tolist() for t in batch.tokens]
-    keys = [None] * n if batch.keys is None else [None if k is None else k.tolist() for k in batch.keys]
-
-    def rec(s: int, p: int) -> tuple[int, int]:
-        return toks[s][p], (0 if keys[s] is None else keys[s][p])
-
-    em = _Emitter(n)
-
-    def split(S: list[int], at: int) -> list[list[int]]:
-        """Partition S by the record at ``at``; sequences with no shareable record there are singletons."""
-        parts: dict[tuple, list[int]] = {}
-        alone: list[list[int]] = []
-        for s in S:
-            if at < sh[s]:
-                parts.setdefault(rec(s, at), []).append(s)
-            else:
-                alone.append([s])
-        out = list(parts.values()) + alone
-        out.sort(key=min)
-        return out
-
-    def common_run(S: list[int], start: int) -> int:
-        run = 0
-        limit = min(sh[s] for s in S) - start
-        while run < limit and all(rec(s, start + run) == rec(S[0], start + run) for s in S):
-            run += 1
-        return run
-
-    def kept_run(S: list[int], start: int, run: int) -> int:
-        end = start + run
-        if share_trainable and run and any(end < lens[s] and trains[s][end] for s in S):
-            return run - 1
-        return run
-
-    def expand(S: list[int], start: int) -> list[tuple[list[int], int, int, int]]:
-        """The tree children S yields under a parent ending at ``start``: (S', start, kept, run)."""
-        if len(S) == 1:
-            return [(S, start, 0, 0)]
-        run = common_run(S, start)
-        keep = kept_run(S, start, run)
-        if shared(keep, len(S)):
-            return [(S, start, keep, run)]
-        return [item for part in split(S, start + run) for item in expand(part, start)]
-
-    def emit(items: list[tuple[list[int], int, int, int]], parent: int) -> None:
-        for S, start, keep, run in sorted(items, key=lambda it: min(it[0])):
-            if len(S) == 1:
-                em.leaf(parent, S[0], start, lens[S[0]])
-                continue
-            me = em.node(parent, start, start + keep, min(S), len(S))
-            emit([it for part in split(S, start + run) for it in expand(part, start + keep)], me)
-
-    kept = [s for s in range(n) if batch.kept[s]]
-    if kept:
-        emit(expand(kept, 0), -1)
-    return em.finish(msl, share_trainable, saving)
-
-
 def flat_tree(batch: SequenceBatch) -> Tree:
     """The tree without sharing: every kept sequence a root leaf (for ``no_share``)."""
-    em = _Emitter(batch.num_sequences)
+    em = TreeEmitter(batch.num_sequences)
     for s in np.flatnonzero(batch.kept).tolist():
         em.leaf(-1, s, 0, int(batch.lens[s]))
     return em.finish(0)

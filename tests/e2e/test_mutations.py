@@ -83,7 +83,7 @@ MUTANTS = (
     ),
     Mutant(
         "validate_plan off",
-        "service/planner/validate.py",
+        "service/planner/invariant.py",
         r"^\s+raise PlanInvariantError\(what\)$",
         "raise PlanInvariantError(what)",
         "return None",
@@ -91,7 +91,7 @@ MUTANTS = (
     ),
     Mutant(
         "validate_plan: empty segments allowed",
-        "service/planner/validate.py",
+        "service/planner/validate_rows.py",
         r'"empty segment in a row"\)$',
         "np.all(seg.length >= 1)",
         "np.all(seg.length >= 0)",
@@ -99,7 +99,7 @@ MUTANTS = (
     ),
     Mutant(
         "validate_plan: sharers not checked",
-        "service/planner/validate.py",
+        "service/planner/validate_rows.py",
         r'"sharers count mismatch"\)$',
         "np.array_equal(sharers, seg.sharers)",
         "True",
@@ -107,7 +107,7 @@ MUTANTS = (
     ),
     Mutant(
         "validate_plan: GDN parent slots not checked",
-        "service/planner/validate.py",
+        "service/planner/validate_metadata.py",
         r'f"GDN parent slots of level \{d\}"\)$',
         "np.array_equal(prev[lv.parent_slot], lv.parent)",
         "True",
@@ -115,7 +115,7 @@ MUTANTS = (
     ),
     Mutant(
         "mask: interval contract off by one (planner reference)",
-        "service/planner/validate.py",
+        "service/planner/validate_rows.py",
         r"return \(j <= i\) & \(i < subtree_end\[None, :\]\)$",
         "(i < subtree_end",
         "(i <= subtree_end",
@@ -257,10 +257,8 @@ def test_mutant_is_killed(copy, mutant):
     finally:
         (copy / mutant.path).write_text(original)
     tail = (res.stdout[-1500:] + res.stderr[-800:]).strip()
-    print(
-        f"MUTANT | {mutant.name} | {' '.join(mutant.tests)} | "
-        f"{'killed' if res.returncode == 1 else 'SURVIVED' if res.returncode == 0 else f'rc {res.returncode}'}"
-    )
+    verdict = "killed" if res.returncode == 1 else "SURVIVED" if res.returncode == 0 else f"rc {res.returncode}"
+    print(f"MUTANT | {mutant.name} | {' '.join(mutant.tests)} | {verdict}")
     assert res.returncode != 0, (
         f"mutant survived: {mutant.name} ({mutant.path}: {mutant.old!r} -> {mutant.new!r}); "
         f"{' '.join(mutant.tests)} passed:\n{tail}"

@@ -87,7 +87,7 @@ def test_allgather_split_balances_attention_work(cp):
     alignment padding), and the ranks' attention work (visible keys per query, from the
     tree) differs by at most one tile's, where the token split can be far apart."""
     from treepack.service.planner import plan_batch
-    from treepack.service.planner.validate import naive_attention_work
+    from treepack.service.planner.validate_ranks import naive_attention_work
 
     from helpers.trees import tree_sequences
 

@@ -7,8 +7,9 @@ passes, or an unrelated check speaks first). A few checks are reached only when 
 check is switched off (they back up the earlier one, or verify a :class:`Plan` method); their
 cases name the earlier checks in ``skip`` and switch exactly those off.
 
-:data:`CHECKS` lists every ``_check`` message pattern of the validator; a test reads the
-validator's source and fails when a check has no case here (a new check needs its forgery).
+:data:`CASES` holds a case for every ``_check`` message of the validator; a test reads the
+source of every module the validator is made of (those that import its ``_check``) and fails
+when a check has no case here (a new check needs its forgery).
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 
+import treepack.service.planner as planner_pkg
 from treepack.proto.plan import Plan
 from treepack.service.planner import PlanInvariantError, plan_batch, validate_plan
 from treepack.service.planner import validate as validate_mod
@@ -790,15 +796,31 @@ def _forge(case: Case, bases: dict[str, tuple]):
     return out[0], out[1], out[2], keys
 
 
+def _validator_modules() -> list[ModuleType]:
+    """Every module the validator is made of: the planner's modules that import the one
+    ``_check`` primitive (the module of :class:`PlanInvariantError` defines it)."""
+    check = sys.modules[PlanInvariantError.__module__]._check
+    found = []
+    for info in pkgutil.iter_modules(planner_pkg.__path__, planner_pkg.__name__ + "."):
+        mod = importlib.import_module(info.name)
+        if getattr(mod, "_check", None) is check and mod.__name__ != PlanInvariantError.__module__:
+            found.append(mod)
+    return found
+
+
+VALIDATOR_MODULES = _validator_modules()
+
+
 def _run(case: Case, plan, seqs, flags, keys, monkeypatch) -> None:
     if case.skip:
-        original = validate_mod._check
+        original = sys.modules[PlanInvariantError.__module__]._check
 
         def selective(ok: bool, what: str) -> None:
             if not any(re.search(pat, what) for pat in case.skip):
                 original(ok, what)
 
-        monkeypatch.setattr(validate_mod, "_check", selective)
+        for mod in VALIDATOR_MODULES:
+            monkeypatch.setattr(mod, "_check", selective)
     if case.with_seqs:
         validate_plan(plan, seqs, trainable=flags, keys=keys)
     else:
@@ -831,15 +853,33 @@ def test_the_bases_are_valid(bases):
         validate_plan(plan)
 
 
+def _message_text(node: ast.expr) -> str:
+    """A ``_check`` message as written, its f-string fields as ``{...}`` (a string split over
+    lines is one node by then)."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    assert isinstance(node, ast.JoinedStr), ast.dump(node)
+    return "".join(
+        str(v.value) if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}" for v in node.values
+    )
+
+
 def _validator_messages() -> list[str]:
-    """The message of every ``_check(...)`` call in the validator's source (f-strings as written)."""
-    src = inspect.getsource(validate_mod)
+    """The message of every ``_check(...)`` call in the source of every validator module."""
     out = []
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_check" and len(node.args) >= 2:
-            text = ast.get_source_segment(src, node.args[1])
-            out.append(re.sub(r'^f?"(.*)"$', r"\1", text, flags=re.S))
+    for mod in VALIDATOR_MODULES:
+        for node in ast.walk(ast.parse(inspect.getsource(mod))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_check" and len(node.args) >= 2:
+                out.append(_message_text(node.args[1]))
     return out
+
+
+def test_the_validator_modules_are_found():
+    """Negative control for the source scan: the entry module calls no ``_check`` itself, and
+    each module found holds checks (a module missed would leave its checks unscanned)."""
+    names = {m.__name__.rsplit(".", 1)[1] for m in VALIDATOR_MODULES}
+    assert {"validate_rows", "validate_metadata", "validate_ranks", "validate_tokens"} <= names, names
+    assert validate_mod not in VALIDATOR_MODULES
 
 
 def test_every_check_of_the_validator_has_a_forged_plan(bases, monkeypatch):
