@@ -272,7 +272,7 @@ def best_fit_decreasing(
                 continue
             r = rows.open_row()
         add(r, anc, m, aend)
-        if limit is not None and (rows.copies > limit or len(room) >= stop_rows):
+        if limit is not None and stop_rows is not None and (rows.copies > limit or len(room) >= stop_rows):
             return None
         placed.append(v)
         placed_row.append(r)

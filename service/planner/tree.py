@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -171,17 +172,17 @@ def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, Ca
     """
     tok = batch.tokens[s]
     if batch.keys is None:
-        return memoryview(tok[:sh]).cast("B"), memoryview(tok[:sh]).__getitem__, 4
+        return tok[:sh].data.cast("B"), tok[:sh].data.__getitem__, 4
     key = batch.keys[s]
     rec = np.empty(sh, dtype=[("t", "<u4"), ("k", "<u8")])
     rec["t"] = tok[:sh]
     rec["k"] = 0 if key is None else key[:sh]
-    tview, kview = memoryview(rec["t"].copy()), memoryview(rec["k"].copy())
+    tview, kview = rec["t"].copy().data, rec["k"].copy().data
 
     def child_key(p: int) -> int:
         return (kview[p] << 32) | tview[p]
 
-    return memoryview(rec).cast("B"), child_key, 12
+    return rec.data.cast("B"), child_key, 12
 
 
 def shares_run(run: int, sharers: int, min_shared_len: int, min_shared_saving: int) -> bool:
@@ -301,6 +302,7 @@ def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
 
 def _trainable_at(batch: SequenceBatch, s: int, q: int) -> bool:
     if batch.trainable is None:
+        assert batch.prompt_lens is not None  # one of trainable / prompt_lens is always set
         return q >= int(batch.prompt_lens[s])
     return bool(batch.trainable[s][q])
 
@@ -337,9 +339,7 @@ def _emit_children(
         frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl, saving)), me))
 
 
-def _final_children(
-    items: list[tuple[int, object]], start: int, msl: int, saving: int
-) -> list[tuple[int, int, object, int]]:
+def _final_children(items: list[tuple[int, Any]], start: int, msl: int, saving: int) -> list[tuple[int, int, Any, int]]:
     """The tree children under a node ending at ``start``, as (min seq, kind, x, start).
 
     A trie node whose run from ``start`` may not be shared (:func:`shares_run`: shorter than
@@ -347,7 +347,7 @@ def _final_children(
     its own children take its place, from the same ``start``, so the short run stays in
     each descendant's segment. A trie node with one sequence is that sequence's leaf.
     """
-    out: list[tuple[int, int, object, int]] = []
+    out: list[tuple[int, int, Any, int]] = []
     todo = list(reversed(items))
     while todo:
         kind, x = todo.pop()
@@ -365,7 +365,7 @@ def _final_children(
     return out
 
 
-def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
+def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, Any]]:
     """Children of a trie node and sequences ending there (plus ``extra``), by lowest sequence index."""
     kids = list(tn.children.values())
     terms = sorted(tn.terminals + extra) if extra else tn.terminals
@@ -373,7 +373,7 @@ def _ordered_items(tn: _TrieNode, extra: list[int]) -> list[tuple[int, object]]:
         return [(1, c) for c in kids]
     if not kids:
         return [(0, s) for s in terms]
-    out: list[tuple[int, object]] = []
+    out: list[tuple[int, Any]] = []
     i = j = 0
     while i < len(kids) or j < len(terms):
         if j == len(terms) or (i < len(kids) and kids[i].minseq < terms[j]):

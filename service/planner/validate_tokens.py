@@ -26,7 +26,8 @@ def _prefix_sharers(batch: SequenceBatch, plan: Plan, src: int, end: int) -> int
     and may share them (default mode: within their shareable prefix)."""
     limit = batch.lens if plan.share_trainable else batch.shareable_lens()
     ref = batch.tokens[src][:end]
-    rkey = None if batch.keys is None or batch.keys[src] is None else batch.keys[src][:end]
+    src_keys = None if batch.keys is None else batch.keys[src]
+    rkey = None if src_keys is None else src_keys[:end]
     count = 0
     for t in np.flatnonzero((plan.row_of >= 0) & (limit >= end)).tolist():
         if not np.array_equal(batch.tokens[t][:end], ref):
