@@ -14,7 +14,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
 
-.PHONY: demo test lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+.PHONY: demo test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ test: venv
 	$(PIP) install --no-compile $(TORCH_PIP)
 	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
 	$(BIN)/python -m pytest -q
+
+# The shape fuzz's large profile, nightly-style (tests/planner/test_shape_fuzz.py; `make test`
+# runs its fast profile): 300 fresh batch shapes of up to 100,000 sequences and 4M tokens,
+# every plan validated. TREEPACK_FUZZ_EXAMPLES=30 make fuzz for a shorter run.
+fuzz: venv
+	TREEPACK_FUZZ=large $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/planner/test_shape_fuzz.py
 
 # The house's habits: ruff's lint and format check over the tree (pyproject.toml [tool.ruff]).
 lint: venv

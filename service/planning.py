@@ -2,17 +2,20 @@
 
 :class:`PlanningService` holds one instance's parts (settings, planner pool, history,
 metrics). :meth:`PlanningService.pack` and :meth:`PlanningService.whatif` take the raw body
-and return the raw answer; the routes run them on a planner worker thread (decoding a
-large body is CPU work too). Bodies are decoded within a bound of their size
-(:mod:`treepack.proto.bounded`), and decoding counts against the request's deadline. Errors are raised as the project's exceptions; the app maps
-them to HTTP in one place.
+and return the raw answer (an :class:`Answer`: its bytes, and the history record to queue
+once it is final); the routes run them on a planner worker thread (decoding a large body
+is CPU work too). Bodies are decoded within a bound of their size
+(:mod:`treepack.proto.bounded`), and decoding counts against the request's deadline.
+Errors are raised as the project's exceptions; the app maps them to HTTP in one place.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,12 +46,31 @@ from treepack.service.recorder import HistoryRecorder
 from treepack.service.replay import ReplayCache
 from treepack.service.settings import Settings
 
-__all__ = ["PlanningService"]
+__all__ = ["Answer", "PlanningService"]
 
 log = logging.getLogger("treepack.service")
 
 
 Check = Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """A route's answer, as the planner worker leaves it.
+
+    Attributes:
+        body: the encoded response.
+        record: queues what the answer promised the history (``recorded: true``); None
+            when it promised nothing.
+    """
+
+    body: bytes
+    record: Callable[[], None] | None = None
+
+    def answered(self) -> None:
+        """Call once the answer is final (the route answers 2xx with it): queue its record."""
+        if self.record is not None:
+            self.record()
 
 
 def whatif_work(pool: GroupPool, compositions: list[Any], trials: int) -> int:
@@ -160,8 +182,14 @@ class PlanningService:
             return self.history_problem
         return None if self.store is None else self.store.damaged
 
-    def pack(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> bytes:
-        """``POST /v1/pack``: body -> plan (worker thread); ``check`` stops it (deadline, disconnect)."""
+    def pack(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> Answer:
+        """``POST /v1/pack``: body -> plan (worker thread); ``check`` stops it (deadline, disconnect).
+
+        The batch is admitted to the history before the answer is encoded (the answer says
+        ``recorded``) and queued only by :meth:`Answer.answered`, once the route has its
+        answer: a plan that fails to encode, or a request abandoned before its answer, is
+        not recorded (so its retry is not recorded twice).
+        """
         if check is not None:
             check()  # it may have waited in the queue past its deadline
         t0 = time.perf_counter()
@@ -172,18 +200,19 @@ class PlanningService:
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
         result = plan_request(request, check=check, cost_model=self.cost_model)
         plan = result.plan
-        recorded = bool(
-            request.record
-            and self.recorder is not None
-            and self.recorder.submit(shape_job(result, request.tags), plan.stats)
-        )
+        recorder = self.recorder if request.record else None
+        job = None if recorder is None else shape_job(result, request.tags)
+        record = None
+        if recorder is not None and job is not None and recorder.admit():
+            record = functools.partial(recorder.record, job, plan.stats)
         self.metrics.observe_plan(plan)
         t0 = time.perf_counter()
-        out = encode_body({"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": recorded}, fmt_out)
+        wire = {"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": record is not None}
+        out = encode_body(wire, fmt_out)
         self.metrics.pack_phase.labels("encode").observe(time.perf_counter() - t0)
-        return out
+        return Answer(body=out, record=record)
 
-    def whatif(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> bytes:
+    def whatif(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> Answer:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread).
 
         Refused before any trial (413) when its work (:func:`whatif_work`) passes
@@ -220,7 +249,8 @@ class PlanningService:
                 else "whatif_max_work, unset: 4 x max_tokens"
             )
             raise PayloadTooLargeError(
-                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of {limit} ({setting})",
+                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of "
+                f"{limit} ({setting})",
                 path="$.trials",
                 rule="max_work",
             )
@@ -242,7 +272,7 @@ class PlanningService:
             "pool": _pool_summary(pool),
             "results": [whatif_result_to_wire(r) for r in results],
         }
-        return encode_body(out, fmt_out)
+        return Answer(body=encode_body(out, fmt_out))
 
     def _recorded_shapes(self, last: int | None) -> list[BatchShape]:
         """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history.

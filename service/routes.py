@@ -29,7 +29,7 @@ from treepack.service.dependencies import (
     service,
 )
 from treepack.service.openapi import body_spec
-from treepack.service.planning import PlanningService
+from treepack.service.planning import Answer, PlanningService
 from treepack.service.pool import Ticket
 
 __all__ = ["router"]
@@ -70,13 +70,14 @@ async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
 async def _plan_in_pool(
     request: Request,
     svc: PlanningService,
-    work: Callable[[bytearray, Format, Format, Ticket], bytes],
+    work: Callable[[bytearray, Format, Format, Ticket], Answer],
     formats: Formats,
     body: bytearray,
 ) -> Response:
     """Run ``work(body, request format, response format, ticket)`` on the planner pool; answer its bytes.
 
     The ticket stops the work at ``request_timeout_s`` (504) or when the client goes away.
+    Only an answer that came back whole queues its history record (never a 4xx/5xx).
     """
     ticket = Ticket(svc.settings.request_timeout_s)
     watcher = asyncio.create_task(_watch_disconnect(request, ticket))
@@ -84,7 +85,8 @@ async def _plan_in_pool(
         answer = await svc.pool.run(work, body, formats.request, formats.response, ticket)
     finally:
         watcher.cancel()
-    return Response(answer, media_type=content_type(formats.response))
+    answer.answered()
+    return Response(answer.body, media_type=content_type(formats.response))
 
 
 @router.post(

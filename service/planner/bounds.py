@@ -45,7 +45,8 @@
   It is only computed where u has more leaf children than the other bounds' rows.
 
 All are computed in O(nodes) numpy passes (L3: one pass for all thresholds at once; L4:
-one sort per qualifying node).
+one sort per qualifying node). :func:`naive_min_copies` and :func:`naive_big_leaf_rows` are
+the loop-based references, a node at a time, that the tests hold the fast ones to.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ __all__ = [
     "lower_bound_rows",
     "subtree_sizes",
     "min_copies",
+    "naive_min_copies",
     "big_leaf_rows",
+    "naive_big_leaf_rows",
     "big_leaf_thresholds",
     "leaf_children_rows",
     "bin_packing_l2",
@@ -84,6 +87,24 @@ def min_copies(tree: Tree, seq_len: int, size: np.ndarray | None = None) -> np.n
     room = np.maximum(seq_len - end, 1)
     k = np.where(desc > 0, -(-desc // room), 1)
     return accumulate_up(np.maximum(k, 1), tree.parent, tree.depth, np.maximum)
+
+
+def naive_min_copies(tree: Tree, seq_len: int) -> np.ndarray:
+    """:func:`min_copies`, one node at a time, deepest first (the reference).
+
+    Returns:
+        [N] int64 ``K(v) = max(ceil(D(v) / (C - end(v))), K(children), 1)`` (module docstring).
+    """
+    parent, length, end = tree.parent.tolist(), tree.length.tolist(), tree.end.tolist()
+    below = [0] * tree.num_nodes  # D(v): tokens strictly below v
+    copies = [1] * tree.num_nodes
+    for v in sorted(range(tree.num_nodes), key=lambda x: -int(tree.depth[x])):
+        room = max(seq_len - end[v], 1)
+        copies[v] = max(copies[v], -(-below[v] // room))
+        if parent[v] >= 0:
+            below[parent[v]] += length[v] + below[v]
+            copies[parent[v]] = max(copies[parent[v]], copies[v])
+    return np.asarray(copies, dtype=np.int64)
 
 
 def big_leaf_thresholds(tree: Tree, seq_len: int) -> np.ndarray:
@@ -144,6 +165,33 @@ def big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarra
         g[par[starts]] = fold(at, end[par[starts]], starts)
     roots = np.flatnonzero(depth == 0)
     return fold(roots, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))[0]
+
+
+def naive_big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarray:
+    """:func:`big_leaf_rows`, one threshold and one node at a time, deepest first (the reference)."""
+    C = int(seq_len)
+    end, parent = tree.end.tolist(), tree.parent.tolist()
+    leaves = set(tree.leaf_of[tree.leaf_of >= 0].tolist())
+    order = sorted(range(tree.num_nodes), key=lambda x: -int(tree.depth[x]))
+    out = []
+    for t in np.asarray(thresholds, dtype=np.int64).tolist():
+
+        def fold(kids: list[int], e: int) -> int:
+            """G of a node ending at e whose children have these G (module docstring)."""
+            if not kids:
+                return 0
+            if t <= e:  # every big leaf below shares this node's whole room: no limit per row
+                return max(kids)
+            per_row = max((C - e) // (t - e), 1)
+            return max(max(kids), -(-sum(kids) // per_row))
+
+        kids: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+        roots: list[int] = []
+        for v in order:
+            g = int(end[v] >= t) if v in leaves else fold(kids[v], end[v])
+            (kids[parent[v]] if parent[v] >= 0 else roots).append(g)
+        out.append(fold(roots, 0))
+    return np.asarray(out, dtype=np.int64)
 
 
 def bin_packing_l2(sizes: np.ndarray, capacity: int) -> int:

@@ -19,6 +19,15 @@ and it prunes a branch when the tokens still needed, at least every remaining le
 segment plus every ancestor that some remaining leaf needs and no row holds yet, exceed
 the room left in all rows together. A node limit bounds the work; a search that reaches
 it answers "unknown", never a wrong "no"; so does one past its deadline, if given.
+
+The search is depth-first on an explicit stack, one frame per placed leaf, so any number of
+leaves (the repair pass hands it several rows of them: about 100 short leaves fit one row
+of 8,192 tokens) costs heap, never Python's stack. Its work is bounded whatever the input:
+at most ``node_limit`` nodes, each ``O(m x chain)`` (trying the leaf in every row, and
+moving it in and out), after an ``O(leaves x chain)`` set-up that only runs when there are
+at most ``node_limit`` leaves (a fit takes a node per leaf: with more, the answer is
+"unknown" at once); the deadline is checked at every node, so a search with one stops
+within one node of it.
 """
 
 from __future__ import annotations
@@ -99,16 +108,8 @@ class _Search:
         self.room -= sign * marg
         self.row_of[i] = r if sign > 0 else -1
 
-    def run(self, i: int) -> bool:
-        if i == len(self.items):
-            return True
-        self.nodes += 1
-        if self.nodes > self.limit:
-            raise _Limit
-        if self.deadline is not None and self.nodes % 64 == 0 and time.thread_time() > self.deadline:
-            raise _Limit
-        if self.uncovered + self.tails > self.room:
-            return False
+    def _options(self, i: int) -> list[tuple[int, int, int]]:
+        """Leaf i's rows, best fit first: (room left after it, row, its marginal cost there)."""
         it = self.items[i]
         prev = self.items[i - 1] if i else None
         lo = self.row_of[i - 1] if prev is not None and prev.chain == it.chain and prev.cost == it.cost else 0
@@ -124,12 +125,66 @@ class _Search:
             if left >= 0:
                 options.append((left, r, marg))
         options.sort()
-        for _, r, marg in options:
+        return options
+
+    def _visit(self, i: int) -> list[tuple[int, int, int]]:
+        """Count search node i (raising :class:`_Limit` past the node limit or the deadline)
+        and return its options; none when the branch is pruned."""
+        self.nodes += 1
+        if self.nodes > self.limit:
+            raise _Limit
+        # Checked at every node: a node costs O(rows x chain), enough to hide the clock's cost,
+        # and with long chains 64 nodes could run far past a millisecond budget.
+        if self.deadline is not None and time.thread_time() > self.deadline:
+            raise _Limit
+        if self.uncovered + self.tails > self.room:
+            return []
+        return self._options(i)
+
+    def run(self) -> bool:
+        """Depth-first search over the leaves in order, on an explicit stack (one frame per
+        placed leaf, so the depth of the search never touches Python's stack).
+
+        Frame i holds leaf i's options and the index of the one it is trying; leaf i sits
+        in that option's row while the leaves after it are searched.
+
+        Returns:
+            True with ``row_of`` set when every leaf fits; False when none of the branches does.
+
+        Raises:
+            _Limit: past the node limit or the deadline.
+        """
+        n = len(self.items)
+        if n == 0:
+            return True
+        stack: list[list] = [[self._visit(0), -1]]
+        while stack:
+            frame = stack[-1]
+            i = len(stack) - 1
+            options, k = frame
+            if k >= 0:  # the branch below option k failed: take the leaf out again
+                _, r, marg = options[k]
+                self._move(i, r, marg, -1)
+            k += 1
+            if k == len(options):
+                stack.pop()
+                continue
+            frame[1] = k
+            _, r, marg = options[k]
             self._move(i, r, marg, 1)
-            if self.run(i + 1):
+            if i + 1 == n:
                 return True
-            self._move(i, r, marg, -1)
+            stack.append([self._visit(i + 1), -1])
         return False
+
+
+def _volume(items: list[Item], node_len) -> int:
+    """Tokens any placement of ``items`` holds: every leaf's own segment and every node of
+    their chains once (the search's root bound)."""
+    nodes: set[int] = set()
+    for it in items:
+        nodes.update(it.chain)
+    return sum(it.tail for it in items) + sum(node_len[v] for v in nodes)
 
 
 def fit_rows(
@@ -148,9 +203,11 @@ def fit_rows(
         num_rows: m >= 0.
         capacity: C.
         node_len: per node id, its length (indexable: a list or an array).
-        node_limit: search nodes before giving up with ``UNKNOWN``.
+        node_limit: search nodes before giving up with ``UNKNOWN``; with more leaves than
+            this no fit can be found (``UNKNOWN`` at once, or ``NO_FIT`` when their tokens
+            exceed the rows).
         deadline: a ``time.thread_time()`` value (this thread's CPU time) after which the
-            search gives up too.
+            search gives up too (checked at every search node).
 
     Returns:
         (``FIT``, {seq: row in [0, m)}) or (``NO_FIT`` | ``UNKNOWN``, {}).
@@ -159,11 +216,16 @@ def fit_rows(
         return FIT, {}
     if num_rows <= 0:
         return NO_FIT, {}
+    if len(items) > node_limit:
+        # A fit visits one node per leaf, so none can be found: answer without the set-up
+        # (a sort and a walk of every chain), which would dwarf a small budget. Only the
+        # root's volume refutation is kept.
+        return (NO_FIT if _volume(items, node_len) > num_rows * capacity else UNKNOWN), {}
     search = _Search(items, num_rows, capacity, node_len, node_limit, deadline)
     if search.uncovered + search.tails > search.room:
         return NO_FIT, {}
     try:
-        found = search.run(0)
+        found = search.run()
     except _Limit:
         return UNKNOWN, {}
     if not found:

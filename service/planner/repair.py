@@ -32,7 +32,7 @@ row, so the result never has more rows than its input. The search order depends 
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
 limit counts search nodes), so it is deterministic as long as the budget lasts. The budget
 is CPU time of the planning thread (``time.thread_time``), checked while forming
-neighbourhoods and every 64 search nodes: a loaded machine, or other plans running in
+neighbourhoods and at every search node: a loaded machine, or other plans running in
 other threads, do not eat it, so the same batch gets the same plan there too; only a run
 that spends the whole budget may stop earlier on a slower CPU. Setting up is linear in the
 batch and lazy (rows and nodes are indexed when first looked at), about 10 ms at 267k
@@ -233,7 +233,11 @@ class _Rows:
         if wide:
             for pool in (self.cluster(r, max_rows, deadline), by_room):
                 group = [r] + pool[: max_rows - 1]
-                nodes = set().union(*(self.held(x) for x in group))
+                nodes: set[int] = set()
+                for x in group:  # a row's first held() walks all its leaves: keep to the budget
+                    if time.thread_time() > deadline:
+                        return
+                    nodes |= self.held(x)
                 if (
                     sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes)
                     <= (len(group) - 1) * seq_len

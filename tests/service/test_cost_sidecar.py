@@ -18,6 +18,8 @@ from treepack.service.planner import plan_batch
 from treepack.service.planner.fingerprint import shape_of
 from treepack.service.planner.whatif import whatif
 
+from helpers.service import pack_body, small_batch
+from helpers.shapes import grpo_groups
 from helpers.trees import plan_result
 
 COST = CostModel(
@@ -157,3 +159,96 @@ def test_whatif_keeps_the_asked_repair_budget(monkeypatch):
     monkeypatch.setattr(whatif_module, "plan_with_tree", spy)
     whatif(_shapes(2), [Composition(groups=3)], seq_len=8192, trials=3, seed=0, cost_model=heavy)
     assert budgets == [PlanOptions(seq_len=8192).repair_ms] * 3
+
+
+# Every step costs 1e308 ms per position: the prediction overflows to inf, which JSON cannot
+# carry, so a JSON pack answers 500 after the plan was made (msgpack carries inf: 200).
+OVERFLOW = CostModel(
+    backend="flash", coefficients={t: 0.0 for t in cost_terms("flash")} | {"step": 1e308, "positions": 1e308}
+)
+MSGPACK_IN = {"content-type": "application/msgpack"}
+
+
+async def _history_batches(c: httpx.AsyncClient) -> int:
+    r = await c.get("/v1/history", headers={"accept": "application/json"})
+    assert r.status_code == 200, r.text
+    return r.json()["batches"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::treepack.proto.cost.CostWarning")
+async def test_a_pack_that_answers_500_is_not_recorded_nor_its_retry(tmp_path):
+    path = tmp_path / "overflow.json"
+    OVERFLOW.save(path)
+    app = create_app(Settings(cost_model_path=str(path)))
+    body = pack_body(small_batch())
+    try:
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            json_out = {**MSGPACK_IN, "accept": "application/json"}
+            for headers in (
+                json_out,
+                json_out,
+                {**json_out, "idempotency-key": "step-1"},
+                {**json_out, "idempotency-key": "step-1"},
+            ):
+                r = await c.post("/v1/pack", content=body, headers=headers)
+                assert r.status_code == 500 and r.json()["rule"] == "bug", r.text
+            assert await _history_batches(c) == 0  # was 4: each 500 recorded the batch
+            # Not vacuous: the same batch answered in msgpack (which carries inf) is recorded.
+            r = await c.post("/v1/pack", content=body, headers={**MSGPACK_IN, "accept": "application/msgpack"})
+            assert r.status_code == 200 and msgpack.unpackb(r.content)["recorded"] is True
+            assert await _history_batches(c) == 1
+    finally:
+        app.state.service.close()
+
+
+async def test_a_retry_after_a_failed_answer_records_once(monkeypatch):
+    # The first answer fails to encode (a 500 after the plan was made); its retry with the
+    # same Idempotency-Key plans afresh and answers 200; a third gets the kept answer.
+    from treepack.service import planning
+
+    calls = []
+    real = planning.encode_body
+
+    def flaky(obj, fmt):
+        calls.append(fmt)
+        if len(calls) == 1:
+            raise ValueError("the first answer cannot be encoded")
+        return real(obj, fmt)
+
+    monkeypatch.setattr(planning, "encode_body", flaky)
+    app = create_app(Settings())
+    body = pack_body(small_batch())
+    headers = {**MSGPACK_IN, "accept": "application/msgpack", "idempotency-key": "step-2"}
+    try:
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            statuses = [(await c.post("/v1/pack", content=body, headers=headers)) for _ in range(3)]
+            assert [r.status_code for r in statuses] == [500, 200, 200]
+            assert statuses[2].headers["idempotent-replay"] == "true" and statuses[1].content == statuses[2].content
+            assert msgpack.unpackb(statuses[1].content)["recorded"] is True
+            assert await _history_batches(c) == 1  # was 2: the failed first answer was recorded too
+    finally:
+        app.state.service.close()
+
+
+async def test_short_grpo_groups_through_the_sidecar():
+    # Issue 37's crash through the app: 256 GRPO groups of 4 x 80 tokens in 8192 rows (a 500
+    # before: RecursionError in the exact search), and a what-if drawing 512 such groups.
+    kw = grpo_groups(256)
+    app = create_app(Settings())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            mp = {**MSGPACK_IN, "accept": "application/msgpack"}
+            body = encode_body(encode_pack_request(PackInput.of(**kw)), "msgpack")
+            for _ in range(2):  # two batches of 256 groups: 512 to draw from
+                r = await c.post("/v1/pack", content=body, headers=mp)
+                assert r.status_code == 200, r.text
+                plan = msgpack.unpackb(r.content)["plan"]
+                assert plan["num_rows"] == 11 and msgpack.unpackb(r.content)["recorded"] is True
+            q = {"version": 1, "seq_len": 8192, "compositions": [{"groups": 512}], "trials": 2, "repair_ms": 1000.0}
+            r = await c.post("/v1/whatif", content=encode_body(q, "msgpack"), headers=mp)
+            assert r.status_code == 200, r.text
+            assert msgpack.unpackb(r.content)["results"][0]["rows"]["max"] == 21
+    finally:
+        app.state.service.close()
