@@ -31,7 +31,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from treepack.proto.errors import RequestError, TreepackWarning  # noqa: E402
 from treepack.service.planner import validate_plan  # noqa: E402
-from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
+from treepack.trainer.data.payloads import PayloadMismatchError  # noqa: E402
 from treepack.trainer.hf import vision_savings  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackSFTTrainer  # noqa: E402
 
