@@ -179,7 +179,7 @@ MUTANTS = (
     ),
     Mutant(
         "TRL: keep-groups order by group id, not the draw",
-        "trainer_plugin/trl.py",
+        "trainer_plugin/trl/grpo.py",
         r"order = torch\.from_numpy\(perm\[np\.lexsort\(\(np\.arange\(B\), first\[g\]\)\)\]",
         "first[g]",
         "g",

@@ -116,7 +116,7 @@ def test_vlm_sft_matches_stock(tmp_path, messages):
 def test_without_image_keys_identical_placeholders_over_different_images_are_refused(tmp_path, monkeypatch):
     import numpy as np
 
-    from treepack.trainer import trl as treepack_trl
+    from treepack.trainer.trl import step as treepack_trl
 
     # Every placeholder keyed 0: the planner sees token ids only and shares the identical-id prompts.
     monkeypatch.setattr(
