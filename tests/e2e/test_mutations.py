@@ -131,7 +131,7 @@ MUTANTS = (
     ),
     Mutant(
         "loss: groups with no scored token counted",
-        "trainer_plugin/losses.py",
+        "trainer_plugin/losses/entries.py",
         r"^\s+nz = \(ng > 0\)\.sum\(\)\.clamp\(min=1\)$",
         "(ng > 0)",
         "(ng >= 0)",
