@@ -5,7 +5,8 @@
 (:func:`calibration_batches`: GRPO groups, agent trees with a shared system prompt, plain
 unshared sequences, many short ones; from under one row to several), planned by the
 embedded planner (each as the tree plan and plain packing), times them in interleaved
-rounds, and fits the cost model's non-negative coefficients to the median step times (:func:`~treepack.proto.cost_fit.fit_cost_model`). The model's token-mixer kinds
+rounds, and fits the cost model's non-negative coefficients to the median step times
+(:func:`~treepack.proto.cost_fit.fit_cost_model`). The model's token-mixer kinds
 (GDN, Mamba2, short conv, ...; sparse indexer attention) are read from its modules, so
 their per-level and per-chunk terms are measured too. Save the result with
 ``cost.save(path)`` and give it to the planner (``plan_batch(..., cost_model=cost)``, the
@@ -233,46 +234,65 @@ def calibrate(
     probe = CostModel(
         backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in _terms(backend, mixers)}
     )
+    plans, names = _plans(packer, todo, seq_len=seq_len, min_shared_len=msl, conv_width=conv_width)
+
+    def run(plan: Plan, seqs: Any) -> float:
+        return time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
+
+    for _ in range(warmup):
+        for plan, seqs in plans:
+            run(plan, seqs)
+    # Interleaved rounds (each plan once per round, the median kept): a change in the
+    # machine's load reaches every plan alike instead of the ones timed during it.
+    rounds = np.array([[run(plan, seqs) for plan, seqs in plans] for _ in range(repeats)])
+    times = np.median(rounds, axis=0)
+    feats = [probe.features(plan) for plan, _ in plans]
+    if report is not None:
+        for name, (plan, _), ms in zip(names, plans, times):
+            report(name, plan, float(ms))
+    dev = _device_description(device)
+    dtype = next(hf.parameters()).dtype
+    desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans, {clock} clock"
+    return fit_cost_model(
+        np.stack(feats), times, backend=backend, mixers=mixers, chunk_size=chunk, device=dev, description=desc
+    )
+
+
+def _plans(
+    packer: Any, batches: Sequence[dict[str, Any]], *, seq_len: int, min_shared_len: int, conv_width: int
+) -> tuple[list[tuple[Plan, Any]], list[str]]:
+    """Each batch planned twice, as the tree plan (``auto``) and as plain packing (``no_share``).
+
+    Args:
+        packer: the planner (``pack``).
+        batches: ``dict(sequences, trainable, groups[, name])`` each.
+        seq_len, min_shared_len, conv_width: the planner's options.
+
+    Returns:
+        ([(plan, sequences)], ["name / placement"]) in the same order.
+    """
     plans, names = [], []
-    for b in todo:
+    for b in batches:
         for placement in ("auto", "no_share"):
             plan = packer.pack(
                 b["sequences"],
                 trainable=b["trainable"],
                 groups=b.get("groups"),
                 seq_len=seq_len,
-                min_shared_len=msl,
+                min_shared_len=min_shared_len,
                 conv_width=conv_width,
                 placement=placement,
                 record=False,
             )
             plans.append((plan, b["sequences"]))
             names.append(f"{b.get('name', '')} / {placement}")
-    for _ in range(warmup):
-        for plan, seqs in plans:
-            time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
-    # Interleaved rounds (each plan once per round, the median kept): a change in the
-    # machine's load reaches every plan alike instead of the ones timed during it.
-    rounds = np.array(
-        [
-            [
-                time_step(model, plan, seqs, backend=backend, varlen_fn=fn, repeats=1, warmup=0, clock=clock)
-                for plan, seqs in plans
-            ]
-            for _ in range(repeats)
-        ]
-    )
-    times = np.median(rounds, axis=0)
-    feats = [probe.features(plan) for plan, _ in plans]
-    if report is not None:
-        for name, (plan, _), ms in zip(names, plans, times):
-            report(name, plan, float(ms))
-    dev = f"{device.type} {torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    dtype = next(hf.parameters()).dtype
-    desc = f"{type(hf).__name__} {dtype}, backend {backend}, seq_len {seq_len}, {len(times)} plans, {clock} clock"
-    return fit_cost_model(
-        np.stack(feats), times, backend=backend, mixers=mixers, chunk_size=chunk, device=dev, description=desc
-    )
+    return plans, names
+
+
+def _device_description(device: torch.device) -> str:
+    """The device, its name (CUDA) or machine, the threads and the torch version, for the cost model."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+    return f"{device.type} {name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def _terms(backend: str, mixers: Sequence[str]) -> tuple[str, ...]:

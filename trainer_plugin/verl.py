@@ -84,7 +84,8 @@ class VerlPacking:
 
     @classmethod
     def from_env(cls) -> VerlPacking:
-        """``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` / ``TREEPACK_VERL_MAX_SEQ_LEN`` over the defaults."""
+        """The defaults, overridden by ``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` /
+        ``TREEPACK_VERL_MAX_SEQ_LEN``."""
         env = os.environ
         return cls(
             backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
@@ -181,85 +182,23 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
         calc_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
         device_name = get_device_name()
         micro_batch = micro_batch.to(get_device_id())
-
-        ids = micro_batch["input_ids"]
-        offsets = ids.offsets()
-        seq_lens, resp_lens = _lengths(micro_batch)
-        prompt_lens = (seq_lens - resp_lens).numpy().astype(np.int64)
-        if (prompt_lens <= 0).any():
-            raise _refuse("prompts", "a sequence without prompt tokens")
-        starts = offsets[:-1].cpu().numpy()
-        pos = micro_batch["position_ids"].values().cpu().numpy()
-        if not np.array_equal(pos, np.arange(int(offsets[-1])) - np.repeat(starts, seq_lens.numpy())):
-            raise _refuse("position_ids", "position ids other than 0..n-1 per sequence")
-        flat = ids.values().cpu().numpy()
-        sequences = [flat[a : a + n] for a, n in zip(starts.tolist(), seq_lens.tolist())]
+        offsets = micro_batch["input_ids"].offsets()
+        device = micro_batch["input_ids"].values().device
+        sequences, seq_lens, prompt_lens = _read_sequences(micro_batch)
         groups = prompt_groups([s[:p] for s, p in zip(sequences, prompt_lens.tolist())])
-        packing = self.packing
-        mb = plan_microbatches(
-            sequences,
-            num_microbatches=1,
-            planner=packing.planner,
-            seq_len=_row_len(seq_lens.numpy(), prompt_lens, groups, packing),
-            trainable=prompt_lens.tolist(),
-            groups=groups.tolist(),
-            min_shared_len=packing.min_shared_len,
-        )
-        rows = mb.rows[0, 0]
-        device = ids.values().device
-        batch = materialize(
-            mb.plan,
-            sequences,
-            device=device,
-            trainable=prompt_lens.tolist(),
-            groups=groups.tolist(),
-            rows=rows[rows >= 0],
-        )
-
+        mb, batch = self._plan_rows(sequences, seq_lens, prompt_lens, groups, device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast = (
             nullcontext()
             if autocast_dtype == torch.float32
             else torch.autocast(device_type=device_name, dtype=autocast_dtype)
         )
-        # FSDP2 reshards the root's own parameters (embeddings, final norm, lm_head) after
-        # its forward; the chunked head (and its first-call probe) run after that forward,
-        # so the root keeps them gathered through the step (resharded here without grad,
-        # by FSDP2's post-backward with it).
-        root = self.module if isinstance(self.module, FSDPModule) else None
-        if root is not None:
-            root.set_reshard_after_forward(False, recurse=False)
-            root.unshard()
-        try:
-            with autocast:
-                hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
-                out = batch.target_logprobs_from_hidden(
-                    hidden,
-                    output_head(self.module),
-                    chunk_size=packing.head_chunk,
-                    temperature=temperature,
-                    with_entropy=calc_entropy,
-                )
-        finally:
-            if root is not None:
-                root.set_reshard_after_forward(bool(self.engine_config.reshard_after_forward), recurse=False)
-                if not torch.is_grad_enabled():
-                    root.reshard()
+        out = self._packed_logprobs(batch, autocast, temperature=temperature, with_entropy=calc_entropy)
         with autocast:
             lp, ent = out if calc_entropy else (out, None)
-            # Token p of sequence s is predicted at jagged index offsets[s] + p - 1.
-            seq = batch.score_seq.to(device)
-            where = offsets.to(device)[seq] + batch.score_pos.to(device) - 1
-            src = batch.score_flat.to(device)
-            total = int(offsets[-1])
-
-            def jagged(v: torch.Tensor) -> torch.Tensor:
-                vals = v.new_zeros(total).index_put((where,), v.reshape(-1)[src])
-                return torch.nested.nested_tensor_from_jagged(vals, offsets)
-
-            model_output = {"log_probs": jagged(lp)}
+            model_output = {"log_probs": _jagged(batch, lp, offsets, device)}
             if calc_entropy:
-                model_output["entropy"] = jagged(ent)
+                model_output["entropy"] = _jagged(batch, ent, offsets, device)
             if loss_function is not None:
                 loss, metrics = loss_function(
                     model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
@@ -274,3 +213,110 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             metrics[f"treepack/{k}"] = Metric(value=float(v), aggregation=AggregationType.MEAN)
         detached = {k: v.detach() for k, v in model_output.items()}
         return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
+
+    def _plan_rows(
+        self,
+        sequences: list[np.ndarray],
+        seq_lens: np.ndarray,
+        prompt_lens: np.ndarray,
+        groups: np.ndarray,
+        device: torch.device,
+    ) -> tuple[Any, Any]:
+        """Plan the sequences as one micro-batch of tree rows and materialize those rows.
+
+        Args:
+            sequences: B int64 token arrays (prompt then response).
+            seq_lens: [B] int64 their lengths. prompt_lens: [B] int64 their prompts' lengths.
+            groups: [B] int64 dense codes of the identical prompts.
+            device: where the rows live.
+
+        Returns:
+            (the :class:`~treepack.trainer.planning.MicroBatches`, the materialized batch).
+        """
+        packing = self.packing
+        mb = plan_microbatches(
+            sequences,
+            num_microbatches=1,
+            planner=packing.planner,
+            seq_len=_row_len(seq_lens, prompt_lens, groups, packing),
+            trainable=prompt_lens.tolist(),
+            groups=groups.tolist(),
+            min_shared_len=packing.min_shared_len,
+        )
+        rows = mb.rows[0, 0]
+        batch = materialize(
+            mb.plan,
+            sequences,
+            device=device,
+            trainable=prompt_lens.tolist(),
+            groups=groups.tolist(),
+            rows=rows[rows >= 0],
+        )
+        return mb, batch
+
+    def _packed_logprobs(self, batch: Any, autocast: Any, *, temperature: float, with_entropy: bool) -> Any:
+        """The rows' target log-probabilities (and entropies): the packed forward to hidden
+        states, then the chunked output head, under ``autocast``.
+
+        FSDP2 reshards the root's own parameters (embeddings, final norm, lm_head) after
+        its forward; the chunked head (and its first-call probe) run after that forward,
+        so the root keeps them gathered through the step (resharded here without grad,
+        by FSDP2's post-backward with it).
+
+        Returns:
+            [K, L] log-probabilities, or ([K, L], [K, L] entropies) with ``with_entropy``.
+        """
+        packing = self.packing
+        root = self.module if isinstance(self.module, FSDPModule) else None
+        if root is not None:
+            root.set_reshard_after_forward(False, recurse=False)
+            root.unshard()
+        try:
+            with autocast:
+                hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
+                return batch.target_logprobs_from_hidden(
+                    hidden,
+                    output_head(self.module),
+                    chunk_size=packing.head_chunk,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                )
+        finally:
+            if root is not None:
+                root.set_reshard_after_forward(bool(self.engine_config.reshard_after_forward), recurse=False)
+                if not torch.is_grad_enabled():
+                    root.reshard()
+
+
+def _read_sequences(micro_batch: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The jagged micro-batch's sequences (prompt then response, 0..n-1 positions each).
+
+    Returns:
+        (B int64 token arrays, [B] int64 sequence lengths, [B] int64 prompt lengths).
+
+    Raises:
+        RequestError: a sequence without prompt tokens, or position ids other than 0..n-1.
+    """
+    ids = micro_batch["input_ids"]
+    offsets = ids.offsets()
+    seq_lens, resp_lens = _lengths(micro_batch)
+    prompt_lens = (seq_lens - resp_lens).numpy().astype(np.int64)
+    if (prompt_lens <= 0).any():
+        raise _refuse("prompts", "a sequence without prompt tokens")
+    starts = offsets[:-1].cpu().numpy()
+    pos = micro_batch["position_ids"].values().cpu().numpy()
+    if not np.array_equal(pos, np.arange(int(offsets[-1])) - np.repeat(starts, seq_lens.numpy())):
+        raise _refuse("position_ids", "position ids other than 0..n-1 per sequence")
+    flat = ids.values().cpu().numpy()
+    sequences = [flat[a : a + n] for a, n in zip(starts.tolist(), seq_lens.tolist())]
+    return sequences, seq_lens.numpy(), prompt_lens
+
+
+def _jagged(batch: Any, v: torch.Tensor, offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[K, L] per-position values -> verl's jagged layout: token p of sequence s is predicted
+    at jagged index ``offsets[s] + p - 1`` (0 where nothing is scored)."""
+    seq = batch.score_seq.to(device)
+    where = offsets.to(device)[seq] + batch.score_pos.to(device) - 1
+    src = batch.score_flat.to(device)
+    vals = v.new_zeros(int(offsets[-1])).index_put((where,), v.reshape(-1)[src])
+    return torch.nested.nested_tensor_from_jagged(vals, offsets)

@@ -131,7 +131,7 @@ MUTANTS = (
     ),
     Mutant(
         "loss: groups with no scored token counted",
-        "trainer_plugin/losses.py",
+        "trainer_plugin/losses/entries.py",
         r"^\s+nz = \(ng > 0\)\.sum\(\)\.clamp\(min=1\)$",
         "(ng > 0)",
         "(ng >= 0)",
@@ -179,7 +179,7 @@ MUTANTS = (
     ),
     Mutant(
         "TRL: keep-groups order by group id, not the draw",
-        "trainer_plugin/trl.py",
+        "trainer_plugin/trl/grpo.py",
         r"order = torch\.from_numpy\(perm\[np\.lexsort\(\(np\.arange\(B\), first\[g\]\)\)\]",
         "first[g]",
         "g",

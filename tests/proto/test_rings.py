@@ -43,6 +43,12 @@ def allowed(importer: str, target: str) -> bool:
         return any(_under(target, p) for p in ("treepack.proto", "treepack.client", "treepack.service.planner"))
     if _under(importer, "treepack.client"):
         return _under(target, "treepack.proto") or _under(target, "treepack.client")
+    if _under(importer, "treepack.trainer.planning"):
+        # Before the plan, the floor below data: never data (materialize, PackedBatch) nor a floor above it.
+        return any(
+            _under(target, p)
+            for p in ("treepack.proto", "treepack.client", "treepack.trainer.kernels", "treepack.trainer.planning")
+        )
     if _under(importer, "treepack.trainer"):
         return any(_under(target, p) for p in ("treepack.proto", "treepack.client", "treepack.trainer"))
     raise AssertionError(f"no ring for {importer}")

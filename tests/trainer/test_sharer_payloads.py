@@ -19,7 +19,7 @@ import torch
 from treepack.proto.errors import RequestError
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.data.materialize import PayloadMismatchError
+from treepack.trainer.data.payloads import PayloadMismatchError
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.losses import (
     cispo_loss,

@@ -134,7 +134,7 @@ def test_group_shuffle_order_is_the_seeded_draw():
     ignores the draw) fails, and the chosen seed's draw is checked to differ from both.
     """
     require("trl")
-    from treepack.trainer.trl import _shuffle_keeping_groups
+    from treepack.trainer.trl.grpo import _shuffle_keeping_groups
 
     from helpers.tiny_trl import group_shuffle_reference
 
@@ -165,7 +165,7 @@ def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
     require("trl")
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    from treepack.trainer.trl import _shuffle_keeping_groups
+    from treepack.trainer.trl.grpo import _shuffle_keeping_groups
 
     pid, pm, cid, cm = _padded([[5, 6, 7]] * 4 + [[8, 9]] * 4 + [[3, 4, 5, 6]] * 4 + [[7]] * 4, [[1, 2]] * 16)
     batch = {

@@ -55,6 +55,6 @@ def test_the_guide_names_every_packing_field_and_metric():
         shown = f'"{default}"' if isinstance(default, str) else repr(default)
         assert re.search(rf"^\| `{name}` \| `{re.escape(shown)}` \|", table, re.M), (name, shown)
     assert len(re.findall(r"^\| `", table, re.M)) == len(fields)  # no field the code lacks
-    source = (ROOT / "trainer_plugin" / "trl.py").read_text()
+    source = "".join(p.read_text() for p in sorted((ROOT / "trainer_plugin" / "trl").glob("*.py")))
     logged = set(re.findall(r'"(treepack/\w+)"', source))
     assert logged and logged == set(re.findall(r"`(treepack/\w+)`", GUIDE))

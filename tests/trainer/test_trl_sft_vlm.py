@@ -31,7 +31,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from treepack.proto.errors import RequestError, TreepackWarning  # noqa: E402
 from treepack.service.planner import validate_plan  # noqa: E402
-from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
+from treepack.trainer.data.payloads import PayloadMismatchError  # noqa: E402
 from treepack.trainer.hf import vision_savings  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackSFTTrainer  # noqa: E402
 
@@ -116,7 +116,7 @@ def test_vlm_sft_matches_stock(tmp_path, messages):
 def test_without_image_keys_identical_placeholders_over_different_images_are_refused(tmp_path, monkeypatch):
     import numpy as np
 
-    from treepack.trainer import trl as treepack_trl
+    from treepack.trainer.trl import step as treepack_trl
 
     # Every placeholder keyed 0: the planner sees token ids only and shares the identical-id prompts.
     monkeypatch.setattr(

@@ -21,8 +21,8 @@ trl = require("trl")
 require("PIL")
 
 from treepack.proto.errors import RequestError  # noqa: E402
-from treepack.trainer.data.materialize import PayloadMismatchError  # noqa: E402
-from treepack.trainer.planning.bridge import sequence_images  # noqa: E402
+from treepack.trainer.data.payloads import PayloadMismatchError  # noqa: E402
+from treepack.trainer.planning.padded_images import sequence_images  # noqa: E402
 from treepack.trainer.trl import PackingConfig, TreepackGRPOTrainer  # noqa: E402
 
 from helpers.tiny_trl import run_grpo, tiny_vl_processor, vl_dataset  # noqa: E402
@@ -68,7 +68,7 @@ def test_vlm_grpo_matches_stock_per_step(tmp_path):
 def test_without_image_keys_identical_placeholders_over_different_images_are_refused(tmp_path, monkeypatch):
     import numpy as np
 
-    from treepack.trainer import trl as treepack_trl
+    from treepack.trainer.trl import step as treepack_trl
 
     # Every placeholder keyed 0: the planner sees token ids only and shares the identical-id prompts.
     monkeypatch.setattr(

@@ -20,7 +20,7 @@ import torch
 
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import image_keys, materialize, naive_varlen_attention
-from treepack.trainer.data.materialize import PayloadMismatchError
+from treepack.trainer.data.payloads import PayloadMismatchError
 from treepack.trainer.hf import packed_forward, vision_savings
 
 from helpers.tolerance import assert_close, assert_not_close

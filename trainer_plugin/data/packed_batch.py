@@ -29,6 +29,7 @@ from treepack.proto.errors import RequestError
 from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
 from treepack.trainer.data.advice import warn_dense_mask
+from treepack.trainer.data.logprobs import check_temperature, chunked_target_stats, target_stats
 from treepack.trainer.kernels.cp import gather_seq
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
@@ -261,10 +262,10 @@ class PackedBatch:
             raise RequestError(
                 f"logits must have shape [K, L, vocab], got {tuple(logits.shape)}", path="$.logits", rule="shape"
             )
-        _check_temperature(temperature)
+        check_temperature(temperature)
         K, L, V = logits.shape
         pos = self._loss_positions(V, "logits")
-        lp, ent = _target_stats(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos], temperature, with_entropy)
+        lp, ent = target_stats(logits.reshape(K * L, V)[pos], self.targets.reshape(-1)[pos], temperature, with_entropy)
         return self._spread(pos, lp, ent)
 
     def target_logprobs_from_hidden(
@@ -296,10 +297,8 @@ class PackedBatch:
             [K, L] log-probabilities, 0 off the loss mask (and [K, L] entropies with
             ``with_entropy``).
         """
-        from torch.utils.checkpoint import checkpoint
-
         self._check_rows_tensor(hidden, "hidden")
-        _check_temperature(temperature)
+        check_temperature(temperature)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise RequestError(
                 f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range"
@@ -307,21 +306,9 @@ class PackedBatch:
         K, L, d = hidden.shape
         pos = self._loss_positions(None, "hidden")
         flat = hidden.reshape(K * L, d)
-        tgt = self.targets.reshape(-1)
-
-        def fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            lp, ent = _target_stats(head(h), t, temperature, with_entropy)
-            return (lp,) if ent is None else (lp, ent)
-
-        parts = []
-        for a in range(0, int(pos.shape[0]), chunk_size):
-            p = pos[a : a + chunk_size]
-            parts.append(
-                checkpoint(fn, flat[p], tgt[p], use_reentrant=False) if torch.is_grad_enabled() else fn(flat[p], tgt[p])
-            )
-        empty = flat.new_zeros(0, dtype=torch.float32)
-        lp = torch.cat([x[0] for x in parts]) if parts else empty
-        ent = (torch.cat([x[1] for x in parts]) if parts else empty) if with_entropy else None
+        lp, ent = chunked_target_stats(
+            flat, self.targets.reshape(-1), pos, head, chunk_size, temperature=temperature, with_entropy=with_entropy
+        )
         return self._spread(pos, lp, ent)
 
     def _spread(self, pos: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None) -> Any:
@@ -392,33 +379,3 @@ class PackedBatch:
         for s, p in zip(self.local_seqs.tolist(), parts):
             out[s] = p
         return out
-
-
-def _check_temperature(temperature: float) -> None:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not temperature > 0
-        or temperature == float("inf")
-    ):
-        raise RequestError(
-            f"temperature must be a finite number > 0, got {temperature!r}", path="$.temperature", rule="range"
-        )
-
-
-def _target_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([n] log-softmax of [n, V] ``logits / temperature`` at ``targets``, [n] entropies or None).
-
-    Half precision is lifted to float32 first.
-    """
-    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    if temperature != 1.0:
-        x = x / temperature
-    lse = torch.logsumexp(x, dim=-1)
-    lp = x.gather(1, targets[:, None]).squeeze(1) - lse
-    if not with_entropy:
-        return lp, None
-    logp = x - lse[:, None]
-    return lp, -(logp.exp() * logp).sum(-1)

@@ -21,7 +21,7 @@ number the tokens with 3-D multimodal RoPE positions (``get_rope_index``). On pa
 - **exact or refused**: a row position that several sequences share must get the same
   feature and the same 3-D position from each of them; when it does not (a plan made
   without :func:`~treepack.trainer.planning.images.image_keys`), the forward is refused
-  before the tower runs (:class:`~treepack.trainer.data.materialize.PayloadMismatchError`).
+  before the tower runs (:class:`~treepack.trainer.data.payloads.PayloadMismatchError`).
 
 Refused by name (:data:`REFUSED_VLMS`): Gemma 3 (its image tokens attend to each other
 bidirectionally, which the causal tree mask does not express). Video inputs are refused
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.data.materialize import PayloadMismatchError
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.data.payloads import PayloadMismatchError
 from treepack.trainer.hf.context import use_packed
 from treepack.trainer.planning.images import placeholder_counts
 

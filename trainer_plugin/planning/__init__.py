@@ -2,6 +2,8 @@
 
 - :mod:`~treepack.trainer.planning.bridge`: HF/TRL padded ``[B, T]`` batches <-> sequences,
   trainable flags and groups (:func:`from_padded`, :func:`from_labeled`);
+- :mod:`~treepack.trainer.planning.padded_images`: TRL's batched image inputs cut into each
+  row's own (:func:`~treepack.trainer.planning.padded_images.sequence_images`);
 - :mod:`~treepack.trainer.planning.routing`: :func:`routing_keys`, planner keys from MoE
   routing-replay arrays (so the planner never shares a token whose routing differs);
 - :mod:`~treepack.trainer.planning.images`: :func:`image_keys`, planner keys from image
@@ -14,7 +16,9 @@
   as the planning entry points read it (:func:`mesh_ranks`).
 
 What runs after the plan (:func:`~treepack.trainer.data.materialize` ->
-:class:`~treepack.trainer.data.PackedBatch`) is :mod:`treepack.trainer.data`.
+:class:`~treepack.trainer.data.PackedBatch`) is :mod:`treepack.trainer.data`, the floor
+above this one: planning imports only the contract, the client and the kernels
+(``tests/proto/test_rings.py`` holds it).
 """
 
 from treepack.trainer.planning.bridge import PaddedSequences, from_labeled, from_padded

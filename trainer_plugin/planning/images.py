@@ -79,7 +79,8 @@ def split_images(pixel_values: Any, image_grid_thw: Any, s: int) -> list[tuple[t
     rows = grid.prod(-1).tolist()
     if sum(rows) != pv.shape[0]:
         raise RequestError(
-            f"sequence {s}: image_grid_thw {grid.tolist()} covers {sum(rows)} patch rows, pixel_values has {pv.shape[0]}",
+            f"sequence {s}: image_grid_thw {grid.tolist()} covers {sum(rows)} patch rows, "
+            f"pixel_values has {pv.shape[0]}",
             path=f"$.image_grid_thw[{s}]",
             rule="shape",
         )

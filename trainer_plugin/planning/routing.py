@@ -10,7 +10,7 @@ the planner never shares a token whose routing differs among sequences.
 A hash can collide (two different routing rows with one key, probability about
 ``2**-64`` per pair): materialization then still refuses, because it checks every
 sharer's token-aligned payload against the packed one
-(:class:`~treepack.trainer.data.materialize.PayloadMismatchError`). So keys plus that
+(:class:`~treepack.trainer.data.payloads.PayloadMismatchError`). So keys plus that
 check are exact or refused, never silently merged. :func:`naive_routing_keys` is the
 loop reference.
 """

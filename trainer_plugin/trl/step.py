@@ -1,0 +1,154 @@
+"""What both TRL trainers share: plan a padded batch, cut its images, run the packed fused-head call.
+
+:class:`PackedRows` is the mixin :class:`~treepack.trainer.trl.grpo.TreepackGRPOTrainer` and
+:class:`~treepack.trainer.trl.sft.TreepackSFTTrainer` put before TRL's trainer: the plan of
+a padded batch (logged into TRL's metrics), each sequence's image inputs with the planner
+keys that tell images apart, and the call of the model on the packed rows through TRL's
+fused LM head (after the model's admission).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from treepack.proto.errors import RequestError
+from treepack.trainer.hf.attention import TREE_MASK_OPTION
+from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.forward import enable_tree_attention, verify_model
+from treepack.trainer.hf.support import check_model
+from treepack.trainer.hf.vision import image_inputs
+from treepack.trainer.hf.wrapped import unwrap_model
+from treepack.trainer.planning.bridge import PaddedSequences
+from treepack.trainer.planning.images import image_keys
+from treepack.trainer.planning.microbatch import plan_microbatches
+from treepack.trainer.planning.padded_images import sequence_images
+from treepack.trainer.trl.config import PackingConfig, choose_seq_len
+
+__all__ = ["PackedRows", "image_token_of"]
+
+
+class PackedRows:
+    """What both trainers share: the packed fused-head call and plan logging."""
+
+    packing: PackingConfig
+
+    def _init_packing(self, packing: PackingConfig | None) -> None:
+        self.packing = PackingConfig() if packing is None else packing
+        self._planner = self.packing.make_planner()
+
+    def _plan(
+        self,
+        padded: PaddedSequences,
+        num_microbatches: int,
+        groups: list[int] | None,
+        keys: list[np.ndarray] | None = None,
+    ) -> Any:
+        mb = plan_microbatches(
+            padded.sequences,
+            num_microbatches=num_microbatches,
+            planner=self._planner,
+            seq_len=choose_seq_len(padded, self.packing),
+            trainable=padded.trainable,
+            groups=groups,
+            min_shared_len=self.packing.min_shared_len,
+            placement=self.packing.placement,
+            **({} if keys is None else {"keys": keys}),
+        )
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
+        metrics["treepack/rows"].append(float(mb.plan.stats.rows))
+        metrics["treepack/plan_ms"].append(float(mb.plan_ms))
+        return mb
+
+    def _images(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sequences: list[np.ndarray],
+        extra: dict[str, Any],
+    ) -> tuple[Any, Any, Any]:
+        """Each sequence's own image inputs and the planner keys that tell images apart.
+
+        Args:
+            model: the (wrapped) model (its ``image_token_id``).
+            input_ids, attention_mask: TRL's padded ``[B, T]`` batch.
+            sequences: the B sequences read from it.
+            extra: TRL's image keywords (:func:`~treepack.trainer.planning.padded_images.sequence_images`).
+
+        Returns:
+            (per sequence ``pixel_values``, per sequence grids, per sequence keys), or
+            (None, None, None) for a batch without images.
+
+        Raises:
+            RequestError: images without ``image_grid_thw`` (LLaVA-style models), naming the
+                model class; what :func:`~treepack.trainer.planning.padded_images.sequence_images` refuses.
+        """
+        if extra.get("pixel_values") is not None and extra.get("image_grid_thw") is None:
+            raise RequestError(
+                f"{type(unwrap_model(model)).__name__}'s images come without image_grid_thw: tree rows take images as "
+                "pixel_values with image_grid_thw (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)",
+                path="$.image_grid_thw",
+                rule="unsupported",
+            )
+        image_token = image_token_of(model) if extra.get("pixel_values") is not None else None
+        pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
+        if pv is None:
+            return None, None, None
+        return pv, thw, image_keys(sequences, pixel_values=pv, image_grid_thw=thw, image_token_id=image_token)
+
+    def _packed_fused(self, model: Any, batch: Any) -> Any:
+        """TRL's fused-head output (``log_probs``, ``entropy``, ... as [K, L]) of ``batch``'s rows.
+
+        Runs through ``model`` (its wrappers' hooks and gradient synchronisation stay) and
+        TRL's fused LM head on pre-shifted labels (``batch.targets``, -100 off the loss mask).
+        A batch with images gets the image features (the vision tower once per distinct
+        image) and, for mRoPE models, each sequence's own 3-D positions
+        (:func:`~treepack.trainer.hf.vision.image_inputs`).
+        """
+        backend = self.packing.backend
+        hf = unwrap_model(model)
+        # What packed_forward refuses is refused here too, before the first step computes anything.
+        check_model(
+            hf,
+            backend=backend,
+            row_len=batch.seq_len,
+            conv_width=batch.plan.gdn.conv_width,
+            allow_dropout=self.packing.allow_dropout,
+        )
+        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
+        mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
+        ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
+        shift = batch.targets.masked_fill(~batch.loss_mask, -100)
+        with self.accelerator.autocast():
+            if self.packing.verify:
+                verify_model(
+                    hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout
+                )
+            mm = image_inputs(hf, batch, {})
+            with use_packed(ctx):
+                return model(
+                    input_ids=batch.input_ids,
+                    position_ids=mm.pop("position_ids", batch.position_ids),
+                    attention_mask=mask,
+                    shift_labels=shift,
+                    fused_lm_head=True,
+                    **{BATCH_KWARG: ctx},
+                    **mm,
+                )
+
+
+def image_token_of(model: Any) -> int:
+    """The (wrapped) model's image placeholder id (``config.image_token_id``); refused when it has none."""
+    config = unwrap_model(model).config
+    v = getattr(config, "image_token_id", None)
+    if v is None:
+        raise RequestError(
+            f"the batch holds pixel_values but {type(unwrap_model(model)).__name__}'s config has no image_token_id",
+            path="$.model",
+            rule="unsupported",
+        )
+    return int(v)
