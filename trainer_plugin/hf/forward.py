@@ -53,6 +53,8 @@ from treepack.trainer.hf.context import PackedContext, use_packed
 from treepack.trainer.hf.run import run_packed
 from treepack.trainer.hf.wrapped import unwrap_model
 
+# enable_tree_attention, verify_model, check_cp_layers and OUTPUTS are the admission's; they are
+# still importable from here, where callers (treepack.trainer.trl) have imported them.
 __all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
 
 
