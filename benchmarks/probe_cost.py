@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats)
     print(
-        f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), Qwen3 hidden {args.hidden} x {args.layers} layers, {args.repeats} repeats"
+        f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), "
+        f"Qwen3 hidden {args.hidden} x {args.layers} layers, {args.repeats} repeats"
     )
     print("| what | median s | range s | / one step |")
     print("|---|---:|---:|---:|")
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {r['what']} | {r['median_s']:.3f} | {min(r['times']):.3f}-{max(r['times']):.3f} | {r['ratio']:.2f} |")
     m = out["peak_rss_growth_kib"]
     print(
-        f"\npeak RSS growth: one step {m['step'] / 1024:.1f} MiB, one probe {m['probe'] / 1024:.1f} MiB ({m['probe'] / max(m['step'], 1):.2f} of a step)"
+        f"\npeak RSS growth: one step {m['step'] / 1024:.1f} MiB, one probe {m['probe'] / 1024:.1f} MiB "
+        f"({m['probe'] / max(m['step'], 1):.2f} of a step)"
     )
     if args.json:
         with open(args.json, "w") as f:

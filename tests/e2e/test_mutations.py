@@ -193,7 +193,8 @@ def _locate(root: Path, m: Mutant) -> tuple[list[str], int]:
     lines = (root / m.path).read_text().splitlines(keepends=True)
     hits = [i for i, text in enumerate(lines) if re.search(m.line, text.rstrip("\n"))]
     assert len(hits) == 1, (
-        f"mutant {m.name!r}: /{m.line}/ matches {len(hits)} lines of {m.path} (the code moved or changed: update the mutant)"
+        f"mutant {m.name!r}: /{m.line}/ matches {len(hits)} lines of {m.path} "
+        "(the code moved or changed: update the mutant)"
     )
     assert m.old in lines[hits[0]], f"mutant {m.name!r}: {m.old!r} not on line {hits[0] + 1} of {m.path}"
     return lines, hits[0]
@@ -256,11 +257,11 @@ def test_mutant_is_killed(copy, mutant):
     finally:
         (copy / mutant.path).write_text(original)
     tail = (res.stdout[-1500:] + res.stderr[-800:]).strip()
-    print(
-        f"MUTANT | {mutant.name} | {' '.join(mutant.tests)} | {'killed' if res.returncode == 1 else 'SURVIVED' if res.returncode == 0 else f'rc {res.returncode}'}"
-    )
+    verdict = "killed" if res.returncode == 1 else "SURVIVED" if res.returncode == 0 else f"rc {res.returncode}"
+    print(f"MUTANT | {mutant.name} | {' '.join(mutant.tests)} | {verdict}")
     assert res.returncode != 0, (
-        f"mutant survived: {mutant.name} ({mutant.path}: {mutant.old!r} -> {mutant.new!r}); {' '.join(mutant.tests)} passed:\n{tail}"
+        f"mutant survived: {mutant.name} ({mutant.path}: {mutant.old!r} -> {mutant.new!r}); "
+        f"{' '.join(mutant.tests)} passed:\n{tail}"
     )
     assert res.returncode == 1, (
         f"mutant {mutant.name}: pytest exited {res.returncode} (an error, not a failing test):\n{tail}"

@@ -43,7 +43,8 @@ def test_every_kind_module_is_registered_and_shards():
     kinds = [k.kind for k in registered()]
     assert sorted(found) == sorted(kinds) and len(kinds) == len(set(kinds))
     assert {"gdn", "gdn_olmo", "kda", "mamba2", "mamba", "short_conv", "dsa", "glm_dsa", "dsa_indexer"} <= set(kinds)
-    # Every built-in kind says how it runs under context parallelism (the CP oracle is tests/e2e/test_trainer_cp_mixers.py).
+    # Every built-in kind says how it runs under context parallelism (the CP oracle is
+    # tests/e2e/test_trainer_cp_mixers.py).
     assert all(isinstance(k.shard, ContextShard) for k in registered())
     # Their patched forwards handle the shard themselves; every schedule-driven kind has a shard forward.
     assert sorted(k.kind for k in registered() if k.shard.forward is None) == ["dsa", "dsa_indexer", "glm_dsa"]
@@ -55,9 +56,9 @@ def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
     from treepack.trainer.hf.admission.cp import check_cp_layers
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=6,
-        linear_key_head_dim=8, linear_value_head_dim=8,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
     )  # fmt: skip
     model = Qwen3_5ForCausalLM(cfg)
     check_cp_layers(model, 2)  # 2 key heads, 6 value heads: both divide
