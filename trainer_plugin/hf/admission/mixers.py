@@ -22,7 +22,8 @@ STATE_PARAMS = frozenset({"A_log", "dt_bias", "D", "A", "time_decay", "time_firs
 
 
 _MIXER_NAME = re.compile(
-    r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|Retention|Hyena|Scan|Kda|KDA|Gdn|GDN"
+    r"Mamba|SSM|Ssm|Mixer|Recurren|RWKV|Rwkv|DeltaNet|LinearAttention|ShortConv|Conv|Indexer|LSTM|GRU|"
+    r"Retention|Hyena|Scan|Kda|KDA|Gdn|GDN"
 )
 
 
