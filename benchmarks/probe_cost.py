@@ -8,7 +8,7 @@ The model and step are those of ``benchmarks/cpu_train_step.py`` (a Qwen3 of ``-
 SFT loss, backward). Measured in the same run, each ``--repeats`` times:
 
 - ``step``: one packed training step (the probe already done for this setup);
-- ``probe``: :func:`~treepack.trainer.hf.forward.verify_model` on a fresh setup (the
+- ``probe``: :func:`~treepack.trainer.hf.admission.verify_model` on a fresh setup (the
   remembered probes dropped first), in eval and in train mode with gradient checkpointing.
 
 Time: median and range of the repeats, the three run in turn. Memory: the growth of the
@@ -36,8 +36,7 @@ from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import materialize  # noqa: E402
-from treepack.trainer.hf.forward import verify_model  # noqa: E402
-from treepack.trainer.hf.probe import forget_probes  # noqa: E402
+from treepack.trainer.hf.admission import forget_probes, verify_model  # noqa: E402
 
 
 def setup(scale: int, hidden: int, layers: int, vocab: int):

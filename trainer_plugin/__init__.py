@@ -28,10 +28,10 @@ from treepack.trainer.cost import calibrate, time_step
 from treepack.trainer.data.advice import TreepackWarning
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.hf.admission import check_model
 from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
 from treepack.trainer.hf.forward import packed, packed_forward
 from treepack.trainer.hf.head import output_head
-from treepack.trainer.hf.support import check_model
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.cp import ContextParallel
 from treepack.trainer.planning.images import image_keys

@@ -171,7 +171,7 @@ MUTANTS = (
     ),
     Mutant(
         "refusal: attention dropout while training accepted",
-        "trainer_plugin/hf/support.py",
+        "trainer_plugin/hf/admission/attention_checks.py",
         r"if mod\.training and isinstance\(drop, \(int, float\)\) and drop > 0:$",
         "drop > 0",
         "drop > 1",

@@ -15,7 +15,7 @@ import torch
 
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.admission.guards import trust_hook
 from treepack.trainer.hf.layers import unpatch_layers
 
 from helpers.trainer_cases import unchecked_packed_logits

@@ -18,7 +18,7 @@ import treepack.trainer.hf.layers.dsa as dsa
 from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.admission.guards import trust_hook
 from treepack.trainer.hf.layers import patch_layers
 
 from helpers.tolerance import assert_close, assert_not_close

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from treepack.service.planner import plan_batch
 from treepack.trainer import materialize, packed_forward
-from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.admission.guards import trust_hook
 from treepack.trainer.kernels.varlen import varlen_attention
 from treepack.trainer.losses import sft_loss
 

@@ -17,6 +17,7 @@ import torch
 import treepack.trainer.hf.layers as layers
 from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer.data.materialize import materialize
+from treepack.trainer.hf.admission.check import check_model
 from treepack.trainer.hf.context import PackedContext, use_packed
 from treepack.trainer.hf.layers import (
     TreeLayer,
@@ -28,7 +29,6 @@ from treepack.trainer.hf.layers import (
     unregister,
 )
 from treepack.trainer.hf.layers.spec import ContextShard
-from treepack.trainer.hf.support import check_model
 
 from helpers.tiny_conv import TINY_CONV, TinyConvMixer
 from helpers.trees import tree_plan
@@ -53,7 +53,7 @@ def test_every_kind_module_is_registered_and_shards():
 def test_cp_refuses_by_name_what_does_not_divide_and_what_has_no_shard():
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from treepack.trainer.hf.forward import check_cp_layers
+    from treepack.trainer.hf.admission.cp import check_cp_layers
 
     cfg = Qwen3_5TextConfig(
         vocab_size=VOCAB,

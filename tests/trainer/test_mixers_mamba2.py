@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from treepack.trainer.hf.guards import trust_hook
+from treepack.trainer.hf.admission.guards import trust_hook
 from treepack.trainer.hf.layers import is_handled, mixer_kind, patch_layers
 
 from helpers.mixers import VOCAB, assert_oracle, mixer_case, run_oracle

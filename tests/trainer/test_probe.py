@@ -1,4 +1,4 @@
-"""The run-time probe (:mod:`treepack.trainer.hf.probe`): it proves what is exact and names what is not.
+"""The run-time probe (:mod:`treepack.trainer.hf.admission.probe`): it proves what is exact and names what is not.
 
 Planted discrepancies of each kind, each in code the structural checks accept (a hook whose
 code claims to be torch's, the window or mask check switched off, a replay without the
@@ -17,8 +17,8 @@ from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import materialize, naive_varlen_attention
 from treepack.trainer.hf import attention as tree_attention_mod
 from treepack.trainer.hf import dispatch, packed_forward
-from treepack.trainer.hf.forward import verify_model
-from treepack.trainer.hf.probe import declared_sizes, probe_sequences
+from treepack.trainer.hf.admission.probe_inputs import declared_sizes, probe_sequences
+from treepack.trainer.hf.admission.prove import verify_model
 
 from helpers.families import model_support, window_case
 from helpers.trainer_cases import plan_of

@@ -1,4 +1,4 @@
-"""The model walk of ``packed_forward`` runs once per model state (:mod:`treepack.trainer.hf.walk_cache`).
+"""The model walk of ``packed_forward`` runs once per model state (:mod:`treepack.trainer.hf.admission.walk_cache`).
 
 A second call on an unchanged model skips ``check_model``, the hook installation and the
 probe lookup; every change the run-time guards judge, made after the first call, is
@@ -14,10 +14,10 @@ import torch
 from treepack.proto.errors import UnsupportedModelError
 from treepack.service.planner import validate_plan
 from treepack.trainer import materialize
-from treepack.trainer.hf import forward as forward_mod
 from treepack.trainer.hf import packed_forward
-from treepack.trainer.hf.probe import forget_probes
-from treepack.trainer.hf.walk_cache import forget_walks, model_state
+from treepack.trainer.hf.admission import walk as walk_mod
+from treepack.trainer.hf.admission.probe import forget_probes
+from treepack.trainer.hf.admission.walk_cache import forget_walks, model_state
 
 from helpers.families import mixing_hook, model_support, window_case
 from helpers.trainer_cases import plan_of
@@ -35,15 +35,15 @@ def batch():
 
 @pytest.fixture
 def walks(monkeypatch):
-    """Counts full walks (``check_model`` calls made by ``packed_forward``)."""
+    """Counts full walks (``check_static`` calls made by ``packed_forward``'s admission)."""
     seen = []
-    real = forward_mod.check_model
+    real = walk_mod.check_static
 
     def counting(*a, **kw):
         seen.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(forward_mod, "check_model", counting)
+    monkeypatch.setattr(walk_mod, "check_static", counting)
     return seen
 
 

@@ -24,7 +24,7 @@ from engines import VOCAB, build, flags, grpo_batch  # noqa: E402
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 
 from treepack.proto.errors import UnsupportedModelError  # noqa: E402
-from treepack.trainer.hf.guards import trust_hook  # noqa: E402
+from treepack.trainer.hf.admission.guards import trust_hook  # noqa: E402
 from treepack.trainer.verl import TreepackFSDPEngine  # noqa: E402
 
 text = dict(

@@ -11,8 +11,11 @@
   is recognised, runs on tree rows and refuses;
 - :mod:`~treepack.trainer.hf.vision`: vision-language models: the vision tower once per
   distinct image, features and multimodal positions placed in the rows;
-- :mod:`~treepack.trainer.hf.support`: :func:`check_model`, the fail-closed check that
-  every token mixer of a model runs tree-exact (run by :func:`packed_forward` first);
+- :mod:`~treepack.trainer.hf.admission`: the model's admission, :func:`check_model` (the
+  fail-closed check that every token mixer of a model runs tree-exact), the guards, the walk
+  cache and the run-time probe, behind one entry ``admit(model, setup) -> Verdict`` (run by
+  :func:`packed_forward` first);
+- :mod:`~treepack.trainer.hf.run`: the packed run of an admitted model (metadata, context, call);
 - :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
   that take one;
 - :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
@@ -21,10 +24,10 @@
 transformers itself is imported only when a model is first prepared (``register_tree_attention``).
 """
 
+from treepack.trainer.hf.admission import SupportReport, check_model
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
 from treepack.trainer.hf.forward import enable_tree_attention, packed, packed_forward
 from treepack.trainer.hf.head import OutputHead, output_head
-from treepack.trainer.hf.support import SupportReport, check_model
 from treepack.trainer.hf.vision import VisionSavings, vision_savings
 from treepack.trainer.hf.wrapped import unwrap_model
 

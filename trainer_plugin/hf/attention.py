@@ -103,6 +103,36 @@ def treepack_attention(
         ([K, L, H, D] output, None).
     """
     ctx = resolve_packed(kwargs, who=f"attention implementation {ATTN_IMPLEMENTATION!r}")
+    opts = dict(ctx.options)
+    _refuse_inputs(module, attention_mask, dropout, kwargs, opts)
+    if sliding_window is None:
+        sliding_window = mask_builder_window(module)
+    if ctx.batch.cp is not None:
+        if cp_layer_strategy(ctx.batch, query.shape[1]) == "allgather":
+            out = allgather_attention(
+                query, key, value, ctx.batch, backend=ctx.backend, scale=scaling, sliding_window=sliding_window,
+                softcap=softcap, varlen_fn=opts.get("varlen_fn"), compile=opts.get("compile"),
+                sinks=kwargs.get("s_aux"), chunk_size=attention_chunk_size(module),
+            )  # fmt: skip
+            return out.transpose(1, 2).contiguous(), None
+        return _ulysses(
+            module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")
+        ), None
+    out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_inputs(module: torch.nn.Module, attention_mask: Any, dropout: float, kwargs: dict, opts: dict) -> None:
+    """Refuse what a layer hands its attention function that tree attention would not apply.
+
+    Attention dropout, sparse top-k indices of an unpatched DSA layer, a bias or selection
+    keyword the model built (:data:`REFUSED_KEYWORDS`), and any mask but the one
+    ``packed_forward`` built (checked by identity when the context carries it).
+
+    Raises:
+        RequestError: dropout, or sparse indices on the dense path.
+        UnsupportedModelError: a mask, bias or selection built by the model (``model_built_mask``).
+    """
     if dropout:
         raise RequestError(
             f"attention dropout {dropout} is not supported on packed rows; set attention_dropout=0",
@@ -120,14 +150,16 @@ def treepack_attention(
         )
     foreign = [k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None]
     if foreign:
-        why = f"passes its attention function {', '.join(k + '=' for k in foreign)} (a bias or selection the model built), which tree attention does not apply"
+        why = (
+            f"passes its attention function {', '.join(k + '=' for k in foreign)} (a bias or selection the "
+            "model built), which tree attention does not apply"
+        )
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) {why}, so the layer is refused",
             path="$.model",
             rule="model_built_mask",
             refusals=(("", type(module).__name__, why),),
         )
-    opts = dict(ctx.options)
     if (
         TREE_MASK_OPTION in opts
         and attention_mask is not None
@@ -137,26 +169,13 @@ def treepack_attention(
             f"{type(attention_mask).__name__}{tuple(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
         )
         raise UnsupportedModelError(
-            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function a mask or bias "
-            f"that treepack did not build ({what}; e.g. a learned dynamic mask): tree attention would replace it, so the layer is refused",
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes its attention function "
+            f"a mask or bias that treepack did not build ({what}; e.g. a learned dynamic mask): tree attention "
+            "would replace it, so the layer is refused",
             path="$.model",
             rule="model_built_mask",
             refusals=(("", type(module).__name__, "attention mask or bias built by the model"),),
         )
-    if sliding_window is None:
-        sliding_window = mask_builder_window(module)
-    if ctx.batch.cp is not None:
-        if cp_layer_strategy(ctx.batch, query.shape[1]) == "allgather":
-            out = allgather_attention(
-                query, key, value, ctx.batch, backend=ctx.backend, scale=scaling, sliding_window=sliding_window, softcap=softcap,
-                varlen_fn=opts.get("varlen_fn"), compile=opts.get("compile"), sinks=kwargs.get("s_aux"), chunk_size=attention_chunk_size(module),
-            )  # fmt: skip
-            return out.transpose(1, 2).contiguous(), None
-        return _ulysses(
-            module, query, key, value, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux")
-        ), None
-    out = _tree(module, query, key, value, ctx.batch, ctx, opts, scaling, sliding_window, softcap, kwargs.get("s_aux"))
-    return out.transpose(1, 2).contiguous(), None
 
 
 def _is_tree_mask(mask: Any, tree: Any) -> bool:
@@ -206,7 +225,10 @@ def cp_layer_strategy(batch: Any, num_heads: int) -> str:
 def ulysses_refusal(num_heads: int, cp_size: int) -> str | None:
     """Why a layer with ``num_heads`` query heads cannot run Ulysses over ``cp_size`` ranks, or None."""
     if num_heads % cp_size:
-        return f"{num_heads} query heads do not divide over {cp_size} context-parallel ranks (Ulysses gives each rank H / cp heads)"
+        return (
+            f"{num_heads} query heads do not divide over {cp_size} context-parallel ranks (Ulysses gives each "
+            "rank H / cp heads)"
+        )
     return None
 
 

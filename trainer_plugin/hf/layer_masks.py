@@ -17,9 +17,13 @@ import functools
 import inspect
 from typing import Any
 
-from treepack.trainer.hf.support import ATTENTION_LAYER_TYPES
+__all__ = ["attention_mask_for", "takes_mask_mapping", "ATTENTION_LAYER_TYPES"]
 
-__all__ = ["attention_mask_for", "takes_mask_mapping"]
+# The config.layer_types entries that are attention (the tree mask is theirs; the static
+# check, treepack.trainer.hf.admission.structure, holds every other type to a handled mixer).
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "attention", "global_attention", "local_attention", "chunked_attention"}
+)
 
 
 @functools.cache

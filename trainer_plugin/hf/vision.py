@@ -7,7 +7,7 @@ number the tokens with 3-D multimodal RoPE positions (``get_rope_index``). On pa
 
 - **the tower**: the vision tower of a known VLM class (:data:`VISION_TOWERS`) mixes only
   within one image (its patch convolution and its bidirectional attention run inside one
-  image), so :func:`~treepack.trainer.hf.support.check_model` accepts it instead of
+  image), so :func:`~treepack.trainer.hf.admission.check_model` accepts it instead of
   refusing its convolution and its non-causal attention; an unknown tower is still refused.
   :func:`image_inputs` runs the tower once per distinct image of the batch
   (:class:`~treepack.trainer.data.images.BatchImages`, deduplicated by content), outside
@@ -63,7 +63,9 @@ VISION_TOWERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "LlavaModel": ("vision_tower", ("CLIPVisionModel",)),
 }
 REFUSED_VLMS: dict[str, str] = {
-    "Gemma3Model": "Gemma 3's image tokens attend to each other bidirectionally (token_type_ids); the tree mask is causal",
+    "Gemma3Model": (
+        "Gemma 3's image tokens attend to each other bidirectionally (token_type_ids); the tree mask is causal"
+    ),
     "Gemma3nModel": "Gemma 3n's image tokens attend to each other bidirectionally; the tree mask is causal",
 }
 # Keyword arguments that would make the model compute image or video features over the rows.
@@ -242,7 +244,8 @@ def image_inputs(hf: torch.nn.Module, batch: PackedBatch, kwargs: dict[str, Any]
     given = [k for k in _ROW_IMAGE_KWARGS if kwargs.get(k) is not None]
     if given:
         raise RequestError(
-            f"{given[0]} passed to the packed forward: image inputs go to materialize(pixel_values=..., image_grid_thw=...) "
+            f"{given[0]} passed to the packed forward: image inputs go to materialize(pixel_values=..., "
+            "image_grid_thw=...) "
             "(video inputs are not supported on tree rows)",
             path=f"$.kwargs.{given[0]}",
             rule="unsupported",
@@ -252,7 +255,8 @@ def image_inputs(hf: torch.nn.Module, batch: PackedBatch, kwargs: dict[str, Any]
     found = _multimodal_base(hf)
     if found is None:
         raise RequestError(
-            f"the batch holds images but {type(hf).__name__} has no known vision tower (known: {sorted(VISION_TOWERS)})",
+            f"the batch holds images but {type(hf).__name__} has no known vision tower (known: "
+            f"{sorted(VISION_TOWERS)})",
             path="$.model",
             rule="unsupported",
         )
@@ -266,7 +270,8 @@ def image_inputs(hf: torch.nn.Module, batch: PackedBatch, kwargs: dict[str, Any]
     if got != sizes:
         u = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
         raise RequestError(
-            f"the vision tower gives distinct image {u} {got[u]} features, the text holds {sizes[u]} placeholder tokens for it",
+            f"the vision tower gives distinct image {u} {got[u]} features, the text holds {sizes[u]} placeholder "
+            "tokens for it",
             path="$.pixel_values",
             rule="image_placeholders",
         )
@@ -274,7 +279,8 @@ def image_inputs(hf: torch.nn.Module, batch: PackedBatch, kwargs: dict[str, Any]
     sel = index[ph]
     if (sel < 0).any():
         raise RequestError(
-            f"row position {int(ph[np.argmax(sel < 0)])} holds the image token but no sequence's image (pad_id equals the image token?)",
+            f"row position {int(ph[np.argmax(sel < 0)])} holds the image token but no sequence's image (pad_id "
+            "equals the image token?)",
             path="$.pad_id",
             rule="image_placeholders",
         )

@@ -25,8 +25,8 @@ accumulation above 1 that changes which completions each micro-batch holds, henc
 per-micro-batch normalisations and metrics: a different (equally valid) run, not stock's.
 
 Before the first packed step of a model the trainers run what ``packed_forward`` runs:
-``check_model`` (with the dropout / patch refusals of :mod:`treepack.trainer.hf.guards`) and the
-probe (:mod:`treepack.trainer.hf.probe`, once per setup; ``PackingConfig(verify=False)``
+``check_model`` (with the dropout / patch refusals of :mod:`treepack.trainer.hf.admission.guards`) and the
+probe (:mod:`treepack.trainer.hf.admission.probe`, once per setup; ``PackingConfig(verify=False)``
 skips it).
 
 Packed calls carry the batch as the ``treepack_context`` keyword, which alone selects the tree

@@ -36,7 +36,7 @@ class PackingConfig:
             loss normalisations, entropy quantile and logged metrics whenever gradient
             accumulation is above 1; False keeps TRL's own shuffle, step for step equal to stock.
         verify: prove packing exact for the model before its first packed step
-            (:func:`~treepack.trainer.hf.forward.verify_model`, once per setup).
+            (:func:`~treepack.trainer.hf.admission.verify_model`, once per setup).
         allow_dropout: accept dropout outside attention while training (one mask per shared
             prefix: not exact). Default: refused.
         cost_model: a :class:`~treepack.proto.cost.CostModel` (``treepack.trainer.calibrate``)

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import RequestError
+from treepack.trainer.hf.admission import PackedSetup, admit
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
-from treepack.trainer.hf.forward import enable_tree_attention, verify_model
-from treepack.trainer.hf.support import check_model
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.planning.bridge import PaddedSequences
@@ -111,23 +110,17 @@ class PackedRows:
         """
         backend = self.packing.backend
         hf = unwrap_model(model)
-        # What packed_forward refuses is refused here too, before the first step computes anything.
-        check_model(
-            hf,
-            backend=backend,
-            row_len=batch.seq_len,
-            conv_width=batch.plan.gdn.conv_width,
-            allow_dropout=self.packing.allow_dropout,
+        setup = PackedSetup.of_call(
+            batch, {}, backend=backend, verify=self.packing.verify, allow_dropout=self.packing.allow_dropout
         )
-        enable_tree_attention(model)  # idempotent: installs the per-call dispatch, switches nothing
+        # What packed_forward admits is admitted here too (the checks, the dispatch hooks and
+        # patches, the probe under the step's autocast), before the first step computes anything.
+        with self.accelerator.autocast():
+            admit(hf, setup)
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
         with self.accelerator.autocast():
-            if self.packing.verify:
-                verify_model(
-                    hf, backend=backend, conv_width=batch.plan.gdn.conv_width, allow_dropout=self.packing.allow_dropout
-                )
             mm = image_inputs(hf, batch, {})
             with use_packed(ctx):
                 return model(

@@ -15,7 +15,7 @@ every other token mixer that runs on tree rows is a kind here:
 Every module of this package that defines ``LAYERS`` (a tuple of ``TreeLayer``) is a kind
 module and is registered when the package is imported, so adding a kind is adding one
 module (and its test); :func:`register` adds one at run time.
-:func:`~treepack.trainer.hf.support.check_model`, :func:`patch_layers` and the tree
+:func:`~treepack.trainer.hf.admission.check_model`, :func:`patch_layers` and the tree
 schedule (:meth:`~treepack.trainer.data.packed_batch.PackedBatch.tree_schedule`) read it.
 
 Recognition: a kind with ``classes`` takes modules of exactly those class names; a kind

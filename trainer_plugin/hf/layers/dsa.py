@@ -1,4 +1,6 @@
-"""Stock HF DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (DSA) on tree rows: the kinds ``dsa``, ``glm_dsa``, ``dsa_indexer``.
+"""Stock HF DeepSeek-V3.2 and GLM-MoE-DSA sparse attention (DSA) on tree rows.
+
+The kinds ``dsa``, ``glm_dsa``, ``dsa_indexer``.
 
 HF's ``DeepseekV32Attention`` is MLA (low-rank q and kv, a shared RoPE key) plus a
 lightning indexer that picks ``index_topk`` keys per query; the eager path folds the picks
@@ -246,7 +248,8 @@ def _shared(attn: torch.nn.Module, shared: Any, K: int, L: int) -> TreeSelection
     if isinstance(shared, TreeSelection) and tuple(shared.idx.shape[:2]) == (K, L):
         return shared
     raise RequestError(
-        f"{type(attn).__name__} (layer {getattr(attn, 'layer_idx', '?')}) shares the top-k of an earlier layer but received "
+        f"{type(attn).__name__} (layer {getattr(attn, 'layer_idx', '?')}) shares the top-k of an earlier layer "
+        "but received "
         f"{type(shared).__name__}, not that layer's tree selection: every DSA layer of the model must be patched",
         path="$.model",
         rule="unpatched_sparse_layer",
@@ -259,7 +262,8 @@ def _project(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     batch: Any,
 ) -> tuple[torch.Tensor, ...]:
-    """The stock MLA projections: (q_resid [K, L, q_lora], query [K, H, L, dq], key [K, H, L, dq], value [K, H, L, dv])."""
+    """The stock MLA projections: (q_resid [K, L, q_lora], query [K, H, L, dq], key [K, H, L, dq],
+    value [K, H, L, dv])."""
     K, L = hidden_states.shape[:2]
     if (K, L) != tuple(batch.subtree_end.shape):
         raise RequestError(

@@ -145,7 +145,8 @@ def mamba2_shard_forward(
     mine = head_slice(H, cp)
     y = tree_ssd_scan(
         x, dt, -torch.exp(layer.A_log.float())[mine], B, C, schedule,
-        chunk_size=layer.chunk_size, D=layer.D[mine], dt_bias=layer.dt_bias[mine], dt_softplus=True, dt_limit=tuple(layer.time_step_limit),
+        chunk_size=layer.chunk_size, D=layer.D[mine], dt_bias=layer.dt_bias[mine], dt_softplus=True,
+        dt_limit=tuple(layer.time_step_limit),
     )  # fmt: skip
     y = shards_of_heads(y.float(), cp, K, Ls).reshape(K, Ls, -1)  # the stock scan returns fp32
     if not falcon or layer.mamba_rms_norm:

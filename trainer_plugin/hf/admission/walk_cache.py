@@ -3,12 +3,12 @@
 :func:`~treepack.trainer.hf.packed_forward` must refuse a model that cannot run exactly,
 before any compute, on every call: a hook registered, a forward patched, a module swapped,
 dropout switched on or the mode changed after the first call must still be refused. The
-full check (:func:`~treepack.trainer.hf.support.check_model`: source reads, regexes, the
-guards) and the hook installation walk the whole model, milliseconds per call that grow
+full check (:func:`~treepack.trainer.hf.admission.check.check_static`: source reads,
+regexes, the guards) and the hook installation walk the whole model, milliseconds per call that grow
 with depth (pure host time on a GPU). So the walk's result is remembered per model and
-setup, together with :func:`model_state`, a cheap fingerprint of everything the walk
-reads, taken after the walk; a later call whose fingerprint is equal skips the walk, any
-other runs it again.
+setup (a key of :class:`~treepack.trainer.hf.admission.setup.PackedSetup`), together with
+:func:`model_state`, a cheap fingerprint of everything the walk reads, taken after the
+walk; a later call whose fingerprint is equal skips the walk, any other runs it again.
 
 The fingerprint holds, per module: its identity, class and the class's ``forward``, its
 training flag, an instance ``forward``, its checkpointing function and flag, how many
@@ -24,20 +24,21 @@ the module, as HF's own conversions do, or to call :func:`forget_walks`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
-from treepack.trainer.hf.guards import DROPOUT_NAME
+from treepack.trainer.hf.admission.guards import DROPOUT_NAME
 from treepack.trainer.hf.layers import registered
 
 __all__ = ["model_state", "fingerprint", "walked", "walk_info", "remember_walk", "forget_walks"]
 
 _CONFIG_ATTRS = ("text_config", "decoder", "language_config", "llm_config")
 # model -> (dropout-like attributes watched, {setup key: (fingerprint after the walk, info)})
-_WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[tuple, tuple[tuple, Any]]]] = (
+_WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, dict[Hashable, tuple[tuple, Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -106,20 +107,20 @@ def fingerprint(model: torch.nn.Module) -> tuple | None:
     return None if entry is None else model_state(model, entry[0])
 
 
-def walked(model: torch.nn.Module, setup: tuple, state: tuple | None) -> bool:
+def walked(model: torch.nn.Module, setup: Hashable, state: tuple | None) -> bool:
     """Whether ``model`` passed the walk of ``setup`` and its :func:`fingerprint` ``state`` is
     the one it had after that walk (nothing it depends on changed since)."""
     entry = _WALKED.get(model)
     return state is not None and entry is not None and setup in entry[1] and entry[1][setup][0] == state
 
 
-def walk_info(model: torch.nn.Module, setup: tuple) -> Any:
+def walk_info(model: torch.nn.Module, setup: Hashable) -> Any:
     """What :func:`remember_walk` kept with ``model``'s walk of ``setup`` (None if none)."""
     entry = _WALKED.get(model)
     return None if entry is None or setup not in entry[1] else entry[1][setup][1]
 
 
-def remember_walk(model: torch.nn.Module, setup: tuple, info: Any = None) -> None:
+def remember_walk(model: torch.nn.Module, setup: Hashable, info: Any = None) -> None:
     """Record that ``model``, as it is now, passed the walk of ``setup`` (``info``: what the
     walk found that later calls need, :func:`walk_info`)."""
     entry = _WALKED.get(model)

@@ -1,7 +1,7 @@
 """Refusals a walk of the layer classes misses: dropout while training, patched forwards, hooks.
 
-:func:`~treepack.trainer.hf.support.check_model` judges each module by its class, and adds
-these refusals. Two things change what runs without changing a class, and each is refused
+:func:`~treepack.trainer.hf.admission.check.check_static` judges each module by its class, and
+adds these refusals. Two things change what runs without changing a class, and each is refused
 before any compute, naming the module, its class and why:
 
 - **dropout while training** (:func:`dropout_refusals`): on packed rows all sharers of a
@@ -21,6 +21,9 @@ before any compute, naming the module, its class and why:
   :func:`trust_hook` (the caller states it works per position; the probe still checks):
   such code may mix positions of the row (a ``cumsum``, a ``roll``) and treepack cannot
   read it.
+
+With dropout accepted, the probe runs with every rate at 0 (:func:`dropout_off`): no shared
+mask can equal the alone runs.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["dropout_refusals", "patch_refusals", "trust_hook", "KNOWN_CODE", "DROPOUT_NAME"]
+__all__ = ["dropout_refusals", "dropout_off", "patch_refusals", "trust_hook", "KNOWN_CODE", "DROPOUT_NAME"]
 
 KNOWN_CODE = ("torch", "transformers", "peft", "accelerate", "trl", "treepack")
 DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_rate|drop_prob", re.I)
@@ -123,7 +127,10 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
     if allow_dropout or not any(m.training for m in model.modules()):
         return []
     out: list[Triple] = []
-    hint = "; call model.eval(), set it to 0, or pass allow_dropout=True to accept one dropout mask per shared prefix (not exact)"
+    hint = (
+        "; call model.eval(), set it to 0, or pass allow_dropout=True to accept one dropout mask per shared "
+        "prefix (not exact)"
+    )
     for path, mod in model.named_modules():
         if not mod.training:
             continue
@@ -143,7 +150,8 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
                     (
                         path,
                         type(mod).__name__,
-                        f"functional dropout {name}={v} while training: every sharer of a packed prefix would get the same mask{hint}",
+                        f"functional dropout {name}={v} while training: every sharer of a packed prefix would "
+                        f"get the same mask{hint}",
                     )
                 )
     src = None
@@ -157,7 +165,8 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
                     (
                         f"{where}.{name}",
                         type(cfg).__name__,
-                        f"{where}.{name}={v} while training: the model's dropout would give every sharer of a packed prefix one mask{hint}",
+                        f"{where}.{name}={v} while training: the model's dropout would give every sharer of a "
+                        f"packed prefix one mask{hint}",
                     )
                 )
     return out
@@ -188,7 +197,8 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
                     (
                         "<global>",
                         "torch.nn.Module",
-                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row",
+                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of "
+                        "the packed row",
                     )
                 )
     for path, mod in model.named_modules():
@@ -199,7 +209,8 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
                 (
                     path,
                     cls.__name__,
-                    f"forward replaced on the instance by {_describe(inst)}: its code may mix positions of the packed row",
+                    f"forward replaced on the instance by {_describe(inst)}: its code may mix positions of the "
+                    "packed row",
                 )
             )
         owner = next((b for b in cls.__mro__ if "forward" in b.__dict__), None)
@@ -209,7 +220,8 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
                 (
                     path,
                     cls.__name__,
-                    f"{owner.__name__}.forward replaced by {_describe(fn)} (a patch of a library class): its code may mix positions of the packed row",
+                    f"{owner.__name__}.forward replaced by {_describe(fn)} (a patch of a library class): its "
+                    "code may mix positions of the packed row",
                 )
             )
         for kind, fn in _hook_items(mod):
@@ -218,7 +230,28 @@ def patch_refusals(model: torch.nn.Module) -> list[Triple]:
                     (
                         path,
                         cls.__name__,
-                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of the packed row",
+                        f"{kind} {_describe(fn)}: its code is not a known library's, so it may mix positions of "
+                        "the packed row",
                     )
                 )
     return out
+
+
+@contextmanager
+def dropout_off(hf: torch.nn.Module) -> Iterator[None]:
+    """Every dropout rate of ``hf`` (modules, module attributes, config fields) at 0 inside the block."""
+    saved: list[tuple[Any, str, Any]] = []
+    objs: list[Any] = list(hf.modules()) + [c for _, c in _configs(hf)]
+    for obj in objs:
+        if isinstance(obj, torch.nn.modules.dropout._DropoutNd):
+            saved.append((obj, "p", obj.p))
+            obj.p = 0.0
+        for name, v in list(vars(obj).items()):
+            if DROPOUT_NAME.search(name) and isinstance(v, float) and v > 0:
+                saved.append((obj, name, v))
+                setattr(obj, name, 0.0)
+    try:
+        yield
+    finally:
+        for obj, name, v in reversed(saved):
+            setattr(obj, name, v)
