@@ -13,6 +13,10 @@ PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+# The transformers the tests were checked against: the model-support table (docs/models.md) and
+# the family sweep cover every architecture of one release, so a newer release (new families)
+# is a change to check and record, not something a fresh install should pick up by itself.
+TRANSFORMERS ?= transformers==5.24.0
 
 .PHONY: demo test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
@@ -36,7 +40,7 @@ demo: venv
 # half a minute of CPU; the tests import a small part of them, compiled on first import.
 test: venv
 	$(PIP) install --no-compile $(TORCH_PIP)
-	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH)
+	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH) $(TRANSFORMERS)
 	$(BIN)/python -m pytest -q
 
 # The shape fuzz's large profile, nightly-style (tests/planner/test_shape_fuzz.py; `make test`
@@ -46,10 +50,19 @@ fuzz: venv
 	TREEPACK_FUZZ=large $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/planner/test_shape_fuzz.py
 
 # The house's habits: ruff's lint and format check over the tree (pyproject.toml [tool.ruff]).
+# mypy reads the source through build/typecheck/treepack/, links laid out as the installed
+# package is (pyproject's package-dir), so cross-module imports of treepack.* resolve to our
+# own files; the checked scope is TYPECHECK (the planner side's public API: contract,
+# service, client).
+TYPECHECK ?= treepack.proto treepack.client treepack.service
 lint: venv
-	$(PIP) install --no-compile ruff==0.17.6
+	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1 "pydantic>=2.6"
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/treepack && touch build/typecheck/treepack/__init__.py
+	for d in proto service client; do ln -s ../../../$$d build/typecheck/treepack/$$d; done
+	ln -s ../../../trainer_plugin build/typecheck/treepack/trainer
+	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p ,$(TYPECHECK))
 
 # A second env for the Triton kernels run on CPU by the interpreter (tests/triton_interp).
 # Never in .venv: transformers picks flash-linear-attention whenever it imports, and its

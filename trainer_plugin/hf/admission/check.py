@@ -23,7 +23,7 @@ only by class name:
   (MLP / MoE) must contain a handled mixer;
 - length-dependent RoPE (``dynamic`` NTK, ``longrope``): HF picks the scaling from the
   longest position of the whole call, so one long sequence would change the others'
-  rotary embedding. Refused (decision, see the README's model-support section): exact needs every
+  rotary embedding. Refused (decision, see docs/models.md): exact needs every
   sequence's scaling regime in the plan's keys, and a packed row would still need one
   rotary table per sequence, which HF's rotary module does not take;
 - MoE auxiliary losses (``output_router_logits``): HF's load-balancing loss averages over
