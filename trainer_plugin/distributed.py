@@ -119,14 +119,16 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
 
     dev = _comm_device(group)
     mine = dist.get_rank() == src
-    n = torch.tensor([len(data) if mine else 0], dtype=torch.int64, device=dev)
+    assert data is not None or not mine, "the source rank sends the payload"
+    sent = data if mine and data is not None else b""
+    n = torch.tensor([len(sent)], dtype=torch.int64, device=dev)
     dist.broadcast(n, src, group=group)
     if mine:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        buf = torch.frombuffer(bytearray(sent), dtype=torch.uint8).to(dev)
     else:
         buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
     dist.broadcast(buf, src, group=group)
-    return data if mine else buf.cpu().numpy().tobytes()
+    return sent if mine else buf.cpu().numpy().tobytes()
 
 
 def _error_bytes(err: BaseException) -> bytes:
@@ -227,6 +229,8 @@ def plan_and_broadcast(
     failure: BaseException | None = None
     if dist.get_rank() == src:
         try:
+            if sequences is None:  # the packer's own refusal, raised before it is called
+                raise InputTypeError("sequences must be a list of token arrays", path="$.sequences", rule="type")
             kw = dict(plan_kwargs)
             kw.setdefault("num_ranks", world)
             plan = obtain_plan(sequences, planner=planner, trainable=trainable, groups=groups, **kw)

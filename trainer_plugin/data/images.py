@@ -56,7 +56,10 @@ class BatchImages:
         ids = self.seq_images.get(s, ())
         if not ids or self.grids[ids[0]] is None:
             return None
-        return torch.cat([self.grids[u] for u in ids])
+        grids = [g for u in ids if (g := self.grids[u]) is not None]
+        # The grid is part of an image's digest, and a sequence's images all have one or none.
+        assert len(grids) == len(ids), f"sequence {s} mixes images with and without a grid"
+        return torch.cat(grids)
 
 
 def batch_images(

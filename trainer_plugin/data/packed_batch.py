@@ -20,7 +20,7 @@ attention masks, :meth:`locate` and :meth:`unpack_logprobs` read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -241,6 +241,18 @@ class PackedBatch:
                 f"{what} must have shape [{K}, {L}, ...] (rows, seq_len), got {shape}", path=f"$.{what}", rule="shape"
             )
 
+    @overload
+    def target_logprobs(
+        self, logits: torch.Tensor, *, temperature: float = ..., with_entropy: Literal[False] = ...
+    ) -> torch.Tensor: ...
+    @overload
+    def target_logprobs(
+        self, logits: torch.Tensor, *, temperature: float = ..., with_entropy: Literal[True]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def target_logprobs(
+        self, logits: torch.Tensor, *, temperature: float = ..., with_entropy: bool = ...
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def target_logprobs(
         self, logits: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -347,6 +359,7 @@ class PackedBatch:
         key = "cp_row_order"
         if key not in self._cache:
             K = self.num_rows
+            assert self.cp_positions is not None, "CP batches carry their shard positions"
             flat = self.cp_positions.permute(1, 0, 2).reshape(K, -1)
             self._cache[key] = torch.argsort(flat, dim=1)
         idx = self._cache[key].to(x.device)
@@ -368,6 +381,7 @@ class PackedBatch:
         if self.cp is not None:
             lp = x if isinstance(x, torch.Tensor) and x.ndim == 2 else self.target_logprobs(x)
             self._check_rows_tensor(lp, "logprobs")
+            assert self.cp_full is not None, "CP batches carry their whole-row view"
             return self.cp_full.unpack_logprobs(self.cp_to_rows(gather_seq(lp, self.cp))[:, : self.plan.seq_len])
         lp = self.entry_logprobs(x)
         total = int(self.seq_ptr[-1])

@@ -135,11 +135,12 @@ def tree_attention(
             f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    mask = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     if backend == "sdpa":
-        return _sdpa(q, k, v, batch.dense_mask(**mask), scale, softcap, sinks)
+        dense = batch.dense_mask(sliding_window=sliding_window, chunk_size=chunk_size)
+        return _sdpa(q, k, v, dense, scale, softcap, sinks)
     if backend == "flex":
-        return _flex(q, k, v, batch.block_mask(**mask), scale, softcap, compile, sinks)
+        blocks = batch.block_mask(sliding_window=sliding_window, chunk_size=chunk_size)
+        return _flex(q, k, v, blocks, scale, softcap, compile, sinks)
     if backend == "flash":
         return _flash(
             q, k, v, batch.varlen_meta(chunk_size=chunk_size), scale, sliding_window, softcap, varlen_fn, sinks

@@ -174,6 +174,7 @@ def _mask_of(batch: Any, backend: str, sliding_window: int | None, chunk_size: i
     key = ("cp_mask", backend, sliding_window, chunk_size)
     if key not in batch._cache:
         qpos, kpos = _positions(batch)
+        m: Any  # by backend: a VarlenMeta (flash), a dense bool mask (sdpa) or a BlockMask (flex)
         if backend == "flash":
             full = batch.cp_full
             m = cp_varlen_meta(

@@ -116,7 +116,7 @@ def naive_tree_causal_conv1d(
     out = torch.full((N, x.shape[1]), float("nan"), dtype=weight.dtype, device=x.device)
     covered = torch.zeros(N, dtype=torch.bool)
     for s in range(seg.num_segments):
-        chain = []
+        chain: list[int] = []
         p = s
         while p >= 0:
             b = int(seg.row[p]) * C + int(seg.row_start[p])
@@ -272,6 +272,7 @@ def naive_tree_gated_delta_rule(
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
+        assert fin is not None, "output_final_state=True returns the final state"
         out[t] = o[0]
         states[s] = fin[0]
     return out

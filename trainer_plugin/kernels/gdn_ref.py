@@ -194,7 +194,8 @@ def torch_chunk_gated_delta_rule(
         final = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dt)
         return v.new_zeros(out_shape).to(out_dtype), (final if output_final_state else None)
     first_chunk, tok, real = _chunk_tokens(cu, nchunk, total, L)
-    terms = _chunk_terms(*(_chunked(x, tok, real) for x in (q, k, v, g, beta)), dt)
+    qc, kc, vc, gc, bc = (_chunked(x, tok, real) for x in (q, k, v, g, beta))
+    terms = _chunk_terms(qc, kc, vc, gc, bc, dt)
     S0 = q.new_zeros(n, H, K, V) if initial_state is None else initial_state.to(dt)
     o, S = _scan_chunks(terms, S0, nchunk, first_chunk, total)
     o = o[real]  # tokens in order: chunks are in token order, padding dropped

@@ -248,7 +248,7 @@ def scan_tree(level_fn: Callable, schedule, tensors: tuple[torch.Tensor, ...], *
         [N, ...] the first output of every level scattered back; padding is zero.
     """
     outs, idx = [], []
-    final = None
+    final: torch.Tensor | None = None
     for lv in schedule.levels:
         sel = tuple(t.index_select(0, lv.token_idx)[None] for t in tensors)
         h0 = None if final is None else final.index_select(0, lv.parent_slot)

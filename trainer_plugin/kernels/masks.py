@@ -69,8 +69,10 @@ def dense_mask(
     idx = torch.arange(L, device=subtree_end.device)
     m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
     if sliding_window is not None:
+        assert position_ids is not None, "a sliding window or a chunk size needs position_ids"
         m &= (position_ids[:, :, None] - position_ids[:, None, :]) < sliding_window
     if chunk_size is not None:
+        assert position_ids is not None, "a sliding window or a chunk size needs position_ids"
         c = position_ids // chunk_size
         m &= c[:, :, None] == c[:, None, :]
     return m[:, None]
@@ -115,15 +117,16 @@ def naive_dense_mask(
     """
     L = plan.seq_len
     out = np.stack([_naive_row_mask(plan, int(r), L) for r in rows]) if len(rows) else np.zeros((0, L, L), bool)
-    if sliding_window is not None:
+    if sliding_window is not None or chunk_size is not None:
+        assert position_ids is not None, "a sliding window or a chunk size needs position_ids"
         pos = position_ids.cpu().numpy()
+    if sliding_window is not None:
         for k in range(out.shape[0]):
             for i in range(L):
                 for j in range(L):
                     if pos[k, i] - pos[k, j] >= sliding_window:
                         out[k, i, j] = False
     if chunk_size is not None:
-        pos = position_ids.cpu().numpy()
         for k in range(out.shape[0]):
             for i in range(L):
                 for j in range(L):
@@ -228,7 +231,8 @@ def block_mask(
     partial = touched & ~full
     kv_num, kv_idx = _block_lists(partial)
     full_num, full_idx = _block_lists(full)
-    pos = _padded(position_ids, Lp, 0) if positional else None
+    assert position_ids is not None or not positional, "a sliding window or a chunk size needs position_ids"
+    pos = _padded(position_ids, Lp, 0) if positional and position_ids is not None else None
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,

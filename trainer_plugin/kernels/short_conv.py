@@ -17,6 +17,8 @@ input. :func:`torch_gated_short_conv` is LFM2's operator (``C * conv(B * x)``) o
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,37 @@ def _prepare(x, weight, bias, seq_idx, initial_states, activation):
     return torch.cat([front, x.to(dt)], dim=-1), weight.to(dt), dt
 
 
+@overload
+def torch_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    seq_idx: torch.Tensor | None = ...,
+    initial_states: torch.Tensor | None = ...,
+    return_final_states: Literal[False] = ...,
+    activation: str | None = ...,
+) -> torch.Tensor: ...
+@overload
+def torch_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    seq_idx: torch.Tensor | None = ...,
+    initial_states: torch.Tensor | None = ...,
+    *,
+    return_final_states: Literal[True],
+    activation: str | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def torch_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = ...,
+    seq_idx: torch.Tensor | None = ...,
+    initial_states: torch.Tensor | None = ...,
+    return_final_states: bool = ...,
+    activation: str | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def torch_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

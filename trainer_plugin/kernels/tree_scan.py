@@ -324,7 +324,7 @@ def tree_scan(
         _check_flat(f"inputs[{i}]", x, N)
     ref = inputs[0]
     outs, idx = [], []
-    final = None
+    final: torch.Tensor | None = None
     for lv in schedule.levels:
         sel = [x.index_select(0, lv.token_idx) for x in inputs]
         # Fork: each child starts from its parent's final state (backward sums the children).

@@ -84,7 +84,8 @@ def split_images(pixel_values: Any, image_grid_thw: Any, s: int) -> list[tuple[t
             path=f"$.image_grid_thw[{s}]",
             rule="shape",
         )
-    out, a = [], 0
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    a = 0
     for j, n in enumerate(rows):
         out.append((pv[a : a + n], grid[j : j + 1]))
         a += n

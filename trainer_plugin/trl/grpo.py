@@ -11,7 +11,7 @@ shuffle :func:`_shuffle_keeping_groups` that keeps each prompt's rows together);
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,6 +58,11 @@ class TreepackGRPOTrainer(PackedRows, trl.GRPOTrainer):
         packing: a :class:`~treepack.trainer.trl.config.PackingConfig` (default ``PackingConfig()``).
     """
 
+    if TYPE_CHECKING:  # what GRPOTrainer sets, as it sets them (transformers and TRL leave them loose)
+        args: trl.GRPOConfig
+        # TRL's __init__ assigns None unannotated, so its stub says the attribute is None forever.
+        _buffered_inputs: list[dict[str, Any]] | None  # type: ignore[assignment]
+
     def __init__(self, *args: Any, packing: PackingConfig | None = None, **kwargs: Any) -> None:
         self._init_packing(packing)
         super().__init__(*args, **kwargs)
@@ -66,13 +71,18 @@ class TreepackGRPOTrainer(PackedRows, trl.GRPOTrainer):
         """TRL's ``_prepare_inputs`` with :func:`_shuffle_keeping_groups` as the shuffle."""
         if not self.packing.keep_groups or not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        steps = self.args.steps_per_generation
+        assert steps is not None, "GRPOConfig's __post_init__ resolves steps_per_generation"
+        generate_every = steps * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
+            # TRL annotates this batch a dict and its generator's input a list of examples; the
+            # dataloader hands the list, which TRL's own _prepare_inputs passes on as we do.
+            batch = self._generate_and_score_completions(generation_batch)  # type: ignore[arg-type]
             batch = _shuffle_keeping_groups(_grpo.split_pixel_values_by_grid(batch))
-            parts = _grpo.split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+            parts = _grpo.split_tensor_dict(batch, steps)
+            # TRL's split_tensor_dict is typed to yield None values its unsplit_... does not take.
+            self._buffered_inputs = [_grpo.unsplit_pixel_values_by_grid(p) for p in parts]  # type: ignore[arg-type]
+        return self._buffered_inputs[self._step % steps]
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -143,6 +153,6 @@ class TreepackGRPOTrainer(PackedRows, trl.GRPOTrainer):
             )
             out = self._packed_fused(model, batch)
             logps = padded.to_padded(batch, out.log_probs, out=logps.to(out.log_probs.dtype))
-            if compute_entropy:
+            if entropies is not None:  # compute_entropy
                 entropies = padded.to_padded(batch, out.entropy, out=entropies.to(out.entropy.dtype))
         return logps, entropies, None

@@ -9,7 +9,7 @@ fused LM head (after the model's admission).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ class PackedRows:
     """What both trainers share: the packed fused-head call and plan logging."""
 
     packing: PackingConfig
+    if TYPE_CHECKING:  # set by the TRL trainer this mixin goes before (transformers.Trainer)
+        model: Any
+        accelerator: Any
+        _metrics: dict[str, Any]
 
     def _init_packing(self, packing: PackingConfig | None) -> None:
         self.packing = PackingConfig() if packing is None else packing
@@ -97,6 +101,7 @@ class PackedRows:
         pv, thw = sequence_images(input_ids, attention_mask, image_token_id=image_token, **extra)
         if pv is None:
             return None, None, None
+        assert image_token is not None, "sequence_images finds images only in a batch with pixel_values"
         return pv, thw, image_keys(sequences, pixel_values=pv, image_grid_thw=thw, image_token_id=image_token)
 
     def _packed_fused(self, model: Any, batch: Any) -> Any:
