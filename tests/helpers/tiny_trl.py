@@ -182,7 +182,14 @@ def run_grpo(
         num_generations=4,
         max_completion_length=6,
         max_steps=steps,
-        learning_rate=1e-2,
+        # SGD, not Adam: Adam divides each update by the root of its second moment, so the
+        # rounding noise of a near-zero gradient entry becomes an update of order lr, and after
+        # two steps two legal summation orders (packed vs stock, or AVX2 vs AVX512 kernels)
+        # differ beyond rounding (1.2e-5 relative in grad_norm at step 3 on AVX512). With SGD
+        # the later steps stay at rounding level (about 1e-7) while lr 0.1 still moves the
+        # model (step 3's grad_norm 1.4% away from a run at lr 0).
+        optim="sgd",
+        learning_rate=1e-1,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -275,7 +282,14 @@ def run_sft(
         output_dir=workdir,
         per_device_train_batch_size=8,
         max_steps=steps,
-        learning_rate=1e-2,
+        # SGD, not Adam: Adam divides each update by the root of its second moment, so the
+        # rounding noise of a near-zero gradient entry becomes an update of order lr, and after
+        # two steps two legal summation orders (packed vs stock, or AVX2 vs AVX512 kernels)
+        # differ beyond rounding (1.2e-5 relative in grad_norm at step 3 on AVX512). With SGD
+        # the later steps stay at rounding level (about 1e-7) while lr 0.1 still moves the
+        # model (step 3's grad_norm 1.4% away from a run at lr 0).
+        optim="sgd",
+        learning_rate=1e-1,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
