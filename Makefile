@@ -18,7 +18,7 @@ TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-ind
 # is a change to check and record, not something a fresh install should pick up by itself.
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: demo test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+.PHONY: demo deps test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,18 +35,21 @@ demo: venv
 	@echo "  $(BIN)/treepack demo --groups 96 --png rows.png     # draws the rows"
 	@echo "  $(BIN)/treepack plan examples/batch.jsonl --seq-len 512"
 
-# Set up everything the tests need (torch 2.13.0: see TORCH above) and run them.
+# Everything the tests and the type checker need (torch 2.13.0: see TORCH above); make test runs
+# the tests on it.
 # --no-compile: byte-compiling every module of torch and transformers at install costs about
 # half a minute of CPU; the tests import a small part of them, compiled on first import.
-test: venv
+deps: venv
 	$(PIP) install --no-compile $(TORCH_PIP)
 	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH) $(TRANSFORMERS)
+
+test: deps
 	$(BIN)/python -m pytest -q
 
 # The shape fuzz's large profile, nightly-style (tests/planner/test_shape_fuzz.py; `make test`
 # runs its fast profile): 300 fresh batch shapes of up to 100,000 sequences and 4M tokens,
 # every plan validated. TREEPACK_FUZZ_EXAMPLES=30 make fuzz for a shorter run.
-fuzz: venv
+fuzz: deps
 	TREEPACK_FUZZ=large $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/planner/test_shape_fuzz.py
 
 # The house's habits: ruff's lint and format check over the tree (pyproject.toml [tool.ruff]).
@@ -58,8 +61,9 @@ fuzz: venv
 TYPECHECK ?= treepack.proto treepack.client treepack.service treepack.trainer.kernels treepack.trainer.data \
 	treepack.trainer.planning treepack.trainer.losses treepack.trainer.trl
 TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost
-lint: venv
-	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1 "pydantic>=2.6"
+# The type checker reads torch, transformers and TRL for their types: the tests' packages first.
+lint: deps
+	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	rm -rf build/typecheck && mkdir -p build/typecheck/treepack && touch build/typecheck/treepack/__init__.py
