@@ -24,9 +24,9 @@
 transformers itself is imported only when a model is first prepared (``register_tree_attention``).
 """
 
-from treepack.trainer.hf.admission import SupportReport, check_model
+from treepack.trainer.hf.admission import SupportReport, check_model, enable_tree_attention
 from treepack.trainer.hf.attention import ATTN_IMPLEMENTATION, register_tree_attention, treepack_attention
-from treepack.trainer.hf.forward import enable_tree_attention, packed, packed_forward
+from treepack.trainer.hf.forward import packed, packed_forward
 from treepack.trainer.hf.head import OutputHead, output_head
 from treepack.trainer.hf.vision import VisionSavings, vision_savings
 from treepack.trainer.hf.wrapped import unwrap_model

@@ -41,21 +41,12 @@ from typing import Any
 import torch
 
 from treepack.trainer.data.packed_batch import PackedBatch
-from treepack.trainer.hf.admission import (
-    OUTPUTS,
-    PackedSetup,
-    admit,
-    check_cp_layers,
-    enable_tree_attention,
-    verify_model,
-)
+from treepack.trainer.hf.admission import PackedSetup, admit
 from treepack.trainer.hf.context import PackedContext, use_packed
 from treepack.trainer.hf.run import run_packed
 from treepack.trainer.hf.wrapped import unwrap_model
 
-# enable_tree_attention, verify_model, check_cp_layers and OUTPUTS are the admission's; they are
-# still importable from here, where callers (treepack.trainer.trl) have imported them.
-__all__ = ["enable_tree_attention", "packed_forward", "packed", "verify_model", "check_cp_layers", "OUTPUTS"]
+__all__ = ["packed_forward", "packed"]
 
 
 def packed_forward(
@@ -95,8 +86,9 @@ def packed_forward(
         output: ``logits``, or ``hidden`` for the base model's final hidden states (the head
             runs on no position); then :meth:`PackedBatch.target_logprobs_from_hidden` with
             :func:`~treepack.trainer.hf.head.output_head` never materializes [K, L, vocab].
-        patch_layers: patch the registry's layers for tree rows (see :func:`enable_tree_attention`);
-            False only to run their stock forward on purpose (a negative control).
+        patch_layers: patch the registry's layers for tree rows (see
+            :func:`~treepack.trainer.hf.admission.enable_tree_attention`); False only to run their
+            stock forward on purpose (a negative control).
         verify: run the probe on the first call of a setup (default). False skips it, for a
             setup already proven in an earlier run.
         allow_dropout: accept dropout outside attention while training, knowing that every
