@@ -261,8 +261,10 @@ def _insert_prefixes(root: _TrieNode, batch: SequenceBatch, seqs: list[int], sha
     """Insert the shareable prefix of each sequence in ``seqs`` (in order) into the trie.
 
     Each edge is compared with one ``memcmp`` (``bytes.startswith`` on a zero-copy view of
-    the sequence); an edge the prefix leaves inside is split there. Without keys the view
-    is the token array's own buffer (:func:`_record_views`).
+    the sequence, :func:`_record_views`); an edge the prefix leaves inside is split there.
+    A prefix equal to the one inserted just before it (a group's completions after their
+    prompt) takes that one's path at once, after one ``memcmp`` against a copy of it; the
+    copy is made only when the next prefix has the same length.
 
     Args:
         root: the trie's root (its ``count`` counts the inserted prefixes).
@@ -270,10 +272,18 @@ def _insert_prefixes(root: _TrieNode, batch: SequenceBatch, seqs: list[int], sha
         seqs: the sequences to insert, in increasing order (``minseq`` relies on it).
         shareable: [S] per sequence, the length of the prefix to insert.
     """
-    for s in seqs:
+    last: bytes | None = None  # the previous prefix's records, when this one may repeat it
+    path: list[_TrieNode] = []  # the nodes the previous prefix went through, root to its end
+    for at, s in enumerate(seqs):
         sh = shareable[s]
         buf, ids, w = _record_views(batch, s, sh)
         stop = sh * w
+        if last is not None and len(last) == stop and last.startswith(buf[:stop]):
+            for v in path:
+                v.count += 1
+            path[-1].terminals.append(s)
+            continue
+        path = [root]
         node = root
         node.count += 1
         pos = 0
@@ -284,12 +294,14 @@ def _insert_prefixes(root: _TrieNode, batch: SequenceBatch, seqs: list[int], sha
             first = ids[pos]
             child = node.children.get(first)
             if child is None:
-                node.children[first] = _TrieNode(bytes(buf[pos * w : stop]), pos, sh, s, True)
+                child = node.children[first] = _TrieNode(bytes(buf[pos * w : stop]), pos, sh, s, True)
+                path.append(child)
                 break
             e = child.end - child.start
             if sh - pos >= e and child.label.startswith(buf[pos * w : (pos + e) * w]):
                 child.count += 1
                 node = child
+                path.append(node)
                 pos += e
                 continue
             # Diverges inside the edge (or the sequence ends inside it): split it.
@@ -304,11 +316,14 @@ def _insert_prefixes(root: _TrieNode, batch: SequenceBatch, seqs: list[int], sha
             child.start += k
             mid.children[_first_key(child, w)] = child
             node.children[first] = mid
+            path.append(mid)
             if pos + k == sh:
                 mid.terminals.append(s)
             else:
-                mid.children[ids[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w : stop]), pos + k, sh, s, True)
+                tail = mid.children[ids[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w : stop]), pos + k, sh, s, True)
+                path.append(tail)
             break
+        last = bytes(buf[:stop]) if at + 1 < len(seqs) and shareable[seqs[at + 1]] == sh else None
 
 
 def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
