@@ -23,7 +23,10 @@ shared turns (agent trees with deep chains, several trees sharing rows, GRPO gro
 the whole batch. The levels run cheap first: 12 and 48 rows with small node limits
 (:data:`FIRST_LIMIT`, then :data:`QUICK_LIMIT`: a group that fits usually fits quickly),
 then 12, 24 and 48 rows with :data:`NODE_LIMIT`, so that a small budget (the default
-10 ms) already reaches the wide groups. A removed row starts again at the first level. A
+10 ms) already reaches the wide groups; last, the lightest row's wide group once more with
+:data:`DEEP_LIMIT` (on a batch of up to 48 rows, a re-packing of the whole batch that a
+budget sized by a cost model can afford: agent trees whose rows pay long chains of shared
+turns need tens of thousands of nodes there). A removed row starts again at the first level. A
 group that ran out of nodes is tried again only under a larger node limit, and its search
 goes on where it stopped (:class:`~.exact.RowFit`: the cheap levels cost a later level
 nothing it would not have searched anyway); one refuted never again (until one of its rows
@@ -61,6 +64,7 @@ __all__ = [
     "NODE_LIMIT",
     "QUICK_LIMIT",
     "FIRST_LIMIT",
+    "DEEP_LIMIT",
     "MAX_PAUSED",
     "LEVELS",
 ]
@@ -70,6 +74,7 @@ LIGHT_ROWS = 8  # light rows tried per round at the first level
 NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the thorough levels
 QUICK_LIMIT = 500  # ... at the quick levels, tried first
 FIRST_LIMIT = 100  # ... at the first levels (a search goes on from where a lower limit stopped it)
+DEEP_LIMIT = 50_000  # ... at the last level: the lightest row's wide group (a batch of <= 48 rows: all of it)
 MAX_PAUSED = 16  # searches a quick level left unknown, kept for a thorough level to go on with
 LEVELS = (
     (MAX_ROWS, FIRST_LIMIT, LIGHT_ROWS),
@@ -79,6 +84,7 @@ LEVELS = (
     (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
     (24, NODE_LIMIT, 2),
     (48, NODE_LIMIT, 2),
+    (48, DEEP_LIMIT, 1),
 )
 """(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
 the ones before it found nothing, and a removed row starts again at the first."""
@@ -334,6 +340,7 @@ def repair_rows(
     tried = 0
     out_of_time = False
     levels = LEVELS if (max_rows, node_limit) == (MAX_ROWS, NODE_LIMIT) else ((max_rows, node_limit, LIGHT_ROWS),)
+    top_limit = max(lv[1] for lv in levels)
     level = 0
     while len(rows.alive) > bound and not out_of_time:
         improved = False
@@ -358,7 +365,7 @@ def repair_rows(
                 status = fit.run(limit, deadline)
                 if status != FIT:
                     failed[key] = float("inf") if status == NO_FIT else limit
-                    if status == UNKNOWN and limit < node_limit and len(paused) < MAX_PAUSED:
+                    if status == UNKNOWN and limit < top_limit and len(paused) < MAX_PAUSED:
                         paused[key] = fit  # a thorough level goes on from here, not from the start
                     continue
                 rows.replace(group, r, fit.assign)
