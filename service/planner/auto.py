@@ -77,7 +77,8 @@ def unit_place(
         chains: the tree's :class:`~.items.Chains`, shared between candidates.
 
     Returns:
-        The :class:`~.rows.Candidate`, or None.
+        The :class:`~.rows.Candidate`, or None (given up; or ``split`` where every unit is
+        a leaf, so that splitting would change nothing: the unsplit run is the same).
     """
     size = subtree_sizes(tree)
     cost = tree.start + size
@@ -86,6 +87,8 @@ def unit_place(
     pfits = np.where(parent >= 0, fits[np.maximum(parent, 0)], False)
     units = np.flatnonzero(fits & ~pfits)
     kids = None
+    if split and not (tree.sharers[units] > 1).any():
+        return None  # every unit is a leaf: nothing to split, the run would be the unsplit one's
     if split:
         # Children of each node, largest cost first (CSR over a stable sort by parent).
         child = np.flatnonzero(parent >= 0)

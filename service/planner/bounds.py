@@ -140,7 +140,9 @@ def big_leaf_rows(tree: Tree, seq_len: int, thresholds: np.ndarray) -> np.ndarra
     # Only the paths of leaves over the smallest threshold count: everything else is 0.
     seqs = tree.source[big]
     counts = tree.path_ptr[seqs + 1] - tree.path_ptr[seqs]
-    nodes = np.unique(tree.path_nodes[np.repeat(tree.path_ptr[seqs], counts) + ragged_arange(counts)])
+    on_path = np.zeros(tree.num_nodes, dtype=bool)  # a mask, not np.unique: no sort of the paths
+    on_path[tree.path_nodes[np.repeat(tree.path_ptr[seqs], counts) + ragged_arange(counts)]] = True
+    nodes = np.flatnonzero(on_path)
     local = np.full(tree.num_nodes, -1, dtype=np.int64)
     local[nodes] = np.arange(nodes.shape[0])
     end = tree.end[nodes]

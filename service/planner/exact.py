@@ -17,17 +17,21 @@ assignment is reachable except those equal to another up to
 
 and it prunes a branch when the tokens still needed, at least every remaining leaf's own
 segment plus every ancestor that some remaining leaf needs and no row holds yet, exceed
-the room left in all rows together. A node limit bounds the work; a search that reaches
-it answers "unknown", never a wrong "no"; so does one past its deadline, if given.
+the room left in all rows together, the room of the rows too full for the smallest
+remaining leaf's own segment not counted (no remaining leaf can go there). A node limit
+bounds the work; a search that reaches it answers "unknown", never a wrong "no"; so does
+one past its deadline, if given. :class:`RowFit` keeps a search stopped by its limit and
+goes on from there under a larger one (the repair pass raises its limits level by level).
 
 The search is depth-first on an explicit stack, one frame per placed leaf, so any number of
 leaves (the repair pass hands it several rows of them: about 100 short leaves fit one row
 of 8,192 tokens) costs heap, never Python's stack. Its work is bounded whatever the input:
-at most ``node_limit`` nodes, each ``O(m x chain)`` (trying the leaf in every row, and
+at most ``node_limit`` nodes, each ``O(m + chain x rows holding a chain node)`` (trying
+the leaf in every row, its cost there found from the rows holding each ancestor, and
 moving it in and out), after an ``O(leaves x chain)`` set-up that only runs when there are
 at most ``node_limit`` leaves (a fit takes a node per leaf: with more, the answer is
-"unknown" at once); the deadline is checked at every node, so a search with one stops
-within one node of it.
+"unknown" at once); the deadline is read every :data:`CLOCK_EVERY` nodes (the clock costs
+about as much as a node), so a search with one stops within a few nodes of it.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ import numpy as np
 from treepack.service.planner.items import Item, leaf_items
 from treepack.service.planner.tree import Tree
 
-__all__ = ["fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN"]
+__all__ = ["RowFit", "fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN", "CLOCK_EVERY"]
 
 FIT, NO_FIT, UNKNOWN = "fit", "no_fit", "unknown"
+CLOCK_EVERY = 8  # search nodes between two reads of the CPU clock (the deadline)
 
 
 class _Limit(Exception):
@@ -51,22 +56,31 @@ class _Limit(Exception):
 class _Search:
     """State of one :func:`fit_rows` call (see module docstring)."""
 
-    def __init__(self, items: list[Item], m: int, capacity: int, node_len, limit: int, deadline: float | None) -> None:
+    def __init__(self, items: list[Item], m: int, capacity: int, node_len) -> None:
         self.items = sorted(items, key=lambda it: (-it.cost, it.chain, it.seq))
-        self.m, self.C, self.node_len, self.limit, self.deadline = m, capacity, node_len, limit, deadline
+        self.m, self.C, self.node_len = m, capacity, node_len
+        self.limit: int = 0  # set by run()
+        self.deadline: float | None = None
         self.nodes = 0
+        self.stack: list[list] = []  # the depth-first search's frames (see run)
+        self.pending = True  # the frame of leaf len(stack) is still to be opened
         self.load = [0] * m
         self.count = [0] * m
         self.held: list[dict[int, int]] = [{} for _ in range(m)]  # node -> leaves of the row using it
-        self.rows_holding: dict[int, int] = {}
-        self.need: dict[int, int] = {}
-        for it in self.items:
-            for v in it.chain:
-                self.need[v] = self.need.get(v, 0) + 1
-        self.uncovered = sum(node_len[v] for v in self.need)
+        self.holders: dict[int, set[int]] = {}  # node -> rows holding it (len: how many)
+        needed = {v for it in self.items for v in it.chain}
+        self.uncovered = sum(node_len[v] for v in needed)  # chain tokens no row holds yet
         self.tails = sum(it.tail for it in self.items)
         self.room = m * capacity
         self.row_of = [-1] * len(self.items)
+        # [n + 1] the smallest own segment among leaves i.. (0 past the last): a row with less
+        # room than that can take none of them, so its room is lost to the rest of the search.
+        self.min_tail = [0] * (len(self.items) + 1)
+        least = None
+        for i in range(len(self.items) - 1, -1, -1):
+            t = self.items[i].tail
+            least = t if least is None or t < least else least
+            self.min_tail[i] = least
         self.ends = []  # per leaf: tokens of its chain up to and including each chain node
         for it in self.items:
             acc, e = 0, []
@@ -75,33 +89,37 @@ class _Search:
                 e.append(acc)
             self.ends.append(e)
 
-    def _marginal(self, i: int, r: int) -> int:
-        """Leaf i's cost in row r: a row holds an ancestor-closed set of nodes, so the part of
-        the leaf's chain it holds is a prefix, up to the deepest chain node it holds."""
-        held = self.held[r]
-        chain = self.items[i].chain
-        for j in range(len(chain) - 1, -1, -1):
-            if chain[j] in held:
-                return self.items[i].cost - self.ends[i][j]
-        return self.items[i].cost
-
     def _move(self, i: int, r: int, marg: int, sign: int) -> None:
-        """Put leaf i into row r (sign 1) or take it out again (sign -1)."""
+        """Put leaf i into row r (sign 1) or take it out again (sign -1).
+
+        ``uncovered`` counts the chain nodes no row holds (each needed by some leaf not placed
+        yet: a placed leaf's row holds its whole chain): placing a leaf covers every chain
+        node no row held; taking it out uncovers those its row was the last to hold.
+        """
         it = self.items[i]
-        held, need, holding, node_len = self.held[r], self.need, self.rows_holding, self.node_len
-        for v in it.chain:
-            before = need[v] > 0 and holding.get(v, 0) == 0
-            need[v] -= sign
-            h = held.get(v, 0) + sign
-            if h:
-                held[v] = h
-            else:
-                del held[v]
-            if h == 0 or (h == 1 and sign > 0):
-                holding[v] = holding.get(v, 0) + sign
-            after = need[v] > 0 and holding.get(v, 0) == 0
-            if before != after:
-                self.uncovered += node_len[v] if after else -node_len[v]
+        held, holders, node_len = self.held[r], self.holders, self.node_len
+        if sign > 0:
+            for v in it.chain:
+                h = held.get(v, 0)
+                held[v] = h + 1
+                if h == 0:
+                    rows = holders.get(v)
+                    if rows is None:
+                        rows = holders[v] = set()
+                    if not rows:
+                        self.uncovered -= node_len[v]
+                    rows.add(r)
+        else:
+            for v in it.chain:
+                h = held[v] - 1
+                if h:
+                    held[v] = h
+                else:
+                    del held[v]
+                    rows = holders[v]
+                    rows.discard(r)
+                    if not rows:
+                        self.uncovered += node_len[v]
         self.load[r] += sign * marg
         self.count[r] += sign
         self.tails -= sign * it.tail
@@ -109,19 +127,35 @@ class _Search:
         self.row_of[i] = r if sign > 0 else -1
 
     def _options(self, i: int) -> list[tuple[int, int, int]]:
-        """Leaf i's rows, best fit first: (room left after it, row, its marginal cost there)."""
+        """Leaf i's rows, best fit first: (room left after it, row, its marginal cost there).
+
+        A row holds an ancestor-closed set of nodes, so the part of the leaf's chain it holds
+        is a prefix, up to the deepest chain node it holds: walking the chain deepest first,
+        the rows holding each node (few, for deep nodes) get their marginal cost the first
+        time they are met; every other row pays the leaf's whole cost.
+        """
         it = self.items[i]
+        cost, chain, ends, holders = it.cost, it.chain, self.ends[i], self.holders
         prev = self.items[i - 1] if i else None
         lo = self.row_of[i - 1] if prev is not None and prev.chain == it.chain and prev.cost == it.cost else 0
+        marginal: dict[int, int] = {}
+        for j in range(len(chain) - 1, -1, -1):
+            rows = holders.get(chain[j])
+            if rows:
+                m = cost - ends[j]
+                for r in rows:
+                    if r not in marginal:
+                        marginal[r] = m
+        C, load, count = self.C, self.load, self.count
         options = []
         opened = False
         for r in range(lo, self.m):
-            if self.count[r] == 0:
+            if count[r] == 0:
                 if opened:
                     continue
                 opened = True
-            marg = self._marginal(i, r)
-            left = self.C - self.load[r] - marg
+            marg = marginal.get(r, cost)
+            left = C - load[r] - marg
             if left >= 0:
                 options.append((left, r, marg))
         options.sort()
@@ -131,22 +165,42 @@ class _Search:
         """Count search node i (raising :class:`_Limit` past the node limit or the deadline)
         and return its options; none when the branch is pruned."""
         self.nodes += 1
-        if self.nodes > self.limit:
+        # The deadline is read every CLOCK_EVERY nodes: reading the thread's CPU clock costs
+        # about as much as a node (a system call), and a node costs O(rows + chain)
+        # microseconds, so the search stops within a few dozen microseconds of it. A node
+        # refused here is not counted: a later run() visits it first.
+        if self.nodes > self.limit or (
+            self.deadline is not None and not self.nodes % CLOCK_EVERY and time.thread_time() > self.deadline
+        ):
+            self.nodes -= 1
             raise _Limit
-        # Checked at every node: a node costs O(rows x chain), enough to hide the clock's cost,
-        # and with long chains 64 nodes could run far past a millisecond budget.
-        if self.deadline is not None and time.thread_time() > self.deadline:
-            raise _Limit
-        if self.uncovered + self.tails > self.room:
+        need = self.uncovered + self.tails
+        if need > self.room:
             return []
+        floor = self.min_tail[i]
+        if need > self.room - self.m * floor:  # else less than floor lost in every row cannot prune
+            C = self.C
+            lost = 0
+            for load in self.load:
+                if C - load < floor:
+                    lost += C - load
+            if need > self.room - lost:
+                return []
         return self._options(i)
 
-    def run(self) -> bool:
+    def run(self, limit: int, deadline: float | None) -> bool:
         """Depth-first search over the leaves in order, on an explicit stack (one frame per
         placed leaf, so the depth of the search never touches Python's stack).
 
         Frame i holds leaf i's options and the index of the one it is trying; leaf i sits
-        in that option's row while the leaves after it are searched.
+        in that option's row while the leaves after it are searched. A run stopped by its
+        limit or deadline leaves the stack as it was, and the next run goes on from there:
+        a search run to 500 nodes and then to 4,000 visits the nodes a single run to 4,000
+        does, once.
+
+        Args:
+            limit: search nodes in all runs so far and this one.
+            deadline: a ``time.thread_time()`` value, or None.
 
         Returns:
             True with ``row_of`` set when every leaf fits; False when none of the branches does.
@@ -154,10 +208,14 @@ class _Search:
         Raises:
             _Limit: past the node limit or the deadline.
         """
+        self.limit, self.deadline = limit, deadline
         n = len(self.items)
         if n == 0:
             return True
-        stack: list[list] = [[self._visit(0), -1]]
+        stack = self.stack
+        if self.pending:
+            stack.append([self._visit(len(stack)), -1])
+            self.pending = False
         while stack:
             frame = stack[-1]
             i = len(stack) - 1
@@ -174,7 +232,9 @@ class _Search:
             self._move(i, r, marg, 1)
             if i + 1 == n:
                 return True
+            self.pending = True
             stack.append([self._visit(i + 1), -1])
+            self.pending = False
         return False
 
 
@@ -187,6 +247,73 @@ def _volume(items: list[Item], node_len) -> int:
     return sum(it.tail for it in items) + sum(node_len[v] for v in nodes)
 
 
+class RowFit:
+    """One decision "do ``items`` fit into ``num_rows`` rows of ``capacity`` tokens?", run
+    in steps of growing node limits (:meth:`run`), each going on where the last stopped.
+
+    Args:
+        items: the leaves (see :func:`~.items.leaf_items`).
+        num_rows: m >= 0.
+        capacity: C.
+        node_len: per node id, its length (indexable: a list or an array).
+    """
+
+    __slots__ = ("items", "num_rows", "capacity", "node_len", "status", "assign", "nodes", "_search")
+
+    def __init__(self, items: list[Item], num_rows: int, capacity: int, node_len) -> None:
+        self.items, self.num_rows, self.capacity, self.node_len = items, num_rows, capacity, node_len
+        self.status = UNKNOWN
+        self.assign: dict[int, int] = {}  # {seq: row in [0, m)} once FIT
+        self.nodes = 0  # search nodes visited in all runs
+        self._search: _Search | None = None
+        if not items:
+            self.status = FIT
+        elif num_rows <= 0:
+            self.status = NO_FIT
+
+    def run(self, node_limit: int, deadline: float | None = None) -> str:
+        """Search up to ``node_limit`` nodes in all (a FIT or NO_FIT answer is final).
+
+        Args:
+            node_limit: search nodes in all runs before giving up with ``UNKNOWN``; with more
+                leaves than this no fit can be found (``UNKNOWN`` at once, or ``NO_FIT`` when
+                their tokens exceed the rows).
+            deadline: a ``time.thread_time()`` value (this thread's CPU time) after which this
+                run gives up too (read every :data:`CLOCK_EVERY` search nodes).
+
+        Returns:
+            ``FIT`` (``assign`` set), ``NO_FIT`` or ``UNKNOWN``.
+        """
+        if self.status != UNKNOWN:
+            return self.status
+        if self._search is None:
+            if len(self.items) > node_limit:
+                # A fit visits one node per leaf, so none can be found: answer without the
+                # set-up (a sort and a walk of every chain), which would dwarf a small budget.
+                # Only the root's volume refutation is kept.
+                if _volume(self.items, self.node_len) > self.num_rows * self.capacity:
+                    self.status = NO_FIT
+                return self.status
+            self._search = _Search(self.items, self.num_rows, self.capacity, self.node_len)
+            if self._search.uncovered + self._search.tails > self._search.room:
+                self.status = NO_FIT
+                return self.status
+        search = self._search
+        try:
+            found = search.run(node_limit, deadline)
+        except _Limit:
+            return UNKNOWN
+        finally:
+            self.nodes = search.nodes
+        self._search = None  # settled: the search's state is no longer needed
+        if found:
+            self.status = FIT
+            self.assign = {it.seq: r for it, r in zip(search.items, search.row_of)}
+        else:
+            self.status = NO_FIT
+        return self.status
+
+
 def fit_rows(
     items: list[Item],
     num_rows: int,
@@ -196,41 +323,15 @@ def fit_rows(
     node_limit: int = 20_000,
     deadline: float | None = None,
 ) -> tuple[str, dict[int, int]]:
-    """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens.
-
-    Args:
-        items: the leaves (see :func:`~.items.leaf_items`).
-        num_rows: m >= 0.
-        capacity: C.
-        node_len: per node id, its length (indexable: a list or an array).
-        node_limit: search nodes before giving up with ``UNKNOWN``; with more leaves than
-            this no fit can be found (``UNKNOWN`` at once, or ``NO_FIT`` when their tokens
-            exceed the rows).
-        deadline: a ``time.thread_time()`` value (this thread's CPU time) after which the
-            search gives up too (checked at every search node).
+    """Decide whether ``items`` fit into ``num_rows`` rows of ``capacity`` tokens (one
+    :class:`RowFit` run: see there for the arguments).
 
     Returns:
         (``FIT``, {seq: row in [0, m)}) or (``NO_FIT`` | ``UNKNOWN``, {}).
     """
-    if not items:
-        return FIT, {}
-    if num_rows <= 0:
-        return NO_FIT, {}
-    if len(items) > node_limit:
-        # A fit visits one node per leaf, so none can be found: answer without the set-up
-        # (a sort and a walk of every chain), which would dwarf a small budget. Only the
-        # root's volume refutation is kept.
-        return (NO_FIT if _volume(items, node_len) > num_rows * capacity else UNKNOWN), {}
-    search = _Search(items, num_rows, capacity, node_len, node_limit, deadline)
-    if search.uncovered + search.tails > search.room:
-        return NO_FIT, {}
-    try:
-        found = search.run()
-    except _Limit:
-        return UNKNOWN, {}
-    if not found:
-        return NO_FIT, {}
-    return FIT, {it.seq: r for it, r in zip(search.items, search.row_of)}
+    fit = RowFit(items, num_rows, capacity, node_len)
+    status = fit.run(node_limit, deadline)
+    return status, fit.assign
 
 
 def exact_min_rows(tree: Tree, seq_len: int, lower: int, upper: int, *, node_limit: int = 200_000) -> tuple[int, bool]:

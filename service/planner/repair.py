@@ -20,19 +20,24 @@ with the lightest rows. Small neighbourhoods of light rows fail where the slack 
 re-packing needs is spread thinly over many rows, or where a row pays for a long chain of
 shared turns (agent trees with deep chains, several trees sharing rows, GRPO groups of
 80+ completions): a wide group gathers that slack, and on a batch of up to 48 rows it is
-the whole batch. The levels run cheap first: 12 and 48 rows with a small node limit
-(:data:`QUICK_LIMIT`: a wide group that fits usually fits quickly), then 12, 24 and 48
-rows with :data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches
-the wide groups. A removed row starts again at the first level. A group that ran out of
-nodes is tried again only under a larger node limit; one refuted never again (until one of
-its rows changes).
+the whole batch. The levels run cheap first: 12 and 48 rows with small node limits
+(:data:`FIRST_LIMIT`, then :data:`QUICK_LIMIT`: a group that fits usually fits quickly),
+then 12, 24 and 48 rows with :data:`NODE_LIMIT`, so that a small budget (the default
+10 ms) already reaches the wide groups; last, the lightest row's wide group once more with
+:data:`DEEP_LIMIT` (on a batch of up to 48 rows, a re-packing of the whole batch that a
+budget sized by a cost model can afford: agent trees whose rows pay long chains of shared
+turns need tens of thousands of nodes there). A removed row starts again at the first level. A
+group that ran out of nodes is tried again only under a larger node limit, and its search
+goes on where it stopped (:class:`~.exact.RowFit`: the cheap levels cost a later level
+nothing it would not have searched anyway); one refuted never again (until one of its rows
+changes).
 
 Every step keeps a valid placement (all leaves placed, every row within C) and removes one
 row, so the result never has more rows than its input. The search order depends on the
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
 limit counts search nodes), so it is deterministic as long as the budget lasts. The budget
 is CPU time of the planning thread (``time.thread_time``), checked while forming
-neighbourhoods and at every search node: a loaded machine, or other plans running in
+neighbourhoods and every few search nodes (:data:`~.exact.CLOCK_EVERY`): a loaded machine, or other plans running in
 other threads, do not eat it, so the same batch gets the same plan there too; only a run
 that spends the whole budget may stop earlier on a slower CPU. Setting up is linear in the
 batch and lazy (rows and nodes are indexed when first looked at), about 10 ms at 267k
@@ -46,23 +51,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepack.service.planner.exact import FIT, NO_FIT, fit_rows
+from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, RowFit
 from treepack.service.planner.items import Chains, Item
 from treepack.service.planner.rows import row_costs
 from treepack.service.planner.tree import Tree
 
-__all__ = ["RepairResult", "repair_rows", "MAX_ROWS", "LIGHT_ROWS", "NODE_LIMIT", "QUICK_LIMIT", "LEVELS"]
+__all__ = [
+    "RepairResult",
+    "repair_rows",
+    "MAX_ROWS",
+    "LIGHT_ROWS",
+    "NODE_LIMIT",
+    "QUICK_LIMIT",
+    "FIRST_LIMIT",
+    "DEEP_LIMIT",
+    "MAX_PAUSED",
+    "LEVELS",
+]
 
 MAX_ROWS = 12  # largest neighbourhood of the first level: this many rows into one fewer
 LIGHT_ROWS = 8  # light rows tried per round at the first level
 NODE_LIMIT = 4_000  # branch-and-bound nodes per neighbourhood at the thorough levels
 QUICK_LIMIT = 500  # ... at the quick levels, tried first
+FIRST_LIMIT = 100  # ... at the first levels (a search goes on from where a lower limit stopped it)
+DEEP_LIMIT = 50_000  # ... at the last level: the lightest row's wide group (a batch of <= 48 rows: all of it)
+MAX_PAUSED = 16  # searches a quick level left unknown, kept for a thorough level to go on with
 LEVELS = (
+    (MAX_ROWS, FIRST_LIMIT, LIGHT_ROWS),
+    (48, FIRST_LIMIT, 2),
     (MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS),
     (48, QUICK_LIMIT, 2),
     (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
     (24, NODE_LIMIT, 2),
     (48, NODE_LIMIT, 2),
+    (48, DEEP_LIMIT, 1),
 )
 """(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
 the ones before it found nothing, and a removed row starts again at the first."""
@@ -314,9 +336,11 @@ def repair_rows(
         return RepairResult(row_of=row_of, num_rows=num_rows, removed=0, tried=0, out_of_time=False)
     rows = _Rows(tree, row_of, num_rows, loads, chains)
     failed: dict[frozenset[int], float] = {}  # group -> node limit it failed under (inf: refuted)
+    paused: dict[frozenset[int], RowFit] = {}  # searches stopped by a node limit a later level raises
     tried = 0
     out_of_time = False
     levels = LEVELS if (max_rows, node_limit) == (MAX_ROWS, NODE_LIMIT) else ((max_rows, node_limit, LIGHT_ROWS),)
+    top_limit = max(lv[1] for lv in levels)
     level = 0
     while len(rows.alive) > bound and not out_of_time:
         improved = False
@@ -334,15 +358,19 @@ def repair_rows(
                     out_of_time = True
                     break
                 tried += 1
-                items = [rows.item(s) for x in group for s in rows.members(x)]
-                status, assign = fit_rows(
-                    items, len(group) - 1, seq_len, rows.node_len, node_limit=limit, deadline=deadline
-                )
+                fit = paused.pop(key, None)
+                if fit is None:
+                    items = [rows.item(s) for x in group for s in rows.members(x)]
+                    fit = RowFit(items, len(group) - 1, seq_len, rows.node_len)
+                status = fit.run(limit, deadline)
                 if status != FIT:
                     failed[key] = float("inf") if status == NO_FIT else limit
+                    if status == UNKNOWN and limit < top_limit and len(paused) < MAX_PAUSED:
+                        paused[key] = fit  # a thorough level goes on from here, not from the start
                     continue
-                rows.replace(group, r, assign)
+                rows.replace(group, r, fit.assign)
                 failed = {f: n for f, n in failed.items() if not (f & key)}
+                paused = {f: x for f, x in paused.items() if not (f & key)}
                 improved = True
                 break
             if improved or out_of_time:

@@ -22,7 +22,6 @@ Two builders with one output:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +113,7 @@ class TreeEmitter:
         self.length: list[int] = []
         self.source: list[int] = []
         self.sharers: list[int] = []
-        self.leaf_of = np.full(num_sequences, -1, dtype=np.int64)
+        self.leaf_of = [-1] * num_sequences
 
     def node(self, parent: int, start: int, end: int, source: int, sharers: int) -> int:
         self.parent.append(parent)
@@ -127,10 +126,23 @@ class TreeEmitter:
     def leaf(self, parent: int, s: int, start: int, end: int) -> None:
         self.leaf_of[s] = self.node(parent, start, end, s, 1)
 
+    def leaves(self, parent: int, seqs: list[int], start: int, lengths: list[int]) -> None:
+        """:meth:`leaf` for each of ``seqs`` (in that order), all below ``parent`` from ``start``."""
+        first = len(self.parent)
+        k = len(seqs)
+        self.parent.extend([parent] * k)
+        self.start.extend([start] * k)
+        self.length.extend([lengths[s] - start for s in seqs])
+        self.source.extend(seqs)
+        self.sharers.extend([1] * k)
+        leaf_of = self.leaf_of
+        for i, s in enumerate(seqs, first):
+            leaf_of[s] = i
+
     def finish(self, min_shared_len: int, share_trainable: bool = False, min_shared_saving: int = 0) -> Tree:
         parent = np.asarray(self.parent, dtype=np.int64)
         depth = forest_depth(parent)
-        leaf_of = self.leaf_of
+        leaf_of = np.asarray(self.leaf_of, dtype=np.int64)
         path_ptr, path_nodes = ancestor_chains(parent, depth, leaf_of)  # dropped: leaf -1, no path
         return Tree(
             parent=parent,
@@ -163,26 +175,36 @@ class _TrieNode:
         self.minseq = minseq
 
 
-def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, Callable[[int], int], int]:
-    """(byte view of the shareable prefix, record -> child key, bytes per record).
+class _KeyedIds:
+    """Child keys of a keyed sequence, read lazily: ``ids[p]`` packs (key, token) of record p."""
 
-    Without keys a record is the uint32 token; with keys it is (token, key), 12 bytes, and
-    the child key packs both into one int. Keys are read lazily, only where a child is
-    looked up, never converted for the whole prefix.
+    __slots__ = ("tokens", "keys")
+
+    def __init__(self, tokens: memoryview, keys: memoryview) -> None:
+        self.tokens, self.keys = tokens, keys
+
+    def __getitem__(self, p: int) -> int:
+        return (self.keys[p] << 32) | self.tokens[p]
+
+
+def _record_views(batch: SequenceBatch, s: int, sh: int) -> tuple[memoryview, memoryview | _KeyedIds, int]:
+    """(byte view of the records, record -> child key by ``[p]``, bytes per record).
+
+    Without keys a record is the uint32 token: the views are the token array's own buffer
+    (no slice, no copy; the caller stops at ``sh``). With keys it is (token, key), 12
+    bytes, copied for the shareable prefix, and the child key packs both into one int.
+    Keys are read lazily, only where a child is looked up, never converted for the whole
+    prefix.
     """
     tok = batch.tokens[s]
     if batch.keys is None:
-        return tok[:sh].data.cast("B"), tok[:sh].data.__getitem__, 4
+        ids = tok.data
+        return ids.cast("B"), ids, 4
     key = batch.keys[s]
     rec = np.empty(sh, dtype=[("t", "<u4"), ("k", "<u8")])
     rec["t"] = tok[:sh]
     rec["k"] = 0 if key is None else key[:sh]
-    tview, kview = rec["t"].copy().data, rec["k"].copy().data
-
-    def child_key(p: int) -> int:
-        return (kview[p] << 32) | tview[p]
-
-    return rec.data.cast("B"), child_key, 12
+    return rec.data.cast("B"), _KeyedIds(rec["t"].copy().data, rec["k"].copy().data), 12
 
 
 def shares_run(run: int, sharers: int, min_shared_len: int, min_shared_saving: int) -> bool:
@@ -224,10 +246,44 @@ def build_tree(
     root.count = 0
     # Only a prefix of >= floor tokens can ever be shared: any internal node ends at
     # depth >= its length >= floor.
-    candidates = np.flatnonzero(kept & (sh_all >= floor))
-    for s in candidates.tolist():
-        sh = int(sh_all[s])
-        buf, keyof, w = _record_views(batch, s, sh)
+    _insert_prefixes(root, batch, np.flatnonzero(kept & (sh_all >= floor)).tolist(), sh_all.tolist())
+    if share_trainable:
+        _cut_scored_branches(root, batch)
+    em = TreeEmitter(n)
+    # Sequences that can share nothing hang off the forest as root leaves, merged with the
+    # trie's top-level subtrees in order of lowest sequence index.
+    loners = np.flatnonzero(kept & (sh_all < floor)).tolist()
+    _emit_children(em, root, loners, batch.lens, msl, saving)
+    return em.finish(msl, share_trainable, saving)
+
+
+def _insert_prefixes(root: _TrieNode, batch: SequenceBatch, seqs: list[int], shareable: list[int]) -> None:
+    """Insert the shareable prefix of each sequence in ``seqs`` (in order) into the trie.
+
+    Each edge is compared with one ``memcmp`` (``bytes.startswith`` on a zero-copy view of
+    the sequence, :func:`_record_views`); an edge the prefix leaves inside is split there.
+    A prefix equal to the one inserted just before it (a group's completions after their
+    prompt) takes that one's path at once, after one ``memcmp`` against a copy of it; the
+    copy is made only when the next prefix has the same length.
+
+    Args:
+        root: the trie's root (its ``count`` counts the inserted prefixes).
+        batch: the batch.
+        seqs: the sequences to insert, in increasing order (``minseq`` relies on it).
+        shareable: [S] per sequence, the length of the prefix to insert.
+    """
+    last: bytes | None = None  # the previous prefix's records, when this one may repeat it
+    path: list[_TrieNode] = []  # the nodes the previous prefix went through, root to its end
+    for at, s in enumerate(seqs):
+        sh = shareable[s]
+        buf, ids, w = _record_views(batch, s, sh)
+        stop = sh * w
+        if last is not None and len(last) == stop and last.startswith(buf[:stop]):
+            for v in path:
+                v.count += 1
+            path[-1].terminals.append(s)
+            continue
+        path = [root]
         node = root
         node.count += 1
         pos = 0
@@ -235,15 +291,17 @@ def build_tree(
             if pos == sh:
                 node.terminals.append(s)
                 break
-            first = keyof(pos)
+            first = ids[pos]
             child = node.children.get(first)
             if child is None:
-                node.children[first] = _TrieNode(bytes(buf[pos * w :]), pos, sh, s, True)
+                child = node.children[first] = _TrieNode(bytes(buf[pos * w : stop]), pos, sh, s, True)
+                path.append(child)
                 break
             e = child.end - child.start
             if sh - pos >= e and child.label.startswith(buf[pos * w : (pos + e) * w]):
                 child.count += 1
                 node = child
+                path.append(node)
                 pos += e
                 continue
             # Diverges inside the edge (or the sequence ends inside it): split it.
@@ -258,20 +316,14 @@ def build_tree(
             child.start += k
             mid.children[_first_key(child, w)] = child
             node.children[first] = mid
+            path.append(mid)
             if pos + k == sh:
                 mid.terminals.append(s)
             else:
-                mid.children[keyof(pos + k)] = _TrieNode(bytes(buf[(pos + k) * w :]), pos + k, sh, s, True)
+                tail = mid.children[ids[pos + k]] = _TrieNode(bytes(buf[(pos + k) * w : stop]), pos + k, sh, s, True)
+                path.append(tail)
             break
-
-    if share_trainable:
-        _cut_scored_branches(root, batch)
-    em = TreeEmitter(n)
-    # Sequences that can share nothing hang off the forest as root leaves, merged with the
-    # trie's top-level subtrees in order of lowest sequence index.
-    loners = np.flatnonzero(kept & (sh_all < floor)).tolist()
-    _emit_children(em, root, loners, batch.lens, msl, saving)
-    return em.finish(msl, share_trainable, saving)
+        last = bytes(buf[:stop]) if at + 1 < len(seqs) and shareable[seqs[at + 1]] == sh else None
 
 
 def _cut_scored_branches(root: _TrieNode, batch: SequenceBatch) -> None:
@@ -323,6 +375,10 @@ def _emit_children(
     Iterative DFS over frames of (remaining children, tree parent); a node's children are
     found by :func:`_final_children` and sorted by lowest sequence index.
     """
+    lengths: list[int] = lens.tolist()
+    if not root.children:  # nothing shared: every sequence a root leaf, in order
+        em.leaves(-1, sorted(root.terminals + loners), 0, lengths)
+        return
     frames = [(iter(_final_children(_ordered_items(root, loners), 0, msl, saving)), -1)]
     while frames:
         items, par = frames[-1]
@@ -332,11 +388,14 @@ def _emit_children(
             continue
         _, kind, x, st = item
         if kind == 0:
-            em.leaf(par, x, st, int(lens[x]))
+            em.leaf(par, x, st, lengths[x])
             continue
         tn: _TrieNode = x
         me = em.node(par, st, tn.end, tn.minseq, tn.count)
-        frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl, saving)), me))
+        if tn.children:
+            frames.append((iter(_final_children(_ordered_items(tn, []), tn.end, msl, saving)), me))
+        else:  # only sequences end here (a GRPO prompt's completions): its leaves, in order
+            em.leaves(me, tn.terminals, tn.end, lengths)
 
 
 def _final_children(items: list[tuple[int, Any]], start: int, msl: int, saving: int) -> list[tuple[int, int, Any, int]]:

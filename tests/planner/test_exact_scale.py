@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 from treepack.proto.batch import normalize_batch
-from treepack.service.planner import build_tree, lower_bound_rows, plan_batch, repair, validate_plan
+from treepack.service.planner import build_tree, exact, lower_bound_rows, plan_batch, repair, validate_plan
 from treepack.service.planner.auto import unit_place
-from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, fit_rows
-from treepack.service.planner.items import Item
+from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, RowFit, fit_rows
+from treepack.service.planner.items import Item, leaf_items
 from treepack.service.planner.repair import repair_rows
 from treepack.service.planner.rows import row_costs
 
+from helpers.hard_instances import hard_instance
 from helpers.shapes import grpo_groups
 
 PLANNER = Path(__file__).resolve().parents[2] / "service" / "planner"
@@ -34,13 +35,15 @@ def test_short_grpo_groups_in_long_rows_plan(groups, monkeypatch):
     # 102 leaves fill a row, so ceil(4 groups / 102) rows; the bound says one fewer, so the
     # repair pass runs and hands the search whole rows of leaves.
     handed = []
-    original = repair.fit_rows
 
-    def spy(items, *args, **kwargs):
-        handed.append(len(items))
-        return original(items, *args, **kwargs)
+    class Spy(RowFit):
+        __slots__ = ()
 
-    monkeypatch.setattr(repair, "fit_rows", spy)
+        def __init__(self, items, *args) -> None:
+            handed.append(len(items))
+            super().__init__(items, *args)
+
+    monkeypatch.setattr(repair, "RowFit", Spy)
     kw = grpo_groups(groups)
     # A budget the searches never reach, so a loaded machine cannot skip the deep ones.
     plan = plan_batch(**kw, placement="auto", repair_ms=60_000.0)
@@ -81,9 +84,9 @@ def test_search_at_100k_leaves():
 
 
 def test_search_stops_at_its_deadline():
-    # 40 items of 26-44 tokens in 14-15 rows of 100 (at most 3 a row): the search cannot
-    # settle it in 300,000 nodes (about a second here), so only the deadline stops it.
-    sizes = np.random.default_rng(0).integers(26, 45, 40).tolist()
+    # 60 items of 20-44 tokens in 20 rows of 100 (at most 4 a row): the search cannot
+    # settle it in 20,000 nodes (tens of ms here), so only the deadline stops it.
+    sizes = np.random.default_rng(0).integers(20, 45, 60).tolist()
     items = [Item(s, (), n, n) for s, n in enumerate(sizes)]
     m = -(-sum(sizes) // 100)
     assert fit_rows(items, m, 100, [], node_limit=20_000)[0] == UNKNOWN  # hard: not settled early
@@ -92,6 +95,40 @@ def test_search_stops_at_its_deadline():
         status, _ = fit_rows(items, m, 100, [], node_limit=10**9, deadline=t0 + budget)
         spent = time.thread_time() - t0
         assert status == UNKNOWN and budget <= spent < budget + 0.05, spent
+
+
+def test_a_search_goes_on_where_its_node_limit_stopped_it():
+    # A search stopped at 500 nodes and run on to 4,000 answers as one run to 4,000, with
+    # the same rows, visiting no node twice (the repair pass's quick levels cost nothing
+    # when a thorough level has to search the same group).
+    kw = hard_instance("deep", 11, 1)  # 23 leaves of agent trees: 9 rows, found after ~1,200 nodes
+    batch = normalize_batch(kw["sequences"], seq_len=kw["seq_len"], trainable=kw["trainable"], groups=kw["groups"])
+    tree = build_tree(batch, kw["min_shared_len"])
+    items, node_len, C = leaf_items(tree, np.flatnonzero(tree.leaf_of >= 0)), tree.length.tolist(), kw["seq_len"]
+    whole, steps = RowFit(items, 9, C, node_len), RowFit(items, 9, C, node_len)
+    assert steps.run(500) == UNKNOWN and steps.nodes == 500  # negative control: 500 nodes are too few
+    assert whole.run(4_000) == steps.run(4_000) == FIT
+    assert steps.nodes == whole.nodes < 4_000 and steps.assign == whole.assign
+    assert sorted(steps.assign) == sorted(it.seq for it in items)
+    assert max(_loads(items, steps.assign, node_len, 9)) <= C
+
+
+def test_rows_too_full_for_any_leaf_left_lose_their_room():
+    # 40 items of 26-44 tokens (at most 3 a row) in 14 rows of 100: the volume leaves
+    # room, but a row holding three of them has less room than the smallest leaf left,
+    # and that room counts as lost: refuted at once (the search without the rule cannot
+    # settle it in 300,000 nodes).
+    sizes = np.random.default_rng(0).integers(26, 45, 40).tolist()
+    items = [Item(s, (), n, n) for s, n in enumerate(sizes)]
+    m = -(-sum(sizes) // 100)
+    assert sum(sizes) <= m * 100 and len(items) <= 3 * m  # neither the volume nor the count refutes it
+    fit = RowFit(items, m, 100, [])
+    assert fit.run(20_000) == NO_FIT and fit._search is None
+    # Negative control: the same search without the rule does not settle it in 20,000 nodes.
+    blind = exact._Search(items, m, 100, [])
+    blind.min_tail = [0] * (len(items) + 1)
+    with pytest.raises(exact._Limit):
+        blind.run(20_000, None)
 
 
 def test_repair_at_100k_leaves_keeps_its_budget():

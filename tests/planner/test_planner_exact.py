@@ -42,6 +42,7 @@ from treepack.service.planner.bounds import (
     bin_packing_l2,
     leaf_children_rows,
     min_copies,
+    subtree_sizes,
 )
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, naive_min_rows
 from treepack.service.planner.items import leaf_items
@@ -330,9 +331,18 @@ def test_abandoned_candidates_could_not_have_won():
             else:
                 assert np.array_equal(got.row_of, full.row_of)
         split = unit_place(tree, batch, C, split=True)
-        assert unit_place(tree, batch, C, split=True, stop_rows=split.num_rows) is None
+        cost = tree.start + subtree_sizes(tree)  # the units: maximal subtrees that fit a row
+        fits = cost <= C
+        units = np.flatnonzero(fits & ~np.where(tree.parent >= 0, fits[np.maximum(tree.parent, 0)], False))
+        splittable = bool((tree.sharers[units] > 1).any())  # a unit with children
+        assert (split is None) == (not splittable)  # skipped exactly when splitting changes nothing
+        if split is None:
+            seen["nothing to split"] += 1
+        else:
+            assert unit_place(tree, batch, C, split=True, stop_rows=split.num_rows) is None
+            seen["split"] += 1
         assert int(row_costs(tree, full.row_of, full.num_rows).sum()) == full.packed_tokens
-    assert seen["abandoned"] >= 50
+    assert seen["abandoned"] >= 50 and seen["split"] >= 50, seen
 
 
 @pytest.mark.parametrize("bad", [-1, 1e9, "5", True])

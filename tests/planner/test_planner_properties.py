@@ -152,6 +152,12 @@ def test_fast_tree_equals_naive():
             assert np.array_equal(getattr(fast, f), getattr(ref, f)), f
         seen["internal"] += bool((fast.sharers >= 2).any())
         seen["depth>=2"] += bool((fast.depth >= 2).any())
+        sh = (batch.lens if b["share_trainable"] else batch.shareable_lens()).tolist()
+        seen["repeated prefix"] += any(  # the builder's shortcut for a prefix equal to the last one
+            sh[i] == sh[i + 1] >= b["min_shared_len"]
+            and np.array_equal(batch.tokens[i][: sh[i]], batch.tokens[i + 1][: sh[i]])
+            for i in range(batch.num_sequences - 1)
+        )
         if b["share_trainable"]:
             shared = np.flatnonzero(fast.sharers >= 2)
             seen["shared trainable"] += any(
@@ -160,6 +166,39 @@ def test_fast_tree_equals_naive():
 
     check()
     assert seen["internal"] >= 20 and seen["depth>=2"] >= 5 and seen["shared trainable"] >= 5
+    assert seen["repeated prefix"] >= 5, seen
+
+
+def test_a_repeated_prefix_takes_the_last_path_and_only_then():
+    """Each way an insertion can end (at an existing node, in a new leaf, at a split, below
+    a split), followed by the same prefix again (the builder's shortcut) or by one of the
+    same length differing in its last token or in its first (the negative controls, which
+    must walk the trie), with and without keys: the tree equals the reference's."""
+    base = list(range(100, 140))
+    shapes = [
+        [base[:20], base[:20], base[:20]],  # new leaf, then twice its prefix (a node's terminals)
+        [base, base[:30] + [7] * 10, base[:30] + [7] * 10],  # a split with a new tail below it
+        [base, base[:25], base[:25], base],  # a split ending at the middle node
+        [base[:30], base[:30] + [5], base[:30] + [5]],  # ending below an existing node
+        [base[:20], base[:19] + [1], base[:19] + [1], [1] + base[1:20]],  # same length, other tokens
+    ]
+    for seqs in shapes:
+        for keys in (None, [np.arange(len(x) + 2, dtype=np.uint64) % 2 for x in seqs]):
+            batch = normalize_batch(
+                [np.array(x + [9, 9], dtype=np.uint32) for x in seqs],
+                seq_len=64,
+                trainable=[len(x) + 1 for x in seqs],
+                keys=keys,
+            )
+            fast, ref = build_tree(batch, 4), naive_build_tree(batch, 4)
+            for f in TREE_FIELDS:
+                assert np.array_equal(getattr(fast, f), getattr(ref, f)), (seqs, f)
+    # Not vacuous: equal prefixes share one node; one differing in its last token does not.
+    batch = normalize_batch(
+        [np.array(x + [9, 9], dtype=np.uint32) for x in shapes[4][:3]], seq_len=64, trainable=[21] * 3
+    )
+    tree = build_tree(batch, 4)
+    assert tree.sharers.max() == 3 and int(tree.length[tree.sharers == 3][0]) == 19
 
 
 def test_fast_placements_equal_naive_and_auto_beats_bfd():

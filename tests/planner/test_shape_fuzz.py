@@ -77,13 +77,15 @@ def _record(seen: Counter, shape: dict, plan, ms: float) -> None:
 def test_every_trainer_shape_plans_validly(monkeypatch):
     seen: Counter = Counter()
     handed = [0]
-    original = repair.fit_rows
 
-    def spy(items, *args, **kwargs):
-        handed[0] = max(handed[0], len(items))
-        return original(items, *args, **kwargs)
+    class Spy(repair.RowFit):
+        __slots__ = ()
 
-    monkeypatch.setattr(repair, "fit_rows", spy)
+        def __init__(self, items, *args) -> None:
+            handed[0] = max(handed[0], len(items))
+            super().__init__(items, *args)
+
+    monkeypatch.setattr(repair, "RowFit", Spy)
 
     @settings(
         max_examples=PROFILE["examples"],
