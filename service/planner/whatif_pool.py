@@ -1,9 +1,9 @@
 """The what-if sampling pool: the groups of recorded batch shapes, indexed by tag, and what a what-if may cost.
 
 :func:`build_pool` indexes the groups of a list of shapes in one pass (each group's
-sequences, its tag, the groups of each tag), in time and memory linear in the sequences
-plus a sort of the groups by tag: a pool of many distinct tags costs what a pool of one
-does. :func:`naive_build_pool` is its loop reference (a scan of every group per tag).
+sequences, its tag, the groups of each tag): one dict lookup per sequence, then sorts by
+group and by tag: a pool of many distinct tags costs what a pool of one does.
+:func:`naive_build_pool` is its loop reference (a scan of every group per tag).
 :func:`whatif_work` prices a what-if before any trial runs (the tokens its trials may
 plan); :func:`pool_summary` is the pool as the answer reports it.
 
@@ -86,14 +86,12 @@ class GroupPool:
         return np.add.reduceat(self.lens[self.unit_seqs], self.unit_ptr[:-1]).astype(np.int64)
 
 
-def _groups_of(shapes: Sequence[BatchShape], check: Callable[[], None] | None) -> tuple[list[list[int]], list[str]]:
-    """Every group's global sequence indices and tag, in recorded order (one pass)."""
+def _naive_groups_of(shapes: Sequence[BatchShape]) -> tuple[list[list[int]], list[str]]:
+    """Every group's global sequence indices and tag, in recorded order, one sequence at a time."""
     unit_seqs: list[list[int]] = []
     tags: list[str] = []
     base = 0
     for sh in shapes:
-        if check is not None:
-            check()
         index: dict[Any, int] = {}
         for s, g in enumerate(sh.groups):
             u = index.get(g) if g is not None else None
@@ -108,14 +106,40 @@ def _groups_of(shapes: Sequence[BatchShape], check: Callable[[], None] | None) -
     return unit_seqs, tags
 
 
+_NONE = object()  # with the sequence index, the key of a sequence without a group (a group of its own)
+
+
+def _units(shapes: Sequence[BatchShape], check: Callable[[], None] | None) -> tuple[np.ndarray, list[str]]:
+    """([N] int64 group of every sequence, groups numbered in recorded order; [U] tag of each group).
+
+    A dict of the labels in first-appearance order numbers the groups, one lookup per
+    sequence (in C: ``map``), the rest numpy.
+    """
+    parts: list[np.ndarray] = []
+    tags: list[str] = []
+    base = 0
+    for sh in shapes:
+        if check is not None:
+            check()
+        n = sh.num_sequences
+        keys: Sequence[Any] = sh.groups
+        if None in keys:
+            keys = [(_NONE, s) if g is None else g for s, g in enumerate(keys)]
+        index = {k: i for i, k in enumerate(dict.fromkeys(keys))}  # first appearance numbers a group
+        code = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=n)
+        first = np.empty(len(index), dtype=np.int64)
+        first[code[::-1]] = np.arange(n - 1, -1, -1)  # each group's first sequence
+        tags += [""] * len(index) if sh.tags is None else [sh.tags[i] or "" for i in first.tolist()]
+        parts.append(code + base)
+        base += len(index)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), tags
+
+
 def _pool(
-    shapes: Sequence[BatchShape], unit_seqs: list[list[int]], tags: list[str], by_tag: dict[str, np.ndarray]
+    shapes: Sequence[BatchShape], ptr: np.ndarray, flat: np.ndarray, tags: list[str], by_tag: dict[str, np.ndarray]
 ) -> GroupPool:
     seq_base = np.zeros(len(shapes) + 1, dtype=np.int64)
     np.cumsum([sh.num_sequences for sh in shapes], out=seq_base[1:])
-    ptr = np.zeros(len(unit_seqs) + 1, dtype=np.int64)
-    np.cumsum([len(u) for u in unit_seqs], out=ptr[1:])
-    flat = np.fromiter((s for u in unit_seqs for s in u), dtype=np.int64, count=int(ptr[-1]))
     lens = np.concatenate([sh.lens for sh in shapes]) if shapes else np.zeros(0, dtype=np.int64)
     return GroupPool(
         shapes=tuple(shapes),
@@ -139,27 +163,40 @@ def build_pool(
         check: called once per batch; it raises to stop the work (the sidecar's deadline
             and disconnects), or None.
     """
-    unit_seqs, unit_tag = _groups_of(shapes, check)
+    unit_of, unit_tag = _units(shapes, check)
+    seqs = np.arange(unit_of.shape[0], dtype=np.int64)
     if tags is not None:
         keep = set(tags)
-        kept = [u for u, t in enumerate(unit_tag) if t in keep]
-        unit_seqs, unit_tag = [unit_seqs[u] for u in kept], [unit_tag[u] for u in kept]
+        kept = np.array([t in keep for t in unit_tag], dtype=bool)
+        renumber = np.cumsum(kept) - 1
+        mine = kept[unit_of]
+        seqs, unit_of = seqs[mine], renumber[unit_of[mine]]
+        unit_tag = [t for t, k in zip(unit_tag, kept.tolist()) if k]
+    # A group's sequences ascending, groups in order: one stable sort by group.
+    flat = seqs[np.argsort(unit_of, kind="stable")]
+    ptr = np.zeros(len(unit_tag) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(unit_of, minlength=len(unit_tag)), out=ptr[1:])
     # Group by tag in one sort: tag codes in sorted tag order, group ids ascending inside.
-    names, code = np.unique(np.asarray(unit_tag, dtype=object), return_inverse=True) if unit_tag else ([], [])
-    order = np.argsort(np.asarray(code, dtype=np.int64), kind="stable")
-    ends = np.cumsum(np.bincount(np.asarray(code, dtype=np.int64), minlength=len(names)))
-    by_tag = {str(t): order[e - n : e] for t, e, n in zip(names, ends.tolist(), np.diff(ends, prepend=0).tolist())}
-    return _pool(shapes, unit_seqs, unit_tag, by_tag)
+    names = sorted(set(unit_tag))
+    tag_code = {t: i for i, t in enumerate(names)}
+    code = np.fromiter(map(tag_code.__getitem__, unit_tag), dtype=np.int64, count=len(unit_tag))
+    order = np.argsort(code, kind="stable")
+    ends = np.cumsum(np.bincount(code, minlength=len(names)))
+    by_tag = {t: order[e - n : e] for t, e, n in zip(names, ends.tolist(), np.diff(ends, prepend=0).tolist())}
+    return _pool(shapes, ptr, flat, unit_tag, by_tag)
 
 
 def naive_build_pool(shapes: Sequence[BatchShape], *, tags: Collection[str] | None = None) -> GroupPool:
-    """:func:`build_pool`, every group scanned once per tag (the reference)."""
-    unit_seqs, unit_tag = _groups_of(shapes, None)
+    """:func:`build_pool`, one sequence at a time and every group scanned once per tag (the reference)."""
+    unit_seqs, unit_tag = _naive_groups_of(shapes)
     if tags is not None:
         kept = [u for u in range(len(unit_tag)) if unit_tag[u] in tags]
         unit_seqs, unit_tag = [unit_seqs[u] for u in kept], [unit_tag[u] for u in kept]
     by_tag = {t: np.array([u for u, x in enumerate(unit_tag) if x == t], dtype=np.int64) for t in sorted(set(unit_tag))}
-    return _pool(shapes, unit_seqs, unit_tag, by_tag)
+    ptr = np.zeros(len(unit_seqs) + 1, dtype=np.int64)
+    np.cumsum([len(u) for u in unit_seqs], out=ptr[1:])
+    flat = np.array([s for u in unit_seqs for s in u], dtype=np.int64)
+    return _pool(shapes, ptr, flat, unit_tag, by_tag)
 
 
 def history_scope(
