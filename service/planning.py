@@ -81,6 +81,16 @@ class Answer:
             self.record()
 
 
+def _inline_shapes(shapes: list[Any], check: Check | None) -> list[BatchShape]:
+    """A what-if's inline shapes, each checked (``check`` between them: deadline, disconnect)."""
+    out = []
+    for i, s in enumerate(shapes):
+        if check is not None:
+            check()
+        out.append(shape_from_wire(s, f"$.shapes[{i}]"))
+    return out
+
+
 def _check_tag_count(count: int, limit: int, what: str, path: str) -> None:
     """413 when a request carries more distinct tags than ``max_tags``."""
     if count > limit:
@@ -230,9 +240,7 @@ class PlanningService:
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
         options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
-        inline = (
-            None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
-        )
+        inline = None if msg.shapes is None else _inline_shapes(msg.shapes, check)
         runs = msg.trials * len(msg.compositions)
         if runs > self.settings.whatif_max_trials:
             raise PayloadTooLargeError(
