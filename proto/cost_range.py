@@ -70,9 +70,7 @@ def max_counts(model: CostModel, *, max_sequences: int, max_seq_len: int = MAX_S
     return out
 
 
-def check_cost_range(
-    model: CostModel, *, max_sequences: int, max_seq_len: int = MAX_SEQ_LEN, trials: int = 1
-) -> None:
+def check_cost_range(model: CostModel, *, max_sequences: int, max_seq_len: int = MAX_SEQ_LEN, trials: int = 1) -> None:
     """Refuse a model whose predictions can overflow within these limits (module docstring).
 
     Args:

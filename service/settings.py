@@ -36,7 +36,7 @@ class Settings(BaseSettings):
         max_cp_tiles: tiles of 16 tokens an all-gather context-parallel split may hold per
             plan (or per what-if trial): rows x ``cp_size`` x ``shard_len`` / 16, padding
             included (the plan carries an int32 per tile, the split works on an int64 per
-            tile); above it, 413 before the split runs. The default is ``max_tokens`` / 16:
+            tile); above it, 413 before the split runs. Unset (the default): ``max_tokens`` / 16,
             as many positions as the largest pack holds tokens.
         max_tags: distinct task tags a request may carry: in a pack's ``tags``, in a
             what-if's inline shapes, or as ``by_tag`` keys of one composition; above it,
@@ -44,8 +44,9 @@ class Settings(BaseSettings):
             the history keeps what packs record).
         max_concurrent_plans: planner worker threads.
         whatif_max_work: tokens a what-if may plan in all: the sum over compositions of
-            trials x the most tokens one trial can draw (inline shapes counted in full);
-            above it, 413 before any trial. Unset (the default): 4 x ``max_tokens``, so a
+            trials x the most tokens one trial can draw (inline shapes counted in full),
+            plus one padded row per trial under an all-gather CP split; above it, 413
+            before any trial. Unset (the default): 4 x ``max_tokens``, so a
             what-if never plans more than four of the largest packs allowed.
         request_timeout_s: wall-clock deadline of a pack or what-if (from admission);
             past it the planner stops between phases or trials and the answer is 504.
@@ -88,7 +89,9 @@ class Settings(BaseSettings):
         cost_model_path: a cost file (``treepack.trainer.calibrate(...).save(path)``): every
             plan then carries ``stats.predicted_ms``, ``placement="auto"`` picks tree or
             plain packing by predicted time, and what-if answers carry ``step_ms``. A file
-            that cannot be read stops the service at startup, naming the file and field.
+            that cannot be read, or whose predictions could overflow for a request the
+            service accepts (:mod:`treepack.proto.cost_range`), stops the service at
+            startup, naming the file and field.
         malloc_keep_mb: freed memory the server process keeps for reuse instead of
             returning it to the OS (glibc only; 0 keeps the allocator's defaults): large
             requests then reuse warm pages (:mod:`treepack.service.malloc`).

@@ -29,7 +29,12 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 MP = {"content-type": "application/msgpack", **AUTH}
 JS = {"content-type": "application/json", **AUTH}
 LIMITS = dict(
-    max_body_bytes=200_000, max_tokens=20_000, max_sequences=64, whatif_max_trials=50, whatif_max_work=20_000, max_tags=4
+    max_body_bytes=200_000,
+    max_tokens=20_000,
+    max_sequences=64,
+    whatif_max_trials=50,
+    whatif_max_work=20_000,
+    max_tags=4,
 )
 
 
