@@ -16,6 +16,11 @@ when it runs out. ``--pythonpath DIR`` runs the server from another build (put f
    256), then ``GET /healthz`` and ``GET /readyz``: status and latency.
 5. **Body digest** (in-process): SHA-256 of a pack body at about 100k and 1M tokens
    against planning that batch (the cost of exact idempotency).
+6. **Seven attacks** (``--only attacks``, not in the default run: several minutes):
+   all-gather CP tiles, distinct tags, ``by_tag`` keys, a disconnect hidden behind a
+   pipelined request, a SIGKILL during the history migration, a lone-surrogate group id, a
+   cost file that overflows; each with its status, seconds, server RSS growth and answer
+   bytes (:mod:`hardening_attacks`, which says what each sends).
 
 Usage::
 
@@ -293,7 +298,7 @@ def bench_digest(repeats: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=["memory", "whatif", "stalled", "flood", "digest"], action="append")
+    ap.add_argument("--only", choices=["memory", "whatif", "stalled", "flood", "digest", "attacks"], action="append")
     ap.add_argument("--mib", type=int, action="append", help="adversarial body sizes in MiB (default 16 and 64)")
     ap.add_argument(
         "--timeout", type=float, default=120.0, help="cap of one request's answer time (reported as '> N s')"
@@ -326,6 +331,11 @@ def main() -> None:
         results["flood"] = bench_flood(args.pythonpath, 300, args.repeats)
     if "digest" in only:
         results["digest"] = bench_digest(args.repeats)
+    if "attacks" in only:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from hardening_attacks import run_attacks
+
+        results["attacks"] = run_attacks(args.pythonpath, args.timeout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

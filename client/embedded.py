@@ -19,7 +19,9 @@ from treepack.proto.plan import Plan
 from treepack.proto.whatif import WhatIfQuery, WhatIfResult
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job
+from treepack.service.planner.options import check_options
 from treepack.service.planner.whatif import whatif
+from treepack.service.planner.whatif_pool import build_pool, history_scope, no_batches_error
 
 __all__ = ["EmbeddedBackend"]
 
@@ -56,12 +58,19 @@ class EmbeddedBackend:
         return result.plan
 
     def whatif(self, query: WhatIfQuery) -> list[WhatIfResult]:
-        """What-if over ``query.shapes``, or over the local history when none are given."""
-        shapes = query.shapes
-        if shapes is None:
-            shapes = [] if self._store is None else self._store.shapes(query.history_batches)
+        """What-if over ``query.shapes``, or over the local history when none are given
+        (the batches and groups of the query's history scope, as the sidecar samples them)."""
+        if query.shapes is not None:
+            pool = build_pool(list(query.shapes))
+        else:
+            seq_len = check_options(query.options).seq_len
+            scope, tags = history_scope(seq_len, query.history_seq_len, query.history_tags)
+            shapes = [] if self._store is None else self._store.shapes(query.history_batches, seq_len=scope)
+            pool = build_pool(shapes, tags=tags)
+            if not pool.num_groups:
+                raise no_batches_error(scope, [] if self._store is None else self._store.summary()["seq_lens"], tags)
         return whatif(
-            list(shapes),
+            pool,
             list(query.compositions),
             query.options,
             trials=query.trials,

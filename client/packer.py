@@ -154,8 +154,9 @@ class Packer(_Packers):
             options: the plan options of every trial (``seq_len`` is the row capacity to
                 plan for), or their fields as keywords; as for ``pack``.
             **kwargs: the option keywords, and ``trials`` (32), ``seed`` (0), ``max_rows``,
-                ``history_batches``, ``shapes`` as :class:`~treepack.proto.whatif.WhatIfQuery`
-                describes them.
+                ``history_batches``, ``history_seq_len`` (default: sample only batches
+                recorded at this ``seq_len``; ``"any"``: all), ``history_tags``, ``shapes``
+                as :class:`~treepack.proto.whatif.WhatIfQuery` describes them.
 
         Returns:
             One :class:`WhatIfResult` per composition.

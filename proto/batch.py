@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from treepack.proto.batch_fields import as_keys, as_tokens, as_trainable, group_codes, prompt_mask
+from treepack.proto.batch_fields import as_keys, as_tokens, as_trainable, check_tags, group_codes, prompt_mask
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import OverflowEvent
@@ -161,8 +161,9 @@ class PackInput:
         )
 
     def normalize(self, seq_len: int, on_overflow: str) -> SequenceBatch:
-        """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``."""
-        return normalize_batch(
+        """The :class:`SequenceBatch`, with the checked ``seq_len`` and ``on_overflow``
+        (the tags checked too: :func:`~treepack.proto.batch_fields.check_tags`)."""
+        batch = normalize_batch(
             self.sequences,
             seq_len=seq_len,
             trainable=self.trainable,
@@ -170,6 +171,8 @@ class PackInput:
             keys=self.keys,
             on_overflow=on_overflow,
         )
+        check_tags(self.tags, batch.num_sequences)
+        return batch
 
 
 def normalize_batch(

@@ -23,6 +23,7 @@ __all__ = [
     "normalize_trainable",
     "as_keys",
     "group_codes",
+    "check_tags",
     "prompt_mask",
 ]
 
@@ -191,6 +192,8 @@ def group_codes(groups: Sequence[Any] | None, n: int) -> tuple[np.ndarray, tuple
             raise RequestError(f"group id {key} does not fit int64", path=f"$.groups[{s}]", rule="int64")
         c = index.get(key)
         if c is None:
+            if isinstance(key, str):
+                _check_text(key, f"$.groups[{s}]", "group label")
             c = index[key] = len(labels)
             labels.append(key)
         codes[s] = c
@@ -210,6 +213,50 @@ def _int_group_codes(groups: Sequence[Any]) -> tuple[np.ndarray, tuple[Any, ...]
     code_of = np.empty(order.shape[0], dtype=np.int64)
     code_of[order] = np.arange(order.shape[0])
     return code_of[inverse.reshape(-1)], tuple(labels[order].tolist())
+
+
+def _check_text(text: str, path: str, what: str) -> None:
+    """Refuse a label that is not valid Unicode text (a lone surrogate, as JSON's ``"\\udfff"``
+    decodes): the history stores labels as UTF-8, and such a label would be acknowledged,
+    then fail to be written."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"{what} is not valid Unicode text: character {exc.start} is a lone surrogate "
+            f"(U+{ord(text[exc.start]):04X})",
+            path=path,
+            rule="unicode",
+        ) from None
+
+
+def check_tags(tags: Sequence[Any] | None, n: int) -> None:
+    """Check a batch's task tags: None, or per sequence a string (at most
+    :data:`MAX_GROUP_LABEL` characters, valid Unicode) or None.
+
+    Raises:
+        RequestError: a length mismatch, a tag too long or not valid Unicode (``$.tags[i]``).
+        InputTypeError: a tag of another type.
+    """
+    if tags is None:
+        return
+    if isinstance(tags, (str, bytes)) or len(tags) != n:
+        got = "a string" if isinstance(tags, (str, bytes)) else f"{len(tags)} entries"
+        raise RequestError(f"tags has {got} for {n} sequences", path="$.tags", rule="length_mismatch")
+    seen: set[str] = set()
+    for s, t in enumerate(tags):
+        if t is None or t in seen:
+            continue
+        if not isinstance(t, str):
+            raise InputTypeError(
+                f"tag must be a string or None, got {type(t).__name__}", path=f"$.tags[{s}]", rule="type"
+            )
+        if len(t) > MAX_GROUP_LABEL:
+            raise RequestError(
+                f"tag has {len(t)} characters, at most {MAX_GROUP_LABEL}", path=f"$.tags[{s}]", rule="max_length"
+            )
+        _check_text(t, f"$.tags[{s}]", "tag")
+        seen.add(t)
 
 
 def prompt_mask(m: int, p: int) -> np.ndarray:

@@ -240,8 +240,26 @@ class CostModel:
         return float(c["rows"]) + float(c["positions"]) * C + dense
 
     def predict_ms(self, plan: Plan) -> float:
-        """Predicted forward+backward time of ``plan``, milliseconds."""
-        return float(self.features(plan) @ self._coef())
+        """Predicted forward+backward time of ``plan``, milliseconds.
+
+        Raises:
+            CostModelError: the prediction is no finite number (a coefficient too large
+                for this plan's counts; :func:`~treepack.proto.cost_range.check_cost_range`
+                refuses such a model for a whole range of plans up front).
+        """
+        features, coef = self.features(plan), self._coef()
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+            ms = float(features @ coef)
+            terms = features * coef
+        if not math.isfinite(ms):
+            worst = self.terms[int(np.argmax(np.where(np.isfinite(terms), terms, np.inf)))]
+            raise CostModelError(
+                f"the predicted step time of this plan is {ms} ms: coefficient {worst} "
+                f"({float(self.coefficients[worst]):.6g}) is too large for its counts",
+                path=f"$.coefficients.{worst}",
+                rule="range",
+            )
+        return ms
 
     def _coef(self) -> np.ndarray:
         return np.array([float(self.coefficients[t]) for t in self.terms], dtype=np.float64)

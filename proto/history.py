@@ -187,22 +187,37 @@ class HistoryStore:
                 raise self._failed(exc) from None
 
     def summary(self) -> dict[str, Any]:
-        """Counts, time span, seq_lens, groups per tag and means over the retained batches."""
-        return summarize(self._query(summary_rows))
+        """Counts, time span, seq_lens, groups per tag and means over the retained batches
+        that can be used; ``skipped``: those that cannot (found so far: at open, or when read)."""
+        rows = self._query(summary_rows)
+        return summarize(rows, set(self._bad))
 
-    def shapes(self, limit: int | None = None) -> list[BatchShape]:
-        """The most recent ``limit`` batches (all if None), oldest first.
+    def shapes(
+        self, limit: int | None = None, *, seq_len: int | None = None, check: Callable[[], None] | None = None
+    ) -> list[BatchShape]:
+        """The most recent ``limit`` batches (all if None) recorded at ``seq_len`` (any if
+        None), oldest first.
 
         Decoded shapes are kept between calls (rows never change once written), so
         repeated what-if requests only decode batches recorded since the last one.
+
+        Args:
+            limit: how many of the most recent batches.
+            seq_len: only batches recorded with this row capacity.
+            check: called before each row is decoded; it raises to stop (the sidecar's
+                deadline and disconnects), or None.
         """
 
         def seen(i: int) -> bool:
             return i in self._decoded or i in self._bad
 
-        ids, rows = self._query(lambda c: shape_rows(c, limit, seen))
+        ids, rows, alive = self._query(
+            lambda c: (*shape_rows(c, limit, seen, seq_len), {r[0] for r in c.execute("SELECT id FROM batches")})
+        )
         fresh = {}
         for bid, blob, checksum in rows:
+            if check is not None:
+                check()
             if checksum_or_none(blob) != checksum:
                 self._skip(bid, "its shape does not match its checksum")
                 continue
@@ -211,9 +226,10 @@ class HistoryStore:
                 self._skip(bid, "its shape does not decode")
             else:
                 fresh[bid] = shape
-        known = {**self._decoded, **fresh}
-        self._decoded = {i: known[i] for i in ids if i in known}
-        return [self._decoded[i] for i in reversed(ids) if i in self._decoded]
+        with self._lock:  # the cache keeps every retained row any reader decoded
+            known = {**self._decoded, **fresh}
+            self._decoded = {i: s for i, s in known.items() if i in alive}
+        return [known[i] for i in reversed(ids) if i in known]
 
     def check(self, *, detail: bool = False) -> str:
         """``"ok"`` when the database answers a query, else why not (readiness).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgpack
@@ -35,6 +35,7 @@ def empty_summary() -> dict[str, Any]:
     """The summary of a disabled history."""
     return dict(
         batches=0,
+        skipped=0,
         sequences=0,
         groups=0,
         tokens=0,
@@ -47,48 +48,59 @@ def empty_summary() -> dict[str, Any]:
     )
 
 
-def summary_rows(c: sqlite3.Connection) -> tuple[Any, ...]:
-    """(totals and means, distinct seq_lens, every row's tags column): what :func:`summarize` reads."""
-    head = c.execute(
-        "SELECT COUNT(*), COALESCE(SUM(sequences),0), COALESCE(SUM(groups),0), COALESCE(SUM(tokens),0),"
-        " MIN(created), MAX(created), AVG(rows), AVG(saved_fraction) FROM batches"
-    ).fetchone()
-    seq_lens = [int(r[0]) for r in c.execute("SELECT DISTINCT seq_len FROM batches ORDER BY seq_len")]
-    return head, seq_lens, c.execute("SELECT tags FROM batches").fetchall()
+def summary_rows(c: sqlite3.Connection) -> list[tuple[Any, ...]]:
+    """Every row's summary columns: (id, sequences, groups, tokens, created, rows,
+    saved_fraction, seq_len, tags), what :func:`summarize` reads."""
+    return c.execute(
+        "SELECT id, sequences, groups, tokens, created, rows, saved_fraction, seq_len, tags FROM batches"
+    ).fetchall()
 
 
-def summarize(rows: tuple[Any, ...]) -> dict[str, Any]:
-    """Counts, time span, seq_lens, groups per tag and means, from :func:`summary_rows`."""
-    (n, seqs, groups, toks, oldest, newest, mean_rows, mean_saved), seq_lens, tag_rows = rows
+def summarize(rows: list[tuple[Any, ...]], skip: Collection[int] = ()) -> dict[str, Any]:
+    """Counts, time span, seq_lens, groups per tag and means of the usable rows.
+
+    Args:
+        rows: from :func:`summary_rows`.
+        skip: ids of rows that cannot be used (their shape fails its checksum or does not
+            decode): counted as ``skipped``, left out of every other figure.
+    """
+    usable = [r for r in rows if r[0] not in skip]
     tags: dict[str, int] = {}
-    for (t,) in tag_rows:
+    for *_, t in usable:
         try:
             per_tag = json.loads(t)
             for k, v in per_tag.items():
                 tags[k] = tags.get(k, 0) + int(v)
         except (TypeError, ValueError, AttributeError):
             continue  # an undecodable row's tags: counted by shapes(), skipped here
+    n = len(usable)
     return dict(
-        batches=int(n),
-        sequences=int(seqs),
-        groups=int(groups),
-        tokens=int(toks),
-        oldest=oldest,
-        newest=newest,
-        seq_lens=seq_lens,
+        batches=n,
+        skipped=len(rows) - n,
+        sequences=sum(int(r[1]) for r in usable),
+        groups=sum(int(r[2]) for r in usable),
+        tokens=sum(int(r[3]) for r in usable),
+        oldest=min((r[4] for r in usable), default=None),
+        newest=max((r[4] for r in usable), default=None),
+        seq_lens=sorted({int(r[7]) for r in usable}),
         tags=dict(sorted(tags.items())),
-        mean_rows=None if mean_rows is None else float(mean_rows),
-        mean_saved_fraction=None if mean_saved is None else float(mean_saved),
+        mean_rows=sum(float(r[5]) for r in usable) / n if n else None,
+        mean_saved_fraction=sum(float(r[6]) for r in usable) / n if n else None,
     )
 
 
-def shape_rows(c: sqlite3.Connection, limit: int | None, known: Callable[[int], bool]) -> tuple[list[int], list[Any]]:
-    """The ids of the most recent ``limit`` batches (all if None), newest first, and the
-    (id, shape blob, checksum) rows of those not ``known`` yet."""
-    ids = [
-        r[0]
-        for r in c.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (-1 if limit is None else int(limit),))
-    ]
+def shape_rows(
+    c: sqlite3.Connection, limit: int | None, known: Callable[[int], bool], seq_len: int | None = None
+) -> tuple[list[int], list[Any]]:
+    """The ids of the most recent ``limit`` batches (all if None) recorded at ``seq_len``
+    (any if None), newest first, and the (id, shape blob, checksum) rows of those not
+    ``known`` yet."""
+    n = -1 if limit is None else int(limit)
+    if seq_len is None:
+        found = c.execute("SELECT id FROM batches ORDER BY id DESC LIMIT ?", (n,))
+    else:
+        found = c.execute("SELECT id FROM batches WHERE seq_len = ? ORDER BY id DESC LIMIT ?", (int(seq_len), n))
+    ids = [r[0] for r in found]
     missing = [i for i in ids if not known(i)]
     rows = []
     for k in range(0, len(missing), _IDS_PER_QUERY):

@@ -8,10 +8,12 @@ schema and ``PRAGMA application_id`` the file as a treepack history.
 :func:`prepare_file` is the one judgement of an opened file: a file from an unknown
 version, another application's database (its own tables, or another application id) or
 one that fails ``PRAGMA quick_check`` raises :class:`HistoryDamaged` before anything is
-written to it; a file of schema 1 gains its checksums. :class:`HistoryPathError` is the
-other failure, a path that cannot be created or written (:func:`history_path_problem`
-finds it before a server starts); :func:`move_aside` is the recovery from a damaged file.
-The store itself (:class:`~treepack.proto.history.HistoryStore`) opens the connection.
+written to it; a file of schema 1 gains its checksums, in the one transaction that also
+creates the schema and sets the marks (a kill at any point leaves it as it was, or
+current). :class:`HistoryPathError` is the other failure, a path that cannot be created
+or written (:func:`history_path_problem` finds it before a server starts);
+:func:`move_aside` is the recovery from a damaged file. The store itself
+(:class:`~treepack.proto.history.HistoryStore`) opens the connection.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ __all__ = [
 
 SCHEMA_VERSION = 2  # 2: a checksum per row
 APPLICATION_ID = 0x74706B68  # "tpkh": this file is a treepack history
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS batches (
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS batches (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     created REAL NOT NULL,
     seq_len INTEGER NOT NULL,
@@ -54,9 +56,9 @@ CREATE TABLE IF NOT EXISTS batches (
     tags TEXT NOT NULL,
     shape BLOB NOT NULL,
     checksum BLOB
-);
-CREATE INDEX IF NOT EXISTS batches_created ON batches (created);
-"""
+)""",
+    "CREATE INDEX IF NOT EXISTS batches_created ON batches (created)",
+)
 
 
 def shape_checksum(blob: bytes) -> bytes:
@@ -141,13 +143,17 @@ def move_aside(path: str | Path) -> Path | None:
     return moved
 
 
-def _refuse_foreign(c: sqlite3.Connection, path: str | None) -> None:
-    """Raise :class:`HistoryDamaged` for a file that fails the check or is not (this version of) a history."""
+def _refuse_foreign(c: sqlite3.Connection, path: str | None) -> int:
+    """Raise :class:`HistoryDamaged` for a file that fails the check or is not (this version of) a history.
+
+    Returns:
+        The file's schema version (0: a new file).
+    """
     check = c.execute("PRAGMA quick_check").fetchall()
     if check != [("ok",)]:
         cause = f"integrity check failed: {one_line(Exception(check[0][0]))}"
         raise HistoryDamaged(f"history database {path}: {cause}", cause)
-    version = c.execute("PRAGMA user_version").fetchone()[0]
+    version = int(c.execute("PRAGMA user_version").fetchone()[0])
     app_id = c.execute("PRAGMA application_id").fetchone()[0]
     tables = {
         r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
@@ -162,13 +168,37 @@ def _refuse_foreign(c: sqlite3.Connection, path: str | None) -> None:
     if version not in (0, 1, SCHEMA_VERSION):
         cause = f"schema version {version}; this build reads {SCHEMA_VERSION}"
         raise HistoryDamaged(f"history database {path} has {cause}", cause)
+    return version
+
+
+def _migrate(c: sqlite3.Connection, version: int) -> None:
+    """Make the schema current, inside the caller's transaction.
+
+    A file below :data:`SCHEMA_VERSION` gains the checksum column (schema 1 -> 2) and a
+    checksum on every row that has none, its rows trusted as they are: that also
+    completes a file an older build left half-migrated (the column added, the checksums
+    not yet, the version not bumped) when it was killed.
+    """
+    for statement in _SCHEMA:
+        c.execute(statement)
+    if version < SCHEMA_VERSION:
+        if "checksum" not in {r[1] for r in c.execute("PRAGMA table_info(batches)")}:
+            c.execute("ALTER TABLE batches ADD COLUMN checksum BLOB")
+        c.execute("UPDATE batches SET checksum = treepack_checksum(shape) WHERE checksum IS NULL")
+    c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    c.execute(f"PRAGMA application_id={APPLICATION_ID}")
 
 
 def prepare_file(c: sqlite3.Connection, path: str | None) -> list[int]:
     """Judge an opened file, then make it a current history (journal, schema, marks).
 
+    The schema, any migration and the marks are one transaction: a process killed at any
+    point leaves the file as it was before, or current (never a column without its
+    checksums, or checksums without the version that says they are there).
+
     Args:
-        c: the connection, with the SQL function ``treepack_checksum`` (:func:`checksum_or_none`).
+        c: the connection (autocommit: ``isolation_level=None``), with the SQL function
+            ``treepack_checksum`` (:func:`checksum_or_none`).
         path: the file, or None for an in-memory store (no WAL then).
 
     Returns:
@@ -176,19 +206,21 @@ def prepare_file(c: sqlite3.Connection, path: str | None) -> list[int]:
 
     Raises:
         HistoryDamaged: the file is damaged, foreign or of another schema (left as it was).
-        sqlite3.Error: the database failed under a statement.
+        sqlite3.Error: the database failed under a statement (rolled back).
     """
-    _refuse_foreign(c, path)
-    # Only now the file is written to (a refused file is left exactly as it was).
+    version = _refuse_foreign(c, path)
+    # Only now the file is written to (a refused file is left exactly as it was). The
+    # journal mode cannot change inside a transaction; it changes nothing else.
     if path is not None:
         c.execute("PRAGMA journal_mode=WAL")
     c.execute("PRAGMA synchronous=NORMAL")
-    c.executescript(_SCHEMA)
-    if "checksum" not in {r[1] for r in c.execute("PRAGMA table_info(batches)")}:
-        # A file of schema 1: add the checksums, trusting the rows as they are.
-        c.execute("ALTER TABLE batches ADD COLUMN checksum BLOB")
-        c.execute("UPDATE batches SET checksum = treepack_checksum(shape)")
-    c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-    c.execute(f"PRAGMA application_id={APPLICATION_ID}")
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        _migrate(c, version)
+        c.execute("COMMIT")
+    except BaseException:
+        if c.in_transaction:
+            c.execute("ROLLBACK")
+        raise
     bad = c.execute("SELECT id FROM batches WHERE checksum IS NULL OR checksum IS NOT treepack_checksum(shape)")
     return [bid for (bid,) in bad.fetchall()]

@@ -24,7 +24,10 @@ class HistorySummary(WireModel):
 
     version: Version
     enabled: bool
-    batches: Count
+    batches: Count = Field(description="retained batches a what-if can sample (every figure below counts these)")
+    skipped: Count = Field(
+        0, description="retained batches that cannot be used: their shape fails its checksum or does not decode"
+    )
     sequences: Count
     groups: Count
     tokens: Count

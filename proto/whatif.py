@@ -70,8 +70,16 @@ class WhatIfQuery:
         trials: trials per composition; ``seed`` makes them reproducible.
         seed: the sampling seed.
         max_rows: also report the probability of needing more rows than this.
-        history_batches: sample only the most recent N recorded batches (None: all).
-        shapes: sample these batches instead of the history.
+        history_batches: sample only the most recent N recorded batches (of those
+            ``history_seq_len`` selects; None: all).
+        history_seq_len: sample only batches recorded at this ``seq_len``: None (the
+            default) is the query's own ``seq_len``, so batches packed for other row
+            lengths (a test at ``seq_len`` 16, another run's) stay out; ``"any"``: every
+            recorded batch (the rows are then planned at the query's ``seq_len``).
+        history_tags: sample only groups of these task tags (``""``: untagged groups),
+            e.g. one run's tag; None: every tag. ``by_tag`` compositions draw from their
+            own tags in any case.
+        shapes: sample these batches instead of the history (as given: no scope applies).
     """
 
     compositions: tuple[Composition, ...]
@@ -81,6 +89,8 @@ class WhatIfQuery:
     max_rows: int | None = None
     history_batches: int | None = None
     shapes: Sequence[BatchShape] | None = None
+    history_seq_len: int | str | None = None
+    history_tags: Sequence[str] | None = None
 
     @classmethod
     def of(
@@ -93,6 +103,8 @@ class WhatIfQuery:
         max_rows: int | None = None,
         history_batches: int | None = None,
         shapes: Sequence[BatchShape] | None = None,
+        history_seq_len: int | str | None = None,
+        history_tags: Sequence[str] | None = None,
         **option_kwargs: Any,
     ) -> WhatIfQuery:
         """The query from the clients' ``whatif`` arguments (the attributes above).
@@ -113,6 +125,8 @@ class WhatIfQuery:
             max_rows=max_rows,
             history_batches=history_batches,
             shapes=shapes,
+            history_seq_len=history_seq_len,
+            history_tags=None if history_tags is None else tuple(history_tags),
         )
 
 

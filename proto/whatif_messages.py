@@ -5,7 +5,7 @@ Field types and wire conventions: :mod:`treepack.proto.wire_fields`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -120,7 +120,14 @@ class WhatIfRequest(WireModel):
     cp_attention: CpAttentionOption = "auto"
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
-        None, description="sample from the most recent N recorded batches (default: all retained)"
+        None, description="sample from the most recent N recorded batches (of history_seq_len; default: all retained)"
+    )
+    history_seq_len: Optional[Union[SeqLen, Literal["any"]]] = Field(
+        None,
+        description="sample batches recorded at this seq_len (default: the request's seq_len); 'any': every batch",
+    )
+    history_tags: Optional[list[Annotated[str, Field(max_length=256)]]] = Field(
+        None, description="sample only groups of these task tags ('' for untagged; default: every tag)"
     )
     shapes: Optional[Annotated[list[BatchShapeMessage], Field(max_length=4096)]] = Field(
         None, description="sample from these batches instead of the recorded history"
@@ -157,7 +164,10 @@ class PoolMessage(WireModel):
     groups: Count
     sequences: Count
     tokens: Count
-    tags: dict[str, Count] = Field(description="groups per task tag ('' for untagged)")
+    tags: dict[str, Count] = Field(
+        description="groups per task tag ('' for untagged); the max_tags tags with the most groups"
+    )
+    tags_omitted: Count = Field(0, description="distinct tags of the pool not listed in tags")
 
 
 class WhatIfResponse(WireModel):

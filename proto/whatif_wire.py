@@ -46,6 +46,8 @@ def whatif_request(query: WhatIfQuery, fmt: Format) -> dict[str, Any]:
         "seed": query.seed,
         "max_rows": query.max_rows,
         "history_batches": query.history_batches,
+        "history_seq_len": query.history_seq_len,
+        "history_tags": None if query.history_tags is None else list(query.history_tags),
     }
     msg.update({k: v for k, v in fields.items() if v is not None})
     if query.shapes is not None:

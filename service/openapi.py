@@ -133,7 +133,8 @@ def body_spec(
 
 def _apply_limits(schemas: dict[str, Any], settings: Any) -> None:
     """State the running service's limits in the message schemas (a schema-valid request
-    then passes them): what-if trials, sequences per list, compositions per request."""
+    then passes them): what-if trials, sequences per list, compositions per request, tags
+    named by a composition or ``history_tags``."""
     whatif = schemas.get("WhatIfRequest", {}).get("properties", {})
     if "trials" in whatif:
         whatif["trials"]["maximum"] = min(
@@ -141,6 +142,12 @@ def _apply_limits(schemas: dict[str, Any], settings: Any) -> None:
         )
     if "compositions" in whatif:
         whatif["compositions"]["maxItems"] = min(whatif["compositions"].get("maxItems", 64), settings.whatif_max_trials)
+    for option in whatif.get("history_tags", {}).get("anyOf", []):
+        if option.get("type") == "array":
+            option["maxItems"] = settings.max_tags
+    for option in schemas.get("Composition", {}).get("properties", {}).get("by_tag", {}).get("anyOf", []):
+        if option.get("type") == "object":
+            option["maxProperties"] = settings.max_tags
     pack = schemas.get("PackRequest", {}).get("properties", {})
     for name in ("groups", "tags"):
         for option in pack.get(name, {}).get("anyOf", []):

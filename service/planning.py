@@ -18,13 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from treepack.proto import WIRE_VERSION
 from treepack.proto.batch_wire import Limits, decode_pack_request
 from treepack.proto.bounded import PACK_SPEC, WHATIF_SPEC, decode_request
 from treepack.proto.codec import Format, encode_body, parse_message
-from treepack.proto.cost import load_cost_model
+from treepack.proto.cost import CostModel
+from treepack.proto.cost_range import load_checked_cost_model
 from treepack.proto.errors import PayloadTooLargeError, UnavailableError
 from treepack.proto.history import HistoryStore
 from treepack.proto.history_read import empty_summary
@@ -40,13 +39,22 @@ from treepack.service.metrics import ServiceMetrics
 from treepack.service.planner.api import plan_request
 from treepack.service.planner.fingerprint import shape_job
 from treepack.service.planner.options import check_options
-from treepack.service.planner.whatif import GroupPool, build_pool, whatif
+from treepack.service.planner.ranks import check_cp_tiles
+from treepack.service.planner.whatif import whatif
+from treepack.service.planner.whatif_pool import (
+    GroupPool,
+    build_pool,
+    history_scope,
+    no_batches_error,
+    pool_summary,
+    whatif_work,
+)
 from treepack.service.pool import IntakeBudget, PlanPool
 from treepack.service.recorder import HistoryRecorder
 from treepack.service.replay import ReplayCache
 from treepack.service.settings import Settings
 
-__all__ = ["Answer", "PlanningService"]
+__all__ = ["Answer", "PlanningService", "load_service_cost_model"]
 
 log = logging.getLogger("treepack.service")
 
@@ -73,43 +81,37 @@ class Answer:
             self.record()
 
 
-def whatif_work(pool: GroupPool, compositions: list[Any], trials: int) -> int:
-    """Tokens a what-if may plan: per composition, trials x the most tokens one draw can hold.
+def _inline_shapes(shapes: list[Any], check: Check | None) -> list[BatchShape]:
+    """A what-if's inline shapes, each checked (``check`` between them: deadline, disconnect)."""
+    out = []
+    for i, s in enumerate(shapes):
+        if check is not None:
+            check()
+        out.append(shape_from_wire(s, f"$.shapes[{i}]"))
+    return out
 
-    Exact Python ints (a composition drawing the k largest groups is the bound).
 
-    Args:
-        pool: the sampling pool.
-        compositions: the :class:`~treepack.proto.whatif.Composition` s.
-        trials: trials per composition.
+def _check_tag_count(count: int, limit: int, what: str, path: str) -> None:
+    """413 when a request carries more distinct tags than ``max_tags``."""
+    if count > limit:
+        raise PayloadTooLargeError(
+            f"{what} {count} distinct tags, over the limit of {limit} (max_tags)", path=path, rule="max_tags"
+        )
 
-    Returns:
-        The sum over compositions of ``trials * max tokens per trial``.
+
+def load_service_cost_model(settings: Settings) -> CostModel | None:
+    """The ``cost_model_path`` file, checked for finite predictions over every request the
+    service accepts (any ``seq_len``, up to ``max_sequences`` rows, ``whatif_max_trials``
+    trials summed), or None without one.
+
+    Raises:
+        CostModelError: one line naming the file and the field.
     """
-    sizes = np.add.reduceat(pool.lens[pool.unit_seqs], pool.unit_ptr[:-1]) if pool.num_groups else np.zeros(0, np.int64)
-    tag_arr = np.asarray(pool.unit_tag, dtype=object)
-    total = 0
-    for comp in compositions:
-        if comp.groups is not None:
-            top = np.sort(sizes)[::-1][: comp.groups]
-        else:
-            top = np.concatenate(
-                [np.sort(sizes[tag_arr == t])[::-1][:k] for t, k in (comp.by_tag or {}).items()]
-                or [np.zeros(0, np.int64)]
-            )
-        total += trials * sum(int(x) for x in top.tolist())
-    return total
-
-
-def _pool_summary(pool: GroupPool) -> dict[str, Any]:
-    """What a what-if sampled from: batches, groups, sequences, tokens, groups per tag."""
-    return {
-        "batches": len(pool.shapes),
-        "groups": pool.num_groups,
-        "sequences": pool.num_sequences,
-        "tokens": int(pool.lens.sum()),
-        "tags": {t: int(u.shape[0]) for t, u in pool.by_tag.items()},
-    }
+    if settings.cost_model_path is None:
+        return None
+    return load_checked_cost_model(
+        settings.cost_model_path, max_sequences=settings.max_sequences, trials=settings.whatif_max_trials
+    )
 
 
 class PlanningService:
@@ -138,7 +140,7 @@ class PlanningService:
                 log.warning("the shape history is kept in memory; set TREEPACK_HISTORY_PATH to keep it across restarts")
         self.metrics = ServiceMetrics(self.pool, self.recorder, self)
         self.limits = Limits(max_sequences=settings.max_sequences, max_tokens=settings.max_tokens)
-        self.cost_model = None if settings.cost_model_path is None else load_cost_model(settings.cost_model_path)
+        self.cost_model = load_service_cost_model(settings)
 
     def _open_history(self) -> HistoryStore | None:
         """The store; a damaged file is moved aside (``history_recover``) or leaves the history off.
@@ -197,8 +199,13 @@ class PlanningService:
         # Options (422) before size limits (413); plan_request's check is then a no-op.
         check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
         request = decode_pack_request(msg, self.limits)
+        if request.tags is not None:
+            _check_tag_count(len(set(request.tags)), self.settings.max_tags, "the batch carries", "$.tags")
+        self._check_cp_row(request.options)
         self.metrics.pack_phase.labels("decode").observe(time.perf_counter() - t0)
-        result = plan_request(request, check=check, cost_model=self.cost_model)
+        result = plan_request(
+            request, check=check, cost_model=self.cost_model, max_cp_tiles=self.settings.cp_tiles_limit
+        )
         plan = result.plan
         recorder = self.recorder if request.record else None
         job = None if recorder is None else shape_job(result, request.tags)
@@ -212,11 +219,20 @@ class PlanningService:
         self.metrics.pack_phase.labels("encode").observe(time.perf_counter() - t0)
         return Answer(body=out, record=record)
 
+    def _check_cp_row(self, options: Any) -> None:
+        """413 before planning when one row's all-gather CP split is already over ``max_cp_tiles``."""
+        if int(options.cp_size) > 1 and options.cp_attention == "allgather":
+            check_cp_tiles(1, int(options.seq_len), int(options.cp_size), self.settings.cp_tiles_limit)
+
     def whatif(self, body: bytes | bytearray, fmt_in: Format, fmt_out: Format, check: Check | None = None) -> Answer:
         """``POST /v1/whatif``: compositions -> row distributions (worker thread).
 
-        Refused before any trial (413) when its work (:func:`whatif_work`) passes
-        ``whatif_max_work`` (default 4 x ``max_tokens``); ``check`` stops it between trials (deadline, disconnect).
+        Priced before any trial: trials x compositions over ``whatif_max_trials``, more
+        distinct tags than ``max_tags`` (``by_tag`` keys, inline shapes, ``history_tags``),
+        one row's all-gather CP split over ``max_cp_tiles``, or a work estimate
+        (:func:`~treepack.service.planner.whatif_pool.whatif_work`) over ``whatif_max_work``
+        (default 4 x ``max_tokens``) are 413. ``check`` stops it inside the loops that
+        grow (reading the history, indexing the pool, trials, CP splits): deadline, disconnect.
         """
         if check is not None:
             check()
@@ -224,9 +240,7 @@ class PlanningService:
         # Whole-request validation (422) before resource limits (413): the options are
         # checked here first (whatif checks them again, a no-op on checked options).
         options = check_options(PlanOptions(**{f: getattr(msg, f) for f in OPTION_NAMES}))
-        inline = (
-            None if msg.shapes is None else [shape_from_wire(s, f"$.shapes[{i}]") for i, s in enumerate(msg.shapes)]
-        )
+        inline = None if msg.shapes is None else _inline_shapes(msg.shapes, check)
         runs = msg.trials * len(msg.compositions)
         if runs > self.settings.whatif_max_trials:
             raise PayloadTooLargeError(
@@ -235,27 +249,16 @@ class PlanningService:
                 path="$.trials",
                 rule="max_trials",
             )
-        source, shapes = (
-            ("shapes", inline) if inline is not None else ("history", self._recorded_shapes(msg.history_batches))
-        )
         comps = [composition_from_wire(c) for c in msg.compositions]
-        pool = build_pool(shapes)
-        work = whatif_work(pool, comps, msg.trials)
-        limit = self.settings.whatif_work_limit
-        if work > limit:
-            setting = (
-                "whatif_max_work"
-                if self.settings.whatif_max_work is not None
-                else "whatif_max_work, unset: 4 x max_tokens"
-            )
-            raise PayloadTooLargeError(
-                f"{msg.trials} trials of these compositions may plan {work} tokens, over the work limit of "
-                f"{limit} ({setting})",
-                path="$.trials",
-                rule="max_work",
-            )
+        self._check_whatif_tags(comps, inline, msg.history_tags)
+        self._check_cp_row(options)
+        if inline is not None:
+            source, pool = "shapes", build_pool(inline, check=check)
+        else:
+            source, pool = "history", self._history_pool(msg, options, check)
+        self._check_work(pool, comps, msg.trials, options)
         results = whatif(
-            shapes,
+            pool,
             comps,
             options,
             trials=msg.trials,
@@ -264,27 +267,73 @@ class PlanningService:
             max_tokens=self.settings.max_tokens,
             check=check,
             cost_model=self.cost_model,
+            max_cp_tiles=self.settings.cp_tiles_limit,
         )
         self.metrics.whatif_trials.inc(runs)
         out = {
             "version": WIRE_VERSION,
             "source": source,
-            "pool": _pool_summary(pool),
+            "pool": pool_summary(pool, self.settings.max_tags),
             "results": [whatif_result_to_wire(r) for r in results],
         }
         return Answer(body=encode_body(out, fmt_out))
 
-    def _recorded_shapes(self, last: int | None) -> list[BatchShape]:
-        """The ``last`` recorded batch shapes (all when None), pending writes included; none without a history.
+    def _check_whatif_tags(self, comps: list[Any], inline: list[BatchShape] | None, history_tags: Any) -> None:
+        """413 for more distinct tags than ``max_tags`` in one place of a what-if."""
+        limit = self.settings.max_tags
+        for i, c in enumerate(comps):
+            if c.by_tag is not None:
+                _check_tag_count(len(c.by_tag), limit, "by_tag names", f"$.compositions[{i}].by_tag")
+        if history_tags is not None:
+            _check_tag_count(len(set(history_tags)), limit, "history_tags names", "$.history_tags")
+        if inline is not None:
+            seen: set[str] = set()
+            for sh in inline:
+                seen.update(t or "" for t in sh.tags or (None,))
+                _check_tag_count(len(seen), limit, "the shapes carry at least", "$.shapes")
+
+    def _history_pool(self, msg: WhatIfRequest, options: PlanOptions, check: Check | None) -> GroupPool:
+        """The pool of the recorded batches the what-if's scope selects (:func:`history_scope`).
 
         Raises:
+            RequestError: the scope holds no group (422 ``no_history``, naming the recorded seq_lens).
             UnavailableError: the history is damaged (503; ``/readyz`` says why).
         """
+        scope, tags = history_scope(int(options.seq_len), msg.history_seq_len, msg.history_tags)
         self._refuse_if_damaged()
         if self.recorder is None or self.store is None:
-            return []
+            raise no_batches_error(scope, [], tags)
         self.recorder.flush()
-        return self.store.shapes(last)
+        store = self.store
+        shapes = self._history_call(lambda: store.shapes(msg.history_batches, seq_len=scope, check=check))
+        pool = build_pool(shapes, tags=tags, check=check)
+        if not pool.num_groups:
+            raise no_batches_error(scope, self._history_call(store.summary)["seq_lens"], tags)
+        return pool
+
+    def _check_work(self, pool: GroupPool, comps: list[Any], trials: int, options: PlanOptions) -> None:
+        """413 when the what-if's work estimate passes ``whatif_max_work``."""
+        work = whatif_work(
+            pool,
+            comps,
+            trials,
+            seq_len=int(options.seq_len),
+            cp_size=int(options.cp_size),
+            cp_attention=str(options.cp_attention),
+        )
+        limit = self.settings.whatif_work_limit
+        if work > limit:
+            setting = (
+                "whatif_max_work"
+                if self.settings.whatif_max_work is not None
+                else "whatif_max_work, unset: 4 x max_tokens"
+            )
+            raise PayloadTooLargeError(
+                f"{trials} trials of these compositions may plan {work} tokens, over the work limit of "
+                f"{limit} ({setting})",
+                path="$.trials",
+                rule="max_work",
+            )
 
     def history_summary(self) -> dict[str, Any]:
         """``GET /v1/history`` (blocking: waits for pending writes, then queries)."""

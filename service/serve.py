@@ -145,6 +145,15 @@ def run_serve(args: argparse.Namespace) -> int:
         if problem is not None:  # one line that says what to do, not a worker's traceback
             print(f"treepack serve: {problem}", file=sys.stderr)
             return 2
+    if settings.cost_model_path is not None:
+        from treepack.proto.errors import CostModelError
+        from treepack.service.planning import load_service_cost_model
+
+        try:
+            load_service_cost_model(settings)
+        except CostModelError as exc:  # one line naming the file and the field, not a worker's traceback
+            print(f"treepack serve: {exc}", file=sys.stderr)
+            return 2
     if settings.host not in _LOOPBACK and settings.token is None:
         print(
             f"treepack serve: warning: binding {settings.host} without a bearer token (set TREEPACK_TOKEN)",

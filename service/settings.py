@@ -33,10 +33,20 @@ class Settings(BaseSettings):
         max_body_bytes: request bodies above this get 413.
         max_sequences: sequences per request above this get 413.
         max_tokens: tokens per request (and per what-if trial) above this get 413.
+        max_cp_tiles: tiles of 16 tokens an all-gather context-parallel split may hold per
+            plan (or per what-if trial): rows x ``cp_size`` x ``shard_len`` / 16, padding
+            included (the plan carries an int32 per tile, the split works on an int64 per
+            tile); above it, 413 before the split runs. Unset (the default): ``max_tokens`` / 16,
+            as many positions as the largest pack holds tokens.
+        max_tags: distinct task tags a request may carry: in a pack's ``tags``, in a
+            what-if's inline shapes, or as ``by_tag`` keys of one composition; above it,
+            413 before anything is planned or recorded (what-ifs group the pool by tag, and
+            the history keeps what packs record).
         max_concurrent_plans: planner worker threads.
         whatif_max_work: tokens a what-if may plan in all: the sum over compositions of
-            trials x the most tokens one trial can draw (inline shapes counted in full);
-            above it, 413 before any trial. Unset (the default): 4 x ``max_tokens``, so a
+            trials x the most tokens one trial can draw (inline shapes counted in full),
+            plus one padded row per trial under an all-gather CP split; above it, 413
+            before any trial. Unset (the default): 4 x ``max_tokens``, so a
             what-if never plans more than four of the largest packs allowed.
         request_timeout_s: wall-clock deadline of a pack or what-if (from admission);
             past it the planner stops between phases or trials and the answer is 504.
@@ -79,7 +89,9 @@ class Settings(BaseSettings):
         cost_model_path: a cost file (``treepack.trainer.calibrate(...).save(path)``): every
             plan then carries ``stats.predicted_ms``, ``placement="auto"`` picks tree or
             plain packing by predicted time, and what-if answers carry ``step_ms``. A file
-            that cannot be read stops the service at startup, naming the file and field.
+            that cannot be read, or whose predictions could overflow for a request the
+            service accepts (:mod:`treepack.proto.cost_range`), stops the service at
+            startup, naming the file and field.
         malloc_keep_mb: freed memory the server process keeps for reuse instead of
             returning it to the OS (glibc only; 0 keeps the allocator's defaults): large
             requests then reuse warm pages (:mod:`treepack.service.malloc`).
@@ -99,6 +111,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(256 * 2**20, ge=1)
     max_sequences: int = Field(262_144, ge=1)
     max_tokens: int = Field(64 * 2**20, ge=1)
+    max_cp_tiles: Optional[int] = Field(None, ge=1)
+    max_tags: int = Field(1024, ge=1)
     max_concurrent_plans: int = Field(2, ge=1, le=256)
     max_queue: int = Field(8, ge=0, le=10_000)
     whatif_max_work: Optional[int] = Field(None, ge=1)
@@ -131,6 +145,11 @@ class Settings(BaseSettings):
     def whatif_work_limit(self) -> int:
         """``whatif_max_work``, or 4 x ``max_tokens`` when unset."""
         return self.whatif_max_work if self.whatif_max_work is not None else 4 * self.max_tokens
+
+    @property
+    def cp_tiles_limit(self) -> int:
+        """``max_cp_tiles``, or ``max_tokens`` / 16 when unset."""
+        return self.max_cp_tiles if self.max_cp_tiles is not None else max(1, self.max_tokens // 16)
 
     @property
     def small_body_bytes(self) -> int:

@@ -25,6 +25,9 @@ temperatures, top-k distillation, ``sum_pi_squared``, multimodal inputs (and 3-D
 position ids), routing replay, position ids other than 0..n-1, batches without prompts
 (SFT).
 
+Every planned sequence carries the run's tag (:attr:`VerlPacking.tag`, ``TREEPACK_VERL_TAG``),
+which the planner's shape history records.
+
 Logged into verl's metrics per micro-batch: ``treepack/saved_fraction``,
 ``treepack/rows``, ``treepack/plan_ms``.
 
@@ -68,6 +71,9 @@ class VerlPacking:
         max_seq_len: row length cap (never below the longest sequence).
         planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
         head_chunk: positions per chunk of the output head.
+        tag: the task tag every planned sequence is recorded with in the planner's shape
+            history (what-ifs sample one run's batches by ``history_tags`` or ``by_tag``);
+            ``""``: untagged. Set it to the run's name (``TREEPACK_VERL_TAG``).
     """
 
     backend: str = "sdpa"
@@ -75,22 +81,30 @@ class VerlPacking:
     max_seq_len: int = 8192
     planner: Any = None
     head_chunk: int = 4096
+    tag: str = "verl"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise RequestError(
                 f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
             )
+        if not isinstance(self.tag, str) or len(self.tag) > 256:
+            raise RequestError(
+                f"tag must be a string of at most 256 characters, got {self.tag!r:.80}",
+                path="$.packing.tag",
+                rule="type",
+            )
 
     @classmethod
     def from_env(cls) -> VerlPacking:
         """The defaults, overridden by ``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` /
-        ``TREEPACK_VERL_MAX_SEQ_LEN``."""
+        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_TAG``."""
         env = os.environ
         return cls(
             backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
             min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
+            tag=env.get("TREEPACK_VERL_TAG", "verl"),
         )
 
 
@@ -242,6 +256,7 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             trainable=prompt_lens.tolist(),
             groups=groups.tolist(),
             min_shared_len=packing.min_shared_len,
+            **({"tags": [packing.tag] * len(sequences)} if packing.tag else {}),
         )
         rows = mb.rows[0, 0]
         batch = materialize(

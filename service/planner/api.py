@@ -69,16 +69,25 @@ def plan_batch(
 
 
 def plan_request(
-    request: PackInput, *, check: Callable[[], None] | None = None, cost_model: CostModel | None = None
+    request: PackInput,
+    *,
+    check: Callable[[], None] | None = None,
+    cost_model: CostModel | None = None,
+    max_cp_tiles: int | None = None,
 ) -> PlanResult:
     """Check the options, normalize the batch with them, plan it (the sidecar's path too).
 
-    ``check`` and ``cost_model`` are as for :func:`plan_with_tree`.
+    ``check``, ``cost_model`` and ``max_cp_tiles`` are as for :func:`plan_with_tree`.
     """
     t0 = time.perf_counter()
     opts = check_options(request.options)
     return plan_with_tree(
-        request.normalize(opts.seq_len, opts.on_overflow), opts, t0=t0, check=check, cost_model=cost_model
+        request.normalize(opts.seq_len, opts.on_overflow),
+        opts,
+        t0=t0,
+        check=check,
+        cost_model=cost_model,
+        max_cp_tiles=max_cp_tiles,
     )
 
 
@@ -105,6 +114,7 @@ def plan_with_tree(
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
     repair_ms: float | None = None,
+    max_cp_tiles: int | None = None,
 ) -> PlanResult:
     """Plan a normalized batch with options as returned by :func:`~.options.check_options`.
 
@@ -121,12 +131,19 @@ def plan_with_tree(
         repair_ms: the repair pass's budget instead of ``options.repair_ms`` or the cost
             model's (then also recorded as ``stats.timings_ms["repair_budget"]``); None: the
             option's, or with a cost model the one it gives a row.
+        max_cp_tiles: refuse (413) an all-gather CP split of more tiles than this
+            (:func:`~.ranks.check_cp_tiles`, before the split runs); None: no limit.
 
     Returns:
         The plan and its tree.
+
+    Raises:
+        PayloadTooLargeError: the all-gather CP split is over ``max_cp_tiles``.
     """
     if cost_model is not None:
-        return _plan_by_cost(batch, options, cost_model, t0=t0, check=check, repair_ms=repair_ms)
+        return _plan_by_cost(
+            batch, options, cost_model, t0=t0, check=check, repair_ms=repair_ms, max_cp_tiles=max_cp_tiles
+        )
     t0 = time.perf_counter() if t0 is None else t0
     check = check or _no_check
     seq_len = options.seq_len
@@ -152,7 +169,14 @@ def plan_with_tree(
     att = attention_meta(seg)
     gdn = gdn_meta(seg, seq_len, options.conv_width)
     rk = assign_ranks(
-        seg, num_rows, options.num_ranks, seq_len=seq_len, cp_size=options.cp_size, cp_attention=options.cp_attention
+        seg,
+        num_rows,
+        options.num_ranks,
+        seq_len=seq_len,
+        cp_size=options.cp_size,
+        cp_attention=options.cp_attention,
+        max_cp_tiles=max_cp_tiles,
+        check=check,
     )
     t5 = time.perf_counter()
     stats = _plan_stats(batch, tree, seg, placed, bound, seq_len, (t0, t1, t2, t3, t4, t5), repair_ms)
@@ -184,6 +208,7 @@ def _plan_by_cost(
     t0: float | None,
     check: Callable[[], None] | None,
     repair_ms: float | None,
+    max_cp_tiles: int | None,
 ) -> PlanResult:
     """:func:`plan_with_tree` with a cost model: the candidates by time, or one plan and its prediction.
 
@@ -191,7 +216,7 @@ def _plan_by_cost(
     one level deep by construction.
 
     Args:
-        batch, options, t0, check, repair_ms: as for :func:`plan_with_tree`.
+        batch, options, t0, check, repair_ms, max_cp_tiles: as for :func:`plan_with_tree`.
         cost_model: the cost model.
 
     Returns:
@@ -201,9 +226,12 @@ def _plan_by_cost(
         # Each candidate through the module's own entry point (so whatever wraps it sees every plan).
         budget = repair_budget_ms(cost_model, options) if repair_ms is None else repair_ms
         return choose_by_time(
-            batch, options, cost_model, lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget)
+            batch,
+            options,
+            cost_model,
+            lambda b, o: plan_with_tree(b, o, t0=t0, check=check, repair_ms=budget, max_cp_tiles=max_cp_tiles),
         )
-    res = plan_with_tree(batch, options, t0=t0, check=check)
+    res = plan_with_tree(batch, options, t0=t0, check=check, max_cp_tiles=max_cp_tiles)
     return PlanResult(plan=with_prediction(res.plan, cost_model), batch=res.batch, tree=res.tree)
 
 

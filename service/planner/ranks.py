@@ -45,14 +45,26 @@ a row split by either has at most ``2 P - 1`` runs of one rank's tiles.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import numpy as np
 
+from treepack.proto.errors import PayloadTooLargeError
 from treepack.proto.index import ragged_arange
 from treepack.proto.options import CP_ALIGN, cp_shard_len
 from treepack.proto.plan import Ranks, Segments
 
-__all__ = ["assign_ranks", "row_cost", "attention_work", "balance_tiles", "naive_balance_tiles"]
+__all__ = [
+    "assign_ranks",
+    "row_cost",
+    "attention_work",
+    "tile_work",
+    "naive_tile_work",
+    "cp_tiles_of",
+    "check_cp_tiles",
+    "balance_tiles",
+    "naive_balance_tiles",
+]
 
 
 def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> np.ndarray:
@@ -66,7 +78,8 @@ def row_cost(seg: Segments, num_rows: int, pair_weight: float = 1.0 / 1024) -> n
 def attention_work(seg: Segments, num_rows: int, length: int) -> np.ndarray:
     """[R, length] float64 attention work of each row position: the keys its query sees
     (its sequence position + 1: the ancestor chain and its own segment so far), 1 for
-    padding (it sees itself)."""
+    padding (it sees itself). O(R x length) memory: the picture :func:`tile_work` sums
+    without drawing it."""
     work = np.ones((num_rows, length), dtype=np.float64)
     off = ragged_arange(seg.length)
     g = np.repeat(np.arange(seg.length.shape[0]), seg.length)
@@ -74,38 +87,111 @@ def attention_work(seg: Segments, num_rows: int, length: int) -> np.ndarray:
     return work
 
 
-def balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = None) -> np.ndarray:
+def tile_work(seg: Segments, num_rows: int, length: int) -> np.ndarray:
+    """[R, length / CP_ALIGN] int64 attention work of each ``CP_ALIGN``-token tile: the sums
+    of :func:`attention_work` over each tile, in memory of one int64 per tile plus the
+    pieces the segments cut the tiles into (tokens / CP_ALIGN + 2 per segment).
+
+    A tile holds ``CP_ALIGN`` positions of work 1 (padding), and a real token at sequence
+    position ``p`` adds ``p`` to that; a segment's positions ``lo..hi-1`` inside one tile
+    add an arithmetic series, in closed form (exact integers).
+
+    Args:
+        seg: the rows' segments.
+        num_rows: R.
+        length: the padded row length, a multiple of ``CP_ALIGN``.
+    """
+    T = length // CP_ALIGN
+    L = seg.length.astype(np.int64)
+    real = np.flatnonzero(L > 0)
+    a, L = seg.row_start[real].astype(np.int64), L[real]
+    first, last = a // CP_ALIGN, (a + L - 1) // CP_ALIGN
+    pieces = last - first + 1
+    g = np.repeat(np.arange(real.shape[0]), pieces)  # the segment (of ``real``) of each piece
+    tile = first[g] + ragged_arange(pieces)
+    lo = np.maximum(tile * CP_ALIGN, a[g]) - a[g]  # the piece's offsets lo..hi-1 in its segment
+    hi = np.minimum((tile + 1) * CP_ALIGN, a[g] + L[g]) - a[g]
+    n = hi - lo
+    extra = n * seg.seq_start[real][g].astype(np.int64) + (lo + hi - 1) * n // 2
+    flat = seg.row[real][g].astype(np.int64) * T + tile
+    # Float sums are exact here: every tile's sum is below CP_ALIGN * 2**31 (far below 2**53).
+    out = np.bincount(flat, weights=extra, minlength=num_rows * T).astype(np.int64).reshape(num_rows, T)
+    out += CP_ALIGN
+    return out
+
+
+def naive_tile_work(seg: Segments, num_rows: int, length: int) -> np.ndarray:
+    """:func:`tile_work`, one position at a time (the reference)."""
+    T = length // CP_ALIGN
+    out = np.full((num_rows, T), CP_ALIGN, dtype=np.int64)
+    for g in range(seg.length.shape[0]):
+        for i in range(int(seg.length[g])):
+            pos = int(seg.row_start[g]) + i
+            out[int(seg.row[g]), pos // CP_ALIGN] += int(seg.seq_start[g]) + i
+    return out
+
+
+def cp_tiles_of(rows: int, seq_len: int, cp_size: int) -> int:
+    """Tiles of the all-gather split of ``rows`` rows: ``rows x cp_size x shard_len / CP_ALIGN``
+    (padding included), the cells of ``ranks.cp_tiles``."""
+    return rows * cp_size * cp_shard_len(seq_len, cp_size) // CP_ALIGN
+
+
+def check_cp_tiles(rows: int, seq_len: int, cp_size: int, limit: int | None) -> None:
+    """Refuse an all-gather split of more than ``limit`` tiles (:func:`cp_tiles_of`) before it runs.
+
+    The split holds an int32 per tile in the plan and an int64 per tile while it works:
+    memory that grows with ``rows x seq_len``, padding included, not with the tokens.
+
+    Raises:
+        PayloadTooLargeError: over the limit (413), naming the figure and ``max_cp_tiles``.
+    """
+    tiles = cp_tiles_of(rows, seq_len, cp_size)
+    if limit is not None and tiles > limit:
+        raise PayloadTooLargeError(
+            f"an allgather CP split of {rows} row{'s' * (rows != 1)} x {seq_len} positions (cp_size {cp_size}, "
+            f"padding included) is {tiles} tiles of {CP_ALIGN} tokens, over the limit of {limit} (max_cp_tiles)",
+            path="$.seq_len",
+            rule="max_cp_tiles",
+        )
+
+
+def balance_tiles(
+    tile_work: np.ndarray, cp_size: int, max_swaps: int | None = None, check: Callable[[], None] | None = None
+) -> np.ndarray:
     """[R, T] int32 CP rank of each ``CP_ALIGN``-token tile (module docstring).
 
     Args:
-        work: [R, T * CP_ALIGN] per-position work (:func:`attention_work`); T a multiple
-            of ``cp_size``.
+        tile_work: [R, T] int64 work of each tile (:func:`tile_work`); T a multiple of
+            ``cp_size``.
         cp_size: P.
         max_swaps: repair swaps a row may take before it falls back to the snake deal
             (default P).
+        check: called inside the loops (per window round and per repaired row); it raises
+            to stop the work (the sidecar's deadline and disconnects), or None.
     """
-    R = work.shape[0]
-    T = work.shape[1] // CP_ALIGN
-    tile_work = np.rint(work.reshape(R, T, CP_ALIGN).sum(-1)).astype(np.int64)
+    tile_work = np.asarray(tile_work, dtype=np.int64)
+    R, T = tile_work.shape
     heaviest = tile_work.max(1, initial=0)
     tiles = np.array(np.broadcast_to(_zigzag(T, cp_size), (R, T)))
     off = _spread(tile_work, tiles, cp_size) > heaviest
-    tiles[off] = _window_split(tile_work[off], cp_size)
+    tiles[off] = _window_split(tile_work[off], cp_size, check)
     for r in np.flatnonzero(_spread(tile_work, tiles, cp_size) > heaviest).tolist():
+        if check is not None:
+            check()
         tiles[r] = _repair(tile_work[r], tiles[r], cp_size, cp_size if max_swaps is None else max_swaps)
     return tiles
 
 
-def naive_balance_tiles(work: np.ndarray, cp_size: int, max_swaps: int | None = None) -> np.ndarray:
+def naive_balance_tiles(tile_work: np.ndarray, cp_size: int, max_swaps: int | None = None) -> np.ndarray:
     """:func:`balance_tiles`, one row and one window at a time (the reference; a row outside
     the bound takes the same repair)."""
-    R = work.shape[0]
-    T = work.shape[1] // CP_ALIGN
+    R, T = tile_work.shape
     n = T // cp_size
     out = np.zeros((R, T), dtype=np.int32)
     half = (n + 1) // 2
     for r in range(R):
-        tw = [round(float(work[r, t * CP_ALIGN : (t + 1) * CP_ALIGN].sum())) for t in range(T)]
+        tw = [int(tile_work[r, t]) for t in range(T)]
         for t in range(T):  # zigzag
             out[r, t] = t // half if t < cp_size * half else cp_size - 1 - (t - cp_size * half) // (n - half)
         loads = [sum(tw[t] for t in range(T) if out[r, t] == k) for k in range(cp_size)]
@@ -136,7 +222,7 @@ def _zigzag(T: int, P: int) -> np.ndarray:
     return np.where(t < P * half, t // half, P - 1 - (t - P * half) // max(n - half, 1)).astype(np.int32)
 
 
-def _window_split(tile_work: np.ndarray, P: int) -> np.ndarray:
+def _window_split(tile_work: np.ndarray, P: int, check: Callable[[], None] | None = None) -> np.ndarray:
     """[R, T] int32: the window split of every row at once (module docstring)."""
     R, T = tile_work.shape
     n = T // P
@@ -145,6 +231,8 @@ def _window_split(tile_work: np.ndarray, P: int) -> np.ndarray:
     left = np.broadcast_to(np.arange(T), (R, T))  # tiles no rank holds yet, in cycle order
     rest = tile_work.sum(1)
     for k in range(P - 1):
+        if check is not None:
+            check()
         m = left.shape[1]
         w = np.take_along_axis(tile_work, left, axis=1)
         c = np.zeros((R, m + n + 1), dtype=np.int64)
@@ -205,11 +293,30 @@ def _snake(tile_work: np.ndarray, P: int) -> np.ndarray:
 
 
 def assign_ranks(
-    seg: Segments, num_rows: int, num_ranks: int, *, seq_len: int = 0, cp_size: int = 1, cp_attention: str = "auto"
+    seg: Segments,
+    num_rows: int,
+    num_ranks: int,
+    *,
+    seq_len: int = 0,
+    cp_size: int = 1,
+    cp_attention: str = "auto",
+    max_cp_tiles: int | None = None,
+    check: Callable[[], None] | None = None,
 ) -> Ranks:
     """Deal rows to the ``num_ranks`` data-parallel ranks (module docstring); each row is
     then split over a CP group of ``cp_size`` ranks in shards of
-    :func:`~treepack.proto.options.cp_shard_len` tokens."""
+    :func:`~treepack.proto.options.cp_shard_len` tokens.
+
+    Args:
+        seg, num_rows, num_ranks: the rows' segments, R, and the data-parallel ranks.
+        seq_len, cp_size, cp_attention: the options of the CP split.
+        max_cp_tiles: refuse an all-gather split of more tiles than this
+            (:func:`check_cp_tiles`, before it runs); None: no limit.
+        check: called inside the split's loops (:func:`balance_tiles`), or None.
+
+    Raises:
+        PayloadTooLargeError: the all-gather split is over ``max_cp_tiles``.
+    """
     cost = row_cost(seg, num_rows)
     per = -(-num_rows // num_ranks) if num_rows else 0
     rank_rows = np.full((num_ranks, per), -1, dtype=np.int64)
@@ -230,7 +337,8 @@ def assign_ranks(
     shard = cp_shard_len(seq_len, cp_size)
     tiles = np.zeros((0, 0), dtype=np.int32)
     if cp_size > 1 and cp_attention == "allgather":
-        tiles = balance_tiles(attention_work(seg, num_rows, cp_size * shard), cp_size)
+        check_cp_tiles(num_rows, seq_len, cp_size, max_cp_tiles)
+        tiles = balance_tiles(tile_work(seg, num_rows, cp_size * shard), cp_size, check=check)
     return Ranks(
         num_ranks=num_ranks,
         rank_rows=rank_rows,

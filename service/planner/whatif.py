@@ -14,7 +14,7 @@ the recorded tree (same nodes and sharers), so a trial that samples a whole reco
 gets exactly the recorded plan's rows; the cost is generating the tokens (about 10 numpy
 passes over them), small next to planning.
 
-Sampling rules:
+Sampling rules (the pool's own: :mod:`~.whatif_pool`):
 
 - The unit is a group of one recorded batch (a sequence without a group is a group of
   its own); a group's task tag is its first sequence's tag (``""`` when untagged).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,76 +41,11 @@ from treepack.proto.shape import BatchShape, run_tokens
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options
+from treepack.service.planner.whatif_pool import GroupPool, build_pool
 
 _TAIL_BASE = np.uint64(0x7A11_5EED_0000_0000)
 
 __all__ = ["GroupPool", "build_pool", "sample_groups", "synthesize", "whatif"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GroupPool:
-    """The groups of a list of shapes, ready for sampling.
-
-    Attributes (U groups, N sequences in all):
-        shapes: the recorded batches.
-        seq_base: [B+1] int64 global index of each batch's first sequence.
-        unit_ptr: [U+1] int64 CSR into ``unit_seqs``.
-        unit_seqs: [N] int64 global sequence indices of each group, ascending.
-        unit_tag: [U] tag of each group (``""`` when untagged).
-        by_tag: tag -> [k] int64 group ids carrying it.
-        lens: [N] int64 length of every sequence.
-    """
-
-    shapes: tuple[BatchShape, ...]
-    seq_base: np.ndarray
-    unit_ptr: np.ndarray
-    unit_seqs: np.ndarray
-    unit_tag: tuple[str, ...]
-    by_tag: dict[str, np.ndarray]
-    lens: np.ndarray
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.unit_tag)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.seq_base[-1])
-
-
-def build_pool(shapes: Sequence[BatchShape]) -> GroupPool:
-    """Index the groups of ``shapes`` (in recorded order) for :func:`sample_groups`."""
-    seq_base = np.zeros(len(shapes) + 1, dtype=np.int64)
-    unit_seqs: list[list[int]] = []
-    tags: list[str] = []
-    for b, sh in enumerate(shapes):
-        base = int(seq_base[b])
-        index: dict[Any, int] = {}
-        for s, g in enumerate(sh.groups):
-            u = index.get(g) if g is not None else None
-            if u is None:
-                u = len(unit_seqs)
-                unit_seqs.append([])
-                tags.append((sh.tags[s] if sh.tags is not None else None) or "")
-                if g is not None:
-                    index[g] = u
-            unit_seqs[u].append(base + s)
-        seq_base[b + 1] = base + sh.num_sequences
-    ptr = np.zeros(len(unit_seqs) + 1, dtype=np.int64)
-    np.cumsum([len(u) for u in unit_seqs], out=ptr[1:])
-    flat = np.fromiter((s for u in unit_seqs for s in u), dtype=np.int64, count=int(ptr[-1]))
-    tag_arr = np.asarray(tags, dtype=object)
-    by_tag = {t: np.flatnonzero(tag_arr == t) for t in sorted(set(tags))}
-    lens = np.concatenate([sh.lens for sh in shapes]) if shapes else np.zeros(0, dtype=np.int64)
-    return GroupPool(
-        shapes=tuple(shapes),
-        seq_base=seq_base,
-        unit_ptr=ptr,
-        unit_seqs=flat,
-        unit_tag=tuple(tags),
-        by_tag=by_tag,
-        lens=lens,
-    )
 
 
 def _check_composition(pool: GroupPool, comp: Composition, path: str) -> None:
@@ -177,7 +111,7 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
 
 
 def whatif(
-    shapes: Sequence[BatchShape],
+    shapes: Sequence[BatchShape] | GroupPool,
     compositions: Sequence[Composition],
     options: PlanOptions | None = None,
     *,
@@ -187,12 +121,14 @@ def whatif(
     max_tokens: int | None = None,
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
+    max_cp_tiles: int | None = None,
     **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
 
     Args:
-        shapes: the pool of recorded batches to sample groups from.
+        shapes: the recorded batches to sample groups from, or their
+            :class:`~.whatif_pool.GroupPool` (built once by a caller that priced it).
         compositions: the candidates.
         options: as for :func:`~.api.plan_batch` (or its fields as keywords), applied to
             every trial, checked once. Shapes
@@ -210,6 +146,8 @@ def whatif(
             results carry ``step_ms``, the predicted step time over the trials. The repair
             pass keeps the asked ``repair_ms`` (not the larger budget the model gives a row
             in ``/v1/pack``): a what-if plans many trials, and its work stays what was asked.
+        max_cp_tiles: refuse (413) a trial whose all-gather CP split holds more tiles than
+            this (:func:`~.ranks.check_cp_tiles`); None: no limit.
 
     Returns:
         One :class:`WhatIfResult` per composition, in order.
@@ -220,7 +158,8 @@ def whatif(
     """
     opts = check_options(as_options(options, option_kwargs))
     seq_len = opts.seq_len
-    if not shapes:
+    pool = shapes if isinstance(shapes, GroupPool) else build_pool(shapes, check=check)
+    if not pool.num_groups:
         raise RequestError(
             "there are no recorded batches to sample from: pack with record=true first, or send shapes",
             path="$.shapes",
@@ -228,8 +167,7 @@ def whatif(
         )
     if trials < 1:
         raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
-    pool = build_pool(shapes)
-    longest = int(pool.lens.max(initial=0))
+    longest = int(pool.lens[pool.unit_seqs].max(initial=0))
     if opts.on_overflow == "error" and longest > seq_len:
         raise CapacityError(
             f"the pool holds sequences of up to {longest} tokens, longer than seq_len {seq_len} "
@@ -241,7 +179,19 @@ def whatif(
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
     return [
-        _trials(pool, comp, opts, f"$.compositions[{i}]", rng, trials, max_rows, max_tokens, check, cost_model)
+        _trials(
+            pool,
+            comp,
+            opts,
+            f"$.compositions[{i}]",
+            rng,
+            trials,
+            max_rows,
+            max_tokens,
+            check,
+            cost_model,
+            max_cp_tiles=max_cp_tiles,
+        )
         for i, comp in enumerate(compositions)
     ]
 
@@ -257,6 +207,8 @@ def _trials(
     max_tokens: int | None,
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
+    *,
+    max_cp_tiles: int | None = None,
 ) -> WhatIfResult:
     """Plan ``trials`` sampled batches of one composition and summarize them."""
     rows = np.zeros(trials, dtype=np.int64)
@@ -284,6 +236,7 @@ def _trials(
                 check=check,
                 cost_model=cost_model,
                 repair_ms=float(opts.repair_ms),
+                max_cp_tiles=max_cp_tiles,
             ).plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
         step_ms[t] = 0.0 if st.predicted_ms is None else st.predicted_ms

@@ -99,7 +99,7 @@ def _vanish_mid_body(url: str) -> None:
 
 
 def _whatif_then_leave(url: str) -> None:
-    body = msgpack.packb({"version": 1, "seq_len": 32768, "trials": 2000, "compositions": [{"groups": 4}]})
+    body = msgpack.packb({"version": 1, "seq_len": 131072, "trials": 2000, "compositions": [{"groups": 4}]})
     s = _raw(url)
     s.sendall(
         b"POST /v1/whatif HTTP/1.1\r\nHost: t\r\nContent-Type: application/msgpack\r\nContent-Length: "

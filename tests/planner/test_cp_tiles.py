@@ -27,6 +27,8 @@ from treepack.service.planner.ranks import (
     attention_work,
     balance_tiles,
     naive_balance_tiles,
+    naive_tile_work,
+    tile_work,
 )
 
 from helpers.trees import tree_sequences
@@ -35,14 +37,6 @@ from helpers.trees import tree_sequences
 # among light ones, so windows jump a heavy tile at a time; loads [13, 88, 10, 78, 81, 3],
 # 85 apart where the heaviest tile is 82.
 OFF_BALANCE = [82, 74, 79, 9, 1, 2, 9, 4, 1, 2, 4, 6]
-
-
-def _work(tile_work) -> np.ndarray:
-    """[R, T * CP_ALIGN] per-position work whose tiles sum to ``tile_work`` [R, T]."""
-    tw = np.atleast_2d(np.asarray(tile_work, dtype=np.int64))
-    work = np.zeros((tw.shape[0], tw.shape[1] * CP_ALIGN), dtype=np.float64)
-    work[:, ::CP_ALIGN] = tw
-    return work
 
 
 def _loads(tiles: np.ndarray, tile_work: np.ndarray, P: int) -> np.ndarray:
@@ -95,8 +89,8 @@ def test_balance_tiles_equals_reference(kind):
     for P in (2, 3, 4, 6, 8):
         for n in (1, 2, 3, 5):
             tw = _profiles(rng, kind, 40, P * n)
-            fast = balance_tiles(_work(tw), P)
-            assert np.array_equal(fast, naive_balance_tiles(_work(tw), P)), (kind, P, n)
+            fast = balance_tiles(tw, P)
+            assert np.array_equal(fast, naive_balance_tiles(tw, P)), (kind, P, n)
             _check_split(fast, tw, P)
 
 
@@ -106,14 +100,14 @@ def test_off_balance_row_is_repaired_or_dealt_heaviest_first():
     windows, fits = _unrepaired(tw, P)
     assert not fits[0], "the example no longer needs a repair: the test shows nothing"
     assert _runs(windows)[0] <= 2 * P - 1
-    fallback = balance_tiles(_work(tw), P, max_swaps=0)
+    fallback = balance_tiles(tw, P, max_swaps=0)
     _check_split(fallback, tw, P)
     assert np.array_equal(fallback, _snake(tw, P))
-    repaired = balance_tiles(_work(tw), P)
+    repaired = balance_tiles(tw, P)
     _check_split(repaired, tw, P)
     assert np.sum(repaired != windows) == 2, "one swap: two tiles change rank"
     assert _runs(repaired)[0] <= 2 * P - 1 + 4
-    assert np.array_equal(repaired, naive_balance_tiles(_work(tw), P))
+    assert np.array_equal(repaired, naive_balance_tiles(tw, P))
 
 
 def test_two_ranks_never_need_a_repair():
@@ -134,7 +128,7 @@ def test_split_bound_and_runs_hold_on_any_profile():
     def check(P, n, data):
         heavy = data.draw(st.sampled_from([10, 1000, 10**6]))
         tw = np.array([data.draw(st.lists(st.integers(0, heavy), min_size=P * n, max_size=P * n))], dtype=np.int64)
-        tiles = balance_tiles(_work(tw), P)
+        tiles = balance_tiles(tw, P)
         _check_split(tiles, tw, P)
         # Every window cuts the cycle at its two ends: at most 2 (P - 1) rank changes in a row.
         assert _runs(_window_split(tw, P))[0] <= 2 * P - 1 and _runs(_zigzag(P * n, P)[None])[0] <= 2 * P - 1
@@ -162,8 +156,7 @@ def test_planned_trees_split_in_few_runs(cp):
         plan = plan_batch(seqs, seq_len=512, min_shared_len=2, cp_size=cp, cp_attention="allgather")
         validate_plan(plan, seqs)
         rk = plan.ranks
-        work = attention_work(plan.segments, plan.num_rows, rk.padded_len)
-        tw = np.rint(work.reshape(plan.num_rows, -1, CP_ALIGN).sum(-1)).astype(np.int64)
+        tw = tile_work(plan.segments, plan.num_rows, rk.padded_len)
         first, fits = _unrepaired(tw, cp)
         assert np.array_equal(rk.cp_tiles[fits], first[fits])
         assert np.all(_runs(rk.cp_tiles[fits]) <= 2 * cp - 1)
@@ -184,3 +177,48 @@ def test_zigzag_kept_where_it_balances(cp):
     assert np.array_equal(plan.ranks.cp_tiles, np.broadcast_to(_zigzag(T, cp), (plan.num_rows, T)))
     pos = plan.ranks.shard_positions(np.arange(plan.num_rows))
     assert not np.all(np.diff(pos[0], axis=-1) == 1)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_tile_work_equals_the_per_position_sums(cp):
+    """The tile work summed in closed form per segment piece equals the per-position work
+    summed over each tile, and the one-position-at-a-time reference, on planned trees
+    whose segments start and end inside tiles (and on rows with empty leaf segments)."""
+    cut = 0
+    for seed in range(4):
+        seqs = tree_sequences(seed, trees=3, depth=4, max_len=300)
+        plan = plan_batch(seqs, seq_len=500, min_shared_len=2, cp_size=cp, cp_attention="allgather")
+        seg, R, n = plan.segments, plan.num_rows, plan.ranks.padded_len
+        fast = tile_work(seg, R, n)
+        per_position = np.rint(attention_work(seg, R, n).reshape(R, -1, CP_ALIGN).sum(-1)).astype(np.int64)
+        assert fast.dtype == np.int64 and np.array_equal(fast, per_position)
+        assert np.array_equal(fast, naive_tile_work(seg, R, n))
+        cut += int(np.sum((seg.row_start % CP_ALIGN != 0) & (seg.length > 0)))
+    assert cut > 10, "no segment starts inside a tile: the closed form's partial pieces are untested"
+
+
+def test_tile_split_memory_follows_the_tiles_not_the_positions():
+    """Two tokens in a 2**24-position row split over 2 ranks: the rank assignment holds a
+    few bytes per 16-token tile (about 48 MiB at most here), where a float64 per position
+    (the old picture) alone took 128 MiB; and a limit on tiles refuses it before it runs."""
+    import tracemalloc
+
+    from treepack.proto.batch import PackInput
+    from treepack.proto.errors import PayloadTooLargeError
+    from treepack.service.planner.api import plan_request
+    from treepack.service.planner.ranks import assign_ranks
+
+    request = PackInput.of([np.array([1, 2], dtype=np.uint32)], seq_len=1 << 24, cp_size=2, cp_attention="allgather")
+    plan = plan_request(request).plan
+    assert plan.ranks.cp_tiles.shape == (1, 1 << 20)
+    tracemalloc.start()
+    try:
+        rk = assign_ranks(plan.segments, 1, 1, seq_len=1 << 24, cp_size=2, cp_attention="allgather")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(rk.cp_tiles, plan.ranks.cp_tiles)
+    assert 4 << 20 < peak < 48 << 20, peak / 2**20  # above: the int32 tile table (4 MiB) is traced
+    with pytest.raises(PayloadTooLargeError) as e:
+        plan_request(request, max_cp_tiles=(1 << 20) - 1)
+    assert e.value.rule == "max_cp_tiles" and "1048576 tiles" in e.value.message and "max_cp_tiles" in e.value.message

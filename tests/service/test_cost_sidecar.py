@@ -175,11 +175,35 @@ async def _history_batches(c: httpx.AsyncClient) -> int:
     return r.json()["batches"]
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::treepack.proto.cost.CostWarning")
-async def test_a_pack_that_answers_500_is_not_recorded_nor_its_retry(tmp_path):
+def test_a_cost_file_whose_predictions_overflow_is_refused_at_startup(tmp_path):
+    """Finite coefficients whose predictions overflow (1e308 x positions) once gave JSON
+    answers 500 and msgpack answers an infinity; now the file is refused before serving,
+    naming the coefficient, and a realistic file is not (negative control)."""
     path = tmp_path / "overflow.json"
     OVERFLOW.save(path)
-    app = create_app(Settings(cost_model_path=str(path)))
+    with pytest.raises(CostModelError) as err:
+        create_app(Settings(cost_model_path=str(path), history_enabled=False))
+    assert err.value.path == "$.coefficients.positions" and str(path) in str(err.value) and "\n" not in str(err.value)
+    fine = tmp_path / "fine.json"
+    COST.save(fine)
+    create_app(Settings(cost_model_path=str(fine), history_enabled=False)).state.service.close()
+
+
+async def test_a_pack_that_answers_500_is_not_recorded_nor_its_retry(monkeypatch):
+    # Every answer fails to encode (a 500 after the plan was made): none is recorded, nor
+    # its retries; the same batch answered is (not vacuous).
+    from treepack.service import planning
+
+    real = planning.encode_body
+    broken = [True]
+
+    def encode(obj, fmt):
+        if broken[0]:
+            raise ValueError("this answer cannot be encoded")
+        return real(obj, fmt)
+
+    monkeypatch.setattr(planning, "encode_body", encode)
+    app = create_app(Settings())
     body = pack_body(small_batch())
     try:
         transport = httpx.ASGITransport(app, raise_app_exceptions=False)
@@ -194,7 +218,7 @@ async def test_a_pack_that_answers_500_is_not_recorded_nor_its_retry(tmp_path):
                 r = await c.post("/v1/pack", content=body, headers=headers)
                 assert r.status_code == 500 and r.json()["rule"] == "bug", r.text
             assert await _history_batches(c) == 0  # was 4: each 500 recorded the batch
-            # Not vacuous: the same batch answered in msgpack (which carries inf) is recorded.
+            broken[0] = False
             r = await c.post("/v1/pack", content=body, headers={**MSGPACK_IN, "accept": "application/msgpack"})
             assert r.status_code == 200 and msgpack.unpackb(r.content)["recorded"] is True
             assert await _history_batches(c) == 1

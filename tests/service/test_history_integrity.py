@@ -149,10 +149,14 @@ async def test_a_shape_changed_in_place_fails_its_checksum_and_is_skipped_never_
             ready = await c.get("/readyz")
             r = await c.post("/v1/whatif", content=WHATIF, headers=MP)
             metrics = (await c.get("/metrics")).text
+            history = (await c.get("/v1/history", headers={"accept": "application/json"})).json()
     finally:
         app.state.service.close()
     assert ready.status_code == 200 and "1 stored shape skipped" in ready.json()["checks"]["history"], ready.text
     assert r.status_code == 200 and r.json()["pool"]["batches"] == 2, r.text
+    # /v1/history counts what a what-if can use, the skipped row beside it (it said 3 batches).
+    assert (history["batches"], history["skipped"]) == (2, 1), history
+    assert history["sequences"] == r.json()["pool"]["sequences"]
     assert "treepack_history_undecodable_total 1.0" in metrics
 
 

@@ -28,7 +28,14 @@ TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 MP = {"content-type": "application/msgpack", **AUTH}
 JS = {"content-type": "application/json", **AUTH}
-LIMITS = dict(max_body_bytes=200_000, max_tokens=20_000, max_sequences=64, whatif_max_trials=50, whatif_max_work=20_000)
+LIMITS = dict(
+    max_body_bytes=200_000,
+    max_tokens=20_000,
+    max_sequences=64,
+    whatif_max_trials=50,
+    whatif_max_work=20_000,
+    max_tags=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -735,6 +742,56 @@ CASES = [
             "$.trials",
             "max_trials",
             "60 planner runs, over the limit of 50",
+        ),
+        (
+            "pack: more distinct tags than max_tags",
+            "POST",
+            "/v1/pack",
+            _mp(tags=["a", "b", "c", "d", "e", "a"]),
+            MP,
+            413,
+            "too_large",
+            "$.tags",
+            "max_tags",
+            "5 distinct tags, over the limit of 4 (max_tags)",
+        ),
+        (
+            "whatif: by_tag names more tags than max_tags",
+            "POST",
+            "/v1/whatif",
+            encode_body(
+                {"version": 1, "seq_len": 512, "compositions": [{"by_tag": {t: 1 for t in "abcde"}}]}, "msgpack"
+            ),
+            MP,
+            413,
+            "too_large",
+            "$.compositions[0].by_tag",
+            "max_tags",
+            "5 distinct tags",
+        ),
+        (
+            "pack: an allgather CP split over max_cp_tiles",
+            "POST",
+            "/v1/pack",
+            _mp(seq_len=100_000, cp_size=2, cp_attention="allgather"),
+            MP,
+            413,
+            "too_large",
+            "$.seq_len",
+            "max_cp_tiles",
+            "6250 tiles of 16 tokens, over the limit of 1250 (max_cp_tiles)",
+        ),
+        (
+            "pack: a group id that is no Unicode text (lone surrogate)",
+            "POST",
+            "/v1/pack",
+            _js(groups=["\udfff"] * 6),
+            JS,
+            422,
+            "invalid_request",
+            "$.groups[0]",
+            "unicode",
+            "lone surrogate",
         ),
         (
             "whatif: pool too small",

@@ -15,9 +15,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from treepack.proto.options import CP_ALIGN
 from treepack.service.planner import plan_batch, validate_plan
-from treepack.service.planner.ranks import _snake, attention_work
+from treepack.service.planner.ranks import _snake, tile_work
 from treepack.trainer.kernels.cp_attention import cp_varlen_meta
 from treepack.trainer.kernels.masks import varlen_meta
 
@@ -56,8 +55,7 @@ def test_allgather_split_gathers_few_keys(cp):
     keys = _rank_keys(plan)
     assert sum(keys) <= bound, (keys, row_keys)
 
-    work = attention_work(plan.segments, 1, plan.ranks.padded_len)
-    snake = _snake(np.rint(work.reshape(1, -1, CP_ALIGN).sum(-1)).astype(np.int64), cp)
+    snake = _snake(tile_work(plan.segments, 1, plan.ranks.padded_len), cp)
     dealt = dataclasses.replace(plan, ranks=dataclasses.replace(plan.ranks, cp_tiles=snake))
     validate_plan(dealt, seqs, trainable=trainable)
     assert min(_rank_keys(dealt)) > bound, "the tile-by-tile deal fits the bound too: the test shows nothing"

@@ -190,3 +190,22 @@ def test_group_shuffle_keeps_prompts_together_and_draws_like_trl():
     )  # TRL's own shuffle splits groups
     for part in split_tensor_dict(ours, 4):
         assert len(set((part["idx"] // 4).tolist())) == 1  # each micro-batch holds one whole prompt group
+
+
+def test_the_record_tag_is_the_config_s_then_the_run_s():
+    """The tag the TRL trainers record with: PackingConfig.tag, else TRL's run_name, else
+    the name of its output_dir; "" records untagged (no tags sent at all)."""
+    from types import SimpleNamespace
+
+    from treepack.trainer.trl.config import PackingConfig, record_tag
+
+    args = SimpleNamespace(run_name="grpo-7", output_dir="/ckpt/runs/grpo-7-out/")
+    assert record_tag(PackingConfig(tag="mine"), args) == "mine"
+    assert record_tag(PackingConfig(), args) == "grpo-7"
+    assert record_tag(PackingConfig(), SimpleNamespace(run_name=None, output_dir="/ckpt/runs/grpo-7-out/")) == (
+        "grpo-7-out"
+    )
+    assert record_tag(PackingConfig(tag=""), args) is None
+    assert record_tag(PackingConfig(), None) is None
+    with pytest.raises(RequestError, match="tag"):
+        PackingConfig(tag=7)

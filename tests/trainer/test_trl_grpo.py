@@ -117,16 +117,26 @@ def test_lora_matches_stock_and_generates_between_steps(tmp_path):
 
 
 def test_packing_config_is_checked_and_seq_len_is_used(tmp_path):
+    from treepack.client import Packer
+
     with pytest.raises(ValueError, match="backend"):
         PackingConfig(backend="nope")
-    res = run_grpo(
-        TreepackGRPOTrainer,
-        workdir=str(tmp_path / "p"),
-        steps=1,
-        trainer_kwargs={"packing": PackingConfig(seq_len=128)},
-    )
+    with pytest.raises(ValueError, match="tag"):
+        PackingConfig(tag="x" * 257)
+    with Packer(history_path=str(tmp_path / "h.sqlite3")) as packer:
+        res = run_grpo(
+            TreepackGRPOTrainer,
+            workdir=str(tmp_path / "p"),
+            steps=1,
+            run_name="grpo-tagged-run",
+            trainer_kwargs={"packing": PackingConfig(seq_len=128, planner=packer)},
+        )
+        history = packer.history()
     rows = [h["treepack/rows"] for h in res["logs"] if "treepack/rows" in h]
     assert rows == [1.0]  # 8 sequences of <= 26 tokens, two prompts of 20: one 128-token row
+    # What the trainer recorded carries the run's name as its tag: a what-if picks this run by it.
+    assert history["batches"] >= 1 and set(history["tags"]) == {"grpo-tagged-run"}, history
+    assert history["seq_lens"] == [128]
 
 
 def test_several_micro_batches_per_generation_match_stock(tmp_path, monkeypatch):

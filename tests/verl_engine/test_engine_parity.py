@@ -98,3 +98,21 @@ def test_negative_control_other_batch_differs(engines):
         stock, flags(grpo_batch(seed=2), dynamic=False, rmpad=True, global_batch_size=8), "seq-mean-token-sum"
     )
     assert_not_close("token-mean vs seq-mean-token-sum update", ref, other, atol=1e-4)
+
+
+def test_recorded_batches_carry_the_run_tag(engines, tmp_path, monkeypatch):
+    """What the engine plans is recorded with its tag (``TREEPACK_VERL_TAG``): a what-if then
+    samples this run's batches by tag; an empty tag records them untagged (the control)."""
+    from treepack.client import Packer
+    from treepack.trainer.verl import VerlPacking
+
+    _, tree, _ = engines
+    monkeypatch.setenv("TREEPACK_VERL_TAG", "run-7")
+    assert VerlPacking.from_env().tag == "run-7"
+    for tag, want in (("run-7", {"run-7"}), ("", {""})):
+        with Packer(history_path=str(tmp_path / f"h{tag}.sqlite3")) as packer:
+            monkeypatch.setattr(tree, "packing", VerlPacking(planner=packer, tag=tag))
+            td = flags(grpo_batch(seed=1), dynamic=False, rmpad=True, calculate_entropy=True, compute_loss=False)
+            _infer(tree, td)
+            history = packer.history()
+        assert history["batches"] >= 1 and set(history["tags"]) == want, history

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from treepack.trainer.kernels.attention import BACKENDS
 from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.planner import PlannerArg
 
-__all__ = ["PackingConfig", "choose_seq_len"]
+__all__ = ["PackingConfig", "choose_seq_len", "record_tag"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +44,10 @@ class PackingConfig:
             for the embedded planner: ``placement="auto"`` then packs each micro-batch as a
             tree or plainly, whichever is predicted faster (a sidecar ``planner`` uses its
             own ``cost_model_path``; giving both is refused).
+        tag: the task tag every sequence this trainer packs is recorded with in the
+            planner's shape history (what-ifs sample one run's batches by ``history_tags``
+            or ``by_tag``): None takes TRL's ``run_name``, else the name of its
+            ``output_dir``; ``""`` records them untagged. At most 256 characters.
     """
 
     seq_len: int | None = None
@@ -55,11 +60,18 @@ class PackingConfig:
     verify: bool = True
     allow_dropout: bool = False
     cost_model: Any = None
+    tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise RequestError(
                 f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+            )
+        if self.tag is not None and (not isinstance(self.tag, str) or len(self.tag) > 256):
+            raise RequestError(
+                f"tag must be a string of at most 256 characters, got {self.tag!r:.80}",
+                path="$.packing.tag",
+                rule="type",
             )
         if self.cost_model is not None and self.planner is not None:
             raise RequestError(
@@ -77,6 +89,21 @@ class PackingConfig:
         from treepack.client import Packer
 
         return Packer(cost_model=self.cost_model)
+
+
+def record_tag(config: PackingConfig, args: Any) -> str | None:
+    """The tag the trainer's sequences are recorded with (:attr:`PackingConfig.tag`), or
+    None for untagged.
+
+    Args:
+        config: the packing config.
+        args: TRL's training arguments (``run_name``, ``output_dir``), or None.
+    """
+    if config.tag is not None:
+        return config.tag or None
+    out = getattr(args, "output_dir", None)
+    name = getattr(args, "run_name", None) or (os.path.basename(os.path.normpath(out)) if out else "")
+    return name[:256] or None
 
 
 def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:

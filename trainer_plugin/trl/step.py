@@ -24,13 +24,15 @@ from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.microbatch import plan_microbatches
 from treepack.trainer.planning.padded_images import sequence_images
-from treepack.trainer.trl.config import PackingConfig, choose_seq_len
+from treepack.trainer.trl.config import PackingConfig, choose_seq_len, record_tag
 
 __all__ = ["PackedRows", "image_token_of"]
 
 
 class PackedRows:
-    """What both trainers share: the packed fused-head call and plan logging."""
+    """What both trainers share: the packed fused-head call and plan logging; every planned
+    sequence carries the run's tag (:func:`~treepack.trainer.trl.config.record_tag`), which
+    the planner's shape history records."""
 
     packing: PackingConfig
     if TYPE_CHECKING:  # set by the TRL trainer this mixin goes before (transformers.Trainer)
@@ -49,6 +51,7 @@ class PackedRows:
         groups: list[int] | None,
         keys: list[np.ndarray] | None = None,
     ) -> Any:
+        tag = record_tag(self.packing, getattr(self, "args", None))
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
@@ -59,6 +62,7 @@ class PackedRows:
             min_shared_len=self.packing.min_shared_len,
             placement=self.packing.placement,
             **({} if keys is None else {"keys": keys}),
+            **({} if tag is None else {"tags": [tag] * len(padded.sequences)}),
         )
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
