@@ -6,6 +6,7 @@ to a ``treepack serve`` sidecar. No torch here. The HTTP backend needs ``httpx``
 """
 
 from treepack.client.packer import AsyncPacker, Packer
+from treepack.proto.strategy import Strategy
 from treepack.proto.whatif import Composition, Distribution, WhatIfResult, as_composition
 
-__all__ = ["Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"]
+__all__ = ["Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "Strategy", "as_composition"]

@@ -154,8 +154,8 @@ class Packer(_Packers):
             options: the plan options of every trial (``seq_len`` is the row capacity to
                 plan for), or their fields as keywords; as for ``pack``.
             **kwargs: the option keywords, and ``trials`` (32), ``seed`` (0), ``max_rows``,
-                ``history_batches``, ``shapes`` as :class:`~treepack.proto.whatif.WhatIfQuery`
-                describes them.
+                ``max_step_ms`` (with a cost model), ``history_batches``, ``shapes`` as
+                :class:`~treepack.proto.whatif.WhatIfQuery` describes them.
 
         Returns:
             One :class:`WhatIfResult` per composition.

@@ -17,6 +17,7 @@ from treepack.proto.batch import PackInput, SequenceBatch
 from treepack.proto.cost import CostModel
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan, PlanStats, Segments
+from treepack.proto.strategy import strategy_of
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.by_time import choose_by_time, repair_budget_ms, with_prediction
 from treepack.service.planner.layout import layout_rows
@@ -160,6 +161,7 @@ def plan_with_tree(
         options=options,
         num_rows=num_rows,
         strategy=strategy,
+        packing=strategy_of(seg.sharers, options.min_shared_len),
         seq_lens=batch.lens,
         orig_lens=batch.orig_lens,
         row_of=row_of,
