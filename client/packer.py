@@ -69,8 +69,14 @@ class _Packers:
                 path="$.cost_model",
                 rule="embedded_only",
             )
-        from treepack.client.http import AsyncHttpBackend, HttpBackend
-        from treepack.client.retry import RetryPolicy
+        try:
+            from treepack.client.http import AsyncHttpBackend, HttpBackend
+            from treepack.client.retry import RetryPolicy
+        except ImportError as exc:
+            raise ImportError(
+                f"Packer({url!r}) talks to the sidecar through httpx, which is missing: in the clone, "
+                "pip install '.[client]' (or Packer() with no URL plans in this process)"
+            ) from exc
 
         policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
         cls = AsyncHttpBackend if self._asynchronous else HttpBackend
