@@ -113,3 +113,12 @@ def test_the_library_warning_check_sees_a_config_warning():
     with library_warnings() as logged:  # negative control: the vocabulary check of a tiny config warns
         tf.Qwen2Config(vocab_size=16, bos_token_id=151643)
     assert any("bos_token_id must be" in m for m in logged), logged
+
+
+def test_the_context_parallel_example_is_a_file_with_its_launch_line():
+    text = (ROOT / "docs" / "context-parallel.md").read_text()
+    (block,) = [code for _, code in _python_blocks(text) if "ContextParallel(" in code]
+    example = (ROOT / "examples" / "cp_step.py").read_text()
+    assert example.endswith("\n\n" + block) or example.endswith('"""\n\n' + block), "examples/cp_step.py != the block"
+    assert "torchrun --nproc-per-node 2 examples/cp_step.py" in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)[0]
+    assert re.search(r"^print\(", block, re.M)  # it says what it did on every rank
