@@ -23,6 +23,6 @@ def test_make_help_lists_the_documented_commands():
         pytest.skip("needs make on PATH")
     listed = _listed("help")
     documented = set(re.findall(r"^\| `make ([a-z-]+)`", (ROOT / "docs" / "development.md").read_text(), re.M))
-    assert set(listed) == documented and {"demo", "test", "help"} <= documented, (set(listed) ^ documented)
+    assert set(listed) == documented and {"demo", "test", "help"} <= documented, set(listed) ^ documented
     assert all(len(what) > 10 for what in listed.values()), listed
     assert _listed() == listed  # `make` alone is `make help`: it sets up nothing
