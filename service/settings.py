@@ -30,6 +30,7 @@ OTHER_ENVIRONMENT = frozenset(
         "TREEPACK_VERL_BACKEND",
         "TREEPACK_VERL_MIN_SHARED_LEN",
         "TREEPACK_VERL_MAX_SEQ_LEN",
+        "TREEPACK_VERL_VERBOSE",
     }
 )
 """``TREEPACK_*`` variables that other parts of treepack read: not settings, not warned about."""
