@@ -85,7 +85,7 @@ def library_warnings():
     ``logger.warning_once``: its once-per-process cache is cleared so an earlier test cannot hide one)."""
     import torch
 
-    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  (transformers adds it)
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  # transformers adds it
     caught, logger, threads = _Caught(), logging.getLogger("transformers"), torch.get_num_threads()
     logger.addHandler(caught)
     try:

@@ -54,7 +54,7 @@ class PackedRows:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``, then one line of what packing saved over it (:meth:`PackingTally.summary`)."""
-        out = super().train(*args, **kwargs)  # type: ignore[misc]  (the TRL trainer after this mixin)
+        out = super().train(*args, **kwargs)  # type: ignore[misc]  # the TRL trainer after this mixin
         self.packing_tally.report()
         return out
 
