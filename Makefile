@@ -18,7 +18,13 @@ TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-ind
 # is a change to check and record, not something a fresh install should pick up by itself.
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: demo deps test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+.PHONY: help demo deps test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+
+# `make` alone prints the commands (every target with a `##` description).
+.DEFAULT_GOAL := help
+help:  ## list these commands (also `make` alone)
+	@echo "treepack: make <command> (docs/development.md)"
+	@grep -E '^[a-z-]+:.*  ## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*  ## (.*)$$/\1|\2/' | awk -F'|' '{ printf "  %-13s  %s\n", $$1, $$2 }'
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +32,7 @@ $(BIN)/python:
 venv: $(BIN)/python
 
 # Set up (planner only: numpy, pydantic, msgpack) and run the main job.
-demo: venv
+demo: venv  ## set up .venv (planner only) and run the embedded planner on realistic batches
 	$(PIP) install -e .
 	$(BIN)/treepack demo
 	@echo
@@ -43,13 +49,13 @@ deps: venv
 	$(PIP) install --no-compile $(TORCH_PIP)
 	$(PIP) install --no-compile -e ".[service,client,trainer,trl,plot,test]" $(TORCH) $(TRANSFORMERS)
 
-test: deps
+test: deps  ## set up .venv with everything the tests need and run them (TORCH_INDEX=.../whl/cpu: the CPU torch)
 	$(BIN)/python -m pytest -q
 
 # The shape fuzz's large profile, nightly-style (tests/planner/test_shape_fuzz.py; `make test`
 # runs its fast profile): 300 fresh batch shapes of up to 100,000 sequences and 4M tokens,
 # every plan validated. TREEPACK_FUZZ_EXAMPLES=30 make fuzz for a shorter run.
-fuzz: deps
+fuzz: deps  ## the planner's shape fuzz at its large profile
 	TREEPACK_FUZZ=large $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/planner/test_shape_fuzz.py
 
 # The house's habits: ruff's lint and format check over the tree (pyproject.toml [tool.ruff]).
@@ -62,7 +68,7 @@ TYPECHECK ?= treepack.proto treepack.client treepack.service treepack.trainer.ke
 	treepack.trainer.planning treepack.trainer.losses treepack.trainer.trl
 TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost
 # The type checker reads torch, transformers and TRL for their types: the tests' packages first.
-lint: deps
+lint: deps  ## ruff check, ruff format --check and mypy
 	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -99,7 +105,7 @@ $(TVENV)/.built: Makefile pyproject.toml | $(TBIN)/python
 	touch $@
 
 # The project's GPU wrappers on the Triton kernels, run on CPU by the interpreter.
-test-triton: venv-triton
+test-triton: venv-triton  ## the GPU wrappers under Triton's interpreter, on CPU (.venv-triton)
 	TRITON_INTERPRET=1 $(TBIN)/python -m pytest -q -p no:cacheprovider tests/triton_interp
 
 # A third env for the verl engine (treepack.trainer.verl), its parity tests against stock
@@ -126,7 +132,7 @@ $(VVENV)/.built: Makefile pyproject.toml | $(VBIN)/python
 	$(VPIP) install --no-compile -e ".[trainer,test]" $(TORCH)
 	touch $@
 
-test-verl: venv-verl
+test-verl: venv-verl  ## the verl engine against stock verl, on CPU (.venv-verl)
 	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl_engine
 
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
@@ -134,12 +140,12 @@ test-verl: venv-verl
 # GPU_PY: an interpreter whose torch has CUDA and which has treepack installed (docs/gpu.md);
 # default: $(BIN)/python when that exists, else python3. It is checked before anything runs.
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
-gpu-check:
+gpu-check:  ## on a CUDA machine: every GPU kernel checked and timed, one JSON report
 	@$(GPU_PY) -c "import torch, treepack.trainer" 2>/dev/null || { echo "make gpu-check: $(GPU_PY) cannot import torch and treepack.trainer: set GPU_PY to the python of a CUDA environment with treepack installed (docs/gpu.md)" >&2; exit 2; }
 	$(GPU_PY) benchmarks/gpu_check.py $(if $(REPORT),--json $(REPORT),)
 
 # The distributions (sdist and wheel, in dist/), as `pip install .` would build them.
-dist: venv
+dist: venv  ## build the sdist and wheel into dist/
 	$(PIP) install build
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
@@ -147,7 +153,7 @@ dist: venv
 # The wheel in a fresh venv of its own, with the trainer extra and torch as above: the demo
 # and a plan run from the wheel's own files and the trainer imports (what `pip install ".[trainer]"` gives a training environment).
 WVENV ?= .venv-wheel
-wheel-check: dist
+wheel-check: dist  ## install the wheel with the trainer extra in a fresh venv and run it
 	rm -rf $(WVENV) && $(PY) -m venv $(WVENV)
 	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile $(TORCH_PIP)
 	$(WVENV)/bin/python -m pip -q --disable-pip-version-check install --no-compile "$$(ls dist/treepack-*.whl)[trainer]" $(TORCH)
@@ -156,9 +162,9 @@ wheel-check: dist
 	cd $(WVENV) && bin/python -c "import sys, treepack.service; f = treepack.service.__file__; sys.exit(None if f.startswith(sys.prefix) else 'treepack imports from ' + f + ', not the wheel')"
 	cd $(WVENV) && bin/python -c "import treepack.trainer, torch; print('treepack.trainer imports with torch', torch.__version__)"
 
-bench: venv
+bench: venv  ## the planner's benchmark (treepack bench)
 	$(PIP) install -e .
 	$(BIN)/treepack bench
 
-clean:
+clean:  ## remove the venvs and build outputs
 	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -77,6 +77,7 @@ class EmbeddedBackend:
             seed=query.seed,
             max_rows=query.max_rows,
             cost_model=self._cost,
+            max_step_ms=query.max_step_ms,
         )
 
     def history(self) -> dict[str, Any]:

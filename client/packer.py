@@ -69,8 +69,14 @@ class _Packers:
                 path="$.cost_model",
                 rule="embedded_only",
             )
-        from treepack.client.http import AsyncHttpBackend, HttpBackend
-        from treepack.client.retry import RetryPolicy
+        try:
+            from treepack.client.http import AsyncHttpBackend, HttpBackend
+            from treepack.client.retry import RetryPolicy
+        except ImportError as exc:
+            raise ImportError(
+                f"Packer({url!r}) talks to the sidecar through httpx, which is missing: in the clone, "
+                "pip install '.[client]' (or Packer() with no URL plans in this process)"
+            ) from exc
 
         policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff, total_timeout=total_timeout)
         cls = AsyncHttpBackend if self._asynchronous else HttpBackend
@@ -154,9 +160,9 @@ class Packer(_Packers):
             options: the plan options of every trial (``seq_len`` is the row capacity to
                 plan for), or their fields as keywords; as for ``pack``.
             **kwargs: the option keywords, and ``trials`` (32), ``seed`` (0), ``max_rows``,
-                ``history_batches``, ``history_seq_len`` (default: sample only batches
-                recorded at this ``seq_len``; ``"any"``: all), ``history_tags``, ``shapes``
-                as :class:`~treepack.proto.whatif.WhatIfQuery` describes them.
+                ``max_step_ms`` (with a cost model), ``history_batches``, ``history_seq_len``
+                (default: sample only batches recorded at this ``seq_len``; ``"any"``: all),
+                ``history_tags``, ``shapes`` as :class:`~treepack.proto.whatif.WhatIfQuery` describes them.
 
         Returns:
             One :class:`WhatIfResult` per composition.

@@ -4,7 +4,8 @@ The main types are importable from here (``from treepack.proto import Plan, Plan
 PackInput, RequestError``); the modules hold the rest. This package depends on nothing
 else of treepack.
 
-- :mod:`~treepack.proto.plan` — :class:`Plan` and its parts (numpy only).
+- :mod:`~treepack.proto.plan` — :class:`Plan` and its parts (numpy only);
+  :mod:`~treepack.proto.strategy` — :class:`Strategy`, how a plan packs (tree or plain), typed.
 - :mod:`~treepack.proto.options` — :class:`PlanOptions` (checked by the planner).
 - :mod:`~treepack.proto.batch` — the pack request :class:`PackInput` that every entry
   point takes, and the normalized :class:`SequenceBatch`; the one normalisation of
@@ -29,8 +30,9 @@ else of treepack.
 - :mod:`~treepack.proto.schema` — the JSON Schema files kept next to this module
   (``python -m treepack.proto.schema --write`` regenerates them).
 
-Every message carries ``"version": WIRE_VERSION`` (:mod:`~treepack.proto.version`); a peer
-that receives another version answers :class:`~treepack.proto.errors.UnsupportedVersionError`.
+Every message carries ``"version": WIRE_VERSION`` (:mod:`~treepack.proto.version`; the
+service still reads version 1 and answers it in kind); a peer that receives another version
+answers :class:`~treepack.proto.errors.UnsupportedVersionError`.
 """
 
 from treepack.proto.batch import PackInput, SequenceBatch
@@ -59,6 +61,7 @@ from treepack.proto.errors import (
 from treepack.proto.options import PlanOptions
 from treepack.proto.plan import Plan, PlanStats
 from treepack.proto.shape import BatchShape
+from treepack.proto.strategy import Strategy
 from treepack.proto.version import WIRE_VERSION
 from treepack.proto.whatif import Composition, WhatIfQuery, WhatIfResult
 
@@ -68,5 +71,5 @@ __all__ = [
     "PayloadTooLargeError", "BodyTimeoutError", "ConflictError", "UnsupportedMediaTypeError",
     "UnsupportedVersionError", "UnsupportedModelError", "AuthError", "OverloadedError", "ServerError",
     "DeadlineError", "UnavailableError", "TransportError", "CostModel", "load_cost_model", "CostModelError",
-    "TreepackWarning",
+    "TreepackWarning", "Strategy",
 ]  # fmt: skip

@@ -28,7 +28,7 @@ from treepack.proto.errors import (
     UnsupportedMediaTypeError,
     UnsupportedVersionError,
 )
-from treepack.proto.version import WIRE_VERSION
+from treepack.proto.version import READ_VERSIONS, WIRE_VERSION
 
 __all__ = [
     "MSGPACK",
@@ -216,7 +216,8 @@ def check_version(obj: Any) -> None:
     Raises:
         InputTypeError: the body is not a map, or ``version`` is not an integer.
         RequestError: ``version`` is missing.
-        UnsupportedVersionError: ``version`` is an integer other than :data:`WIRE_VERSION`.
+        UnsupportedVersionError: ``version`` is an integer this build does not read
+            (:data:`~treepack.proto.version.READ_VERSIONS`).
     """
     if not isinstance(obj, dict):
         raise InputTypeError(f"expected a map (object) at the top level, got {_type_name(obj)}", path="$", rule="type")
@@ -227,9 +228,12 @@ def check_version(obj: Any) -> None:
     v = obj["version"]
     if type(v) is not int:
         raise InputTypeError(f"version must be an integer, got {_type_name(v)}", path="$.version", rule="type")
-    if v != WIRE_VERSION:
+    if v not in READ_VERSIONS:
         raise UnsupportedVersionError(
-            f"wire version {v} is not supported; this build speaks {WIRE_VERSION}", path="$.version", rule="version"
+            f"wire version {v} is not supported; this build speaks {WIRE_VERSION} (and reads "
+            f"{', '.join(map(str, READ_VERSIONS[:-1]))})",
+            path="$.version",
+            rule="version",
         )
 
 

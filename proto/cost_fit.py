@@ -4,6 +4,12 @@
 device and hands their counts (:func:`~treepack.proto.cost.plan_features`) and times to
 :func:`fit_cost_model`, which returns the :class:`~treepack.proto.cost.CostModel`; the
 solver is a Lawson-Hanson active set (:func:`_nnls`), numpy only.
+
+A fit knows how good it is. Fewer batches than terms is refused: such a fit interpolates
+the batches exactly (zero error on them) with coefficients that say nothing and change
+from run to run. The model's ``fit`` reports the errors on the batches it was fitted to
+and, what predicts how it does on batches it has not seen, leave-one-out (cross-validated)
+errors: each batch predicted by the fit to all the others.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 from treepack.proto.cost import CostModel, cost_terms
 from treepack.proto.errors import CostModelError
 
-__all__ = ["fit_cost_model"]
+__all__ = ["fit_cost_model", "held_out_errors"]
 
 
 def _nnls(A: np.ndarray, b: np.ndarray, iters: int = 500) -> np.ndarray:
@@ -45,6 +51,28 @@ def _nnls(A: np.ndarray, b: np.ndarray, iters: int = 500) -> np.ndarray:
     return x
 
 
+def _fit(X: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """[T] non-negative coefficients minimising the relative error of ``X @ c`` against ``t``."""
+    A = X / t[:, None]
+    scale = np.abs(A).max(axis=0)
+    scale[scale == 0] = 1.0
+    return _nnls(A / scale, np.ones(X.shape[0])) / scale
+
+
+def held_out_errors(X: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """[B] relative error of each batch's time predicted by the fit to the other B - 1 (leave-one-out).
+
+    Args:
+        X: [B, T] features. t: [B] measured times, ms.
+    """
+    B = X.shape[0]
+    out = np.zeros(B)
+    for i in range(B):
+        keep = np.arange(B) != i
+        out[i] = abs(float(X[i] @ _fit(X[keep], t[keep])) - t[i]) / t[i]
+    return out
+
+
 def fit_cost_model(
     features: np.ndarray,
     times_ms: Sequence[float],
@@ -66,11 +94,15 @@ def fit_cost_model(
         times_ms: [B] measured step times, ms (> 0).
 
     Returns:
-        The :class:`CostModel`; ``fit`` holds ``batches``, ``median_rel_err`` and
-        ``max_rel_err`` on the calibration batches.
+        The :class:`CostModel`; ``fit`` holds ``batches``, ``terms``, ``rank`` (of the
+        features: below ``terms``, some coefficients trade off against each other and only
+        their sum is measured), ``median_rel_err`` and ``max_rel_err`` on the calibration
+        batches, and ``cv_median_rel_err`` and ``cv_max_rel_err``: leave-one-out
+        (:func:`held_out_errors`), the error to expect on batches the fit has not seen.
 
     Raises:
-        CostModelError: shapes that do not match, or times that are not positive.
+        CostModelError: shapes that do not match, times that are not positive, or fewer
+            batches than terms (rule ``underdetermined``).
     """
     terms = cost_terms(backend, mixers)
     X = np.asarray(features, dtype=np.float64)
@@ -83,12 +115,26 @@ def fit_cost_model(
         )
     if X.shape[0] == 0 or not (np.isfinite(t).all() and (t > 0).all()):
         raise CostModelError("need at least one batch, every time finite and > 0", path="$.times_ms", rule="range")
-    A = X / t[:, None]
-    scale = np.abs(A).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef = _nnls(A / scale, np.ones(X.shape[0])) / scale
+    if X.shape[0] < len(terms):
+        raise CostModelError(
+            f"{X.shape[0]} timed batches cannot determine {len(terms)} coefficients ({', '.join(terms)}): "
+            "the fit would pass through every batch and say nothing about others; time at least as many "
+            "batches as terms (calibrate times each batch twice, as the tree and as plain packing)",
+            path="$.features",
+            rule="underdetermined",
+        )
+    coef = _fit(X, t)
     rel = np.abs(X @ coef - t) / t
-    fit = {"batches": float(X.shape[0]), "median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max())}
+    held = held_out_errors(X, t)
+    fit = {
+        "batches": float(X.shape[0]),
+        "terms": float(len(terms)),
+        "rank": float(np.linalg.matrix_rank(X / t[:, None])),
+        "median_rel_err": float(np.median(rel)),
+        "max_rel_err": float(rel.max()),
+        "cv_median_rel_err": float(np.median(held)),
+        "cv_max_rel_err": float(held.max()),
+    }
     return CostModel(
         backend=backend,
         mixers=tuple(mixers),

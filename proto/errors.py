@@ -29,6 +29,7 @@ Hierarchy::
     +-- TransportError                     ---  the client could not reach the server
 
     TreepackWarning (UserWarning)                a choice that works but wastes compute or memory
+    +-- NoTrainableWarning                       plan_batch given no trainable=: nothing planned as a loss target
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
     "http_status",
     "error_from_payload",
     "TreepackWarning",
+    "NoTrainableWarning",
 ]
 
 
@@ -296,3 +298,9 @@ class TreepackWarning(UserWarning):
     planner's cost warnings (:class:`treepack.proto.cost.CostWarning`) share it, so one
     ``warnings.filterwarnings("ignore", category=TreepackWarning)`` silences all of them.
     """
+
+
+class NoTrainableWarning(TreepackWarning):
+    """``plan_batch`` was called without ``trainable=``: every token is planned as a
+    non-target (fully shareable, no join token duplicated), which a loss on those plans
+    would read wrongly. ``trainable=None`` says so on purpose and is not warned about."""

@@ -34,6 +34,7 @@ from treepack.proto.wire_fields import (
     SeqLen,
     SeqLenOption,
     ShareOption,
+    StrategyMessage,
     Tag,
     TokensBuffer,
     U8Buffer,
@@ -194,7 +195,10 @@ class PlanMessage(WireModel):
     seq_len: SeqLen
     num_rows: Count
     placement: Literal["auto", "bfd", "in_order", "no_share"]
-    strategy: Annotated[str, Field(max_length=64)]
+    strategy: Annotated[str, Field(max_length=64, description="the planner's reason, free text")]
+    packing: Optional[StrategyMessage] = Field(
+        None, description="the strategy, typed (version 2; a version-1 answer has none)"
+    )
     min_shared_len: MinShared
     share_trainable: bool = False
     on_overflow: Literal["error", "truncate", "drop"] = "error"

@@ -16,6 +16,7 @@ import numpy as np
 
 from treepack.proto.index import ragged_arange, segment_rows, segment_tokens
 from treepack.proto.options import PlanOptions
+from treepack.proto.strategy import Strategy
 
 __all__ = ["Plan", "PlanStats", "OverflowEvent", "Segments", "AttentionMeta", "GdnLevel", "GdnMeta", "Ranks"]
 
@@ -225,7 +226,10 @@ class Plan:
         options: the checked options it was planned with (``seq_len``, ``placement``,
             ``min_shared_len``, ``share_trainable`` ... also read as properties).
         num_rows: R.
-        strategy: the candidate ``auto`` picked (else the placement).
+        strategy: the planner's reason, free text: the candidate ``auto`` picked (with a
+            cost model, the predicted ms of the winner and the runner-up), else the placement.
+        packing: the same, typed: ``"tree"`` and the ``min_shared_len`` used, or ``"plain"``
+            (:class:`~treepack.proto.strategy.Strategy`).
         seq_lens: [S] int64 placed length of each sequence (after truncation; 0 if dropped).
         orig_lens: [S] int64 submitted lengths.
         row_of: [S] int64 row of each sequence, -1 if dropped.
@@ -248,6 +252,7 @@ class Plan:
     options: PlanOptions
     num_rows: int
     strategy: str
+    packing: Strategy
     seq_lens: np.ndarray
     orig_lens: np.ndarray
     row_of: np.ndarray

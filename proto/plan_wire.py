@@ -21,8 +21,12 @@ from treepack.proto.errors import RequestError
 from treepack.proto.options import CP_ALIGN, PlanOptions, cp_shard_len
 from treepack.proto.pack_messages import PlanMessage
 from treepack.proto.plan import AttentionMeta, GdnLevel, GdnMeta, OverflowEvent, Plan, PlanStats, Ranks, Segments
+from treepack.proto.strategy import Strategy, strategy_of
+from treepack.proto.version import WIRE_VERSION
+from treepack.proto.wire_fields import StrategyMessage
 
-__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "check_plan_structure", "plan_differences"]
+__all__ = ["ARRAYS", "plan_to_wire", "plan_from_wire", "strategy_to_wire", "strategy_from_wire"]
+__all__ += ["check_plan_structure", "plan_differences"]
 
 _I8, _I4, _F8 = "<i8", "<i4", "<f8"
 
@@ -53,15 +57,23 @@ def _section(obj: Any, section: str, fmt: Format) -> dict[str, Any]:
     return {f: array_to_wire(getattr(obj, f), dt, fmt) for f, dt, _ in _SECTIONS[section]}
 
 
-def plan_to_wire(plan: Plan, fmt: Format) -> dict[str, Any]:
-    """The ``PlanMessage`` dict of a plan (byte views for msgpack, lists for JSON)."""
+def plan_to_wire(plan: Plan, fmt: Format, version: int = WIRE_VERSION) -> dict[str, Any]:
+    """The ``PlanMessage`` dict of a plan (byte views for msgpack, lists for JSON).
+
+    Args:
+        plan: the plan.
+        fmt: ``msgpack`` or ``json``.
+        version: the wire version to answer in: 1 leaves out ``packing`` (:mod:`~treepack.proto.version`).
+    """
     st = plan.stats
+    typed = {"packing": strategy_to_wire(plan.packing)} if version >= 2 else {}
     return {
-        "version": 1,
+        "version": version,
         "seq_len": plan.seq_len,
         "num_rows": plan.num_rows,
         "placement": plan.placement,
         "strategy": plan.strategy,
+        **typed,
         "min_shared_len": plan.min_shared_len,
         "share_trainable": plan.share_trainable,
         "on_overflow": plan.options.on_overflow,
@@ -164,6 +176,7 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
         options=options,
         num_rows=msg.num_rows,
         strategy=msg.strategy,
+        packing=_packing(msg, seg),
         **top,
         trainable=_flags(msg.trainable, exact_sum(top["seq_lens"])),
         segments=seg,
@@ -175,6 +188,23 @@ def plan_from_wire(msg: PlanMessage | dict[str, Any]) -> Plan:
     )
     check_plan_structure(plan)
     return plan
+
+
+def strategy_to_wire(s: Strategy) -> dict[str, Any]:
+    """The ``StrategyMessage`` dict of a :class:`~treepack.proto.strategy.Strategy`."""
+    return {"kind": s.kind, "min_shared_len": s.min_shared_len}
+
+
+def strategy_from_wire(msg: StrategyMessage) -> Strategy:
+    """The :class:`~treepack.proto.strategy.Strategy` of a validated ``StrategyMessage``."""
+    return Strategy(kind=msg.kind, min_shared_len=msg.min_shared_len)
+
+
+def _packing(msg: PlanMessage, seg: Segments) -> Strategy:
+    """The plan's typed strategy; a version-1 plan has none: derived from its segments."""
+    if msg.packing is not None:
+        return strategy_from_wire(msg.packing)
+    return strategy_of(seg.sharers, msg.min_shared_len)
 
 
 def _need(ok: bool, what: str, path: str) -> None:
@@ -353,7 +383,7 @@ def plan_differences(a: Plan, b: Plan, *, timings: bool = False) -> list[str]:
     out: list[str] = []
     if a.options != b.options:
         out.append(f"options: {a.options!r} != {b.options!r}")
-    for f in ("num_rows", "strategy"):
+    for f in ("num_rows", "strategy", "packing"):
         if getattr(a, f) != getattr(b, f):
             out.append(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}")
     if (a.trainable is None) != (b.trainable is None):

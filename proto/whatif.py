@@ -7,6 +7,7 @@ planner (:mod:`treepack.service.planner.whatif`), the codecs in :mod:`~.whatif_w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -16,17 +17,41 @@ import numpy as np
 from treepack.proto.errors import InputTypeError
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.shape import BatchShape
+from treepack.proto.strategy import Strategy
 
-__all__ = ["Composition", "CompositionLike", "Distribution", "WhatIfQuery", "WhatIfResult", "as_composition"]
+__all__ = [
+    "Composition",
+    "CompositionLike",
+    "Distribution",
+    "WhatIfQuery",
+    "WhatIfResult",
+    "as_composition",
+    "suggest_trials",
+    "TARGET_REL_STDERR",
+    "MIN_SUGGESTED_TRIALS",
+]
+
+TARGET_REL_STDERR = 0.01
+"""The precision :func:`suggest_trials` aims at: the mean's standard error at most 1% of the mean."""
+MIN_SUGGESTED_TRIALS = 8
+"""Fewest trials :func:`suggest_trials` suggests: below that a sample's spread says little about its own noise."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Composition:
-    """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag."""
+    """A candidate batch: ``groups`` groups of any tag, or ``by_tag`` groups per task tag.
+
+    ``name`` defaults to what the composition asks for: ``"12 groups"``,
+    ``"math 20 + code 12"`` (tags in the order given).
+    """
 
     name: str = ""
     groups: int | None = None
     by_tag: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", default_name(self.groups, self.by_tag))
 
     @property
     def total_groups(self) -> int:
@@ -34,6 +59,15 @@ class Composition:
 
 
 CompositionLike = Union[Composition, int, Mapping[str, Any]]
+
+
+def default_name(groups: Any, by_tag: Any) -> str:
+    """``"12 groups"`` / ``"math 20 + code 12"``: a composition's name when none is given."""
+    if groups is not None:
+        return f"{groups} group{'' if groups == 1 else 's'}"
+    if isinstance(by_tag, Mapping) and by_tag:
+        return " + ".join(f"{tag or '(untagged)'} {k}" for tag, k in by_tag.items())
+    return "(empty)"
 
 
 def as_composition(c: CompositionLike, i: int = 0) -> Composition:
@@ -70,6 +104,8 @@ class WhatIfQuery:
         trials: trials per composition; ``seed`` makes them reproducible.
         seed: the sampling seed.
         max_rows: also report the probability of needing more rows than this.
+        max_step_ms: with a cost model, also report the probability of a predicted step
+            longer than this, ms.
         history_batches: sample only the most recent N recorded batches (of those
             ``history_seq_len`` selects; None: all).
         history_seq_len: sample only batches recorded at this ``seq_len``: None (the
@@ -91,6 +127,7 @@ class WhatIfQuery:
     shapes: Sequence[BatchShape] | None = None
     history_seq_len: int | str | None = None
     history_tags: Sequence[str] | None = None
+    max_step_ms: float | None = None
 
     @classmethod
     def of(
@@ -105,6 +142,7 @@ class WhatIfQuery:
         shapes: Sequence[BatchShape] | None = None,
         history_seq_len: int | str | None = None,
         history_tags: Sequence[str] | None = None,
+        max_step_ms: float | None = None,
         **option_kwargs: Any,
     ) -> WhatIfQuery:
         """The query from the clients' ``whatif`` arguments (the attributes above).
@@ -127,24 +165,56 @@ class WhatIfQuery:
             shapes=shapes,
             history_seq_len=history_seq_len,
             history_tags=None if history_tags is None else tuple(history_tags),
+            max_step_ms=max_step_ms,
         )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Distribution:
-    """Summary of one figure over the trials (percentiles interpolate linearly)."""
+    """Summary of one figure over the trials (percentiles interpolate linearly).
+
+    Attributes:
+        mean, p50, p90, min, max: of the trials' values.
+        std: their sample standard deviation (n - 1 in the denominator; 0 for one trial).
+        stderr: the standard error of ``mean``, ``std / sqrt(trials)``: two compositions
+            whose means differ by less than about twice their stderrs are not told apart
+            by this many trials.
+    """
 
     mean: float
     p50: float
     p90: float
     min: float
     max: float
+    std: float = 0.0
+    stderr: float = 0.0
 
     @classmethod
     def of(cls, values: np.ndarray) -> Distribution:
+        """The summary of ``values`` ([trials], at least one)."""
         v = np.asarray(values, dtype=np.float64)
         p50, p90 = np.percentile(v, [50, 90])
-        return cls(mean=float(v.mean()), p50=float(p50), p90=float(p90), min=float(v.min()), max=float(v.max()))
+        std = float(v.std(ddof=1)) if v.size > 1 else 0.0
+        return cls(
+            mean=float(v.mean()),
+            p50=float(p50),
+            p90=float(p90),
+            min=float(v.min()),
+            max=float(v.max()),
+            std=std,
+            stderr=std / math.sqrt(v.size),
+        )
+
+
+def suggest_trials(d: Distribution) -> int:
+    """Trials for the mean's standard error to be at most :data:`TARGET_REL_STDERR` of it.
+
+    From the observed spread: ``(std / (0.01 x mean))^2`` (the standard error falls as
+    1/sqrt(trials)), never fewer than :data:`MIN_SUGGESTED_TRIALS`.
+    """
+    if d.mean <= 0 or d.std <= 0:
+        return MIN_SUGGESTED_TRIALS
+    return max(MIN_SUGGESTED_TRIALS, math.ceil((d.std / (TARGET_REL_STDERR * d.mean)) ** 2))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,6 +232,17 @@ class WhatIfResult:
         row_counts: [trials] int64 rows of each trial.
         step_ms: predicted step time over the trials, ms, when a cost model was given
             (:mod:`treepack.proto.cost`), else None.
+        strategies: [trials] how each trial was packed
+            (:class:`~treepack.proto.strategy.Strategy`: ``tree`` and its
+            ``min_shared_len``, or ``plain``; with a cost model ``auto`` chooses per trial).
+        trial_step_ms: [trials] float64 predicted step time of each trial, ms (None
+            without a cost model).
+        max_step_ms: the step-time threshold asked about, ms, or None.
+        p_step_over: fraction of trials predicted slower than ``max_step_ms`` (None
+            without a threshold or a cost model).
+        suggested_trials: trials for the standard error of the mean of ``step_ms`` (of
+            ``rows`` without a cost model) to be at most 1% of it (:func:`suggest_trials`);
+            more than ``trials`` means this answer's means are noisier than that.
     """
 
     name: str
@@ -176,3 +257,8 @@ class WhatIfResult:
     p_rows_over: float | None
     row_counts: np.ndarray
     step_ms: Distribution | None = None
+    strategies: tuple[Strategy, ...] = ()
+    trial_step_ms: np.ndarray | None = None
+    max_step_ms: float | None = None
+    p_step_over: float | None = None
+    suggested_trials: int = MIN_SUGGESTED_TRIALS

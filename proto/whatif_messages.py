@@ -31,6 +31,7 @@ from treepack.proto.wire_fields import (
     SeqLen,
     SeqLenOption,
     ShareOption,
+    StrategyMessage,
     Tag,
     U8Buffer,
     Version,
@@ -119,6 +120,9 @@ class WhatIfRequest(WireModel):
     cp_size: CpSizeOption = 1
     cp_attention: CpAttentionOption = "auto"
     max_rows: Optional[Count] = Field(None, description="report the probability of needing more rows than this")
+    max_step_ms: Optional[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        None, description="with a cost model, report the probability of a predicted step longer than this, ms"
+    )
     history_batches: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         None, description="sample from the most recent N recorded batches (of history_seq_len; default: all retained)"
     )
@@ -140,6 +144,8 @@ class Distribution(WireModel):
     p90: float
     min: float
     max: float
+    std: Optional[float] = Field(None, description="sample standard deviation over the trials (version 2)")
+    stderr: Optional[float] = Field(None, description="standard error of the mean, std / sqrt(trials) (version 2)")
 
 
 class WhatIfResultMessage(WireModel):
@@ -156,6 +162,21 @@ class WhatIfResultMessage(WireModel):
     row_counts: list[Count] = Field(description="rows of each trial, in trial order")
     step_ms: Optional[Distribution] = Field(
         None, description="predicted step time over the trials, ms (with a cost model)"
+    )
+    strategies: Optional[list[StrategyMessage]] = Field(
+        None, description="how each trial was packed, in trial order (version 2)"
+    )
+    trial_step_ms: Optional[list[float]] = Field(
+        None, description="predicted step time of each trial, ms, in trial order (with a cost model)"
+    )
+    max_step_ms: Optional[float] = Field(None, description="the step-time threshold asked about, ms")
+    p_step_over: Optional[float] = Field(
+        None, description="fraction of trials predicted slower than max_step_ms (with a cost model)"
+    )
+    suggested_trials: Optional[Count] = Field(
+        None,
+        description="trials for the standard error of the mean step_ms (rows without a cost model) "
+        "to be at most 1% of it (version 2)",
     )
 
 

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.buffers import Format
+from treepack.proto.plan_wire import strategy_from_wire, strategy_to_wire
 from treepack.proto.shape_wire import shape_to_wire
 from treepack.proto.version import WIRE_VERSION
-from treepack.proto.whatif import Composition, Distribution, WhatIfQuery, WhatIfResult
+from treepack.proto.whatif import MIN_SUGGESTED_TRIALS, Composition, Distribution, WhatIfQuery, WhatIfResult
 from treepack.proto.whatif_messages import Composition as CompositionMessage
 from treepack.proto.whatif_messages import WhatIfResultMessage
 
@@ -48,6 +49,7 @@ def whatif_request(query: WhatIfQuery, fmt: Format) -> dict[str, Any]:
         "history_batches": query.history_batches,
         "history_seq_len": query.history_seq_len,
         "history_tags": None if query.history_tags is None else list(query.history_tags),
+        "max_step_ms": query.max_step_ms,
     }
     msg.update({k: v for k, v in fields.items() if v is not None})
     if query.shapes is not None:
@@ -55,29 +57,41 @@ def whatif_request(query: WhatIfQuery, fmt: Format) -> dict[str, Any]:
     return msg
 
 
-def _dist_to_wire(d: Distribution) -> dict[str, float]:
-    return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
+def _dist_to_wire(d: Distribution, version: int) -> dict[str, float]:
+    out = {"mean": d.mean, "p50": d.p50, "p90": d.p90, "min": d.min, "max": d.max}
+    return out if version < 2 else {**out, "std": d.std, "stderr": d.stderr}
 
 
-def whatif_result_to_wire(r: WhatIfResult) -> dict[str, Any]:
+def whatif_result_to_wire(r: WhatIfResult, version: int = WIRE_VERSION) -> dict[str, Any]:
+    """The ``WhatIfResultMessage`` dict of a result; version 1 leaves out what version 2 added."""
+    added = {
+        "strategies": [strategy_to_wire(s) for s in r.strategies],
+        "trial_step_ms": None if r.trial_step_ms is None else r.trial_step_ms.tolist(),
+        "max_step_ms": r.max_step_ms,
+        "p_step_over": r.p_step_over,
+        "suggested_trials": r.suggested_trials,
+    }
     return {
+        **(added if version >= 2 else {}),
         "name": r.name,
         "groups": r.groups,
         "by_tag": r.by_tag,
         "trials": r.trials,
-        "rows": _dist_to_wire(r.rows),
-        "packed_tokens": _dist_to_wire(r.packed_tokens),
-        "unpacked_tokens": _dist_to_wire(r.unpacked_tokens),
-        "saved_fraction": _dist_to_wire(r.saved_fraction),
+        "rows": _dist_to_wire(r.rows, version),
+        "packed_tokens": _dist_to_wire(r.packed_tokens, version),
+        "unpacked_tokens": _dist_to_wire(r.unpacked_tokens, version),
+        "saved_fraction": _dist_to_wire(r.saved_fraction, version),
         "max_rows": r.max_rows,
         "p_rows_over": r.p_rows_over,
         "row_counts": r.row_counts.tolist(),
-        "step_ms": None if r.step_ms is None else _dist_to_wire(r.step_ms),
+        "step_ms": None if r.step_ms is None else _dist_to_wire(r.step_ms, version),
     }
 
 
 def _dist_from_wire(d: Any) -> Distribution:
-    return Distribution(mean=d.mean, p50=d.p50, p90=d.p90, min=d.min, max=d.max)
+    return Distribution(
+        mean=d.mean, p50=d.p50, p90=d.p90, min=d.min, max=d.max, std=d.std or 0.0, stderr=d.stderr or 0.0
+    )
 
 
 def whatif_result_from_wire(r: WhatIfResultMessage) -> WhatIfResult:
@@ -94,4 +108,9 @@ def whatif_result_from_wire(r: WhatIfResultMessage) -> WhatIfResult:
         p_rows_over=r.p_rows_over,
         row_counts=np.asarray(r.row_counts, dtype=np.int64),
         step_ms=None if r.step_ms is None else _dist_from_wire(r.step_ms),
+        strategies=tuple(strategy_from_wire(s) for s in r.strategies or ()),
+        trial_step_ms=None if r.trial_step_ms is None else np.asarray(r.trial_step_ms, dtype=np.float64),
+        max_step_ms=r.max_step_ms,
+        p_step_over=r.p_step_over,
+        suggested_trials=MIN_SUGGESTED_TRIALS if r.suggested_trials is None else r.suggested_trials,
     )

@@ -2,7 +2,8 @@
 
 Conventions of every message (:mod:`treepack.proto.messages` lists them):
 
-- Every top-level message has ``"version": 1``; unknown fields are errors.
+- Every top-level message has ``"version": 2`` (a request may still say 1:
+  :mod:`treepack.proto.version`); unknown fields are errors.
 - Buffer fields (:data:`Buffer`) carry a whole column of one dtype: msgpack ``bin``
   (little-endian), or in JSON a base64 string or a list of numbers
   (:mod:`treepack.proto.buffers`).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
 from treepack.proto.options import (
@@ -100,7 +101,10 @@ FlagsBuffer = _typed_buffer("|u1")
 RunLenBuffer = _typed_buffer("<i8", item_min=1)
 CountBuffer = _typed_buffer("<i8", item_min=0)
 
-Version = Annotated[Literal[1], Field(description=f"wire version; this build speaks {WIRE_VERSION}")]
+Version = Annotated[
+    Literal[1, 2],
+    Field(description=f"wire version; this build speaks {WIRE_VERSION} and reads 1 (answering it in 1)"),
+]
 SeqLen = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="row capacity C in tokens")]
 MinShared = Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="no shared segment shorter than this (SPEC rule 4)")]
 NumRanks = Annotated[int, Field(ge=1, le=MAX_RANKS, description="ranks to deal rows to")]
@@ -205,3 +209,18 @@ class WireModel(BaseModel):
     """The base of every wire message: unknown fields are errors, no coercion, immutable."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StrategyMessage(WireModel):
+    """How a plan packs (:class:`~treepack.proto.strategy.Strategy`): ``tree`` at a ``min_shared_len``, or ``plain``."""
+
+    kind: Literal["tree", "plain"]
+    min_shared_len: Optional[MinShared] = Field(
+        None, description="the rule-4 threshold the tree was built with; null for plain"
+    )
+
+    @model_validator(mode="after")
+    def _threshold_of_a_tree(self) -> StrategyMessage:
+        if (self.min_shared_len is None) != (self.kind == "plain"):
+            raise PydanticCustomError("strategy", "a tree has a min_shared_len and plain packing none")
+        return self

@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 
 from treepack.proto import messages as m
 from treepack.proto.codec import JSON, MSGPACK
+from treepack.proto.version import WIRE_VERSION
 
 __all__ = ["body_spec", "install_openapi", "OFFLINE_DOCS", "MODELS", "ERRORS", "PACK_EXAMPLE", "WHATIF_EXAMPLE"]
 
@@ -68,7 +69,7 @@ def _error_responses(statuses: tuple[int, ...]) -> dict[str, Any]:
 # sharing a 3-token prefix (token 4 is the first trainable one, so position 3 is scored
 # and not shared).
 PACK_EXAMPLE = {
-    "version": 1,
+    "version": WIRE_VERSION,
     "seq_len": 16,
     "tokens": [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8],
     "offsets": [0, 6, 12],
@@ -78,7 +79,7 @@ PACK_EXAMPLE = {
     "min_shared_len": 2,
 }
 WHATIF_EXAMPLE = {
-    "version": 1,
+    "version": WIRE_VERSION,
     "seq_len": 16,
     "min_shared_len": 2,
     "compositions": [{"name": "one group", "groups": 1}],

@@ -214,7 +214,9 @@ class PlanningService:
             record = functools.partial(recorder.record, job, plan.stats)
         self.metrics.observe_plan(plan)
         t0 = time.perf_counter()
-        wire = {"version": WIRE_VERSION, "plan": plan_to_wire(plan, fmt_out), "recorded": record is not None}
+        # A version-1 request gets a version-1 answer (treepack.proto.version).
+        v = msg.version
+        wire = {"version": v, "plan": plan_to_wire(plan, fmt_out, v), "recorded": record is not None}
         out = encode_body(wire, fmt_out)
         self.metrics.pack_phase.labels("encode").observe(time.perf_counter() - t0)
         return Answer(body=out, record=record)
@@ -268,13 +270,14 @@ class PlanningService:
             check=check,
             cost_model=self.cost_model,
             max_cp_tiles=self.settings.cp_tiles_limit,
+            max_step_ms=msg.max_step_ms,
         )
         self.metrics.whatif_trials.inc(runs)
         out = {
-            "version": WIRE_VERSION,
+            "version": msg.version,  # a version-1 request gets a version-1 answer (treepack.proto.version)
             "source": source,
             "pool": pool_summary(pool, self.settings.max_tags),
-            "results": [whatif_result_to_wire(r) for r in results],
+            "results": [whatif_result_to_wire(r, msg.version) for r in results],
         }
         return Answer(body=encode_body(out, fmt_out))
 

@@ -7,13 +7,34 @@ environment when called.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "CHOICES", "OTHER_ENVIRONMENT", "unknown_environment"]
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DOCS = ("offline", "swagger", "off")
+
+CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "docs": (*DOCS, "none")}
+"""Settings that take one word of a list (``none`` is ``off`` for ``docs``)."""
+
+OTHER_ENVIRONMENT = frozenset(
+    {
+        "TREEPACK_URL",  # treepack.client.Packer.from_env: the sidecar a trainer talks to
+        "TREEPACK_VERL",  # the verl plugin's switch (treepack.trainer.verl_plugin)
+        "TREEPACK_VERL_BACKEND",
+        "TREEPACK_VERL_MIN_SHARED_LEN",
+        "TREEPACK_VERL_MAX_SEQ_LEN",
+        "TREEPACK_VERL_TAG",
+        "TREEPACK_VERL_VERBOSE",
+    }
+)
+"""``TREEPACK_*`` variables that other parts of treepack read: not settings, not warned about."""
 
 
 class Settings(BaseSettings):
@@ -95,10 +116,10 @@ class Settings(BaseSettings):
         malloc_keep_mb: freed memory the server process keeps for reuse instead of
             returning it to the OS (glibc only; 0 keeps the allocator's defaults): large
             requests then reuse warm pages (:mod:`treepack.service.malloc`).
-        log_level: uvicorn log level.
+        log_level: uvicorn log level (:data:`LOG_LEVELS`).
         docs: ``offline`` (default) serves ``/docs`` as a self-contained page that lists
             the operations from ``/openapi.json``; ``swagger`` serves Swagger UI from its CDN
-            (needs the network); ``off`` serves no ``/docs``.
+            (needs the network); ``off`` (or ``none``) serves no ``/docs``.
     """
 
     model_config = SettingsConfigDict(env_prefix="TREEPACK_", extra="ignore", frozen=True, env_parse_none_str="none")
@@ -138,8 +159,14 @@ class Settings(BaseSettings):
     whatif_max_trials: int = Field(2000, ge=1)
     cost_model_path: Optional[str] = None
     malloc_keep_mb: int = Field(256, ge=0, le=2047)
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     docs: Literal["offline", "swagger", "off"] = "offline"
+
+    @field_validator("docs", mode="before")
+    @classmethod
+    def _none_is_off(cls, value: Any) -> Any:
+        # `none` clears every optional setting; for /docs that is no page at all.
+        return "off" if value is None or (isinstance(value, str) and value.strip().lower() == "none") else value
 
     @property
     def whatif_work_limit(self) -> int:
@@ -177,3 +204,21 @@ class Settings(BaseSettings):
             raise ValueError(f"the bearer token ({where}) must be printable ASCII (HTTP headers carry nothing else)")
         object.__setattr__(self, "token", SecretStr(token))
         return self
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The ``TREEPACK_*`` variables of ``environ`` that are neither a setting nor read by
+    another part of treepack (:data:`OTHER_ENVIRONMENT`), each with the closest known name
+    (or None), sorted.
+
+    Args:
+        environ: the environment (``os.environ``).
+    """
+    known = {f"TREEPACK_{n.upper()}" for n in Settings.model_fields} | OTHER_ENVIRONMENT
+    rest = {k.removeprefix("TREEPACK_"): k for k in known}  # compared without the common prefix
+    odd = sorted(k for k in environ if k.upper().startswith("TREEPACK_") and k.upper() not in known)
+    out: list[tuple[str, str | None]] = []
+    for k in odd:
+        close = difflib.get_close_matches(k.upper().removeprefix("TREEPACK_"), sorted(rest), n=1, cutoff=0.75)
+        out.append((k, rest[close[0]] if close else None))
+    return out

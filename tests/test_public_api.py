@@ -41,6 +41,7 @@ PUBLIC = [
             "load_cost_model",
             "CostModelError",
             "TreepackWarning",
+            "Strategy",
         },
         id="proto",
     ),
@@ -70,7 +71,7 @@ PUBLIC = [
     pytest.param("treepack.service.cli", {"main", "build_parser"}, id="cli"),
     pytest.param(
         "treepack.client",
-        {"Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "as_composition"},
+        {"Packer", "AsyncPacker", "Composition", "Distribution", "WhatIfResult", "Strategy", "as_composition"},
         id="client",
     ),
     pytest.param(

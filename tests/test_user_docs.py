@@ -79,3 +79,23 @@ def test_help_is_plain_and_product_only():
 def test_installs_are_from_the_clone(doc):
     """No package index serves treepack: the docs install ``".[extra]"`` from the clone."""
     assert re.findall(r"pip install -?e? ?['\"]?treepack\[", (ROOT / doc).read_text()) == []
+
+
+#: Guides a newcomer installs the trainer from, and the one line that installs torch.
+TORCH_FIRST = ("README.md", "docs/trl.md")
+
+
+@pytest.mark.parametrize("doc", TORCH_FIRST)
+def test_torch_is_installed_before_the_trainer_extra(doc):
+    """pip would otherwise pull the default torch of the platform (on Linux x86-64 the CUDA
+    build, several GB): every bash block installing the trainer extra installs torch first."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / doc).read_text(), re.M | re.S)
+    checked = 0
+    for block in blocks:
+        lines = [ln.split("#")[0].strip() for ln in block.splitlines()]
+        extra = [i for i, ln in enumerate(lines) if re.match(r"pip install (-e )?['\"]\.\[[^]]*trainer", ln)]
+        torch = [i for i, ln in enumerate(lines) if re.match(r"pip install torch\b", ln)]
+        for i in extra:
+            checked += 1
+            assert torch and min(torch) < i, f"{doc}: install torch before line {lines[i]!r}"
+    assert checked >= 1, doc  # the guide still installs the trainer extra somewhere

@@ -24,7 +24,16 @@ GPU packages (flash-attn, flash-linear-attention, triton) are imported only insi
 functions that use them; transformers only when a model is first prepared for packed calls.
 """
 
-from treepack.trainer.cost import calibrate, time_step
+try:
+    import torch  # noqa: F401  (every module below needs it)
+except ImportError as exc:
+    raise ImportError(
+        "treepack.trainer needs the 'trainer' extra (torch, transformers), and torch is missing: "
+        "in the clone, pip install '.[trainer]' (install torch first to choose its build, e.g. "
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+    ) from exc
+
+from treepack.trainer.cost import calibrate, time_step  # noqa: E402  (after the check above)
 from treepack.trainer.data.advice import TreepackWarning
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.data.packed_batch import PackedBatch

@@ -28,7 +28,7 @@ import torch
 
 from treepack.proto.cost import MIXER_KINDS, CostModel
 from treepack.proto.cost_fit import fit_cost_model
-from treepack.proto.errors import RequestError
+from treepack.proto.errors import CostModelError, RequestError
 from treepack.proto.plan import Plan
 from treepack.trainer.data import materialize
 from treepack.trainer.hf import packed_forward, unwrap_model
@@ -201,7 +201,9 @@ def calibrate(
         seq_len: row capacity C of the plans to measure (that of the training run).
         vocab: token ids are drawn below this (default: the model's ``vocab_size``).
         batches: the batches to time (default :func:`calibration_batches`), each
-            ``dict(sequences, trainable, groups)``; at least as many as the cost terms.
+            ``dict(sequences, trainable, groups)``; each is timed twice (as the tree and
+            as plain packing), so at least half as many batches as the model has cost terms
+            (fewer are refused before anything is timed: the fit would be underdetermined).
         varlen_fn: the ``flash`` kernel (default: flash-attn on CUDA, the batched CPU
             kernel :func:`~treepack.trainer.kernels.varlen.varlen_attention` elsewhere).
         repeats, warmup: timed and untimed rounds; a round steps every plan once (so a
@@ -216,8 +218,13 @@ def calibrate(
             without the other processes' share).
 
     Returns:
-        The fitted :class:`~treepack.proto.cost.CostModel` (``fit`` holds its errors on
-        these batches).
+        The fitted :class:`~treepack.proto.cost.CostModel`; ``fit`` holds its errors on
+        these batches and held out (leave-one-out: each plan's time predicted by the fit to
+        the others), the rank of the measured features and the number of terms
+        (:func:`~treepack.proto.cost_fit.fit_cost_model`).
+
+    Raises:
+        CostModelError: fewer plans to time than cost terms (before any timing).
     """
     from treepack.client import Packer
 
@@ -231,9 +238,15 @@ def calibrate(
     todo = list(batches) if batches is not None else calibration_batches(seq_len, vocab=vocab, seed=seed)
     packer = planner if planner is not None else Packer()
     chunk = _model_chunk_size(model)
-    probe = CostModel(
-        backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in _terms(backend, mixers)}
-    )
+    terms = _terms(backend, mixers)
+    if 2 * len(todo) < len(terms):
+        raise CostModelError(
+            f"{len(todo)} batches (timed as {2 * len(todo)} plans) cannot determine the {len(terms)} cost terms "
+            f"of this model ({', '.join(terms)}): give at least {-(-len(terms) // 2)} batches",
+            path="$.batches",
+            rule="underdetermined",
+        )
+    probe = CostModel(backend=backend, mixers=mixers, chunk_size=chunk, coefficients={t: 0.0 for t in terms})
     plans, names = _plans(packer, todo, seq_len=seq_len, min_shared_len=msl, conv_width=conv_width)
 
     def run(plan: Plan, seqs: Any) -> float:

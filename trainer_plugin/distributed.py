@@ -10,12 +10,12 @@ Flow (every rank calls the same functions, collectives inside)::
   **kw)``: embedded, or the HTTP sidecar with ``Packer(url=...)``), a sidecar URL, any
   callable with ``Packer.pack``'s signature, or, by default, an embedded ``Packer()``.
 - The plan travels as one uint8 tensor holding the project's own encoding: a msgpack map
-  ``{"version": 1, "plan": PlanMessage, "extra": {name: array object}}`` with the plan
+  ``{"version": WIRE_VERSION, "plan": PlanMessage, "extra": {name: array object}}`` with the plan
   exactly as ``POST /v1/pack`` sends it (:mod:`treepack.proto.plan_wire`, schema in
   ``proto/``) and extra arrays as the same typed array objects. Nothing is pickled. The
   request's trainable flags and group codes travel as extras, since every rank needs them
   for the loss normalizations (which count all sequences' tokens).
-- A planner error on the planning rank is broadcast too, as ``{"version": 1, "error":
+- A planner error on the planning rank is broadcast too, as ``{"version": WIRE_VERSION, "error":
   ErrorBody}`` (the service's error body), and raised on every rank (the other ranks
   would otherwise wait in the collective forever).
 - ``rank_rows[rank]`` holds ``-1`` for empty padding rows: the rank materializes them as

@@ -29,7 +29,10 @@ Every planned sequence carries the run's tag (:attr:`VerlPacking.tag`, ``TREEPAC
 which the planner's shape history records.
 
 Logged into verl's metrics per micro-batch: ``treepack/saved_fraction``,
-``treepack/rows``, ``treepack/plan_ms``.
+``treepack/rows``, ``treepack/plan_ms``. Printed on the first data-parallel rank (unless
+``VerlPacking(verbose=False)`` / ``TREEPACK_VERL_VERBOSE=0``): when the engine's first packed
+step verifies packing on its model and how long that took, and when the process exits one
+line of what packing saved over the run (:class:`~treepack.trainer.planning.tally.PackingTally`).
 
 Importing this module imports verl; it is loaded only on request (or by the
 ``verl.plugins`` entry point, :mod:`treepack.trainer.verl_plugin`, when switched on).
@@ -37,6 +40,7 @@ Importing this module imports verl; it is loaded only on request (or by the
 
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -52,8 +56,10 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.proto.errors import RequestError
 from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer.hf import unwrap_model
 from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
+from treepack.trainer.planning.tally import PackingTally
 
 __all__ = ["VerlPacking", "TreepackFSDPEngine", "SUPPORTED_VERL"]
 
@@ -74,6 +80,8 @@ class VerlPacking:
         tag: the task tag every planned sequence is recorded with in the planner's shape
             history (what-ifs sample one run's batches by ``history_tags`` or ``by_tag``);
             ``""``: untagged. Set it to the run's name (``TREEPACK_VERL_TAG``).
+        verbose: print the first step's verification and the run's summary (first
+            data-parallel rank only).
     """
 
     backend: str = "sdpa"
@@ -82,6 +90,7 @@ class VerlPacking:
     planner: Any = None
     head_chunk: int = 4096
     tag: str = "verl"
+    verbose: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -98,14 +107,21 @@ class VerlPacking:
     @classmethod
     def from_env(cls) -> VerlPacking:
         """The defaults, overridden by ``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` /
-        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_TAG``."""
+        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_TAG`` / ``TREEPACK_VERL_VERBOSE`` (``0`` is quiet)."""
         env = os.environ
         return cls(
             backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
             min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
             tag=env.get("TREEPACK_VERL_TAG", "verl"),
+            verbose=env.get("TREEPACK_VERL_VERBOSE", "1") != "0",
         )
+
+
+def _say_on_first_rank(line: str) -> None:
+    """Print ``line`` on the first rank only (every rank runs the engine)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
 
 
 def _refuse(what: str, why: str) -> RequestError:
@@ -182,6 +198,17 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
 
     packing: VerlPacking = VerlPacking.from_env()
 
+    @property
+    def packing_tally(self) -> PackingTally:
+        """This engine's :class:`~treepack.trainer.planning.tally.PackingTally`, made on first
+        use; its summary is printed when the process exits (verl's engine has no end of training)."""
+        tally = self.__dict__.get("_packing_tally")
+        if tally is None:
+            tally = PackingTally(say=_say_on_first_rank if self.packing.verbose else None)
+            self.__dict__["_packing_tally"] = tally
+            atexit.register(tally.report)
+        return tally
+
     def forward_step(
         self, micro_batch: Any, loss_function: Any, forward_only: bool
     ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -207,7 +234,8 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             if autocast_dtype == torch.float32
             else torch.autocast(device_type=device_name, dtype=autocast_dtype)
         )
-        out = self._packed_logprobs(batch, autocast, temperature=temperature, with_entropy=calc_entropy)
+        with self.packing_tally.first_step(unwrap_model(self.module), self.packing.backend):
+            out = self._packed_logprobs(batch, autocast, temperature=temperature, with_entropy=calc_entropy)
         with autocast:
             lp, ent = out if calc_entropy else (out, None)
             model_output = {"log_probs": _jagged(batch, lp, offsets, device)}
@@ -222,6 +250,7 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
                 loss = torch.tensor(1.0, device=device_name)
                 metrics = {}
         stats = mb.plan.stats
+        self.packing_tally.add(stats, mb.plan_ms)
         metrics = dict(metrics)
         for k, v in (("saved_fraction", stats.saved_fraction), ("rows", stats.rows), ("plan_ms", mb.plan_ms)):
             metrics[f"treepack/{k}"] = Metric(value=float(v), aggregation=AggregationType.MEAN)

@@ -25,9 +25,18 @@ def register() -> type:
 
     Returns:
         The engine class now registered.
+
+    Raises:
+        ImportError: verl (or its FSDP engine) is not installed, saying which release to install.
     """
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    try:
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError as exc:
+        raise ImportError(
+            "treepack's verl engine needs verl, which is missing: pip install verl==0.9.1 "
+            "(the release it was checked against)"
+        ) from exc
 
     from treepack.trainer.verl import TreepackFSDPEngine
 
@@ -40,9 +49,13 @@ def register() -> type:
 
 
 def registered() -> bool:
-    """True when every stock ``fsdp`` / ``fsdp2`` language-model entry is the treepack engine."""
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    """True when every stock ``fsdp`` / ``fsdp2`` language-model entry is the treepack engine
+    (False without verl: nothing is registered then)."""
+    try:
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError:
+        return False
 
     table = EngineRegistry._engines.get("language_model", {})
     entries = [cls for b in ("fsdp", "fsdp2") for cls in table.get(b, {}).values()]

@@ -3,8 +3,8 @@
 - ``treepack demo [--groups N] [--png PATH]`` — the golden example and a realistic
   multi-task batch on the embedded planner: rows, tokens, savings, bound and timings per
   placement (:mod:`.demo`).
-- ``treepack plan FILE --seq-len N [--placement P] [--min-shared-len K] [--json]`` — plan
-  a JSONL batch (one sequence per line: ``{"tokens": [...], "trainable": [0/1, ...]}`` or
+- ``treepack plan FILE --seq-len N [--placement P] [--min-shared-len K] [--json] ...`` (a flag
+  per planner option) — plan a JSONL batch (one sequence per line: ``{"tokens": [...], "trainable": [0/1, ...]}`` or
   ``{"tokens": [...], "prompt_len": n}``, optional ``"group"``; ``-`` reads stdin)
   (:mod:`.plan`).
 - ``treepack bench [--full] [--repeats K] [--json PATH]`` — the planning benchmark

@@ -4,8 +4,10 @@ The input: one sequence per line, ``{"tokens": [...], "trainable": [0/1, ...]}``
 ``{"tokens": [...], "trainable": true|false}`` or ``{"tokens": [...], "prompt_len": n}``,
 optional ``"group"``; blank lines are skipped; ``-`` reads stdin. A line that gives neither
 ``prompt_len`` nor ``trainable`` is an error unless ``--no-trainable`` or ``--all-trainable``
-says what it means. Errors name the file, the line and the element (``line 3.tokens[7]``),
-not the sequence index, and exit with status 2.
+says what it means. Every planner option is a flag (``--min-shared-len``, ``--share-trainable``,
+``--repair-ms`` ...). Errors name the file, the line and the element (``line 3.tokens[7]``),
+not the sequence index, spell options as the flags that set them (``--on-overflow truncate``,
+not ``on_overflow='truncate'``), and exit with status 2.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.errors import RequestError
-from treepack.proto.options import PLACEMENTS
+from treepack.proto.options import CP_ATTENTION, ON_OVERFLOW, OPTION_NAMES, PLACEMENTS, REPAIR_MS
 from treepack.service.cli.report import plan_summary, plans_table, rows_table
 from treepack.service.planner import plan_batch
 
-__all__ = ["read_jsonl", "run_plan", "add_plan_parser"]
+__all__ = ["read_jsonl", "run_plan", "add_plan_parser", "as_flags"]
 
 _FIELDS = {"tokens", "trainable", "prompt_len", "group"}
 
@@ -132,6 +134,34 @@ def _line_of(path: str, line_numbers: list[int]) -> str:
     return path
 
 
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def as_flags(text: str) -> str:
+    """A planner message with its option names spelled as this command's flags.
+
+    ``min_shared_len must be >= 1`` -> ``--min-shared-len must be >= 1``;
+    ``set on_overflow='truncate' or 'drop'`` -> ``set --on-overflow truncate or --on-overflow drop``.
+    """
+    for name in sorted(OPTION_NAMES, key=len, reverse=True):
+        flag = _flag(name)
+        text = re.sub(rf"\b{name}=(['\"]?)([\w.]+)\1", rf"{flag} \2", text)
+        text = re.sub(rf"\b{name}\b", flag, text)
+    return re.sub(r"(--[\w-]+) ([\w.]+) or '([\w.]+)'", r"\1 \2 or \1 \3", text)
+
+
+def _error_line(exc: RequestError, file: str, line_numbers: list[int]) -> str:
+    """``treepack plan: error: <message> - at <file>, line 3.tokens[7] [rule]``; an option's error
+    names its flag instead of a place in the file."""
+    m = re.fullmatch(r"\$\.(\w+)", exc.path)
+    if m and m.group(1) in OPTION_NAMES:
+        msg, flag = as_flags(exc.message), _flag(m.group(1))
+        return f"treepack plan: error: {msg if flag in msg else f'{flag}: {msg}'} [{exc.rule}]"
+    where = "" if file == "-" else f"{file}, "
+    return f"treepack plan: error: {as_flags(exc.message)} - at {where}{_line_of(exc.path, line_numbers)} [{exc.rule}]"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the file, print the tables (or ``--json``); 2 on bad input, naming the line."""
     try:
@@ -158,13 +188,13 @@ def run_plan(args: argparse.Namespace) -> int:
             cp_size=args.cp_size,
             cp_attention=args.cp_attention,
             on_overflow=args.on_overflow,
+            share_trainable=args.share_trainable,
+            min_shared_saving=args.min_shared_saving,
+            repair_ms=args.repair_ms,
+            conv_width=args.conv_width,
         )
     except RequestError as exc:
-        where = "" if args.file == "-" else f"{args.file}, "
-        print(
-            f"treepack plan: error: {exc.message} - at {where}{_line_of(exc.path, line_numbers)} [{exc.rule}]",
-            file=sys.stderr,
-        )
+        print(_error_line(exc, args.file, line_numbers), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan_summary(plan)))
@@ -183,11 +213,30 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("file", help="JSONL file, one sequence per line ('-' for stdin)")
     p.add_argument("--seq-len", type=int, required=True, help="row capacity C")
     p.add_argument("--placement", default="auto", choices=PLACEMENTS)
-    p.add_argument("--min-shared-len", type=int, default=64)
+    p.add_argument("--min-shared-len", type=int, default=64, help="no shared segment shorter than this")
+    p.add_argument(
+        "--min-shared-saving",
+        type=int,
+        default=0,
+        help="also share a run shorter than --min-shared-len when (sharers - 1) x length >= this (0: off)",
+    )
+    p.add_argument(
+        "--share-trainable",
+        action="store_true",
+        help="the generalized mode: trainable tokens shared up to a scored divergence",
+    )
+    p.add_argument(
+        "--repair-ms",
+        type=float,
+        default=REPAIR_MS,
+        help=f"CPU-ms budget of auto's repair pass (0: none; default {REPAIR_MS:g})",
+    )
+    p.add_argument("--conv-width", type=int, default=4, help="GDN short-conv width W (the conv context it plans)")
     p.add_argument("--num-ranks", type=int, default=1, help="data-parallel ranks to deal rows to")
     p.add_argument(
         "--cp-attention",
         default="auto",
+        choices=CP_ATTENTION,
         help="attention under CP: ulysses, allgather (shards balanced by attention work) or auto",
     )
     p.add_argument(
@@ -196,7 +245,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1,
         help="context-parallel group size: each row split into this many equal, aligned shards",
     )
-    p.add_argument("--on-overflow", default="error", choices=("error", "truncate", "drop"))
+    p.add_argument("--on-overflow", default="error", choices=ON_OVERFLOW)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     dflt = p.add_mutually_exclusive_group()
     dflt.add_argument(

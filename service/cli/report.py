@@ -24,6 +24,8 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     return {
         "placement": plan.placement,
         "strategy": plan.strategy,
+        "packing": {"kind": plan.packing.kind, "min_shared_len": plan.packing.min_shared_len},
+        "options": plan.options.to_wire(),
         "seq_len": plan.seq_len,
         "rows": plan.num_rows,
         "cp_size": plan.ranks.cp_size,

@@ -9,14 +9,17 @@ the embedded client's what-if), never as part of the plan.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from treepack.proto.batch import PackInput, SequenceBatch
 from treepack.proto.cost import CostModel
+from treepack.proto.errors import NoTrainableWarning
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.plan import Plan, PlanStats, Segments
+from treepack.proto.strategy import strategy_of
 from treepack.service.planner.bounds import lower_bound_rows
 from treepack.service.planner.by_time import choose_by_time, repair_budget_ms, with_prediction
 from treepack.service.planner.layout import layout_rows
@@ -53,8 +56,10 @@ def plan_batch(
             time goes in ``stats.predicted_ms``, and ``placement="auto"`` picks the tree
             or plain packing by it (:mod:`~.by_time`).
         **kwargs: the option keywords, and the rest of the batch as
-            :class:`~treepack.proto.batch.PackInput` names it: ``trainable`` (None, or per
-            sequence a bool array or a prompt length), ``groups`` (per sequence an int/str
+            :class:`~treepack.proto.batch.PackInput` names it: ``trainable`` (per sequence a
+            bool array or a prompt length; ``None``: no token is a loss target, every
+            sequence fully shareable; left out, the same with a
+            :class:`~treepack.proto.errors.NoTrainableWarning`), ``groups`` (per sequence an int/str
             id: orders ``bfd``, never limits sharing), ``keys`` (per sequence None or one
             uint64 per token that must also match to share). ``tags`` and ``record`` are
             taken and unused: there is no history here.
@@ -65,6 +70,15 @@ def plan_batch(
     Raises:
         RequestError: (or a subclass) for any invalid argument, naming it.
     """
+    if "trainable" not in kwargs and not isinstance(sequences, PackInput):
+        warnings.warn(
+            NoTrainableWarning(
+                "plan_batch got no trainable=: every token is planned as a non-target (shared wherever the "
+                "sequences agree, no join token duplicated), which a loss on this plan would read wrongly; pass "
+                "trainable= (per sequence a prompt length or 0/1 flags), or trainable=None to say nothing is trained"
+            ),
+            stacklevel=2,
+        )
     return plan_request(PackInput.of(sequences, options, **kwargs), cost_model=cost_model).plan
 
 
@@ -184,6 +198,7 @@ def plan_with_tree(
         options=options,
         num_rows=num_rows,
         strategy=strategy,
+        packing=strategy_of(seg.sharers, options.min_shared_len),
         seq_lens=batch.lens,
         orig_lens=batch.orig_lens,
         row_of=row_of,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from treepack.proto.plan import Plan
+from treepack.proto.strategy import strategy_of
 from treepack.service.planner.invariant import _check
 from treepack.service.planner.metadata import naive_conv_context
 
@@ -59,7 +60,10 @@ def check_gdn(plan: Plan) -> None:
 
 
 def check_planned_with(plan: Plan) -> None:
-    """What the plan carries about its batch: per-sequence arrays of the right shapes."""
+    """What the plan carries about its batch: per-sequence arrays of the right shapes, and
+    its typed strategy (``packing``) saying what its segments do: a tree at the plan's
+    ``min_shared_len`` when one is shared, else plain."""
+    _check(plan.packing == strategy_of(plan.segments.sharers, plan.min_shared_len), f"packing {plan.packing}")
     S = plan.num_sequences
     ft = plan.first_trainable
     _check(ft.shape == (S,) and bool(np.all((ft >= 0) & (ft <= plan.seq_lens))), "first_trainable shape or range")

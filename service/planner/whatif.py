@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,15 @@ from treepack.proto.errors import CapacityError, PayloadTooLargeError, RequestEr
 from treepack.proto.index import csr_gather, csr_index
 from treepack.proto.options import PlanOptions, as_options
 from treepack.proto.shape import BatchShape, run_tokens
-from treepack.proto.whatif import Composition, Distribution, WhatIfResult
+from treepack.proto.strategy import Strategy
+from treepack.proto.whatif import (
+    Composition,
+    CompositionLike,
+    Distribution,
+    WhatIfResult,
+    as_composition,
+    suggest_trials,
+)
 from treepack.service.planner.api import plan_with_tree
 from treepack.service.planner.options import check_options
 from treepack.service.planner.whatif_pool import GroupPool, build_pool
@@ -112,7 +121,7 @@ def synthesize(pool: GroupPool, units: np.ndarray) -> dict[str, Any]:
 
 def whatif(
     shapes: Sequence[BatchShape] | GroupPool,
-    compositions: Sequence[Composition],
+    compositions: Sequence[CompositionLike],
     options: PlanOptions | None = None,
     *,
     trials: int = 32,
@@ -122,6 +131,7 @@ def whatif(
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
     max_cp_tiles: int | None = None,
+    max_step_ms: float | None = None,
     **option_kwargs: Any,
 ) -> list[WhatIfResult]:
     """Row distributions of candidate compositions (module docstring).
@@ -129,7 +139,8 @@ def whatif(
     Args:
         shapes: the recorded batches to sample groups from, or their
             :class:`~.whatif_pool.GroupPool` (built once by a caller that priced it).
-        compositions: the candidates.
+        compositions: the candidates: each a :class:`~treepack.proto.whatif.Composition`,
+            a group count or a dict (:func:`~treepack.proto.whatif.as_composition`).
         options: as for :func:`~.api.plan_batch` (or its fields as keywords), applied to
             every trial, checked once. Shapes
             do not record trainable tokens (their runs are unique per sequence), so the
@@ -148,13 +159,16 @@ def whatif(
             in ``/v1/pack``): a what-if plans many trials, and its work stays what was asked.
         max_cp_tiles: refuse (413) a trial whose all-gather CP split holds more tiles than
             this (:func:`~.ranks.check_cp_tiles`); None: no limit.
+        max_step_ms: with ``cost_model``, report the fraction of trials predicted slower
+            than this (``p_step_over``).
 
     Returns:
         One :class:`WhatIfResult` per composition, in order.
 
     Raises:
         RequestError: an empty pool, a composition the pool cannot fill, sequences longer
-            than ``seq_len`` with ``on_overflow="error"``, or any planner argument error.
+            than ``seq_len`` with ``on_overflow="error"``, ``max_step_ms`` without a cost
+            model, or any planner argument error.
     """
     opts = check_options(as_options(options, option_kwargs))
     seq_len = opts.seq_len
@@ -167,6 +181,14 @@ def whatif(
         )
     if trials < 1:
         raise RequestError(f"trials must be >= 1, got {trials}", path="$.trials", rule="range")
+    if max_step_ms is not None and cost_model is None:
+        raise RequestError(
+            "max_step_ms asks about predicted step times, which need a cost model "
+            "(the sidecar's cost_model_path setting, or Packer(cost_model=...))",
+            path="$.max_step_ms",
+            rule="needs_cost_model",
+        )
+    comps = [as_composition(c, i) for i, c in enumerate(compositions)]
     longest = int(pool.lens[pool.unit_seqs].max(initial=0))
     if opts.on_overflow == "error" and longest > seq_len:
         raise CapacityError(
@@ -175,25 +197,25 @@ def whatif(
             path="$.seq_len",
             rule="max_len",
         )
-    for i, comp in enumerate(compositions):
+    for i, comp in enumerate(comps):
         _check_composition(pool, comp, f"$.compositions[{i}]")
     rng = np.random.default_rng(seed)
+    limits = _Limits(max_rows=max_rows, max_step_ms=max_step_ms, max_tokens=max_tokens)
     return [
         _trials(
-            pool,
-            comp,
-            opts,
-            f"$.compositions[{i}]",
-            rng,
-            trials,
-            max_rows,
-            max_tokens,
-            check,
-            cost_model,
-            max_cp_tiles=max_cp_tiles,
+            pool, comp, opts, f"$.compositions[{i}]", rng, trials, limits, check, cost_model, max_cp_tiles=max_cp_tiles
         )
-        for i, comp in enumerate(compositions)
+        for i, comp in enumerate(comps)
     ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Limits:
+    """The thresholds asked about (``max_rows``, ``max_step_ms``) and the trial size limit (``max_tokens``)."""
+
+    max_rows: int | None
+    max_step_ms: float | None
+    max_tokens: int | None
 
 
 def _trials(
@@ -203,14 +225,15 @@ def _trials(
     path: str,
     rng: np.random.Generator,
     trials: int,
-    max_rows: int | None,
-    max_tokens: int | None,
+    limits: _Limits,
     check: Callable[[], None] | None = None,
     cost_model: CostModel | None = None,
     *,
     max_cp_tiles: int | None = None,
 ) -> WhatIfResult:
     """Plan ``trials`` sampled batches of one composition and summarize them."""
+    max_tokens = limits.max_tokens
+    strategies: list[Strategy] = []
     rows = np.zeros(trials, dtype=np.int64)
     step_ms = np.zeros(trials, dtype=np.float64)
     packed = np.zeros(trials, dtype=np.int64)
@@ -230,29 +253,39 @@ def _trials(
         with warnings.catch_warnings():
             # A trial's plan is never run: whether its tree pays is in step_ms, not a warning.
             warnings.simplefilter("ignore", CostWarning)
-            st = plan_with_tree(
+            plan = plan_with_tree(
                 trial.normalize(opts.seq_len, opts.on_overflow),
                 opts,
                 check=check,
                 cost_model=cost_model,
                 repair_ms=float(opts.repair_ms),
                 max_cp_tiles=max_cp_tiles,
-            ).plan.stats
+            ).plan
+        st = plan.stats
         rows[t], packed[t], unpacked[t], saved[t] = st.rows, st.packed_tokens, st.unpacked_tokens, st.saved_fraction
         step_ms[t] = 0.0 if st.predicted_ms is None else st.predicted_ms
+        strategies.append(plan.packing)
+    timed = None if cost_model is None else Distribution.of(step_ms)
+    rows_dist = Distribution.of(rows)
+    max_rows, max_step_ms = limits.max_rows, limits.max_step_ms
     return WhatIfResult(
         name=comp.name,
         groups=comp.total_groups,
         by_tag=None if comp.by_tag is None else dict(comp.by_tag),
         trials=trials,
-        rows=Distribution.of(rows),
+        rows=rows_dist,
         packed_tokens=Distribution.of(packed),
         unpacked_tokens=Distribution.of(unpacked),
         saved_fraction=Distribution.of(saved),
         max_rows=max_rows,
         p_rows_over=None if max_rows is None else float(np.mean(rows > max_rows)),
         row_counts=rows,
-        step_ms=None if cost_model is None else Distribution.of(step_ms),
+        step_ms=timed,
+        strategies=tuple(strategies),
+        trial_step_ms=None if cost_model is None else step_ms,
+        max_step_ms=max_step_ms,
+        p_step_over=None if max_step_ms is None or timed is None else float(np.mean(step_ms > max_step_ms)),
+        suggested_trials=suggest_trials(rows_dist if timed is None else timed),
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from treepack.client import AsyncPacker, Composition, Packer
 from treepack.proto.errors import CapacityError, InputTypeError, RequestError, TransportError, UnsupportedVersionError
+from treepack.proto.version import WIRE_VERSION
 from treepack.service import Settings, create_app
 from treepack.service.cli.workloads import agentic, curriculum, golden_example
 from treepack.service.planner import validate_plan
@@ -108,7 +109,7 @@ async def test_async_embedded_and_sync_http_agree(server):
         assert (await p.health())["backend"] == "embedded"
     with Packer(server) as p:
         assert_same_plan(a, p.pack(**kwargs))
-        assert p.health() == {"version": 1, "status": "ok", "backend": "http"}
+        assert p.health() == {"version": WIRE_VERSION, "status": "ok", "backend": "http"}
 
 
 async def test_a_pack_input_goes_to_every_entry_point_as_it_is(server):
@@ -337,10 +338,11 @@ def test_whatif_over_http_matches_embedded_on_inline_shapes(server):
     emb = Packer().whatif(comps, **args)
     with Packer(server) as p:
         rem = p.whatif(comps, **args)
-    assert [r.name for r in rem] == ["six", "", ""]
+    assert [r.name for r in rem] == [r.name for r in emb] == ["six", "task0 2 + task1 1", "12 groups"]
     for a, b in zip(emb, rem):
         assert a.rows == b.rows and a.packed_tokens == b.packed_tokens and a.p_rows_over == b.p_rows_over
         assert np.array_equal(a.row_counts, b.row_counts)
+        assert a.strategies == b.strategies and len(a.strategies) == 4 and a.suggested_trials == b.suggested_trials
     assert rem[2].row_counts.tolist() == [result.plan.num_rows] * 4  # every group: the recorded batch itself
 
 

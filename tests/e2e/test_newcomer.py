@@ -27,6 +27,7 @@ NOT_RUN_HERE = {
     "make test": "the suite this check is part of",
     "git clone <this repository> treepack && cd treepack": "the clone this check itself makes",
     'pip install ".[trainer,trl]"': "the wheel install below (planner only) and make wheel-check in CI (trainer extra)",
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu": "make wheel-check installs torch as told",
 }
 
 

@@ -34,3 +34,25 @@ def test_worker_factory_keeps_freed_memory_on_glibc():
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}, "TREEPACK_MALLOC_KEEP_MB": "32"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_bad_cost_file_is_one_line_and_status_2_from_the_installed_command(tmp_path):
+    import shutil
+
+    exe = shutil.which("treepack", path=os.path.dirname(sys.executable))
+    assert exe is not None, "the treepack console script of this venv"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TREEPACK_")}
+    r = subprocess.run(
+        [exe, "serve", "--cost-model-path", str(bad), "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"treepack serve: --cost-model-path: cost file {str(bad)!r}: not a treepack cost model: format is None, "
+        "expected 'treepack-cost-model' (field $.format, rule format)"
+    ]

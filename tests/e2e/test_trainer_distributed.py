@@ -15,6 +15,7 @@ from treepack.proto.codec import decode_body, encode_body, parse_message
 from treepack.proto.errors import InputTypeError, RequestError
 from treepack.proto.pack_messages import PlanMessage
 from treepack.proto.plan_wire import plan_to_wire
+from treepack.proto.version import WIRE_VERSION
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer.distributed import decode_plan, encode_plan, obtain_plan
 
@@ -64,7 +65,7 @@ def test_encode_decode_round_trip(golden):
         assert b"pickle" not in buf[:200]
         # The project's encoding: the plan is the PlanMessage of POST /v1/pack, byte for byte.
         msg = decode_body(buf, "msgpack")
-        assert set(msg) == {"version", "plan", "extra"} and msg["version"] == 1
+        assert set(msg) == {"version", "plan", "extra"} and msg["version"] == WIRE_VERSION
         parse_message(PlanMessage, msg["plan"])
         assert encode_body(msg["plan"], "msgpack") == encode_body(plan_to_wire(plan, "msgpack"), "msgpack")
     with pytest.raises(InputTypeError, match="dtype bool") as e:

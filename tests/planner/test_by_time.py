@@ -10,6 +10,7 @@ import pytest
 
 from treepack.proto.cost import CostModel, CostWarning, cost_terms
 from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
+from treepack.proto.strategy import Strategy
 from treepack.service.planner import plan_batch, validate_plan
 from treepack.service.planner.by_time import time_candidates
 
@@ -83,6 +84,9 @@ def test_segment_heavy_cost_prefers_plain_packing_of_a_sharing_batch(golden):
     with pytest.warns(CostWarning):
         plan = plan_batch(cost_model=heavy, **kw)
     assert plan.strategy.startswith("no_share")
+    assert plan.packing == Strategy(kind="plain") and str(plan.packing) == "plain"
+    # Negative control: the tree plan of the same batch is typed as a tree at the asked threshold.
+    assert plan_batch(**kw).packing == Strategy(kind="tree", min_shared_len=64)
     validate_plan(plan, golden.sequences, trainable=kw["trainable"])
 
 
@@ -104,6 +108,8 @@ def test_larger_min_shared_len_wins_where_short_shared_segments_cost():
     validate_plan(plan, seqs, trainable=prompt)
     assert plan.strategy.startswith("min_shared_len=")
     assert plan.min_shared_len in (16, 64) and plan.segments.num_segments < first.segments.num_segments
+    assert plan.packing == Strategy(kind="tree", min_shared_len=plan.min_shared_len)
+    assert first.packing == Strategy(kind="tree", min_shared_len=4)
     assert plan.stats.predicted_ms < seg_cost.predict_ms(first)
 
 

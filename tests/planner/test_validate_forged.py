@@ -32,6 +32,7 @@ import pytest
 
 import treepack.service.planner as planner_pkg
 from treepack.proto.plan import Plan
+from treepack.proto.strategy import Strategy
 from treepack.service.planner import PlanInvariantError, plan_batch, validate_plan
 from treepack.service.planner import validate as validate_mod
 
@@ -598,17 +599,31 @@ def f_shares_scored(p, seqs, flags):
 def f_min_shared_len(p, seqs, flags):
     g = _shared(p)
     n = int(_seg(p).length[g])
-    return dataclasses.replace(p, options=dataclasses.replace(p.options, min_shared_len=n + 1)), seqs, flags
+    # The typed strategy claims the same threshold, so the segment check is what refuses it.
+    packing = Strategy(kind="tree", min_shared_len=n + 1)
+    return (
+        dataclasses.replace(p, options=dataclasses.replace(p.options, min_shared_len=n + 1), packing=packing),
+        seqs,
+        flags,
+    )
 
 
 def f_min_shared_saving(p, seqs, flags):
     g = _shared(p)
     n = int(_seg(p).length[g])
     return (
-        dataclasses.replace(p, options=dataclasses.replace(p.options, min_shared_len=n + 1, min_shared_saving=10**6)),
+        dataclasses.replace(
+            p,
+            options=dataclasses.replace(p.options, min_shared_len=n + 1, min_shared_saving=10**6),
+            packing=Strategy(kind="tree", min_shared_len=n + 1),
+        ),
         seqs,
         flags,
     )
+
+
+def f_packing(p, seqs, flags):
+    return dataclasses.replace(p, packing=Strategy(kind="plain")), seqs, flags
 
 
 def f_generalized_divergence(p, seqs, flags):
@@ -728,6 +743,7 @@ CASES: dict[str, Case] = {
     "first_trainable_shape": Case(check=r"^first_trainable shape or range$", forge=f_first_trainable_shape),
     "first_trainable_negative": Case(check=r"^first_trainable shape or range$", forge=f_first_trainable_negative),
     "group_codes": Case(check=r"^group_codes shape$", forge=f_group_codes),
+    "packing": Case(check=r"^packing plain$", forge=f_packing),
     "flags_shape": Case(check=r"^trainable flags shape$", forge=f_flags_shape),
     "first_trainable_flags": Case(
         check=r"^first_trainable of sequence \d+ disagrees with its flags$", forge=f_first_trainable_flags

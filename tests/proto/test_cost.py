@@ -18,7 +18,7 @@ from treepack.proto.cost import (
     naive_attention_pairs,
     plan_features,
 )
-from treepack.proto.cost_fit import fit_cost_model
+from treepack.proto.cost_fit import fit_cost_model, held_out_errors
 from treepack.proto.errors import TreepackWarning
 from treepack.service.planner import plan_batch
 
@@ -109,6 +109,54 @@ def test_fit_recovers_coefficients():
     # Non-negative even where plain least squares would go negative.
     noisy = fit_cost_model(X, t * rng.uniform(0.8, 1.2, 40), backend="sdpa", mixers=["mamba2"])
     assert min(noisy.coefficients.values()) >= 0
+
+
+def test_fit_refuses_fewer_batches_than_terms():
+    terms = cost_terms("flash")  # 7
+    rng = np.random.default_rng(1)
+    X = rng.uniform(1, 100, (6, len(terms)))
+    t = X @ rng.uniform(0.1, 1, len(terms))
+    with pytest.raises(CostModelError, match="6 timed batches cannot determine 7 coefficients") as e:
+        fit_cost_model(X, t, backend="flash")
+    assert (e.value.path, e.value.rule) == ("$.features", "underdetermined")
+    X7 = rng.uniform(1, 100, (7, len(terms)))  # negative control: as many batches as terms is a fit
+    assert fit_cost_model(X7, X7 @ np.ones(len(terms)), backend="flash").fit["batches"] == 7
+
+
+def test_fit_reports_held_out_error_that_in_sample_error_hides():
+    terms = cost_terms("sdpa")  # 6
+    rng = np.random.default_rng(2)
+    true = rng.uniform(0.5, 2, len(terms))
+    X = rng.uniform(1, 100, (8, len(terms)))
+    t = X @ true * rng.uniform(0.7, 1.3, 8)  # 30% noise on barely more batches than terms
+    noisy = fit_cost_model(X, t, backend="sdpa")
+    f = noisy.fit
+    assert (f["batches"], f["terms"], f["rank"]) == (8, 6, 6)
+    # Few spare equations soak up the noise: the batches it saw look better than the ones it did not.
+    assert f["cv_median_rel_err"] > f["median_rel_err"] and f["cv_max_rel_err"] > f["max_rel_err"]
+    # Leave-one-out by hand: batch i predicted by the fit to the seven others.
+    want = [
+        abs(float(X[i] @ _coef(fit_cost_model(np.delete(X, i, 0), np.delete(t, i), backend="sdpa"))) - t[i]) / t[i]
+        for i in range(8)
+    ]
+    assert np.allclose(held_out_errors(X, t), want, rtol=1e-9)
+    assert f["cv_median_rel_err"] == pytest.approx(float(np.median(want)))
+    # Negative control: exact times on many batches are predicted exactly held out too.
+    Xm = rng.uniform(1, 100, (30, len(terms)))
+    exact = fit_cost_model(Xm, Xm @ true, backend="sdpa").fit
+    assert exact["cv_max_rel_err"] < 1e-8
+
+
+def test_fit_reports_features_that_do_not_tell_terms_apart():
+    terms = cost_terms("sdpa")
+    rng = np.random.default_rng(3)
+    X = rng.uniform(1, 100, (12, len(terms)))
+    X[:, 3] = 2 * X[:, 2]  # loss tokens always twice the positions: only their mix is measured
+    assert fit_cost_model(X, X @ np.ones(len(terms)), backend="sdpa").fit["rank"] == len(terms) - 1
+
+
+def _coef(cost: CostModel) -> np.ndarray:
+    return np.array([cost.coefficients[k] for k in cost_terms(cost.backend, cost.mixers)])
 
 
 def test_save_load_round_trip(tmp_path):

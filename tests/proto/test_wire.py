@@ -19,6 +19,7 @@ from treepack.proto.errors import DecodeError, InputTypeError, RequestError, Uns
 from treepack.proto.pack_messages import PackRequest
 from treepack.proto.plan_wire import plan_differences, plan_from_wire, plan_to_wire
 from treepack.proto.schema import SCHEMAS, path_of, schema_text, stale_schemas
+from treepack.proto.version import WIRE_VERSION
 from treepack.service.cli.workloads import agentic, curriculum, distillation, golden_example
 from treepack.service.planner import plan_batch, validate_plan
 
@@ -245,7 +246,7 @@ def test_schema_files_validate_real_json_messages():
     docs = {
         "pack_request": pack_message(small_batch(), "json"),
         "plan": plan_to_wire(plan, "json"),
-        "pack_response": {"version": 1, "plan": plan_to_wire(plan, "json"), "recorded": False},
+        "pack_response": {"version": WIRE_VERSION, "plan": plan_to_wire(plan, "json"), "recorded": False},
         "error": RequestError("bad", path="$.x", rule="r").to_payload(),
     }
     for name, doc in docs.items():

@@ -14,6 +14,8 @@ import pytest
 from treepack.service.cli import main
 from treepack.service.planner import plan_batch, validate_plan
 
+from helpers.service import REPO
+
 _find_spec = importlib.util.find_spec
 
 
@@ -34,6 +36,49 @@ def test_plan_json_matches_planner(tmp_path, golden, capsys):
     assert set(out["timings_ms"]) >= {"tree", "placement", "layout", "metadata", "total"}
     ref = plan_batch(**golden.plan_kwargs(), placement="bfd")
     assert out["row_tokens"] == ref.row_len.tolist()
+
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (
+            ["--seq-len", "100"],
+            "sequence 0 has 178 tokens, longer than --seq-len 100 (set --on-overflow truncate or --on-overflow drop "
+            "to allow) - at batch.jsonl, line 1 [max_len]",
+        ),
+        (["--seq-len", "512", "--min-shared-len", "0"], "--min-shared-len must be >= 1, got 0 [minimum]"),
+        (["--seq-len", "512", "--repair-ms", "-1"], "--repair-ms must be in [0, 60000], got -1.0 [range]"),
+        (["--seq-len", "512", "--conv-width", "0"], "--conv-width must be in [1, 64], got 0 [range]"),
+        (["--seq-len", "512", "--min-shared-saving", "-3"], "--min-shared-saving must be >= 0, got -3 [minimum]"),
+        (["--seq-len", "512", "--cp-size", "0"], "--cp-size must be in [1, 1024], got 0 [range]"),
+    ],
+    ids=["over capacity", "min-shared-len", "repair-ms", "conv-width", "min-shared-saving", "cp-size"],
+)
+def test_plan_errors_spell_the_flags(monkeypatch, capsys, flags, expect):
+    monkeypatch.chdir(REPO / "examples")
+    assert main(["plan", "batch.jsonl", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"treepack plan: error: {expect}\n"
+    assert "_" not in err.split(" - at ")[0].replace("max_len", ""), err  # no Python argument name left
+
+
+def test_plan_flags_reach_the_planner(tmp_path, capsys):
+    path = REPO / "examples" / "batch.jsonl"
+    argv = ["plan", str(path), "--seq-len", "512", "--json"]
+    assert main(argv) == 0
+    base = json.loads(capsys.readouterr().out)
+    extra = ["--share-trainable", "--min-shared-saving", "100", "--repair-ms", "0", "--conv-width", "3"]
+    assert main([*argv, *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = {"share_trainable": True, "min_shared_saving": 100, "repair_ms": 0.0, "conv_width": 3}
+    assert {k: out["options"][k] for k in want} == want
+    assert {k: base["options"][k] for k in want} == {  # negative control: the defaults without them
+        "share_trainable": False,
+        "min_shared_saving": 0,
+        "repair_ms": 10.0,
+        "conv_width": 4,
+    }
+    assert out["packing"] == {"kind": "tree", "min_shared_len": 64}
 
 
 def test_plan_table_and_trainable_masks(tmp_path, capsys):

@@ -149,3 +149,30 @@ def test_packer_from_env(monkeypatch):
 )
 def test_files_exist(path):
     assert (REPO / path).is_file()
+
+
+def _docker_ignores(pattern: str, path: str) -> bool:
+    """Docker's .dockerignore match of one pattern (Go filepath.Match per segment, ``**`` any folders)."""
+    rx = "".join(
+        "(?:.*/)?" if part == "**/" else "[^/]*" if part == "*" else "[^/]" if part == "?" else re.escape(part)
+        for part in re.split(r"(\*\*/|\*|\?)", pattern.strip("/"))
+    )
+    return re.fullmatch(rx, path) is not None or path.startswith(pattern.rstrip("/") + "/")
+
+
+def test_dockerignore_leaves_wheels_out_wherever_they_are():
+    patterns = [
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
+    for wheel in ("treepack-0.1.0-py3-none-any.whl", "proto/stray-1.0-py3-none-any.whl"):
+        assert any(_docker_ignores(p, wheel) for p in patterns), wheel
+    assert not any(_docker_ignores(p, "proto/plan.py") for p in patterns)  # negative control: sources go in
+    assert _docker_ignores(".whl", ".whl") and not _docker_ignores(".whl", "x.whl")  # what the old line did
+
+
+def test_the_k8s_placeholder_images_are_explained_with_how_to_build_and_push():
+    manifest = (REPO / "deploy" / "k8s" / "trainer-with-treepack.yaml").read_text()
+    doc = (REPO / "docs" / "service.md").read_text()
+    images = re.findall(r"^\s*image:\s*(\S+)", manifest, re.M)
+    assert len(images) == 2 and all(img in doc for img in images), images
+    assert "docker push <registry>/treepack:0.1.0" in doc and "docker push <registry>/treepack:0.1.0" in manifest

@@ -21,6 +21,17 @@ def test_python_blocks_run_in_order(capsys):
     out = capsys.readouterr().out
     assert "$.sequences[0] max_len sequence 0 has 300 tokens" in out
     assert "largest safe step:" in out
+    # The timed example reports each estimate's noise and asks again where 8 trials cannot decide.
+    assert "groups/s, 8/8 trials a tree" in out and " again: " in out and "most groups per second: " in out
+    printed = re.search(r"^```text\n(6 groups: step.*?)^```", DOC, re.S | re.M)
+    assert printed is not None
+
+    # The output the guide shows is this run's, line for line up to the figures (auto's repair pass
+    # has a time budget, so a loaded machine may move a figure).
+    def heads(text: str) -> list[str]:
+        return [re.sub(r"\d+(\.\d+)?", "#", ln) for ln in text.splitlines()]
+
+    assert heads(printed.group(1)) == heads(out[out.index("6 groups: step") :].strip())
 
 
 def test_settings_table_is_complete():

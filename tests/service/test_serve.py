@@ -39,7 +39,7 @@ def test_invalid_settings_exit_2_naming_the_setting(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         settings_from_args(_parse())
     assert e.value.code == 2
-    assert "max_queue" in capsys.readouterr().err
+    assert "TREEPACK_MAX_QUEUE" in capsys.readouterr().err
 
 
 def test_export_passes_the_effective_settings_to_workers(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from treepack.client import AsyncPacker
 from treepack.proto.errors import OverloadedError
 from treepack.proto.plan_wire import plan_from_wire
+from treepack.proto.version import WIRE_VERSION
 from treepack.service import Settings, create_app
 from treepack.service.planner import plan_batch
 
@@ -67,7 +68,7 @@ async def test_token_allows_and_probes_stay_open():
             assert ok.status_code == 200
             assert (await c.get("/metrics")).status_code == 401
             assert (await c.get("/metrics", headers={"authorization": "Bearer tok"})).status_code == 200
-            assert (await c.get("/healthz")).json() == {"version": 1, "status": "ok"}
+            assert (await c.get("/healthz")).json() == {"version": WIRE_VERSION, "status": "ok"}
             assert (await c.get("/readyz")).status_code == 200
         doc = app.openapi()
         assert doc["paths"]["/v1/pack"]["post"]["security"] == [{"bearer": []}]
@@ -126,9 +127,9 @@ async def test_metrics_after_packs(app):
 
 async def test_probes_and_docs(app):
     async with _client(app) as c:
-        assert (await c.get("/healthz")).json() == {"version": 1, "status": "ok"}
+        assert (await c.get("/healthz")).json() == {"version": WIRE_VERSION, "status": "ok"}
         ready = (await c.get("/readyz")).json()
-        assert ready == {"version": 1, "status": "ready", "checks": {"planner": "ok", "history": "ok"}}
+        assert ready == {"version": WIRE_VERSION, "status": "ready", "checks": {"planner": "ok", "history": "ok"}}
         docs = await c.get("/docs")
         # Offline by default: the page loads nothing but /openapi.json (no CDN).
         assert (

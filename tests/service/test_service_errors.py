@@ -19,6 +19,7 @@ import pytest
 from treepack.proto import batch_wire, codec, errors
 from treepack.proto.codec import encode_body
 from treepack.proto.errors import HTTP_STATUS
+from treepack.proto.version import WIRE_VERSION
 from treepack.service import Settings, create_app, dependencies, planning, pool, replay
 from treepack.service import app as app_module
 
@@ -217,13 +218,13 @@ CASES = [
             "unknown version",
             "POST",
             "/v1/pack",
-            _mp(version=2),
+            _mp(version=3),
             MP,
             422,
             "unsupported_version",
             "$.version",
             "version",
-            "wire version 2 is not supported",
+            "wire version 3 is not supported; this build speaks 2 (and reads 1)",
         ),
         (
             "version of wrong type",
@@ -1058,7 +1059,7 @@ async def test_bad_request(app, case):
         err = r.json()
         assert (err["error"], err["path"], err["rule"]) == (kind, where, rule), err
         assert text in err["message"], err["message"]
-        assert err["version"] == 1
+        assert err["version"] == WIRE_VERSION
         if status == 401:
             assert r.headers["www-authenticate"].startswith("Bearer")
         # The service keeps serving.

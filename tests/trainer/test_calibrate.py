@@ -57,6 +57,7 @@ def test_calibrate_attention_model(tmp_path):
         ms > 0 for _, ms in seen
     )
     assert cost.fit["batches"] == len(seen) and math.isfinite(cost.fit["max_rel_err"])
+    assert cost.fit["terms"] == 7 and math.isfinite(cost.fit["cv_median_rel_err"])
     cost.save(tmp_path / "c.json")
     again = load_cost_model(tmp_path / "c.json")
     b = calibration_batches(128, vocab=64, seed=1)[0]
@@ -87,9 +88,29 @@ def test_calibrate_hybrid_measures_its_mixer_terms():
     model = tiny_lfm2()
     assert model_mixers(model) == ("short_conv",) and model_conv_width(model) == 3
     assert model_mixers(tiny_qwen3()) == ()
-    batches = calibration_batches(128, vocab=64)[::6]
+    batches = calibration_batches(128, vocab=64)[::2]  # 6 batches, 12 plans for 9 terms
     cost = calibrate(model, backend="sdpa", seq_len=128, batches=batches, repeats=1, warmup=0)
     assert cost.mixers == ("short_conv",) and {"short_conv.levels", "short_conv.chunks", "short_conv.contexts"} <= set(
         cost.coefficients
     )
     assert cost.fit["batches"] == 2 * len(batches)
+
+
+def test_calibrate_refuses_too_few_batches_before_timing_anything():
+    import pytest
+
+    from treepack.proto.errors import CostModelError
+
+    model = tiny_qwen3()
+    timed = []
+    with pytest.raises(CostModelError, match="3 batches .timed as 6 plans. cannot determine the 7 cost terms") as e:
+        calibrate(
+            model,
+            backend="flash",
+            seq_len=128,
+            batches=calibration_batches(128, vocab=64)[::4],
+            repeats=1,
+            warmup=0,
+            report=lambda *a: timed.append(a),
+        )
+    assert (e.value.path, e.value.rule) == ("$.batches", "underdetermined") and timed == []

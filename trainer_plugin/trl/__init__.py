@@ -59,7 +59,14 @@ plan, the images, the packed fused-head call), :mod:`~treepack.trainer.trl.grpo`
 :mod:`~treepack.trainer.trl.sft` (the trainers).
 """
 
-from treepack.trainer.trl.config import PackingConfig, choose_seq_len
+try:
+    import trl  # noqa: F401  (the trainers subclass TRL's)
+except ImportError as exc:
+    raise ImportError(
+        "treepack.trainer.trl needs the 'trl' extra (trl is missing): in the clone, pip install '.[trainer,trl]'"
+    ) from exc
+
+from treepack.trainer.trl.config import PackingConfig, choose_seq_len  # noqa: E402  (after the check above)
 from treepack.trainer.trl.grpo import TreepackGRPOTrainer
 from treepack.trainer.trl.sft import TreepackSFTTrainer
 

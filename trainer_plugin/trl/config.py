@@ -48,6 +48,9 @@ class PackingConfig:
             planner's shape history (what-ifs sample one run's batches by ``history_tags``
             or ``by_tag``): None takes TRL's ``run_name``, else the name of its
             ``output_dir``; ``""`` records them untagged. At most 256 characters.
+        verbose: print, on the main process, when the first packed step verifies packing
+            on the model (and how long it took) and, after ``train()``, one line of what
+            packing saved (batches, rows, tokens computed of the unpacked total, planning time).
     """
 
     seq_len: int | None = None
@@ -61,6 +64,7 @@ class PackingConfig:
     allow_dropout: bool = False
     cost_model: Any = None
     tag: str | None = None
+    verbose: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

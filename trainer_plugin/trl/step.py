@@ -4,7 +4,10 @@
 :class:`~treepack.trainer.trl.sft.TreepackSFTTrainer` put before TRL's trainer: the plan of
 a padded batch (logged into TRL's metrics), each sequence's image inputs with the planner
 keys that tell images apart, and the call of the model on the packed rows through TRL's
-fused LM head (after the model's admission).
+fused LM head (after the model's admission). On the main process (``PackingConfig(verbose=True)``,
+the default) it says when the first packed step verifies packing on the model and how long
+that took, and after ``train()`` what packing saved over the run
+(:class:`~treepack.trainer.planning.tally.PackingTally`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.microbatch import plan_microbatches
 from treepack.trainer.planning.padded_images import sequence_images
+from treepack.trainer.planning.tally import PackingTally
 from treepack.trainer.trl.config import PackingConfig, choose_seq_len, record_tag
 
 __all__ = ["PackedRows", "image_token_of"]
@@ -43,6 +47,18 @@ class PackedRows:
     def _init_packing(self, packing: PackingConfig | None) -> None:
         self.packing = PackingConfig() if packing is None else packing
         self._planner = self.packing.make_planner()
+        self.packing_tally = PackingTally(say=self._say)
+
+    def _say(self, line: str) -> None:
+        """Print ``line`` on the main process when the config is verbose."""
+        if self.packing.verbose and self.accelerator.is_main_process:
+            print(line, flush=True)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``, then one line of what packing saved over it (:meth:`PackingTally.summary`)."""
+        out = super().train(*args, **kwargs)  # type: ignore[misc]  # the TRL trainer after this mixin
+        self.packing_tally.report()
+        return out
 
     def _plan(
         self,
@@ -68,6 +84,7 @@ class PackedRows:
         metrics["treepack/saved_fraction"].append(float(mb.plan.stats.saved_fraction))
         metrics["treepack/rows"].append(float(mb.plan.stats.rows))
         metrics["treepack/plan_ms"].append(float(mb.plan_ms))
+        self.packing_tally.add(mb.plan.stats, mb.plan_ms)
         return mb
 
     def _images(
@@ -124,7 +141,7 @@ class PackedRows:
         )
         # What packed_forward admits is admitted here too (the checks, the dispatch hooks and
         # patches, the probe under the step's autocast), before the first step computes anything.
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), self.packing_tally.first_step(hf, backend, verify=self.packing.verify):
             admit(hf, setup)
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
