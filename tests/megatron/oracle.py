@@ -26,6 +26,15 @@ from treepack.service.planner import plan_batch
 from treepack.trainer import materialize
 from treepack.trainer.losses import naive_ppo_clip_loss, naive_sft_loss, ppo_clip_loss, sft_loss
 
+# What the tests measured, printed by conftest at the end of the run: (family, TP, DP, backend,
+# logprob err, gradient rel err, loss err) rows, and (negative control, its error) pairs.
+EXACTNESS: list[tuple] = []
+CONTROLS: list[tuple[str, float]] = []
+# fp32 on tiny models: the packed step lands within ~1e-6 of HF alone; a broken mask or
+# position misses by more than CONTROL_GAP.
+TOL = 1e-5
+CONTROL_GAP = 1e-3
+
 VOCAB = 96
 SEQ_LEN = 64
 _BASE = dict(
@@ -116,14 +125,14 @@ def grpo_loss(lp: torch.Tensor, batch: Any, adv: torch.Tensor) -> torch.Tensor:
     return ppo_clip_loss(lp, batch, advantages=adv) + sft_loss(lp, batch)
 
 
-def step(model, plan, seqs, adv, *, rows=None, backend: str = "sdpa", tp_group=None) -> dict:
+def step(model, plan, seqs, adv, *, rows=None, backend: str = "sdpa", tp_group=None, varlen_fn=None) -> dict:
     """One :func:`grpo_loss` on ``rows`` of the plan: {"lps": per-sequence (None off this rank), "loss", "batch"}.
 
     The model's gradients are accumulated (``.grad``); :func:`hf_grads` converts them."""
     from treepack.trainer.megatron import packed_forward, vocab_parallel_target_logprobs
 
     batch = materialize(plan, seqs, rows=rows)
-    logits = packed_forward(model, batch, backend=backend)
+    logits = packed_forward(model, batch, backend=backend, varlen_fn=varlen_fn)
     lp = vocab_parallel_target_logprobs(logits, batch, vocab_size=model.config.vocab_size, group=tp_group)
     loss = grpo_loss(lp, batch, adv)
     loss.backward()
@@ -171,3 +180,28 @@ def reduce_grads(model) -> None:
             dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         if ps.get_tensor_model_parallel_world_size() > 1 and ("q_layernorm" in name or "k_layernorm" in name):
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+def compare(family: str, tp: int, dp: int, backend: str, ref: tuple, lps: list, loss: torch.Tensor, grads: dict):
+    """Assert a packed step equals HF alone (``ref`` from :func:`hf_alone`) and record its row."""
+    from helpers.tolerance import assert_close, max_abs_err
+
+    ref_lps, ref_loss, ref_g = ref
+    assert sorted(grads) == sorted(ref_g), sorted(set(grads) ^ set(ref_g))
+    lp_err = max_abs_err(ref_lps, lps)
+    g_err = max(float((grads[k] - ref_g[k]).abs().max() / ref_g[k].abs().max()) for k in ref_g)
+    loss_err = float((loss - ref_loss).abs())
+    EXACTNESS.append((family, tp, dp, backend, lp_err, g_err, loss_err))
+    assert_close(f"{family} tp{tp} dp{dp} logprobs", ref_lps, lps, atol=TOL)
+    assert_close(f"{family} tp{tp} dp{dp} loss", ref_loss, loss, atol=TOL)
+    assert_close(f"{family} tp{tp} dp{dp} grads", ref_g, grads, ratio=TOL)
+
+
+def control(name: str, ref_lps: list, lps: list) -> float:
+    """Record a negative control and assert it misses HF alone by more than ``CONTROL_GAP``."""
+    from helpers.tolerance import max_abs_err
+
+    err = max_abs_err(ref_lps, lps)
+    CONTROLS.append((name, err))
+    assert err > CONTROL_GAP, f"negative control {name!r} was not caught: {err:.2e}"
+    return err

@@ -90,6 +90,8 @@ class TreeDotProductAttention(DotProductAttention):
                     path="$.attention_mask",
                     rule="required",
                 )
-            out = tree_attention(q, k, v, rows.batch, backend=rows.backend, scale=self.softmax_scale)
+            out = tree_attention(
+                q, k, v, rows.batch, backend=rows.backend, scale=self.softmax_scale, varlen_fn=rows.varlen_fn
+            )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -11,7 +11,7 @@ Megatron modules (positions ``0..s-1``, the mask Megatron hands them).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,11 +33,13 @@ class MegatronRows:
         batch: the packed batch.
         position_ids: [K, L] int64 each token's position in its own sequence.
         backend: attention backend, ``sdpa`` | ``flex`` | ``flash``.
+        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func``).
     """
 
     batch: PackedBatch
     position_ids: torch.Tensor
     backend: str = "sdpa"
+    varlen_fn: Callable | None = None
 
 
 _CURRENT: ContextVar[MegatronRows | None] = ContextVar("treepack_megatron_rows", default=None)

@@ -9,6 +9,7 @@ takes the plan's ``position_ids``, the core attention the tree mask. The model i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,9 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-def packed_forward(model: torch.nn.Module, batch: Any, *, backend: str = "sdpa") -> torch.Tensor:
+def packed_forward(
+    model: torch.nn.Module, batch: Any, *, backend: str = "sdpa", varlen_fn: Callable | None = None
+) -> torch.Tensor:
     """Logits of tree-packed rows from a Megatron ``GPTModel`` built by ``from_hf``.
 
     Args:
@@ -43,6 +46,8 @@ def packed_forward(model: torch.nn.Module, batch: Any, *, backend: str = "sdpa")
         backend: tree attention backend: ``sdpa`` (the ``[K, 1, L, L]`` mask handed to the
             core attention in Megatron's convention), ``flex`` or ``flash``
             (:func:`treepack.trainer.tree_attention`).
+        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func``;
+            :func:`treepack.trainer.naive_varlen_attention` runs on CPU).
 
     Returns:
         [K, L, padded_vocab // tp] logits, batch-first: this TP rank's slice of the
@@ -72,6 +77,6 @@ def packed_forward(model: torch.nn.Module, batch: Any, *, backend: str = "sdpa")
             f"activation recomputation needs backend='sdpa' (got {backend!r})", path="$.backend", rule="recompute"
         )
     mask = tree_attention_mask(batch) if backend == "sdpa" else None
-    rows = MegatronRows(batch=batch, position_ids=batch.position_ids, backend=backend)
+    rows = MegatronRows(batch=batch, position_ids=batch.position_ids, backend=backend, varlen_fn=varlen_fn)
     with use_rows(rows):
         return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
