@@ -49,3 +49,5 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("negative controls (must miss HF by far more than the tolerance)")
         for name, err in CONTROLS:
             terminalreporter.write_line(f"{name:70s} {err:.2e}")
+    for name, seconds in getattr(oracle, "TIMINGS", []):
+        terminalreporter.write_line(f"multi-rank run {name}: {seconds:.0f} s wall")

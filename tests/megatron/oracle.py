@@ -30,6 +30,7 @@ from treepack.trainer.losses import naive_ppo_clip_loss, naive_sft_loss, ppo_cli
 # logprob err, gradient rel err, loss err) rows, and (negative control, its error) pairs.
 EXACTNESS: list[tuple] = []
 CONTROLS: list[tuple[str, float]] = []
+TIMINGS: list[tuple[str, float]] = []  # multi-rank runs: (what, wall seconds)
 # fp32 on tiny models: the packed step lands within ~1e-6 of HF alone; a broken mask or
 # position misses by more than CONTROL_GAP.
 TOL = 1e-5
