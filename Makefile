@@ -61,7 +61,8 @@ fuzz: deps
 # is not yet: HF's modules are untyped where its layers are patched).
 TYPECHECK ?= treepack.proto treepack.client treepack.service treepack.trainer.kernels treepack.trainer.data \
 	treepack.trainer.planning treepack.trainer.losses treepack.trainer.trl
-TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost
+TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost \
+	treepack.trainer.megatron.vocab_parallel treepack.trainer.megatron.context
 # The type checker reads torch, transformers and TRL for their types: the tests' packages first.
 lint: deps
 	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers
 
-from treepack.service.planner import plan_batch
+from treepack.service.planner import plan_batch, validate_plan
 from treepack.trainer import materialize
 from treepack.trainer.losses import naive_ppo_clip_loss, naive_sft_loss, ppo_clip_loss, sft_loss
 
@@ -95,6 +95,7 @@ def tree_case(seed: int = 0, num_ranks: int = 1) -> tuple[list[np.ndarray], list
         prompts.append(len(system) + len(task))
     seqs = [s.astype(np.uint32) for s in seqs]
     plan = plan_batch(seqs, seq_len=SEQ_LEN, min_shared_len=2, trainable=prompts, num_ranks=num_ranks)
+    validate_plan(plan, seqs, trainable=prompts)  # also in the rank processes, which no conftest wraps
     adv = torch.tensor(rng.standard_normal(len(seqs)), dtype=torch.float64)
     return seqs, prompts, plan, adv
 
