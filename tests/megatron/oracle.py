@@ -56,6 +56,16 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,
     "rope_theta": 10000.0,
 }
+# A Qwen3-MoE config: 4 experts, top-2, every layer sparse.
+MOE = dict(
+    _BASE,
+    moe_intermediate_size=32,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 FAMILIES = {
     "llama-gqa": lambda: transformers.LlamaConfig(**_BASE),
     "qwen2-bias": lambda: transformers.Qwen2Config(**_BASE),

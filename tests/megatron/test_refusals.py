@@ -170,3 +170,14 @@ def test_recompute_needs_the_sdpa_backend(model, batch):
             packed_forward(model, batch, backend="flex")
     finally:
         model.config.recompute_granularity = None
+
+
+def test_unloaded_parameters_are_refused():
+    """Bridge 0.6.2 maps Qwen3-MoE's experts per expert (``experts.{i}.gate_proj``), transformers 5
+    fuses them (``experts.gate_up_proj``): the experts stay unloaded, and from_hf names them
+    instead of returning a model of uninitialized experts. The dense model's load is complete."""
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**oracle.MOE))
+    with pytest.raises(UnsupportedModelError, match=r"16 parameter\(s\) unloaded") as e:
+        from_hf(hf, tp=1)
+    assert all(".mlp.experts.local_experts." in p for p, _, _ in e.value.refusals)
+    assert all("left it unloaded" in r for _, _, r in e.value.refusals)

@@ -4,7 +4,9 @@
 (``AutoBridge``), builds the model from the tree layer spec
 (:func:`~treepack.trainer.megatron.spec.tree_layer_spec`: the local spec, the tree core
 attention, mask type ``arbitrary``), swaps in the tree rotary embedding with the HF model's
-own frequencies (:mod:`~treepack.trainer.megatron.rope`) and admits the result
+own frequencies (:mod:`~treepack.trainer.megatron.rope`), refuses any parameter the
+conversion left unloaded (HF MoE checkpoints under transformers 5 with Bridge 0.6.2) and
+admits the result
 (:func:`~treepack.trainer.megatron.spec.check_megatron_model`), all before any compute.
 
 The caller owns the process groups: ``torch.distributed`` and
@@ -29,8 +31,9 @@ INSTALL_HINT = (
     "pip install megatron-core megatron-bridge (docs/megatron.md, Install)"
 )
 
-# Kernel fusions that need Transformer Engine, apex or CUDA: off on a CPU-only host. RoPE fusion
-# is off everywhere: the fused kernel takes Megatron's own [s, 1, 1, d] angles, not per-row ones.
+# Kernel fusions (and MoE's grouped GEMM) that need Transformer Engine, apex or CUDA: off on a
+# CPU-only host. RoPE fusion is off everywhere: the fused kernel takes Megatron's own
+# [s, 1, 1, d] angles, not per-row ones.
 _CUDA_FUSIONS = (
     "masked_softmax_fusion",
     "bias_activation_fusion",
@@ -38,6 +41,9 @@ _CUDA_FUSIONS = (
     "gradient_accumulation_fusion",
     "persist_layer_norm",
     "cross_entropy_loss_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",  # GroupedMLP needs Transformer Engine or the grouped_gemm kernels
 )
 
 
@@ -125,9 +131,37 @@ def _provider(bridge: Any, tp: int, dtype: torch.dtype, on_cuda: bool) -> Any:
     if not on_cuda:
         for name in _CUDA_FUSIONS:
             setattr(prov, name, False)
+        if prov.num_moe_experts and prov.moe_token_dispatcher_type == "alltoall":
+            # The all-to-all dispatcher makes CUDA streams at build; all-gather routes the same tokens.
+            prov.moe_token_dispatcher_type = "allgather"
+    if prov.num_moe_experts and not getattr(bridge.hf_pretrained.config, "output_router_logits", False):
+        # HF adds the router's load-balancing loss only with output_router_logits; without it
+        # HF's step has none, and neither has the converted model's.
+        prov.moe_aux_loss_coeff = 0.0
     prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     prov.finalize()
     return prov
+
+
+def _load_all(bridge: Any, model: torch.nn.Module) -> None:
+    """Load the HF weights into ``model``, refusing it if Bridge left any parameter unloaded.
+
+    Every parameter is NaN before the load (``perform_initialization`` is off, so it would
+    otherwise hold whatever memory it got): a parameter with a NaN after it is one the
+    conversion never wrote.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    bridge.load_hf_weights([model])
+    left = [n for n, p in model.named_parameters() if bool(torch.isnan(p).any())]
+    if left:
+        why = "Megatron-Bridge's conversion left it unloaded (no HF weight mapped to it)"
+        raise UnsupportedModelError(
+            f"the Megatron model cannot run tree rows exactly: {len(left)} parameter(s) unloaded: {left[:6]}: {why}",
+            rule="conversion",
+            refusals=tuple((n, "Parameter", why) for n in left),
+        )
 
 
 def from_hf(
@@ -165,7 +199,7 @@ def from_hf(
     prov = _provider(bridge, tp, want, dev.type == "cuda")
     refuse(config_refusals(prov))
     model = prov.provide()
-    bridge.load_hf_weights([model])
+    _load_all(bridge, model)
     if model.position_embedding_type == "rope":
         rot = model.rotary_pos_emb
         if getattr(rot, "rotary_interleaved", False):
