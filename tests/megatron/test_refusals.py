@@ -72,6 +72,7 @@ def test_config_refusals(model, field, value, match):
         ({"moe_input_jitter_eps": 0.01}, r"moe_input_jitter_eps .*random numbers"),
         ({"moe_aux_loss_coeff": 0.01}, r"moe_aux_loss_coeff .*load-balancing loss"),
         ({"moe_z_loss_coeff": 0.001}, r"moe_z_loss_coeff"),
+        ({"moe_router_enable_expert_bias": True}, r"moe_router_enable_expert_bias .*tokens per expert"),
     ],
 )
 def test_moe_config_refusals(model, fields, match):

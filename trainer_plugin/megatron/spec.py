@@ -11,8 +11,8 @@ the self-attention's ``attn_mask_type`` forced to ``arbitrary``.
   parallelism, dropout, FP8/FP4, multi-latent attention, sliding windows, attention sinks,
   query-key layer scaling, MTP, a position embedding other than non-interleaved ``rope``;
   MoE with token dropping (a capacity factor: which tokens drop depends on the batch), input
-  jitter (random numbers), or an auxiliary / z loss (a load-balancing loss counts the tokens
-  of a batch, and packed rows count a shared prefix once);
+  jitter (random numbers), an auxiliary / z loss or an expert-bias update (each counts the
+  tokens of a batch, and packed rows count a shared prefix once);
 - any module class outside the list this backend was checked with (:data:`_ALLOWED`):
   Transformer Engine modules (their attention takes cu_seqlens, which express no tree),
   Mamba and other mixers, unknown specs;
@@ -55,7 +55,6 @@ _MOE_ALLOWED = {
     ("megatron.core.transformer.moe.moe_layer", "MoELayer"),
     ("megatron.core.transformer.moe.router", "TopKRouter"),
     ("megatron.core.transformer.moe.experts", "SequentialMLP"),
-    ("megatron.core.transformer.moe.shared_experts", "SharedExpertMLP"),
 }
 
 
@@ -127,6 +126,8 @@ def config_refusals(config: Any) -> list[tuple[str, str, str]]:
             no("moe_aux_loss_coeff", "a load-balancing loss counts the batch's tokens (a shared prefix once)")
         if getattr(c, "moe_z_loss_coeff", None):
             no("moe_z_loss_coeff", "the router z-loss averages over the batch's tokens")
+        if getattr(c, "moe_router_enable_expert_bias", False):
+            no("moe_router_enable_expert_bias", "the expert-bias update counts the batch's tokens per expert")
     return out
 
 
