@@ -2,7 +2,7 @@
 megatron-bridge 0.6.2, CPU torch).
 
 The main ``make test`` run never collects this folder (``tests/conftest.py`` ignores it
-unless named). Named without megatron installed, the folder is skipped with the reason,
+unless named). Named without megatron installed, its tests are skipped with the reason,
 except with ``CI`` set, where a missing megatron is a collection error.
 
 The CPU stand-ins (:mod:`cpu_standins`: ``typing.override`` on Python 3.11, the
@@ -25,15 +25,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.bridge") is None:
-    if os.environ.get("CI"):
-        raise ImportError("megatron-core / megatron-bridge are not installed: run `make test-megatron`")
-    pytest.skip("megatron is not installed: run `make test-megatron` (.venv-megatron)", allow_module_level=True)
+MISSING = importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.bridge") is None
+if MISSING and os.environ.get("CI"):
+    raise ImportError("megatron-core / megatron-bridge are not installed: run `make test-megatron`")
+if not MISSING:
+    import cpu_standins
 
-import cpu_standins  # noqa: E402
+    cpu_standins.install()
+    cpu_standins.init_ranks(0, 1, 1, tempfile.mktemp(prefix="treepack-megatron-gloo-"))
 
-cpu_standins.install()
-cpu_standins.init_ranks(0, 1, 1, tempfile.mktemp(prefix="treepack-megatron-gloo-"))
+
+def pytest_collection_modifyitems(config, items):
+    """Without megatron (and without CI), every test of this folder is skipped with the reason."""
+    if MISSING:
+        why = pytest.mark.skip(reason="megatron is not installed: run `make test-megatron` (.venv-megatron)")
+        for item in items:
+            if str(item.path).startswith(HERE):
+                item.add_marker(why)
 
 
 def pytest_terminal_summary(terminalreporter):
