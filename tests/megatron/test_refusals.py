@@ -113,6 +113,19 @@ def test_transformer_engine_module_is_refused(model):
         attn.core_attention = stock
 
 
+def test_mamba_and_gated_delta_net_layers_are_refused(model):
+    """Megatron's Mamba mixer needs the mamba_ssm / causal-conv1d kernels, which do not build on a
+    CPU host: its class (and the ssm package's gated delta net) is re-homed here by module path."""
+    stock = model.decoder.layers[0].mlp
+    for home, cls in (("megatron.core.ssm.mamba_mixer", "MambaMixer"), ("megatron.core.ssm.gated_delta_net", "GDN")):
+        model.decoder.layers[0].mlp = type(cls, (torch.nn.Module,), {"__module__": home})()
+        try:
+            _refused(model, rf"decoder.layers.0.mlp \({cls}\): Mamba / hybrid layers are not wired")
+        finally:
+            model.decoder.layers[0].mlp = stock
+    check_megatron_model(model)
+
+
 def test_causal_mask_type_and_stock_core_attention_are_refused():
     """The stock local spec (DotProductAttention, mask type causal): refused, both named, for every layer."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
