@@ -18,7 +18,8 @@ TORCH_PIP := $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-ind
 # is a change to check and record, not something a fresh install should pick up by itself.
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: help demo deps test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl gpu-check dist wheel-check
+.PHONY: help demo deps test fuzz lint bench venv clean venv-triton test-triton venv-verl test-verl venv-megatron \
+	test-megatron gpu-check dist wheel-check
 
 # `make` alone prints the commands (every target with a `##` description).
 .DEFAULT_GOAL := help
@@ -66,7 +67,8 @@ fuzz: deps  ## the planner's shape fuzz at its large profile
 # is not yet: HF's modules are untyped where its layers are patched).
 TYPECHECK ?= treepack.proto treepack.client treepack.service treepack.trainer.kernels treepack.trainer.data \
 	treepack.trainer.planning treepack.trainer.losses treepack.trainer.trl
-TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost
+TYPECHECK_MODULES ?= treepack.trainer.distributed treepack.trainer.cost \
+	treepack.trainer.megatron.vocab_parallel treepack.trainer.megatron.context
 # The type checker reads torch, transformers and TRL for their types: the tests' packages first.
 lint: deps  ## ruff check, ruff format --check and mypy
 	$(PIP) install --no-compile ruff==0.17.6 mypy==2.4.1
@@ -135,6 +137,44 @@ $(VVENV)/.built: Makefile pyproject.toml | $(VBIN)/python
 test-verl: venv-verl  ## the verl engine against stock verl, on CPU (.venv-verl)
 	CI=1 $(VBIN)/python -m pytest -q -p no:cacheprovider tests/verl_engine
 
+# A fourth env for the Megatron-Core backend (treepack.trainer.megatron), its tests on CPU over
+# gloo (tests/megatron). Pinned to the releases it was checked against: megatron-core 0.19.2
+# and megatron-bridge 0.6.2 (Bridge 0.6.2 needs megatron-core >= 0.17, which declares Python
+# >= 3.12). On Python 3.11 megatron-core's wheel (tagged cp312 for one optional compiled
+# dataset helper the backend never imports) is fetched for 3.12 and unpacked into the venv;
+# Bridge is installed without its dependencies (it pins transformers <= 5.12.1 and brings
+# training, logging and vision stacks the backend does not use), plus the few modules it
+# imports. The CPU stand-ins the tests need live in tests/megatron (docs/megatron.md).
+# Built once, as venv-verl (a stamp, --no-compile).
+# Never in .venv: the main run does not collect tests/megatron; here (CI=1) a missing megatron fails.
+MVENV ?= .venv-megatron
+MBIN := $(MVENV)/bin
+MPIP := $(MBIN)/python -m pip -q --disable-pip-version-check
+MEGATRON_CORE := megatron-core==0.19.2
+MEGATRON_BRIDGE := megatron-bridge==0.6.2
+MEGATRON_PKGS := transformers==5.12.1 omegaconf einops
+
+$(MBIN)/python:
+	$(PY) -m venv $(MVENV)
+
+venv-megatron: $(MVENV)/.built
+$(MVENV)/.built: Makefile pyproject.toml | $(MBIN)/python
+	$(MPIP) install --no-compile $(TORCH_PIP)
+	$(MPIP) install --no-compile -e ".[trainer,test]" $(TORCH) $(MEGATRON_PKGS)
+	if $(MBIN)/python -c "import sys; sys.exit(sys.version_info < (3, 12))"; then \
+		$(MPIP) install --no-compile --no-deps $(MEGATRON_CORE); \
+	else \
+		$(MPIP) install --no-compile --no-deps --ignore-requires-python --upgrade --python-version 3.12 \
+			--only-binary=:all: --target "$$($(MBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+			$(MEGATRON_CORE); \
+	fi
+	$(MPIP) install --no-compile --no-deps --ignore-requires-python --force-reinstall $(MEGATRON_BRIDGE)
+	$(MBIN)/python -c "import torch, sys; sys.exit('.venv-megatron must hold the CPU torch, got ' + torch.__version__) if torch.version.cuda else None"
+	touch $@
+
+test-megatron: venv-megatron  ## the Megatron-Core backend on CPU over gloo (.venv-megatron)
+	CI=1 $(MBIN)/python -m pytest -q -p no:cacheprovider tests/megatron
+
 # Every GPU test and benchmark of the trainer on one CUDA device, one JSON report
 # (REPORT=path; default $$OUT/gpu_check.json where $$OUT is set, else gpu_check.json).
 # GPU_PY: an interpreter whose torch has CUDA and which has treepack installed (docs/gpu.md);
@@ -167,4 +207,4 @@ bench: venv  ## the planner's benchmark (treepack bench)
 	$(BIN)/treepack bench
 
 clean:  ## remove the venvs and build outputs
-	rm -rf $(VENV) $(TVENV) $(VVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TVENV) $(VVENV) $(MVENV) $(WVENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -23,7 +23,11 @@ as not run):
   at golden / 8, then timed on the golden example (FlexAttention compiles longest);
 - ``cp``: ``benchmarks/gpu_check_cp.py``: context parallelism (Ulysses and all-gather) on
   up to 4 GPUs against one, then timed; with at most one GPU the section says so (``ok``
-  None, ``skipped`` naming the GPU count) instead of running.
+  None, ``skipped`` naming the GPU count) instead of running;
+- ``megatron``: ``benchmarks/gpu_check_megatron.py``: the Megatron-Core backend
+  (``treepack.trainer.megatron``) on one GPU in bf16, sdpa and flex, against HF alone, the
+  mask types checked ``arbitrary``, then timed; without megatron-core and megatron-bridge
+  installed the section says so instead of running.
 
 The report goes to ``--json``, else ``$OUT/gpu_check.json`` when ``OUT`` is set, else
 ``gpu_check.json``. Exit status 1 when any check failed, 2 without a CUDA device (unless
@@ -284,7 +288,21 @@ def cp(args) -> dict:
     return gpu_check_cp.section(args.cpu_smoke)
 
 
-SECTIONS = {"probe": probe, "kernels": kernels, "gdn": gdn, "sparse": sparse, "attention": attention, "cp": cp}
+def megatron(args) -> dict:
+    import gpu_check_megatron
+
+    return gpu_check_megatron.section(args.cpu_smoke)
+
+
+SECTIONS = {
+    "probe": probe,
+    "kernels": kernels,
+    "gdn": gdn,
+    "sparse": sparse,
+    "attention": attention,
+    "cp": cp,
+    "megatron": megatron,
+}
 
 
 def main(argv: list[str] | None = None) -> dict:

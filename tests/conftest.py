@@ -25,14 +25,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VALIDATED: Counter = Counter()
 
-_VERL_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_engine")
+_OWN_VENV_TESTS = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), d) for d in ("verl_engine", "megatron")
+)
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/verl_engine runs in its own venv (``make test-verl``): collected only when named."""
-    if str(collection_path) != _VERL_TESTS:
+    """tests/verl_engine and tests/megatron run in their own venvs (``make test-verl``,
+    ``make test-megatron``): each is collected only when named."""
+    if str(collection_path) not in _OWN_VENV_TESTS:
         return None
-    named = any(os.path.abspath(str(a).split("::")[0]).startswith(_VERL_TESTS) for a in config.args)
+    here = str(collection_path)
+    named = any(os.path.abspath(str(a).split("::")[0]).startswith(here) for a in config.args)
     return None if named else True
 
 

@@ -24,10 +24,12 @@ def test_gpu_check_cpu_smoke_report(tmp_path):
     report = _load().main(["--cpu-smoke", "--json", str(path)])
     assert json.loads(path.read_text())["ok"] is report["ok"] is True
     sections = report["sections"]
-    assert set(sections) == {"probe", "kernels", "attention", "gdn", "sparse", "cp"}
-    # The CP section needs several GPUs and says so; every other section says ok, none is silent.
+    assert set(sections) == {"probe", "kernels", "attention", "gdn", "sparse", "cp", "megatron"}
+    # The CP section needs several GPUs and says so, the Megatron one megatron and a GPU; every
+    # other section says ok, none is silent.
     assert sections["cp"]["ok"] is None and "needs more than one GPU" in sections["cp"]["skipped"]
-    rest = {name: s.get("ok") for name, s in sections.items() if name != "cp"}
+    assert sections["megatron"]["ok"] is None and "megatron" in sections["megatron"]["skipped"]
+    rest = {name: s.get("ok") for name, s in sections.items() if name not in ("cp", "megatron")}
     assert rest == dict.fromkeys(rest, True)
     kernels = sections["kernels"]
     for name in ("gdn", "kda", "mamba2", "mamba1", "short_conv_fla", "short_conv_cuda"):

@@ -27,6 +27,7 @@ DOCS = (
 RUN_ELSEWHERE = {
     "docs/service.md": "tests/service/test_docs.py",
     "docs/context-parallel.md": "tests/e2e/test_trainer_cp.py (on 2 gloo ranks)",
+    "docs/megatron.md": "tests/megatron/test_docs.py (make test-megatron: needs megatron-core and megatron-bridge)",
 }
 
 #: Blocks not run here, by what they contain, and why (where they are run instead).
