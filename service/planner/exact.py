@@ -1,27 +1,41 @@
-"""Exact placement of small sets of leaves: a dependency-free branch and bound, and its brute-force reference.
+"""Exact placement of small sets of leaves: a dependency-free branch and bound.
 
 :func:`fit_rows` decides whether a set of leaves fits into ``m`` rows of C tokens, where a
 row's cost is the size of the union of its leaves' root paths (SPEC section 4). The
 repair pass (:mod:`.repair`) asks it "do the leaves of these k rows fit in k - 1?"; the
 tests and the benchmarks ask it for the optimum of whole small batches
-(:func:`exact_min_rows`). :func:`naive_min_rows` is the obviously correct reference: a
-dynamic programme over all subsets of at most ~12 leaves.
+(:func:`~.optimum.exact_min_rows`, beside its brute-force reference).
 
-The search assigns leaves, largest first, to rows, best fit first. It is exact: every
-assignment is reachable except those equal to another up to
+The search assigns leaves to rows in a fixed order (:func:`~.exact_order.leaf_orders`:
+largest first; or tree by tree, largest tree first), trying first the rows where the
+leaf's marginal cost is least (the rows sharing most of its prefix), then the fullest of
+those (best fit). It is exact: every assignment is reachable except those equal to
+another up to
 
 - renaming rows: a leaf opens at most one empty row, the lowest-numbered one (rows are
   then numbered by their first leaf, which any solution can be relabelled to);
 - permuting identical leaves (same parent, same length): their rows are non-decreasing
   (a run of identical leaves can be re-sorted without changing any row);
 
-and it prunes a branch when the tokens still needed, at least every remaining leaf's own
-segment plus every ancestor that some remaining leaf needs and no row holds yet, exceed
-the room left in all rows together, the room of the rows too full for the smallest
-remaining leaf's own segment not counted (no remaining leaf can go there). A node limit
-bounds the work; a search that reaches it answers "unknown", never a wrong "no"; so does
-one past its deadline, if given. :class:`RowFit` keeps a search stopped by its limit and
-goes on from there under a larger one (the repair pass raises its limits level by level).
+and it prunes a branch when the tokens still needed exceed the room left in all rows
+together, the room of the rows too full for the smallest remaining leaf's own segment not
+counted (no remaining leaf can go there). The tokens still needed are every remaining
+leaf's own segment plus, for every chain node v, its length times the copies of v that
+the rows must still gain: v sits in at least K(v) rows in any placement of these leaves
+(:func:`~.exact_order.min_copies`, the duplication bound of :mod:`.bounds` over these
+leaves), and in as many as hold it now at least.
+
+The search first looks for a fit that leaves the preferred row of at most one leaf per
+branch (one *discrepancy*: a limited discrepancy search), then searches every branch: a
+good ordering whose early mistake would cost a depth-first search a whole subtree finds
+a fit at once, and a refutation costs at most one extra pass over the cheap part. Where
+the leaves span several trees, :class:`RowFit` runs both leaf orders side by side, a few
+dozen nodes each in turn (:data:`SLICE`): the first to settle the decision settles it.
+
+A node limit bounds the work; a search that reaches it answers "unknown", never a wrong
+"no"; so does one past its deadline, if given. :class:`RowFit` keeps a search stopped by
+its limit and goes on from there under a larger one (the repair pass raises its limits
+level by level).
 
 The search is depth-first on an explicit stack, one frame per placed leaf, so any number of
 leaves (the repair pass hands it several rows of them: about 100 short leaves fit one row
@@ -38,15 +52,24 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
+from treepack.service.planner.exact_order import leaf_orders, min_copies
+from treepack.service.planner.items import Item
 
-from treepack.service.planner.items import Item, leaf_items
-from treepack.service.planner.tree import Tree
-
-__all__ = ["RowFit", "fit_rows", "exact_min_rows", "naive_min_rows", "FIT", "NO_FIT", "UNKNOWN", "CLOCK_EVERY"]
+__all__ = [
+    "RowFit",
+    "fit_rows",
+    "FIT",
+    "NO_FIT",
+    "UNKNOWN",
+    "CLOCK_EVERY",
+    "SLICE",
+    "DISCREPANCIES",
+]
 
 FIT, NO_FIT, UNKNOWN = "fit", "no_fit", "unknown"
 CLOCK_EVERY = 8  # search nodes between two reads of the CPU clock (the deadline)
+SLICE = 64  # search nodes each leaf order runs in its turn, where RowFit runs two
+DISCREPANCIES = 1  # branches leaving the preferred row of more leaves than this wait for the full search
 
 
 class _Limit(Exception):
@@ -54,35 +77,38 @@ class _Limit(Exception):
 
 
 class _Search:
-    """State of one :func:`fit_rows` call (see module docstring)."""
+    """State of one search over ``items`` in the given order (see module docstring)."""
 
     def __init__(self, items: list[Item], m: int, capacity: int, node_len) -> None:
-        self.items = sorted(items, key=lambda it: (-it.cost, it.chain, it.seq))
+        self.items = items
         self.m, self.C, self.node_len = m, capacity, node_len
         self.limit: int = 0  # set by run()
         self.deadline: float | None = None
         self.nodes = 0
         self.stack: list[list] = []  # the depth-first search's frames (see run)
         self.pending = True  # the frame of leaf len(stack) is still to be opened
+        self.full = False  # False: the pass with at most DISCREPANCIES per branch; True: every branch
+        self.used = 0  # discrepancies on the current branch
+        self.capped = False  # this pass skipped a branch for its discrepancies
         self.load = [0] * m
         self.count = [0] * m
         self.held: list[dict[int, int]] = [{} for _ in range(m)]  # node -> leaves of the row using it
         self.holders: dict[int, set[int]] = {}  # node -> rows holding it (len: how many)
-        needed = {v for it in self.items for v in it.chain}
-        self.uncovered = sum(node_len[v] for v in needed)  # chain tokens no row holds yet
-        self.tails = sum(it.tail for it in self.items)
+        self.copies = min_copies(items, capacity, node_len)
+        self.missing = sum(node_len[v] * k for v, k in self.copies.items())  # copies no row holds yet
+        self.tails = sum(it.tail for it in items)
         self.room = m * capacity
-        self.row_of = [-1] * len(self.items)
+        self.row_of = [-1] * len(items)
         # [n + 1] the smallest own segment among leaves i.. (0 past the last): a row with less
         # room than that can take none of them, so its room is lost to the rest of the search.
-        self.min_tail = [0] * (len(self.items) + 1)
+        self.min_tail = [0] * (len(items) + 1)
         least = None
-        for i in range(len(self.items) - 1, -1, -1):
-            t = self.items[i].tail
+        for i in range(len(items) - 1, -1, -1):
+            t = items[i].tail
             least = t if least is None or t < least else least
             self.min_tail[i] = least
         self.ends = []  # per leaf: tokens of its chain up to and including each chain node
-        for it in self.items:
+        for it in items:
             acc, e = 0, []
             for v in it.chain:
                 acc += node_len[v]
@@ -92,12 +118,14 @@ class _Search:
     def _move(self, i: int, r: int, marg: int, sign: int) -> None:
         """Put leaf i into row r (sign 1) or take it out again (sign -1).
 
-        ``uncovered`` counts the chain nodes no row holds (each needed by some leaf not placed
-        yet: a placed leaf's row holds its whole chain): placing a leaf covers every chain
-        node no row held; taking it out uncovers those its row was the last to hold.
+        ``missing`` counts, per chain node v, ``len(v)`` times the copies of v the rows still
+        lack (``K(v)`` less the rows holding v, when positive): a row that starts holding v
+        while fewer than ``K(v)`` do removes one; one that stops holding it, leaving fewer
+        than ``K(v)``, adds one back.
         """
         it = self.items[i]
-        held, holders, node_len = self.held[r], self.holders, self.node_len
+        held, holders, node_len, copies = self.held[r], self.holders, self.node_len, self.copies
+        missing = self.missing
         if sign > 0:
             for v in it.chain:
                 h = held.get(v, 0)
@@ -106,8 +134,8 @@ class _Search:
                     rows = holders.get(v)
                     if rows is None:
                         rows = holders[v] = set()
-                    if not rows:
-                        self.uncovered -= node_len[v]
+                    if len(rows) < copies[v]:
+                        missing -= node_len[v]
                     rows.add(r)
         else:
             for v in it.chain:
@@ -118,8 +146,9 @@ class _Search:
                     del held[v]
                     rows = holders[v]
                     rows.discard(r)
-                    if not rows:
-                        self.uncovered += node_len[v]
+                    if len(rows) < copies[v]:
+                        missing += node_len[v]
+        self.missing = missing
         self.load[r] += sign * marg
         self.count[r] += sign
         self.tails -= sign * it.tail
@@ -127,7 +156,8 @@ class _Search:
         self.row_of[i] = r if sign > 0 else -1
 
     def _options(self, i: int) -> list[tuple[int, int, int]]:
-        """Leaf i's rows, best fit first: (room left after it, row, its marginal cost there).
+        """Leaf i's rows, least marginal cost first, then best fit: (its marginal cost there,
+        room left after it, row).
 
         A row holds an ancestor-closed set of nodes, so the part of the leaf's chain it holds
         is a prefix, up to the deepest chain node it holds: walking the chain deepest first,
@@ -157,7 +187,7 @@ class _Search:
             marg = marginal.get(r, cost)
             left = C - load[r] - marg
             if left >= 0:
-                options.append((left, r, marg))
+                options.append((marg, left, r))
         options.sort()
         return options
 
@@ -174,23 +204,25 @@ class _Search:
         ):
             self.nodes -= 1
             raise _Limit
-        need = self.uncovered + self.tails
-        if need > self.room:
+        slack = self.room - self.missing - self.tails
+        if slack < 0:
             return []
         floor = self.min_tail[i]
-        if need > self.room - self.m * floor:  # else less than floor lost in every row cannot prune
+        if slack < self.m * floor:  # else less than floor lost in every row cannot prune
             C = self.C
             lost = 0
             for load in self.load:
                 if C - load < floor:
                     lost += C - load
-            if need > self.room - lost:
+            if slack < lost:
                 return []
         return self._options(i)
 
     def run(self, limit: int, deadline: float | None) -> bool:
-        """Depth-first search over the leaves in order, on an explicit stack (one frame per
-        placed leaf, so the depth of the search never touches Python's stack).
+        """Search over the leaves in order, on an explicit stack (one frame per placed leaf,
+        so the depth of the search never touches Python's stack): first the branches with at
+        most :data:`DISCREPANCIES` leaves off their first option, then, unless that pass was
+        complete (skipped nothing), every branch, depth first.
 
         Frame i holds leaf i's options and the index of the one it is trying; leaf i sits
         in that option's row while the leaves after it are searched. A run stopped by its
@@ -213,29 +245,40 @@ class _Search:
         if n == 0:
             return True
         stack = self.stack
-        if self.pending:
-            stack.append([self._visit(len(stack)), -1])
-            self.pending = False
-        while stack:
-            frame = stack[-1]
-            i = len(stack) - 1
-            options, k = frame
-            if k >= 0:  # the branch below option k failed: take the leaf out again
-                _, r, marg = options[k]
-                self._move(i, r, marg, -1)
-            k += 1
-            if k == len(options):
-                stack.pop()
-                continue
-            frame[1] = k
-            _, r, marg = options[k]
-            self._move(i, r, marg, 1)
-            if i + 1 == n:
-                return True
-            self.pending = True
-            stack.append([self._visit(i + 1), -1])
-            self.pending = False
-        return False
+        while True:
+            budget = None if self.full else DISCREPANCIES
+            if self.pending:
+                stack.append([self._visit(len(stack)), -1])
+                self.pending = False
+            while stack:
+                frame = stack[-1]
+                i = len(stack) - 1
+                options, k = frame
+                if k >= 0:  # the branch below option k failed: take the leaf out again
+                    marg, _, r = options[k]
+                    self._move(i, r, marg, -1)
+                k += 1
+                if k == len(options):
+                    stack.pop()
+                    self.used -= k > 1  # this frame had left its first option
+                    continue
+                if k == 1:  # leaving the first option: one discrepancy more on this branch
+                    if budget is not None and self.used >= budget:
+                        self.capped = True
+                        stack.pop()
+                        continue
+                    self.used += 1
+                frame[1] = k
+                marg, _, r = options[k]
+                self._move(i, r, marg, 1)
+                if i + 1 == n:
+                    return True
+                self.pending = True
+                stack.append([self._visit(i + 1), -1])
+                self.pending = False
+            if self.full or not self.capped:
+                return False
+            self.full, self.used, self.pending = True, 0, True
 
 
 def _volume(items: list[Item], node_len) -> int:
@@ -251,6 +294,10 @@ class RowFit:
     """One decision "do ``items`` fit into ``num_rows`` rows of ``capacity`` tokens?", run
     in steps of growing node limits (:meth:`run`), each going on where the last stopped.
 
+    Where the leaves span several trees, both leaf orders (:func:`~.exact_order.leaf_orders`)
+    are searched, :data:`SLICE` nodes each in turn, once the limit allows each a full branch
+    (twice the leaves); the node limit counts the nodes of both.
+
     Args:
         items: the leaves (see :func:`~.items.leaf_items`).
         num_rows: m >= 0.
@@ -258,18 +305,28 @@ class RowFit:
         node_len: per node id, its length (indexable: a list or an array).
     """
 
-    __slots__ = ("items", "num_rows", "capacity", "node_len", "status", "assign", "nodes", "_search")
+    __slots__ = ("items", "num_rows", "capacity", "node_len", "status", "assign", "nodes", "_searches", "_orders")
 
     def __init__(self, items: list[Item], num_rows: int, capacity: int, node_len) -> None:
         self.items, self.num_rows, self.capacity, self.node_len = items, num_rows, capacity, node_len
         self.status = UNKNOWN
         self.assign: dict[int, int] = {}  # {seq: row in [0, m)} once FIT
-        self.nodes = 0  # search nodes visited in all runs
-        self._search: _Search | None = None
+        self.nodes = 0  # search nodes visited in all runs, both orders
+        self._searches: list[_Search] = []
+        self._orders: list[list[Item]] = []  # leaf orders not searched yet
         if not items:
             self.status = FIT
         elif num_rows <= 0:
             self.status = NO_FIT
+
+    def _start(self) -> None:
+        """Set up the first order's search; NO_FIT at once when its root bound refutes it."""
+        first, *self._orders = leaf_orders(self.items)
+        search = _Search(first, self.num_rows, self.capacity, self.node_len)
+        if search.missing + search.tails > search.room:
+            self.status = NO_FIT
+        else:
+            self._searches = [search]
 
     def run(self, node_limit: int, deadline: float | None = None) -> str:
         """Search up to ``node_limit`` nodes in all (a FIT or NO_FIT answer is final).
@@ -286,32 +343,43 @@ class RowFit:
         """
         if self.status != UNKNOWN:
             return self.status
-        if self._search is None:
-            if len(self.items) > node_limit:
+        n = len(self.items)
+        if not self._searches:
+            if n > node_limit:
                 # A fit visits one node per leaf, so none can be found: answer without the
                 # set-up (a sort and a walk of every chain), which would dwarf a small budget.
                 # Only the root's volume refutation is kept.
                 if _volume(self.items, self.node_len) > self.num_rows * self.capacity:
                     self.status = NO_FIT
                 return self.status
-            self._search = _Search(self.items, self.num_rows, self.capacity, self.node_len)
-            if self._search.uncovered + self._search.tails > self._search.room:
-                self.status = NO_FIT
+            self._start()
+            if self.status != UNKNOWN:
                 return self.status
-        search = self._search
-        try:
-            found = search.run(node_limit, deadline)
-        except _Limit:
-            return UNKNOWN
-        finally:
-            self.nodes = search.nodes
-        self._search = None  # settled: the search's state is no longer needed
-        if found:
-            self.status = FIT
-            self.assign = {it.seq: r for it, r in zip(search.items, search.row_of)}
-        else:
-            self.status = NO_FIT
-        return self.status
+        if self._orders and node_limit >= 2 * n:
+            self._searches += [_Search(o, self.num_rows, self.capacity, self.node_len) for o in self._orders]
+            self._orders = []
+        searches = self._searches
+        while True:  # each turn visits a node at least, or returns
+            for search in searches:
+                room = node_limit - self.nodes
+                if room <= 0:
+                    return UNKNOWN
+                step = room if len(searches) == 1 else min(room, SLICE)
+                try:
+                    found = search.run(search.nodes + step, deadline)
+                except _Limit:
+                    self.nodes = sum(x.nodes for x in searches)
+                    if deadline is not None and time.thread_time() > deadline:
+                        return UNKNOWN
+                    continue
+                self.nodes = sum(x.nodes for x in searches)
+                self._searches = []  # settled: the searches' state is no longer needed
+                if found:
+                    self.status = FIT
+                    self.assign = {it.seq: r for it, r in zip(search.items, search.row_of)}
+                else:
+                    self.status = NO_FIT
+                return self.status
 
 
 def fit_rows(
@@ -332,62 +400,3 @@ def fit_rows(
     fit = RowFit(items, num_rows, capacity, node_len)
     status = fit.run(node_limit, deadline)
     return status, fit.assign
-
-
-def exact_min_rows(tree: Tree, seq_len: int, lower: int, upper: int, *, node_limit: int = 200_000) -> tuple[int, bool]:
-    """The fewest rows for every kept leaf, searched between two known bounds.
-
-    Args:
-        tree: the batch's tree.
-        seq_len: C.
-        lower: a proven lower bound (e.g. :func:`~.bounds.lower_bound_rows`).
-        upper: the rows of a known placement.
-        node_limit: per decision.
-
-    Returns:
-        (rows, proven): the fewest rows found; ``proven`` when every smaller count was
-        refuted (not merely left unknown).
-    """
-    items = leaf_items(tree, np.flatnonzero(tree.leaf_of >= 0))
-    node_len = tree.length.tolist()
-    proven = True
-    for m in range(lower, upper):
-        status, _ = fit_rows(items, m, seq_len, node_len, node_limit=node_limit)
-        if status == FIT:
-            return m, proven
-        proven = proven and status == NO_FIT
-    return upper, proven
-
-
-def naive_min_rows(tree: Tree, seq_len: int) -> int:
-    """Brute force over all subsets of the kept leaves (at most ~12): the optimum rows.
-
-    ``cost[mask]`` is the union of the leaves' paths in ``mask``; ``best[mask]`` the fewest
-    rows for ``mask``, trying every fitting row that holds its lowest leaf.
-    """
-    seqs = np.flatnonzero(tree.leaf_of >= 0).tolist()
-    n = len(seqs)
-    assert n <= 14, "naive_min_rows is exponential"
-    member = np.zeros(tree.num_nodes, dtype=np.int64)
-    for bit, s in enumerate(seqs):
-        member[tree.path(s)] |= 1 << bit
-    masks = np.arange(1 << n, dtype=np.int64)
-    cost = np.zeros(1 << n, dtype=np.int64)
-    for v in range(tree.num_nodes):
-        cost += tree.length[v] * ((masks & member[v]) != 0)
-    fits = (cost <= seq_len).tolist()
-    best = [0] * (1 << n)
-    for mask in range(1, 1 << n):
-        low = mask & -mask
-        rest = mask ^ low
-        b = n + 1
-        sub = rest
-        while True:
-            row = sub | low
-            if fits[row] and best[mask ^ row] + 1 < b:
-                b = best[mask ^ row] + 1
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
-        best[mask] = b
-    return best[(1 << n) - 1]

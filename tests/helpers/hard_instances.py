@@ -29,7 +29,7 @@ import numpy as np
 __all__ = ["HARD_FAMILIES", "TINY_LEAVES", "hard_instance"]
 
 HARD_FAMILIES = ("cross", "deep", "grpo", "random")
-TINY_LEAVES = 12  # the subset DP of exact.naive_min_rows is instant up to here
+TINY_LEAVES = 12  # the subset DP of optimum.naive_min_rows is instant up to here
 
 
 class _Builder:

@@ -26,7 +26,7 @@ from treepack.service.planner.bounds import (
     naive_min_copies,
     subtree_sizes,
 )
-from treepack.service.planner.exact import naive_min_rows
+from treepack.service.planner.optimum import naive_min_rows
 from treepack.service.planner.rows import row_costs
 
 from helpers.trees import tree_sequences

@@ -44,8 +44,9 @@ from treepack.service.planner.bounds import (
     min_copies,
     subtree_sizes,
 )
-from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, exact_min_rows, fit_rows, naive_min_rows
+from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, fit_rows
 from treepack.service.planner.items import leaf_items
+from treepack.service.planner.optimum import exact_min_rows, naive_min_rows
 from treepack.service.planner.repair import repair_rows
 from treepack.service.planner.rows import row_costs
 
@@ -210,9 +211,10 @@ def test_auto_is_optimal_on_the_hard_classes(monkeypatch):
     assert seen["proven"] >= 0.9 * seen["instances"], seen
     assert seen["optimal"] >= 0.95 * seen["proven"], (seen, misses)
     # Not vacuous: the greedy misses often, the bound alone cannot prove most of these, and
-    # 12-row neighbourhoods of light rows alone miss where the wide levels find the row.
+    # 12-row neighbourhoods of light rows alone miss where the wide levels find the row (2 of
+    # these since the exact search tries the rows sharing most of a leaf's prefix first).
     assert (
-        seen["bfd above optimum"] >= 15 and seen["bound below optimum"] >= 30 and seen["narrow above optimum"] >= 3
+        seen["bfd above optimum"] >= 15 and seen["bound below optimum"] >= 30 and seen["narrow above optimum"] >= 2
     ), seen
     assert len(misses) <= 1, misses
 
