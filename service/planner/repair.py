@@ -13,24 +13,26 @@ its prefix would have made room. :func:`repair_rows` looks for exactly that:
    stop at the lower bound, when no neighbourhood of any light row helps, or when the
    time budget is spent.
 
-When no such neighbourhood helps, the search widens (:data:`LEVELS`): groups of up to 24,
-then 48 rows, for the two lightest rows only: r with its *affinity cluster* (grown one row
-at a time, each time the row sharing the most prefix tokens with the group so far) and r
-with the lightest rows. Small neighbourhoods of light rows fail where the slack a
-re-packing needs is spread thinly over many rows, or where a row pays for a long chain of
-shared turns (agent trees with deep chains, several trees sharing rows, GRPO groups of
-80+ completions): a wide group gathers that slack, and on a batch of up to 48 rows it is
-the whole batch. The levels run cheap first: 12 and 48 rows with small node limits
-(:data:`FIRST_LIMIT`, then :data:`QUICK_LIMIT`: a group that fits usually fits quickly),
-then 12, 24 and 48 rows with :data:`NODE_LIMIT`, so that a small budget (the default
-10 ms) already reaches the wide groups; last, the lightest row's wide group once more with
-:data:`DEEP_LIMIT` (on a batch of up to 48 rows, a re-packing of the whole batch that a
-budget sized by a cost model can afford: agent trees whose rows pay long chains of shared
-turns need tens of thousands of nodes there). A removed row starts again at the first level. A
-group that ran out of nodes is tried again only under a larger node limit, and its search
-goes on where it stopped (:class:`~.exact.RowFit`: the cheap levels cost a later level
-nothing it would not have searched anyway); one refuted never again (until one of its rows
-changes).
+When no such neighbourhood helps, the search widens (:data:`LEVELS`). A *subtree*
+neighbourhood is r with every row holding one node of r's chains, deepest node first: the
+rows that share a subtree with r, which a re-packing of that subtree's leaves needs (agent
+trees with deep chains, where each row holds the leaves of one branch and a light row's
+leaves fit once a few branches are paired anew). A *wide* neighbourhood is r with its
+*affinity cluster* (grown one row at a time, each time the row sharing the most prefix
+tokens with the group so far) or with the lightest rows, up to 24 or 48 rows: small
+neighbourhoods fail where the slack a re-packing needs is spread thinly over many rows, or
+where a row pays for a long chain of shared turns (several trees sharing rows, GRPO groups
+of 80+ completions), and a wide group gathers that slack; on a batch of up to 48 rows it
+is the whole batch. Subtree and wide groups are formed for the two lightest rows. The
+levels run cheap first: every kind with small node limits (:data:`FIRST_LIMIT`, then
+:data:`QUICK_LIMIT`: a group that fits usually fits quickly), then with
+:data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches the wide
+groups; last, the lightest row's wide group once more with :data:`DEEP_LIMIT` (on a batch
+of up to 48 rows, a re-packing of the whole batch that a budget sized by a cost model can
+afford). A removed row starts again at the first level. A group that ran out of nodes is
+tried again only under a larger node limit, and its search goes on where it stopped
+(:class:`~.exact.RowFit`: the cheap levels cost a later level nothing it would not have
+searched anyway); one refuted never again (until one of its rows changes).
 
 Every step keeps a valid placement (all leaves placed, every row within C) and removes one
 row, so the result never has more rows than its input. The search order depends on the
@@ -60,6 +62,7 @@ __all__ = [
     "RepairResult",
     "repair_rows",
     "MAX_ROWS",
+    "WIDE_ROWS",
     "LIGHT_ROWS",
     "NODE_LIMIT",
     "QUICK_LIMIT",
@@ -76,18 +79,25 @@ QUICK_LIMIT = 500  # ... at the quick levels, tried first
 FIRST_LIMIT = 100  # ... at the first levels (a search goes on from where a lower limit stopped it)
 DEEP_LIMIT = 50_000  # ... at the last level: the lightest row's wide group (a batch of <= 48 rows: all of it)
 MAX_PAUSED = 16  # searches a quick level left unknown, kept for a thorough level to go on with
+WIDE_ROWS = 48  # largest subtree or wide neighbourhood
 LEVELS = (
-    (MAX_ROWS, FIRST_LIMIT, LIGHT_ROWS),
-    (48, FIRST_LIMIT, 2),
-    (MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS),
-    (48, QUICK_LIMIT, 2),
-    (MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
-    (24, NODE_LIMIT, 2),
-    (48, NODE_LIMIT, 2),
-    (48, DEEP_LIMIT, 1),
+    ("near", MAX_ROWS, FIRST_LIMIT, LIGHT_ROWS),
+    ("subtree", WIDE_ROWS, FIRST_LIMIT, 2),
+    ("wide", WIDE_ROWS, FIRST_LIMIT, 2),
+    ("near", MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS),
+    ("subtree", WIDE_ROWS, QUICK_LIMIT, 2),
+    ("wide", WIDE_ROWS, QUICK_LIMIT, 2),
+    ("near", MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
+    ("subtree", WIDE_ROWS, NODE_LIMIT, 2),
+    ("wide", 24, NODE_LIMIT, 2),
+    ("wide", WIDE_ROWS, NODE_LIMIT, 2),
+    ("wide", WIDE_ROWS, DEEP_LIMIT, 1),
 )
-"""(largest neighbourhood, node limit, light rows tried) of each level; a level runs when
-the ones before it found nothing, and a removed row starts again at the first."""
+"""(kind of neighbourhood, largest neighbourhood, node limit, light rows tried) of each
+level: ``near`` (r with the rows sharing most of its prefixes, or the lightest rows),
+``subtree`` (r with the rows holding one node of its chains), ``wide`` (r with its
+affinity cluster, or the lightest rows). A level runs when the ones before it found
+nothing, and a removed row starts again at the first."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,6 +156,7 @@ class _Rows:
         self.chains = Chains(tree) if chains is None else chains
         self.row_of = row_of
         self.node_len = _Lookup(tree.length)
+        self.node_end = _Lookup(tree.end)
         self.alive = set(range(num_rows))
         self.items: dict[int, Item] = {}
         kept = row_of >= 0
@@ -240,6 +251,29 @@ class _Rows:
                 score[y] = score.get(y, 0) + n
         return group[1:]
 
+    def _fits_fewer(self, group: list[int] | set[int], seq_len: int) -> bool:
+        """Whether the group's tokens (own segments, and every node its rows hold once) could
+        fit one row fewer: the volume a re-packing needs."""
+        nodes: set[int] = set()
+        for x in group:
+            nodes |= self.held(x)
+        return sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes) <= (len(group) - 1) * seq_len
+
+    def subtree_groups(self, r: int, max_rows: int, seq_len: int, deadline: float):
+        """r with the rows holding each node of its chains, deepest node first (module
+        docstring): groups of 3 to ``max_rows`` rows whose tokens could fit one row fewer."""
+        end = self.node_end
+        seen: set[frozenset[int]] = set()
+        for v in sorted(self.held(r), key=lambda u: (-end[u], u)):
+            if time.thread_time() > deadline:  # a row's first held() walks all its leaves
+                return
+            group = self.node_rows(v) | {r}
+            key = frozenset(group)
+            if 3 <= len(group) <= max_rows and key not in seen:
+                seen.add(key)
+                if self._fits_fewer(group, seq_len):
+                    yield sorted(group)
+
     def neighbourhoods(self, r: int, max_rows: int, seq_len: int, deadline: float, *, wide: bool = False):
         """Row groups containing r, most promising first (module docstring).
 
@@ -255,15 +289,9 @@ class _Rows:
         if wide:
             for pool in (self.cluster(r, max_rows, deadline), by_room):
                 group = [r] + pool[: max_rows - 1]
-                nodes: set[int] = set()
-                for x in group:  # a row's first held() walks all its leaves: keep to the budget
-                    if time.thread_time() > deadline:
-                        return
-                    nodes |= self.held(x)
-                if (
-                    sum(self.tail[x] for x in group) + sum(self.node_len[v] for v in nodes)
-                    <= (len(group) - 1) * seq_len
-                ):
+                if time.thread_time() > deadline:  # a row's first held() walks all its leaves
+                    return
+                if self._fits_fewer(group, seq_len):
                     yield sorted(group)
             return
         for pool in (by_share, by_room):
@@ -339,18 +367,24 @@ def repair_rows(
     paused: dict[frozenset[int], RowFit] = {}  # searches stopped by a node limit a later level raises
     tried = 0
     out_of_time = False
-    levels = LEVELS if (max_rows, node_limit) == (MAX_ROWS, NODE_LIMIT) else ((max_rows, node_limit, LIGHT_ROWS),)
-    top_limit = max(lv[1] for lv in levels)
+    custom = (max_rows, node_limit) != (MAX_ROWS, NODE_LIMIT)
+    levels = (("near", max_rows, node_limit, LIGHT_ROWS),) if custom else LEVELS
+    top_limit = max(lv[2] for lv in levels)
     level = 0
     while len(rows.alive) > bound and not out_of_time:
         improved = False
-        size, limit, n_light = levels[level]
+        kind, size, limit, n_light = levels[level]
         light = sorted(rows.alive, key=lambda x: (rows.load[x], x))[:n_light]
         for r in light:
             if time.thread_time() > deadline:
                 out_of_time = True
                 break
-            for group in rows.neighbourhoods(r, size, seq_len, deadline, wide=size > MAX_ROWS):
+            groups = (
+                rows.subtree_groups(r, size, seq_len, deadline)
+                if kind == "subtree"
+                else rows.neighbourhoods(r, size, seq_len, deadline, wide=kind == "wide")
+            )
+            for group in groups:
                 key = frozenset(group)
                 if failed.get(key, -1) >= limit:
                     continue

@@ -5,6 +5,8 @@
   root what the search without it has to search for;
 - the pass with one discrepancy per branch, and the second leaf order (tree by tree): each
   finds fits the plain depth-first search in one order needs far more nodes for;
+- the subtree neighbourhoods of the repair pass: a row found there that the other
+  neighbourhoods miss within the same node limits.
 
 The suite-level checks (every answer against the subset DP, ``auto`` at the optimum) are in
 ``test_planner_exact.py``; the searches at scale in ``test_exact_scale.py``.
@@ -19,10 +21,12 @@ import pytest
 
 from treepack.proto.batch import normalize_batch
 from treepack.service.cli import workloads
-from treepack.service.planner import build_tree, exact, place_leaves
+from treepack.service.planner import build_tree, exact, lower_bound_rows, place_leaves, repair
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, RowFit, fit_rows
 from treepack.service.planner.exact_order import leaf_orders, min_copies, naive_min_copies_items
 from treepack.service.planner.items import Item, leaf_items
+from treepack.service.planner.repair import repair_rows
+from treepack.service.planner.rows import row_costs
 
 from helpers.hard_instances import HARD_FAMILIES, hard_instance
 
@@ -150,3 +154,22 @@ def test_tree_by_tree_order_finds_what_largest_first_misses(monkeypatch):
     assert max(row_costs_from(items, fit.assign, node_len, m)) <= C
     monkeypatch.setattr(exact, "leaf_orders", lambda its: leaf_orders(its)[:1])  # negative control
     assert RowFit(items, m, C, node_len).run(20_000) == UNKNOWN
+
+
+def test_subtree_neighbourhoods_find_a_row_the_others_miss(monkeypatch):
+    # Agent trees with deep chains (31 leaves, 15 rows greedy): re-pairing the branches below
+    # one shared turn frees a row; the rows holding that turn fit one fewer at once, the
+    # 12-row and wide neighbourhoods do not within the same node limits.
+    kw = hard_instance("deep", 12, 2)
+    batch, tree = _tree(kw)
+    C = kw["seq_len"]
+    greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
+    bound = lower_bound_rows(tree, C)
+    levels = tuple(lv for lv in repair.LEVELS if lv[2] <= repair.QUICK_LIMIT)
+    monkeypatch.setattr(repair, "LEVELS", levels)
+    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    assert res.num_rows == greedy.num_rows - 1 == 14 and not res.out_of_time
+    assert (row_costs(tree, res.row_of, res.num_rows) <= C).all()
+    monkeypatch.setattr(repair, "LEVELS", tuple(lv for lv in levels if lv[0] != "subtree"))  # negative control
+    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    assert res.num_rows == greedy.num_rows and not res.out_of_time

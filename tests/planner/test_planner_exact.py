@@ -190,7 +190,7 @@ def test_auto_is_optimal_on_the_hard_classes(monkeypatch):
         narrow = auto
         if size:  # the repair pass without its wide levels (negative control; tiny ones never need them)
             with monkeypatch.context() as m:
-                m.setattr(repair, "LEVELS", tuple(x for x in repair.LEVELS if x[0] <= repair.MAX_ROWS))
+                m.setattr(repair, "LEVELS", tuple(x for x in repair.LEVELS if x[0] == "near"))
                 narrow = place_leaves(tree, batch, C, "auto", repair_ms=BUDGET).num_rows
         if len(kw["sequences"]) <= TINY_LEAVES:
             opt, proven = naive_min_rows(tree, C), True
