@@ -30,8 +30,11 @@
 
   ``L3 = max over t of G(virtual root)``. With ``Q = 1`` this is "one row per leaf over
   half of what is left below u"; ``Q = 2`` is the thirds rule, and so on. Any t gives a
-  valid bound, so only a few are tried: just above ``C / (q+1)`` at the root, and just
-  above ``end(u) + (C - end(u)) / (q+1)`` for the branch points u with the most children.
+  valid bound, so only a few are tried: just above ``C / (q+1)`` at the root, just
+  above ``end(u) + (C - end(u)) / (q+1)`` for the branch points u with the most children,
+  and the shortest leaf's length, which makes every leaf big: at most ``Q(u)`` leaves of
+  distinct children of u in a row, the count bound (1,024 unshared 80-token sequences in
+  rows of 8,192 need ``ceil(1024 / 102) = 11`` rows, where the tokens say 10).
 
 - **L4, Martello and Toth's L2 below a branch point** (:func:`leaf_children_rows`). The
   leaves that are children of one node u (or root leaves, below the virtual root) are
@@ -111,6 +114,9 @@ def big_leaf_thresholds(tree: Tree, seq_len: int) -> np.ndarray:
     """[T] int64 the thresholds t that :func:`lower_bound_rows` tries for L3 (module docstring)."""
     C = int(seq_len)
     ts = [C // (q + 1) + 1 for q in range(1, ROOT_SPLITS + 1)]
+    leaves = tree.leaf_of[tree.leaf_of >= 0]
+    if leaves.size:
+        ts.append(max(int(tree.end[leaves].min()), 1))  # every leaf big: the count bound
     inner = np.flatnonzero(tree.sharers >= 2)
     if inner.size:
         kids = np.bincount(tree.parent[tree.parent >= 0], minlength=tree.num_nodes)[inner]

@@ -101,6 +101,27 @@ def test_big_leaf_rows_by_hand():
     assert big_leaf_rows(tree, 1000, np.array([334, 341])).tolist() == [4, 0]
 
 
+def test_count_bound_at_the_shortest_leaf():
+    # 1,024 unshared leaves of 80 tokens in rows of 8,192 (GRPO groups whose prompt is too
+    # short to share): 102 fit a row, so ceil(1024 / 102) = 11 rows, where their 81,920
+    # tokens say 10. The shortest leaf's length as a threshold makes every leaf big: at most
+    # 8192 // 80 = 102 in a row.
+    tree, _ = _tree([[80]] * 1024, 8192)
+    assert -(-int(tree.num_tokens) // 8192) == 10
+    ts = big_leaf_thresholds(tree, 8192)
+    assert 80 in ts.tolist()
+    assert big_leaf_rows(tree, 8192, np.array([80])).tolist() == [11]
+    assert naive_big_leaf_rows(tree, 8192, np.array([80])).tolist() == [11]
+    assert lower_bound_rows(tree, 8192) == 11
+    # Negative control: without the shortest leaf's threshold, every other part says 10.
+    assert big_leaf_rows(tree, 8192, ts[ts != 80]).max() <= 10
+    assert max(leaf_children_rows(tree, 8192), -(-int((tree.length * min_copies(tree, 8192)).sum()) // 8192)) == 10
+    # Below a branch point the count is per branch: 20 leaves of 30 under a 40-token prompt
+    # in rows of 100 hold two a row (40 + 2 x 30): 10 rows.
+    tree, _ = _tree([[40, 30]] * 20, 100)
+    assert big_leaf_rows(tree, 100, np.array([70])).tolist() == [10]
+
+
 def test_bin_packing_bounds_by_hand():
     # Two items over half a row, three of 30 in the room they leave (80) and one row more.
     assert bin_packing_l2(np.array([60, 60, 30, 30, 30]), 100) == 3

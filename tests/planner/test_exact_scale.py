@@ -33,8 +33,14 @@ PLANNER = Path(__file__).resolve().parents[2] / "service" / "planner"
 @pytest.mark.parametrize("groups", [256, 512])
 def test_short_grpo_groups_in_long_rows_plan(groups, monkeypatch):
     # 4 x 80 tokens per group, nothing shared (63 shareable prompt tokens < min_shared_len):
-    # 102 leaves fill a row, so ceil(4 groups / 102) rows; the bound says one fewer, so the
-    # repair pass runs and hands the search whole rows of leaves.
+    # 102 leaves fill a row, so ceil(4 groups / 102) rows, which the count bound proves (the
+    # tokens alone say one fewer). The repair pass, run on a bound that does not see the
+    # count, hands the search whole rows of leaves.
+    kw = grpo_groups(groups)
+    plan = plan_batch(**kw, placement="auto")
+    validate_plan(plan, kw["sequences"], trainable=kw["trainable"])
+    assert plan.num_rows == -(-4 * groups // 102) == plan.stats.lower_bound_rows
+    assert plan.stats.timings_ms["repair"] == 0  # proven optimal: no repair pass
     handed = []
 
     class Spy(RowFit):
@@ -45,16 +51,14 @@ def test_short_grpo_groups_in_long_rows_plan(groups, monkeypatch):
             super().__init__(items, *args)
 
     monkeypatch.setattr(repair, "RowFit", Spy)
-    kw = grpo_groups(groups)
+    batch = normalize_batch(kw["sequences"], seq_len=8192, trainable=kw["trainable"], groups=kw["groups"])
+    tree = build_tree(batch)
+    volume = -(-tree.num_tokens // 8192)
+    assert volume == plan.num_rows - 1
     # A budget the searches never reach, so a loaded machine cannot skip the deep ones.
-    plan = plan_batch(**kw, placement="auto", repair_ms=60_000.0)
-    validate_plan(plan, kw["sequences"], trainable=kw["trainable"])
-    assert plan.num_rows == -(-4 * groups // 102) == plan.stats.lower_bound_rows + 1
+    res = repair_rows(tree, plan.row_of, plan.num_rows, 8192, volume, budget_ms=60_000.0)
+    assert res.num_rows == plan.num_rows and not res.out_of_time
     assert max(handed) >= 1000, max(handed)  # not vacuous: deeper than Python's default stack
-    # And at the default budget, as a trainer calls it.
-    plan = plan_batch(**kw, placement="auto")
-    validate_plan(plan, kw["sequences"], trainable=kw["trainable"])
-    assert plan.num_rows == -(-4 * groups // 102)
 
 
 def _flat_items(n: int, seed: int = 0) -> tuple[list[Item], list[int], int]:
@@ -133,17 +137,17 @@ def test_rows_too_full_for_any_leaf_left_lose_their_room():
 
 
 def test_repair_at_100k_leaves_keeps_its_budget():
-    # 25,000 groups of 4: 100,000 leaves in 981 rows, one above the bound, so the repair pass
-    # runs to its budget: it sets up lazily and keeps to its CPU budget within one search
-    # node or one row's index. (Planning and validating this batch whole takes ~15 s here,
-    # mostly the validator's per-sequence walk; the 256- and 512-group plans above are
-    # validated.)
+    # 25,000 groups of 4: 100,000 leaves in 981 rows, which the count bound proves; given only
+    # the volume bound (977), the repair pass runs to its budget: it sets up lazily and keeps
+    # to its CPU budget within one search node or one row's index. (Planning and validating
+    # this batch whole takes ~15 s here, mostly the validator's per-sequence walk; the 256-
+    # and 512-group plans above are validated.)
     kw = grpo_groups(25_000)
     batch = normalize_batch(kw["sequences"], seq_len=8192, trainable=kw["trainable"], groups=kw["groups"])
     tree = build_tree(batch)
-    bound = lower_bound_rows(tree, 8192)
+    bound = -(-tree.num_tokens // 8192)
     greedy = unit_place(tree, batch, 8192, split=False)
-    assert greedy.num_rows == -(-100_000 // 102) == bound + 4
+    assert greedy.num_rows == -(-100_000 // 102) == lower_bound_rows(tree, 8192) == bound + 4
     for budget_ms in (10.0, 50.0):
         t0 = time.thread_time()
         res = repair_rows(tree, greedy.row_of, greedy.num_rows, 8192, bound, budget_ms=budget_ms)
