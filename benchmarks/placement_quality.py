@@ -7,14 +7,16 @@ Usage:
     python benchmarks/placement_quality.py sharing
     python benchmarks/placement_quality.py hard [--seeds 16] [--node-limit 50000]
     python benchmarks/placement_quality.py budget [--repeats 3]
+    python benchmarks/placement_quality.py best RUN.json [RUN.json ...]
 
 ``quality`` plans small and medium instances (realistic GRPO curriculum, agentic,
 distillation, SFT and the golden example at reduced row sizes, plus adversarial ones: leaves
 just over a half, third or quarter of a row behind one prefix, and near-perfect packings
-cut into pieces and shuffled) with ``auto``, ``auto`` without the repair pass, and ``bfd``,
-and searches the optimum between the lower bound and ``auto``'s rows with the exact branch
-and bound (:func:`~treepack.service.planner.exact.exact_min_rows`); an optimum counts as
-proven when every smaller row count was refuted within the node limit.
+cut into pieces and shuffled) with ``auto`` (at the default repair budget and at 1 s),
+``auto`` without the repair pass, and ``bfd``, and searches the optimum between the lower
+bound and ``auto``'s rows with the exact branch and bound
+(:func:`~treepack.service.planner.optimum.exact_min_rows`); an optimum counts as proven
+when every smaller row count was refuted within the node limit.
 
 ``scaling`` plans each curriculum once with ``bfd`` and once with ``auto`` (the 30,720-group
 batch has ~267k completions and ~1.0G tokens, ~4.4 GB of memory) and prints the phase
@@ -34,6 +36,11 @@ learned to widen); planning ms are ``place_leaves`` CPU times of the planning th
 tasks, distillation at 512 sources, the golden example; C = 131,072) with ``auto`` at
 repair budgets of 10 ms (the default) and 1,000 ms (a cost model's cap): rows, bound, and
 ``plan_normalized``'s CPU ms (median, min-max of ``--repeats``) and the repair pass's share.
+
+``best`` reads the ``--json`` outputs of ``quality`` and ``hard`` runs (before and after a
+change, say) and prints each run's rows against the best known: per instance, the fewest
+rows any search of any of the runs found; ``auto`` at 10 ms and at 1 s, and on which
+instances each is above it.
 
 ``sharing`` compares rule 4 (``min_shared_len``) with the sharing-by-saving option on the
 curriculum and on a short-question GRPO batch: rows, tree and packed tokens, segments and
@@ -57,7 +64,11 @@ from treepack.proto.batch import normalize_batch
 from treepack.service.cli import workloads as W
 from treepack.service.planner.api import plan_normalized
 from treepack.service.planner.bounds import lower_bound_rows, min_copies
-from treepack.service.planner.exact import exact_min_rows
+
+try:
+    from treepack.service.planner.optimum import exact_min_rows
+except ImportError:  # the planner before the optimum had its own module (for before/after runs)
+    from treepack.service.planner.exact import exact_min_rows  # type: ignore[attr-defined,no-redef]
 from treepack.service.planner.placement import place_leaves
 from treepack.service.planner.tree import build_tree
 
@@ -119,18 +130,27 @@ def quality(per_family: int, node_limit: int) -> dict:
         C = w.seq_len
         bound = lower_bound_rows(tree, C)
         old_bound = max(1, -(-int((tree.length * min_copies(tree, C)).sum()) // C))
+        t = time.thread_time()
         auto = place_leaves(tree, batch, C, "auto", bound=bound)
+        auto_ms = (time.thread_time() - t) * 1e3
+        t = time.thread_time()
+        auto1000 = place_leaves(tree, batch, C, "auto", bound=bound, repair_ms=1000.0).num_rows
+        auto1000_ms = (time.thread_time() - t) * 1e3
         greedy = place_leaves(tree, batch, C, "auto", bound=bound, repair_ms=0).num_rows
         bfd = place_leaves(tree, batch, C, "bfd").num_rows
         t = time.perf_counter()
-        opt, proven = exact_min_rows(tree, C, bound, auto.num_rows, node_limit=node_limit)
+        opt, proven = exact_min_rows(tree, C, bound, min(auto.num_rows, auto1000), node_limit=node_limit)
         rows.append(
             dict(
+                index=len(rows),
                 family=family,
                 leaves=len(w.sequences),
                 bound=bound,
                 old_bound=old_bound,
                 auto=auto.num_rows,
+                auto_ms=auto_ms,
+                auto1000=auto1000,
+                auto1000_ms=auto1000_ms,
                 greedy=greedy,
                 bfd=bfd,
                 opt=opt,
@@ -202,7 +222,7 @@ def hard(seeds: int, node_limit: int) -> dict:
                 for label, budget, lv in (
                     ("auto", 10.0, levels),
                     ("auto1000", 1000.0, levels),
-                    ("narrow1000", 1000.0, tuple(x for x in levels if x[0] <= repair.MAX_ROWS)),
+                    ("narrow1000", 1000.0, tuple(x for x in levels if _near(x))),
                 ):
                     saved = levels
                     if levels:
@@ -236,6 +256,56 @@ def hard(seeds: int, node_limit: int) -> dict:
         )
     print(f"total {time.perf_counter() - t_start:.1f}s")
     return dict(rows=rows)
+
+
+def _near(level: tuple) -> bool:
+    """A level of 12-row neighbourhoods of light rows (``("near", ...)``; before the level
+    kinds, ``(size, ...)`` with size at most ``MAX_ROWS``)."""
+    from treepack.service.planner import repair  # noqa: PLC0415
+
+    return level[0] == "near" or (isinstance(level[0], int) and level[0] <= repair.MAX_ROWS)
+
+
+def _key(rec: dict) -> tuple:
+    return ("hard", rec["family"], rec["size"], rec["seed"]) if "seed" in rec else ("quality", rec["index"])
+
+
+def best(paths: list[str]) -> dict:
+    """Rows of each run (``--json`` outputs of ``quality`` and ``hard``, before and after a
+    change) against the best known: per instance, the fewest rows any search of any run found
+    (``auto`` at 10 ms and 1 s, ``narrow``, the exact branch and bound)."""
+    runs = {p: {_key(r): r for r in json.load(open(p))["rows"]} for p in paths}
+    known: dict[tuple, int] = {}
+    for recs in runs.values():
+        for k, r in recs.items():
+            found = min(r[x] for x in ("auto", "auto1000", "narrow1000", "opt") if x in r)
+            known[k] = min(known.get(k, found), found)
+    out = []
+    print(
+        f"{'run':40s} {'set':8s} {'n':>4s} {'best known':>10s} {'auto 10ms':>9s} {'above':>5s} "
+        f"{'below':>5s} {'auto 1s':>7s} {'above':>5s} {'bfd':>5s} {'auto>bfd':>8s}"
+    )
+    for p, recs in runs.items():
+        for kind in sorted({k[0] for k in recs}):
+            ks = [k for k in recs if k[0] == kind]
+            row = dict(run=p, set=kind, n=len(ks), best=sum(known[k] for k in ks))
+            for label in ("auto", "auto1000"):
+                row[label] = sum(recs[k][label] for k in ks)
+                row[label + "_above"] = [k for k in ks if recs[k][label] > known[k]]
+            row["below"] = [k for k in ks if recs[k]["auto"] < known[k]]
+            row["bfd"] = sum(recs[k]["bfd"] for k in ks)
+            row["auto>bfd"] = sum(recs[k]["auto"] > recs[k]["bfd"] for k in ks)
+            out.append(row)
+            print(
+                f"{p[-40:]:40s} {kind:8s} {row['n']:4d} {row['best']:10d} {row['auto']:9d} "
+                f"{len(row['auto_above']):5d} {len(row['below']):5d} {row['auto1000']:7d} "
+                f"{len(row['auto1000_above']):5d} {row['bfd']:5d} {row['auto>bfd']:8d}"
+            )
+            for k in row["auto_above"]:
+                print(
+                    f"    above at 10 ms: {k} {recs[k]['auto']} > {known[k]} ({recs[k].get('auto_ms', 0):.1f} CPU ms)"
+                )
+    return dict(best=out)
 
 
 def budget(repeats: int) -> dict:
@@ -429,6 +499,8 @@ def main() -> None:
     h = sub.add_parser("hard")
     h.add_argument("--seeds", type=int, default=16)
     h.add_argument("--node-limit", type=int, default=50_000)
+    k = sub.add_parser("best")
+    k.add_argument("paths", nargs="+", help="--json outputs of quality and hard runs")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     print(
@@ -443,6 +515,8 @@ def main() -> None:
         res = budget(args.repeats)
     elif args.what == "hard":
         res = hard(args.seeds, args.node_limit)
+    elif args.what == "best":
+        res = best(args.paths)
     else:
         res = sharing()
     if args.json:
