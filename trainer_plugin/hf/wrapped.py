@@ -19,7 +19,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 
-__all__ = ["unwrap_model", "forward_hidden", "forward_logits"]
+__all__ = ["unwrap_model", "wrapper_chain", "forward_hidden", "forward_logits"]
 
 _MAX_DEPTH = 16
 
@@ -65,6 +65,20 @@ def unwrap_model(model: Any) -> Any:
             rule="unsupported",
         )
     return m
+
+
+def wrapper_chain(model: Any) -> str:
+    """The classes of the wrappers around the HF model, outermost first (``"DistributedDataParallel>PeftModel..."``;
+    ``""`` for a bare model): what a proof through ``model`` holds for."""
+    names = []
+    m = model
+    for _ in range(_MAX_DEPTH):
+        nxt = _inner(m)
+        if nxt is None:
+            break
+        names.append(type(m).__name__)
+        m = nxt
+    return ">".join(names)
 
 
 def _last_hidden(out: Any) -> torch.Tensor:
