@@ -89,7 +89,7 @@ from treepack.trainer.hf.admission.tolerance import (
 )
 from treepack.trainer.hf.admission.walk_cache import forget_walks
 
-__all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes"]
+__all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes", "checkpointing"]
 
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]] = weakref.WeakKeyDictionary()
 _SIGNATURE_NAMES = ("backend", "patch_layers", "training", "checkpointing", "reentrant", "dtype", "device")
@@ -119,7 +119,7 @@ class ProbeReport:
     noise: NoiseFloor | None = None
 
 
-def _checkpointing(hf: torch.nn.Module) -> tuple[bool, Any]:
+def checkpointing(hf: torch.nn.Module) -> tuple[bool, Any]:
     """(whether checkpointing runs in this mode, use_reentrant of its function or None)."""
     on = hf.training and any(getattr(m, "gradient_checkpointing", False) is True for m in hf.modules())
     fn = next(
@@ -138,7 +138,7 @@ def probe_signature(hf: torch.nn.Module, *, backend: str, patch_layers: bool = T
     """What a passing probe proves for ``hf``: (backend, patch_layers, training, checkpointing,
     reentrant, dtype, device, gradients enabled, autocast dtype or None)."""
     p = next(hf.parameters(), None)
-    on, reentrant = _checkpointing(hf)
+    on, reentrant = checkpointing(hf)
     dev = p.device.type if p is not None else "cpu"
     autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
     return (
@@ -188,7 +188,7 @@ class _Runs:
 def _alone(call: Any, hf: Any, seqs: list[torch.Tensor]) -> _Runs:
     """Every sequence alone through ``call``, forward and projected gradients."""
     device = seqs[0].device
-    on, reentrant = _checkpointing(hf)
+    on, reentrant = checkpointing(hf)
     gen = torch.Generator().manual_seed(PROBE_SEED)
     weights = [torch.randn(s.shape[0], generator=gen).to(device) for s in seqs]
     # Gradients are proven where the caller computes them (a no-grad scoring call proves the forward).

@@ -28,7 +28,7 @@ from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
 from treepack.trainer.hf.context import use_packed
 from treepack.trainer.hf.run import run_packed
-from treepack.trainer.hf.wrapped import unwrap_model, wrapper_chain
+from treepack.trainer.hf.wrapped import no_sync, unwrap_model, wrapper_chain
 
 __all__ = ["prove", "verify_model"]
 
@@ -75,13 +75,6 @@ def _packed_runner(call: Any, hf: Any, setup: PackedSetup) -> Callable[[PackedBa
     return run
 
 
-def _no_sync(model: Any) -> Any:
-    """DDP's ``no_sync()``: the probe's backward passes synchronise nothing (a no-op elsewhere)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.no_sync()
-    return nullcontext()
-
-
 def prove(hf: Any, setup: PackedSetup, model: Any = None) -> ProbeReport:
     """Prove packing exact for ``hf`` as it is now under ``setup`` (the probe, once per probe signature).
 
@@ -104,7 +97,7 @@ def prove(hf: Any, setup: PackedSetup, model: Any = None) -> ProbeReport:
     accepted = tuple(k for k in ("allow_dropout", "allow_stochastic") if getattr(setup, k))
     extra = (*accepted, probe_shape(hf, setup.row_len)[1], wrapper_chain(call))
     # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), _no_sync(call):
+    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), no_sync(call):
         return verify_packing(
             hf,
             backend=setup.backend,
