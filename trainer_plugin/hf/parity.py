@@ -10,8 +10,8 @@ the precision the step computes in:
   at this precision (the figure the run-time probe accepts packed drift against:
   :mod:`~treepack.trainer.hf.admission.tolerance`);
 - gradient drift per parameter group (``model.layers.*.mlp.up_proj.weight``: every layer's
-  tensor of that name), ``|g - g_alone| / |g_alone|`` of the sample's mean log-probability,
-  packed and for the noise floor;
+  tensor of that name), ``|g - g_alone| / |g_alone|`` of the sum of the sample's scored
+  log-probabilities, packed and for the noise floor;
 - how many scored tokens cross a PPO clip band: ``|exp(lp - lp_alone) - 1| > epsilon``
   (default 0.2), the tokens whose clipped ratio would change if the old policy's
   log-probabilities came from the other shape.
@@ -194,9 +194,11 @@ def _grads(hf: Any, loss: torch.Tensor, reentrant: bool) -> list[torch.Tensor | 
             p.grad = g
 
 
-def _mean_lp(lps: list[torch.Tensor], scored: list[torch.Tensor]) -> torch.Tensor:
-    total = sum(int(m.sum()) for m in scored)
-    return sum(torch.where(m, x, torch.zeros_like(x)).sum() for x, m in zip(lps, scored)) / max(total, 1)
+def _sum_lp(lps: list[torch.Tensor], scored: list[torch.Tensor]) -> torch.Tensor:
+    # The sum, not the mean: per-token gradients of order 1 keep fp16 out of its subnormal
+    # range, as a loss scaler does (a mean over 500 tokens puts attention's fp16 gradients
+    # there, where they round 2% apart).
+    return sum(torch.where(m, x, torch.zeros_like(x)).sum() for x, m in zip(lps, scored))
 
 
 def _sample(batch: PackedBatch, sequences: int | None) -> list[int]:
@@ -278,12 +280,12 @@ def parity_report(
         scored = [~torch.isnan(x) for x in runs[PACKED]]
         mask = lambda lps: [torch.where(m, x, torch.full_like(x, float("nan"))) for x, m in zip(lps, scored)]  # noqa: E731
         alone = mask(alone_logprobs(model, seqs))
-        ref = _grads(hf, _mean_lp(alone, scored), reentrant) if grads else []
+        ref = _grads(hf, _sum_lp(alone, scored), reentrant) if grads else []
         for name in [PACKED, *SHAPES]:
             lps = runs[PACKED] if name == PACKED else mask(padded_logprobs(model, seqs, name))
             runs[name] = lps
             if grads:
-                drifts[name] = [_sq_diff(a, b) for a, b in zip(ref, _grads(hf, _mean_lp(lps, scored), reentrant))]
+                drifts[name] = [_sq_diff(a, b) for a, b in zip(ref, _grads(hf, _sum_lp(lps, scored), reentrant))]
     alone_d = [x.detach() for x in alone]
     drift = {k: _drift(alone_d, [x.detach() for x in v], epsilon) for k, v in runs.items()}
     noise = max(d.max for k, d in drift.items() if k != PACKED)
