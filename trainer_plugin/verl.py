@@ -48,7 +48,8 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.proto.errors import RequestError
-from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer import BACKENDS, materialize, output_head, packed_forward, parity_report
+from treepack.trainer.hf.parity import sample_on_every_rank
 from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
 
@@ -68,6 +69,9 @@ class VerlPacking:
         max_seq_len: row length cap (never below the longest sequence).
         planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
         head_chunk: positions per chunk of the output head.
+        report_parity: at the first packed forward, print the parity report's log-probability
+            figures of its micro-batch (:func:`~treepack.trainer.parity_report`, without
+            gradients; every rank runs it, rank 0 prints).
     """
 
     backend: str = "sdpa"
@@ -75,6 +79,7 @@ class VerlPacking:
     max_seq_len: int = 8192
     planner: Any = None
     head_chunk: int = 4096
+    report_parity: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -85,12 +90,13 @@ class VerlPacking:
     @classmethod
     def from_env(cls) -> VerlPacking:
         """The defaults, overridden by ``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` /
-        ``TREEPACK_VERL_MAX_SEQ_LEN``."""
+        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_REPORT_PARITY`` (``1``: on)."""
         env = os.environ
         return cls(
             backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
             min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
+            report_parity=env.get("TREEPACK_VERL_REPORT_PARITY", "0") == "1",
         )
 
 
@@ -273,6 +279,13 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             root.unshard()
         try:
             with autocast:
+                if packing.report_parity and not getattr(self, "_parity_logged", False):
+                    self._parity_logged = True
+                    n = sample_on_every_rank(batch)
+                    if n:
+                        rep = parity_report(self.module, batch, backend=packing.backend, sequences=n, grads=False)
+                        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                            print(rep.table(), flush=True)
                 hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
                 return batch.target_logprobs_from_hidden(
                     hidden,

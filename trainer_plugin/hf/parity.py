@@ -21,6 +21,8 @@ as passed (its wrappers) under the caller's autocast, from one seed, in the call
 the caller's random stream and ``.grad`` are left as they were. Its cost: one packed
 forward and backward of the batch, and each sampled sequence alone and in two more shapes,
 forward and backward; with ``grads`` one copy of the trainable parameters' gradients is held.
+In a distributed run (DDP, FSDP) every rank calls it with the same ``sequences``
+(:func:`sample_on_every_rank`): their forwards are collective.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from treepack.trainer.hf.context import use_packed
 from treepack.trainer.hf.forward import packed_forward
 from treepack.trainer.hf.wrapped import no_sync, unwrap_model
 
-__all__ = ["ParityReport", "Drift", "parity_report", "parameter_group"]
+__all__ = ["ParityReport", "Drift", "parity_report", "parameter_group", "sample_on_every_rank"]
 
 PACKED = "packed"
 
@@ -225,6 +227,19 @@ def _setup(hf: Any, backend: str) -> str:
     ac = f"autocast {_name(torch.get_autocast_dtype(dev))}" if torch.is_autocast_enabled(dev) else "no autocast"
     ckpt = f", checkpointing{' (reentrant)' if reentrant else ''}" if on else ""
     return f"{backend}, {'train' if hf.training else 'eval'}{ckpt}, {_name(p.dtype)} on {p.device}, {ac}"
+
+
+def sample_on_every_rank(batch: PackedBatch, most: int = 16) -> int:
+    """How many sequences every rank can compare: at most ``most``, at most what the batch of
+    each rank of the default process group holds (one all-reduce). A drop-in calls this before
+    :func:`parity_report` on every rank, since DDP and FSDP forwards are collective: each
+    rank must run as many as the others."""
+    n = torch.tensor([min(most, len(batch.local_seqs))], dtype=torch.int64)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_backend() == "nccl":
+            n = n.cuda()
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+    return int(n.item())
 
 
 def parity_report(

@@ -18,7 +18,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.hf.admission import PackedSetup, admit
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
-from treepack.trainer.hf.parity import parity_report
+from treepack.trainer.hf.parity import parity_report, sample_on_every_rank
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.planning.bridge import PaddedSequences
@@ -125,7 +125,7 @@ class PackedRows:
             admit(model, setup)
             if self.packing.report_parity and not getattr(self, "_parity_logged", False):
                 self._parity_logged = True
-                report = parity_report(model, batch, backend=backend)
+                report = parity_report(model, batch, backend=backend, sequences=sample_on_every_rank(batch))
                 if self.accelerator.is_main_process:
                     print(report.table(), flush=True)
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None

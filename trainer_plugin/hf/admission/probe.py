@@ -202,7 +202,9 @@ def _alone(call: Any, hf: Any, seqs: list[torch.Tensor]) -> _Runs:
 
 @dataclass(frozen=True, slots=True)
 class _Judged:
-    """Packed drift against the noise floor: ``lp_ratio`` and ``grad_ratio`` are drift / bound (<= 1 passes)."""
+    """Packed drift against the noise floor: ``lp_err`` against its bound ``lp_tol``; ``ratio`` ([P]) and
+    ``grad_ratio`` (their max) are gradient drift / bound (<= 1 passes); ``shape_noise``, the largest
+    relative drift of the unpacked shapes, against ``limit`` (what rounding explains)."""
 
     noise: NoiseFloor
     lp_err: float
