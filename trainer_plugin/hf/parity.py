@@ -28,6 +28,7 @@ In a distributed run (DDP, FSDP) every rank calls it with the same ``sequences``
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +221,15 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _class_name(hf: Any) -> str:
+    """The model's class name; under FSDP2 (``fully_shard`` swaps in a subclass ``FSDP<class>``) the class it wraps."""
+    cls = type(hf)
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # not imported: no FSDP2 model
+    if fsdp is not None and isinstance(hf, fsdp):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, fsdp)), cls)
+    return cls.__name__
+
+
 def _setup(hf: Any, backend: str) -> str:
     p = next(hf.parameters())
     on, reentrant = checkpointing(hf)
@@ -309,7 +319,7 @@ def parity_report(
     shape_noise = torch.tensor([max((q for _, _, q in groups), default=0.0)], dtype=torch.float64)
     gfloor = grad_floor(shape_noise, torch.ones(1, dtype=torch.float64), eps)[1] if groups else 0.0
     return ParityReport(
-        model=type(hf).__name__,
+        model=_class_name(hf),
         setup=_setup(hf, backend),
         compute_dtype=_name(watch.compute_dtype),
         sequences=len(sample),
