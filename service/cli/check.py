@@ -97,7 +97,8 @@ def run_check(args: argparse.Namespace) -> int:
         on_cpu = torch.device(args.device).type == "cpu"
         options: dict[str, Any] = {"varlen_fn": naive_varlen_attention} if args.backend == "flash" and on_cpu else {}
         autocast = _AUTOCAST[args.autocast]
-        with torch.autocast(torch.device(args.device).type, dtype=getattr(torch, autocast), enabled=bool(autocast)):
+        dtype = getattr(torch, autocast) if autocast else None
+        with torch.autocast(torch.device(args.device).type, dtype=dtype, enabled=dtype is not None):
             report = parity_report(
                 model,
                 batch,
