@@ -153,7 +153,7 @@ HEADER = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=64)
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "report"} for r in rows], f, indent=1)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
