@@ -1,7 +1,7 @@
 """Random draws other than dropout are refused by name in train mode and exact in eval.
 
-Router jitter (Mixtral's and MiniMax-M2's ``router_jitter_noise``) is refused by its config
-field before any compute; PhiMoE's router samples its experts while training whatever its
+Router jitter (Mixtral's and MiniMax-M2's ``router_jitter_noise``) and layerdrop (OPT) are
+refused by their config field before any compute; PhiMoE's router samples its experts while training whatever its
 fields say, and a noise-injecting hook is no field at all: the probe finds both by what they
 do (random operators recorded by module) and names them. A draw that cannot change a value
 (DBRX's ``uniform_(1, 1)``) is not a draw; randomness torch does not see (numpy) is caught
@@ -9,6 +9,8 @@ because the same sequence alone, run twice, differs. ``allow_stochastic`` is the
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -32,14 +34,15 @@ def case():
     return c, materialize(plan_of(c), c["sequences"], trainable=c["trainable"], groups=c["groups"])
 
 
-def _exact_in_eval(model, case):
+def _exact_in_eval(model, case, zero_in_exact_arithmetic: str = r"$^"):
     c, batch = case
     model.eval()
     alone, packed, g_alone, g_packed = oracle(model, batch, c)
     assert_close("logprobs", alone, packed, atol=1e-5)
-    # PhiMoE's eval-mode router gets no gradient (its top-k weights come from a hard selection).
-    zero = {k for k, g in g_alone.items() if not bool(g.any())}
-    assert len(zero) < len(g_alone) and all(not bool(g_packed[k].any()) for k in zero)
+    # PhiMoE's eval-mode router gets no gradient (its top-k weights come from a hard selection);
+    # a key bias gets only rounding (the softmax does not change when every score shifts alike).
+    zero = {k for k, g in g_alone.items() if not bool(g.any()) or re.search(zero_in_exact_arithmetic, k)}
+    assert len(zero) < len(g_alone) and all(not bool(g_packed[k].any()) for k in zero if not bool(g_alone[k].any()))
     keep = lambda g: {k: v for k, v in g.items() if k not in zero}  # noqa: E731
     assert_close("grads", keep(g_alone), keep(g_packed), ratio=1e-4, nonzero_ref=True)
 
@@ -59,6 +62,17 @@ def test_router_jitter_is_refused_by_name_in_train_mode_and_exact_in_eval(case, 
     paths = {r[0] for r in e.value.refusals}
     assert {module, "config.router_jitter_noise"} <= paths
     _exact_in_eval(model, case)
+
+
+def test_layerdrop_is_refused_by_name_in_train_mode_and_exact_in_eval(case):
+    model = ms.build_causal_lm("opt", layerdrop=0.1)  # OPT skips whole layers at random while training
+    model.train()
+    with pytest.raises(UnsupportedModelError) as e:
+        packed_forward(model, case[1])
+    msg = str(e.value)
+    assert "model.decoder (OPTDecoder): layerdrop=0.1 draws random numbers while training" in msg
+    assert "config.layerdrop (OPTConfig)" in msg and "allow_stochastic=True" in msg
+    _exact_in_eval(model, case, zero_in_exact_arithmetic=r"k_proj\.bias$")
 
 
 def test_allow_stochastic_accepts_router_jitter_and_proves_the_rest(case):
