@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/probe_cost.py [--scale 64] [--hidden 256] [--layers 4] [--repeats 3] [--json out.json] [--smoke]
+    python benchmarks/probe_cost.py --probe-only [--repeats 3] [--json out.json]
 
 The model and step are those of ``benchmarks/cpu_train_step.py`` (a Qwen3 of ``--hidden`` x
 ``--layers``, the golden example scaled by ``--scale``, one tree-packed SDPA step: forward,
@@ -15,6 +16,13 @@ Time: median and range of the repeats, the three run in turn. Memory: the growth
 peak resident set of a fresh process over the same model and batch, for one step and for
 one probe (each in its own child process, Linux ``VmHWM`` reset after setup), so each
 figure is that operation's own peak.
+
+``--probe-only`` times the probe alone, per setup (eval; train; train with gradient
+checkpointing; train under bf16 autocast), ``--repeats`` times in turn, after one warm-up
+probe, in milliseconds (``--clock cpu --threads 1``: the process's CPU time, for a loaded
+machine): the figure to compare between two versions of treepack (run the script once per
+version, alternating, on the same machine). A setup the version refuses is
+recorded as refused, with the first line of its error.
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_train_step import build_model, machine, packed_step, workload_args  # noqa: E402
+from cpu_train_step import CLOCK, build_model, machine, packed_step, workload_args  # noqa: E402
 from golden_scaled import scaled_golden  # noqa: E402
 
 from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
@@ -145,17 +155,92 @@ def run(scale: int, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
     )
 
 
+PROBE_SETUPS = {
+    "eval": ("eval", None),
+    "train": ("train", None),
+    "train + checkpointing": ("train+ckpt", None),
+    "train, bf16 autocast": ("train", torch.bfloat16),
+}
+
+
+def _probe_in(model: torch.nn.Module, mode: str, autocast: torch.dtype | None) -> Callable[[], str]:
+    """A fresh probe of ``model`` in ``mode`` under ``autocast``: returns "" or the refusal's first line."""
+
+    def probe() -> str:
+        model.train(mode != "eval")
+        if mode == "train+ckpt":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        forget_probes(model)
+        try:
+            with torch.autocast("cpu", dtype=autocast) if autocast is not None else nullcontext():
+                verify_model(model)
+            return ""
+        except Exception as e:  # noqa: BLE001 - a version that refuses the setup: recorded, not raised
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+
+    return probe
+
+
+def probe_only(scale: int, hidden: int, layers: int, vocab: int, repeats: int, clock: str = "wall") -> dict:
+    """Milliseconds of one fresh probe per setup of :data:`PROBE_SETUPS`, ``repeats`` times in turn, by
+    ``clock`` (``wall``, or ``cpu``: this process's CPU time)."""
+    now = CLOCK[clock]
+    model, _ = setup(scale, hidden, layers, vocab)
+    probes = {name: _probe_in(model, mode, ac) for name, (mode, ac) in PROBE_SETUPS.items()}
+    probes["eval"]()  # imports and lazy inits out of the figures
+    times: dict[str, list[float]] = {k: [] for k in probes}
+    refused: dict[str, str] = {}
+    for _ in range(repeats):
+        for k, fn in probes.items():
+            t0 = now()
+            err = fn()
+            times[k].append(1e3 * (now() - t0))
+            if err:
+                refused[k] = err
+    import treepack.trainer
+
+    rows = [
+        dict(setup=k, times_ms=v, median_ms=statistics.median(v), refused=refused.get(k, "")) for k, v in times.items()
+    ]
+    return dict(
+        machine=machine(),
+        treepack=treepack.trainer.__file__,
+        model=dict(hidden=hidden, layers=layers, vocab=vocab),
+        repeats=repeats,
+        results=rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = workload_args(
         __doc__.splitlines()[0],
         argv,
-        lambda ap: ap.add_argument(
-            "--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS
+        lambda ap: (
+            ap.add_argument(
+                "--child", nargs=5, metavar=("WHAT", "SCALE", "HIDDEN", "LAYERS", "VOCAB"), help=argparse.SUPPRESS
+            ),
+            ap.add_argument("--probe-only", action="store_true", help="the probe alone, in ms per setup"),
         ),
     )
     if args.child:
         print(child(args.child[0], *map(int, args.child[1:])))
         return {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe_only:
+        out = probe_only(args.scale, args.hidden, args.layers, args.vocab, args.repeats, args.clock)
+        model = f"Qwen3 hidden {args.hidden} x {args.layers} layers"
+        print(f"# {out['machine']}; {out['treepack']}; {model}; {args.clock} ms")
+        for r in out["results"]:
+            spread = f"{min(r['times_ms']):.0f}-{max(r['times_ms']):.0f}"
+            print(f"| {r['setup']} | {r['median_ms']:.0f} | {spread} | {r['refused'] or 'accepted'} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return out
     out = run(args.scale, args.hidden, args.layers, args.vocab, args.repeats)
     print(
         f"# {out['machine']}; golden / {out['scale']} ({out['rows_x_len']} rows), "

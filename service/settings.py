@@ -32,6 +32,7 @@ OTHER_ENVIRONMENT = frozenset(
         "TREEPACK_VERL_MAX_SEQ_LEN",
         "TREEPACK_VERL_TAG",
         "TREEPACK_VERL_VERBOSE",
+        "TREEPACK_VERL_REPORT_PARITY",
     }
 )
 """``TREEPACK_*`` variables that other parts of treepack read: not settings, not warned about."""

@@ -91,6 +91,8 @@ PUBLIC = [
             "packed_forward",
             "packed",
             "output_head",
+            "parity_report",
+            "ParityReport",
             "TreepackWarning",
             "check_model",
             "calibrate",

@@ -11,7 +11,8 @@ Layers, each importing only the ones above it in this list:
   masks, varlen metadata, the tree schedule);
 - :mod:`treepack.trainer.hf`: HF transformers (:func:`packed_forward`, the registered
   attention implementation, the layer registry :mod:`treepack.trainer.hf.layers`; layers
-  find the batch through :mod:`treepack.trainer.hf.context`);
+  find the batch through :mod:`treepack.trainer.hf.context`; :func:`parity_report`: packed
+  drift against each sequence alone and the model's own noise floor, a table to paste);
 - :mod:`treepack.trainer.losses`: SFT, GRPO/PPO-clip and CISPO losses on packed rows;
 - :mod:`treepack.trainer.distributed`: rank 0 plans (through :mod:`treepack.client`), every
   rank materializes its rows;
@@ -41,6 +42,7 @@ from treepack.trainer.hf.admission import check_model
 from treepack.trainer.hf.context import PackedContext, current_packed, resolve_packed, use_packed
 from treepack.trainer.hf.forward import packed, packed_forward
 from treepack.trainer.hf.head import output_head
+from treepack.trainer.hf.parity import ParityReport, parity_report
 from treepack.trainer.kernels.attention import BACKENDS, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.cp import ContextParallel
 from treepack.trainer.planning.images import image_keys
@@ -56,6 +58,8 @@ __all__ = [
     "packed_forward",
     "packed",
     "output_head",
+    "parity_report",
+    "ParityReport",
     "TreepackWarning",
     "check_model",
     "PackedContext",

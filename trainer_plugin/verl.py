@@ -55,8 +55,9 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.proto.errors import RequestError
-from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer import BACKENDS, materialize, output_head, packed_forward, parity_report
 from treepack.trainer.hf import unwrap_model
+from treepack.trainer.hf.parity import sample_on_every_rank
 from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
 from treepack.trainer.planning.tally import PackingTally
@@ -82,6 +83,9 @@ class VerlPacking:
             ``""``: untagged. Set it to the run's name (``TREEPACK_VERL_TAG``).
         verbose: print the first step's verification and the run's summary (first
             data-parallel rank only).
+        report_parity: at the first packed forward, print the parity report's log-probability
+            figures of its micro-batch (:func:`~treepack.trainer.parity_report`, without
+            gradients; every rank runs it, rank 0 prints).
     """
 
     backend: str = "sdpa"
@@ -91,6 +95,7 @@ class VerlPacking:
     head_chunk: int = 4096
     tag: str = "verl"
     verbose: bool = True
+    report_parity: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -107,7 +112,8 @@ class VerlPacking:
     @classmethod
     def from_env(cls) -> VerlPacking:
         """The defaults, overridden by ``TREEPACK_VERL_BACKEND`` / ``TREEPACK_VERL_MIN_SHARED_LEN`` /
-        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_TAG`` / ``TREEPACK_VERL_VERBOSE`` (``0`` is quiet)."""
+        ``TREEPACK_VERL_MAX_SEQ_LEN`` / ``TREEPACK_VERL_TAG`` / ``TREEPACK_VERL_VERBOSE`` (``0`` is quiet) /
+        ``TREEPACK_VERL_REPORT_PARITY`` (``1``: on)."""
         env = os.environ
         return cls(
             backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
@@ -115,6 +121,7 @@ class VerlPacking:
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
             tag=env.get("TREEPACK_VERL_TAG", "verl"),
             verbose=env.get("TREEPACK_VERL_VERBOSE", "1") != "0",
+            report_parity=env.get("TREEPACK_VERL_REPORT_PARITY", "0") == "1",
         )
 
 
@@ -317,6 +324,13 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             root.unshard()
         try:
             with autocast:
+                if packing.report_parity and not getattr(self, "_parity_logged", False):
+                    self._parity_logged = True
+                    n = sample_on_every_rank(batch)
+                    if n:
+                        rep = parity_report(self.module, batch, backend=packing.backend, sequences=n, grads=False)
+                        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                            print(rep.table(), flush=True)
                 hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
                 return batch.target_logprobs_from_hidden(
                     hidden,

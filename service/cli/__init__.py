@@ -9,6 +9,9 @@
   (:mod:`.plan`).
 - ``treepack bench [--full] [--repeats K] [--json PATH]`` — the planning benchmark
   (:mod:`.bench`).
+- ``treepack check --model NAME_OR_PATH [--batch FILE] [--autocast bf16] [--mode train] ...``
+  — the parity report of a model on a batch: packed vs each sequence alone against the
+  model's own noise floor (needs the ``trainer`` extra; :mod:`.check`).
 - ``treepack serve ...`` — the HTTP sidecar (needs the ``service`` extra;
   :mod:`treepack.service.serve`).
 

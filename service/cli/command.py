@@ -1,8 +1,9 @@
 """The ``treepack`` command: its parser and :func:`main`.
 
 Each command registers itself (``add_*_parser``) from its own module: :mod:`.demo`,
-:mod:`.plan`, :mod:`.bench`, and ``serve`` from :mod:`treepack.service.serve` when the
-``service`` extra is installed (otherwise ``serve`` says what to install).
+:mod:`.plan`, :mod:`.bench`, :mod:`.check` (it imports the trainer extra when it runs), and
+``serve`` from :mod:`treepack.service.serve` when the ``service`` extra is installed
+(otherwise ``serve`` says what to install).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from treepack.service.cli.bench import add_bench_parser
+from treepack.service.cli.check import add_check_parser
 from treepack.service.cli.demo import add_demo_parser
 from treepack.service.cli.plan import add_plan_parser
 
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_check_parser(sub)
     try:
         import treepack.service.settings  # noqa: F401  (pydantic-settings: the service extra)
         from treepack.service.serve import add_serve_parser

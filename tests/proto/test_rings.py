@@ -33,6 +33,10 @@ def allowed(importer: str, target: str) -> bool:
         return _under(target, "treepack.proto")
     if _under(importer, "treepack.service.planner"):
         return _under(target, "treepack.proto") or _under(target, "treepack.service.planner")
+    if importer == "treepack.service.cli.check":
+        # `treepack check` runs the trainer's parity report: the CLI is the outermost ring, and
+        # it imports the trainer lazily (a planner-only install keeps every other command).
+        return any(_under(target, p) for p in ("treepack.proto", "treepack.service", "treepack.trainer"))
     if _under(importer, "treepack.service.cli") or importer == "treepack.service.__main__":
         return _under(target, "treepack.proto") or _under(target, "treepack.service")
     if _under(importer, "treepack.service"):

@@ -49,3 +49,23 @@ def test_overhead_smoke():
     assert res["tree/varlen"]["layout_ms"] > 0 and res["tree/sdpa"]["layout_ms"] == 0
     assert res["tree/sdpa"]["metadata_ms"] > 0 and all(r["loss_ms"] > 0 and r["dispatch_ms"] > 0 for r in res.values())
     assert all(0 < r["share"] < 1 for r in res.values())
+
+
+def test_precision_parity_quick():
+    from treepack.trainer.hf.admission.tolerance import MULTIPLE
+
+    rows = _load("precision_parity").main(["--quick", "--sequences", "4"])
+    assert [(r["precision"], r["mode"]) for r in rows] == [("bf16 autocast", "train"), ("float32", "eval")]
+    for r in rows:
+        assert r["packed_lp"] <= MULTIPLE and r["packed_grad"] <= MULTIPLE
+        # The negative control: a broken mask stays far above what is accepted (22x the bf16
+        # floor on these 4 sequences, 51x on the full run's 16).
+        assert r["broken_lp"] > 4 * MULTIPLE
+    assert rows[0]["compute"] == "bfloat16" and rows[1]["compute"] == "float32"
+
+
+def test_probe_cost_probe_only_smoke():
+    out = _load("probe_cost").main(["--smoke", "--probe-only", "--clock", "cpu"])
+    res = {r["setup"]: r for r in out["results"]}
+    assert set(res) == {"eval", "train", "train + checkpointing", "train, bf16 autocast"}
+    assert all(r["median_ms"] > 0 and not r["refused"] for r in res.values())

@@ -60,13 +60,17 @@ def packed_forward(
     patch_layers: bool = True,
     verify: bool = True,
     allow_dropout: bool = False,
+    allow_stochastic: bool = False,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run an HF causal LM on the packed rows, leaving the model as it was.
 
-    The first call for a setup (model, backend, train/eval, gradient checkpointing, dtype,
-    device) first proves packing exact on a small probe batch against every sequence alone,
-    forward and gradients (:mod:`treepack.trainer.hf.admission.probe`); later calls of that setup skip it.
+    The first call for a setup (model, its wrappers, backend, train/eval, gradient
+    checkpointing, dtype, device, autocast) first proves packing exact on a small probe batch
+    against every sequence alone, forward and gradients, through ``model`` under the caller's
+    autocast: within a small stated multiple of the model's own drift between unpacked batch
+    shapes at the precision it computes in (:mod:`treepack.trainer.hf.admission.probe`); later
+    calls of that setup skip it.
     The model walk (the support check, the guards, the dispatch hooks and layer patches) runs
     once per model state: a later call on a model changed in anything the guards read (a
     hook, a patch, a module, the mode, dropout, the config) walks and judges it again
@@ -94,6 +98,9 @@ def packed_forward(
         allow_dropout: accept dropout outside attention while training, knowing that every
             sharer of a packed prefix then gets one dropout mask (not exact; default False:
             refused, :mod:`treepack.trainer.hf.admission.guards`).
+        allow_stochastic: accept other random draws while training (router jitter, sampling
+            routers, layerdrop, stochastic depth), knowing that every sharer of a packed prefix
+            then gets one draw (not exact; default False: refused by name).
         **kwargs: passed to ``model(...)``.
 
     Returns:
@@ -107,10 +114,9 @@ def packed_forward(
     """
     hf = unwrap_model(model)
     options = {"backend": backend, "output": output, "varlen_fn": varlen_fn, "compile": compile}
-    setup = PackedSetup.of_call(
-        batch, kwargs, patch_layers=patch_layers, verify=verify, allow_dropout=allow_dropout, **options
-    )
-    verdict = admit(hf, setup)
+    accepted = {"allow_dropout": allow_dropout, "allow_stochastic": allow_stochastic}
+    setup = PackedSetup.of_call(batch, kwargs, patch_layers=patch_layers, verify=verify, **accepted, **options)
+    verdict = admit(model, setup)
     return run_packed(model, hf, batch, setup, scans=verdict.scans, kwargs=kwargs)
 
 

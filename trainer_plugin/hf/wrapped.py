@@ -12,6 +12,7 @@ position, and a forward hook on the inner base model takes its final hidden stat
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 
-__all__ = ["unwrap_model", "forward_hidden", "forward_logits"]
+__all__ = ["unwrap_model", "wrapper_chain", "no_sync", "forward_hidden", "forward_logits"]
 
 _MAX_DEPTH = 16
 
@@ -65,6 +66,28 @@ def unwrap_model(model: Any) -> Any:
             rule="unsupported",
         )
     return m
+
+
+def wrapper_chain(model: Any) -> str:
+    """The classes of the wrappers around the HF model, outermost first (``"DistributedDataParallel>PeftModel..."``;
+    ``""`` for a bare model): what a proof through ``model`` holds for."""
+    names = []
+    m = model
+    for _ in range(_MAX_DEPTH):
+        nxt = _inner(m)
+        if nxt is None:
+            break
+        names.append(type(m).__name__)
+        m = nxt
+    return ">".join(names)
+
+
+def no_sync(model: Any) -> Any:
+    """DDP's ``no_sync()`` context: backward passes inside synchronise no gradient (measurements
+    that are not training steps); a null context for any other model."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def _last_hidden(out: Any) -> torch.Tensor:

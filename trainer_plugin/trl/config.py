@@ -40,6 +40,11 @@ class PackingConfig:
             (:func:`~treepack.trainer.hf.admission.verify_model`, once per setup).
         allow_dropout: accept dropout outside attention while training (one mask per shared
             prefix: not exact). Default: refused.
+        allow_stochastic: accept other random draws while training (router jitter, sampling
+            routers, layerdrop: one draw per shared prefix, not exact). Default: refused.
+        report_parity: at the first packed step, print the parity report of its batch
+            (:func:`~treepack.trainer.parity_report`: packed drift against each sequence alone
+            and the model's own noise floor at the step's precision; the main process prints).
         cost_model: a :class:`~treepack.proto.cost.CostModel` (``treepack.trainer.calibrate``)
             for the embedded planner: ``placement="auto"`` then packs each micro-batch as a
             tree or plainly, whichever is predicted faster (a sidecar ``planner`` uses its
@@ -62,6 +67,8 @@ class PackingConfig:
     keep_groups: bool = False
     verify: bool = True
     allow_dropout: bool = False
+    allow_stochastic: bool = False
+    report_parity: bool = False
     cost_model: Any = None
     tag: str | None = None
     verbose: bool = True

@@ -21,6 +21,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer.hf.admission import PackedSetup, admit
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
+from treepack.trainer.hf.parity import parity_report, sample_on_every_rank
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
 from treepack.trainer.planning.bridge import PaddedSequences
@@ -136,13 +137,18 @@ class PackedRows:
         """
         backend = self.packing.backend
         hf = unwrap_model(model)
-        setup = PackedSetup.of_call(
-            batch, {}, backend=backend, verify=self.packing.verify, allow_dropout=self.packing.allow_dropout
-        )
+        accepted = {"allow_dropout": self.packing.allow_dropout, "allow_stochastic": self.packing.allow_stochastic}
+        setup = PackedSetup.of_call(batch, {}, backend=backend, verify=self.packing.verify, **accepted)
         # What packed_forward admits is admitted here too (the checks, the dispatch hooks and
-        # patches, the probe under the step's autocast), before the first step computes anything.
+        # patches, the probe through the model's wrappers under the step's autocast), before
+        # the first step computes anything.
         with self.accelerator.autocast(), self.packing_tally.first_step(hf, backend, verify=self.packing.verify):
-            admit(hf, setup)
+            admit(model, setup)
+            if self.packing.report_parity and not getattr(self, "_parity_logged", False):
+                self._parity_logged = True
+                report = parity_report(model, batch, backend=backend, sequences=sample_on_every_rank(batch))
+                if self.accelerator.is_main_process:
+                    print(report.table(), flush=True)
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)

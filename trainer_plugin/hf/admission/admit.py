@@ -6,7 +6,8 @@ reason (:class:`~treepack.proto.errors.UnsupportedModelError`, or with ``raise_e
 refused :class:`Verdict`), or admits it: the model walk
 (:func:`~treepack.trainer.hf.admission.walk.walk`: the static check, the CP check, the dispatch
 hooks and layer patches) and, with ``setup.verify``, the probe
-(:func:`~treepack.trainer.hf.admission.prove.prove`), each remembered per model state and setup
+(:func:`~treepack.trainer.hf.admission.prove.prove`, through the caller's wrappers), each remembered per
+model state and setup
 (:mod:`~treepack.trainer.hf.admission.walk_cache`) so a later call of an unchanged model skips them.
 """
 
@@ -89,10 +90,10 @@ def admit(model: Any, setup: PackedSetup, *, raise_error: bool = True) -> Verdic
         return refused
     with record_function("treepack::walk"):
         found, state = walk(hf, setup)
-        key, probed = setup.walk_key(), setup.probe_key(hf)
+        key, probed = setup.walk_key(), setup.probe_key(hf, model)
         report = None
         if setup.verify and not walked(hf, probed, state):
-            report = prove(hf, setup)
+            report = prove(hf, setup, model)
             # The probe's own recording hooks, registered and removed, moved torch's hook
             # count: the model is the one just walked.
             remember_walk(hf, key, info=found)

@@ -39,8 +39,9 @@ image outside the rows (:mod:`treepack.trainer.hf.vision`); other towers are jud
 module (their patch convolution and bidirectional attention are refused), and VLMs whose
 image tokens attend bidirectionally (Gemma 3) are refused by name.
 
-Dropout while training (anywhere, by module, attribute or config field) and forwards or
-hooks patched in from unknown code are refused too (:mod:`treepack.trainer.hf.admission.guards`).
+Dropout and other random draws while training (router jitter, layerdrop, stochastic depth;
+anywhere, by module, attribute or config field) and forwards or hooks patched in from unknown
+code are refused too (:mod:`treepack.trainer.hf.admission.guards`).
 
 The checks, by concept: module structure (:mod:`~treepack.trainer.hf.admission.structure`),
 attention (:mod:`~treepack.trainer.hf.admission.attention_checks`), other token mixers
@@ -60,7 +61,7 @@ from typing import Any
 
 from treepack.trainer.hf.admission.attention_checks import backend_refusals
 from treepack.trainer.hf.admission.config_checks import config_refusals, model_configs
-from treepack.trainer.hf.admission.guards import dropout_refusals, patch_refusals
+from treepack.trainer.hf.admission.guards import dropout_refusals, patch_refusals, stochastic_refusals
 from treepack.trainer.hf.admission.positions import position_refusals
 from treepack.trainer.hf.admission.report import Refusal, SupportReport, refused_error
 from treepack.trainer.hf.admission.setup import PackedSetup, kwargs_key
@@ -77,7 +78,7 @@ def check_static(
 
     Args:
         model: an HF causal LM (or its base model), unwrapped.
-        setup: the forward's options (backend, output, patch_layers, allow_dropout) and what
+        setup: the forward's options (backend, output, patch_layers, allow_dropout, allow_stochastic) and what
             the checks read of the call: ``row_len`` (settings that read the row index, Llama4's
             NoPE temperature tuning), ``conv_width`` (a handled mixer whose causal conv is wider
             is refused; None: not checked) and the call keywords (``output_router_logits``).
@@ -120,7 +121,10 @@ def check_static(
         report.refusals.extend(conv_width_refusals(model, report, setup.conv_width))
     # A hook inside a vision tower sees one image, as the tower runs outside the rows.
     hooks = [r for r in patch_refusals(model) if not any(r[0] == t or r[0].startswith(t + ".") for t in towers)]
-    report.refusals.extend(Refusal(*r) for r in dropout_refusals(model, allow_dropout=setup.allow_dropout) + hooks)
+    draws = dropout_refusals(model, allow_dropout=setup.allow_dropout) + stochastic_refusals(
+        model, allow_stochastic=setup.allow_stochastic
+    )
+    report.refusals.extend(Refusal(*r) for r in draws + hooks)
     if report.refusals and raise_error:
         raise refused_error(model, report)
     return report
@@ -137,6 +141,7 @@ def check_model(
     row_len: int | None = None,
     conv_width: int | None = None,
     allow_dropout: bool = False,
+    allow_stochastic: bool = False,
     **kwargs: Any,
 ) -> SupportReport:
     """Check that every token mixer of ``model`` runs tree-exact; refuse before any compute otherwise.
@@ -159,6 +164,8 @@ def check_model(
             any layer runs.
         allow_dropout: accept dropout outside attention while training (one mask per shared
             prefix, not exact); by default it is refused (:mod:`treepack.trainer.hf.admission.guards`).
+        allow_stochastic: accept other random draws while training (router jitter, layerdrop,
+            stochastic depth: one draw per shared prefix, not exact); refused by default.
         **kwargs: the keyword arguments the model will be called with
             (``output_router_logits`` is checked).
 
@@ -174,6 +181,7 @@ def check_model(
         output=output,
         patch_layers=patch_layers,
         allow_dropout=allow_dropout,
+        allow_stochastic=allow_stochastic,
         row_len=row_len,
         conv_width=conv_width,
         call_kwargs=kwargs_key(kwargs),

@@ -16,7 +16,15 @@ import torch
 
 from treepack.trainer.hf.admission.measure import right_padded, seed
 
-__all__ = ["first_divergence", "gradient_divergence", "padded_outputs", "packed_outputs", "at_module", "class_at"]
+__all__ = [
+    "first_divergence",
+    "gradient_divergence",
+    "alone_outputs",
+    "padded_outputs",
+    "packed_outputs",
+    "at_module",
+    "class_at",
+]
 
 
 def at_module(path: str | None, cls: str = "") -> str:
@@ -89,21 +97,26 @@ def _per_call(seen: list[tuple[tuple[str, str], torch.Tensor]]) -> dict[tuple[st
     return out
 
 
-def _alone_outputs(hf: Any, seqs: list[torch.Tensor]) -> list[dict]:
+def alone_outputs(call: Any, hf: Any, seqs: list[torch.Tensor], offset: int = 0) -> tuple[list, list[dict]]:
+    """Every module call's output of each sequence run alone through ``call`` (hooks on ``hf``'s
+    modules), the random seed at ``offset``; (call order, per sequence ``{key: [n, ...]}``)."""
     out = []
+    order: list = []
     for s in seqs:
         with _recording(hf) as seen:
-            seed()
-            hf(input_ids=s[None], use_cache=False)
-        out.append({k: t[0] for k, t in _per_call(seen).items() if t.shape[0] == 1 and t.shape[1] == s.shape[0]})
-    return out
+            seed(offset)
+            call(input_ids=s[None], use_cache=False)
+        calls = _per_call(seen)
+        order = order or list(calls)
+        out.append({k: t[0] for k, t in calls.items() if t.shape[0] == 1 and t.shape[1] == s.shape[0]})
+    return order, out
 
 
-def padded_outputs(hf: Any, seqs: list[torch.Tensor]) -> tuple[list, list[dict]]:
+def padded_outputs(call: Any, hf: Any, seqs: list[torch.Tensor]) -> tuple[list, list[dict]]:
     ids, mask = right_padded(seqs)
     with _recording(hf) as seen:
         seed()
-        hf(input_ids=ids, attention_mask=mask, use_cache=False)
+        call(input_ids=ids, attention_mask=mask, use_cache=False)
     calls = _per_call(seen)
     per = [{k: t[i, : s.shape[0]] for k, t in calls.items() if t.shape[:2] == ids.shape} for i, s in enumerate(seqs)]
     return list(calls), per
@@ -126,9 +139,9 @@ def packed_outputs(hf: Any, batch: Any, run_packed: Callable[[Any], torch.Tensor
 
 
 def first_divergence(
-    hf: Any, seqs: list[torch.Tensor], other: Callable[[], tuple[list, list[dict]]], rel: float
+    call: Any, hf: Any, seqs: list[torch.Tensor], other: Callable[[], tuple[list, list[dict]]], rel: float
 ) -> str | None:
-    """The module where ``other``'s run first departs from every sequence alone.
+    """The module where ``other``'s run first departs from every sequence alone (run through ``call``).
 
     The first call, in finishing order, whose output differs by more than ``rel`` of its
     largest entry while its input does not (the module that made the difference; a
@@ -136,7 +149,7 @@ def first_divergence(
     else the first call whose output differs. None when no recorded output differs.
     """
     with torch.no_grad():
-        ref = _alone_outputs(hf, seqs)
+        _, ref = alone_outputs(call, hf, seqs)
         order, got = other()
 
     def differs(key: tuple) -> bool | None:

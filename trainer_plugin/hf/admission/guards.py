@@ -1,4 +1,4 @@
-"""Refusals a walk of the layer classes misses: dropout while training, patched forwards, hooks.
+"""Refusals a walk of the layer classes misses: dropout and other random draws while training, patched forwards, hooks.
 
 :func:`~treepack.trainer.hf.admission.check.check_static` judges each module by its class, and
 adds these refusals. Two things change what runs without changing a class, and each is refused
@@ -14,6 +14,16 @@ before any compute, naming the module, its class and why:
   ``hidden_dropout``, GPT-2's ``attn_pdrop``, named as the config names it). With
   ``allow_dropout=True`` the caller accepts one shared mask per shared prefix (not exact;
   attention dropout stays refused: tree attention runs none);
+- **other random draws while training** (:func:`stochastic_refusals`): router jitter
+  (Mixtral's and MiniMax's ``router_jitter_noise``, DBRX's ``moe_jitter_eps``, PhiMoE's
+  ``input_jitter_noise`` and its router's Gumbel sampling), layerdrop, stochastic depth
+  (``drop_path``), Gumbel or noisy gating: every sharer of a packed prefix would get one
+  draw where each sequence alone draws its own. Refused, in training mode, for every
+  module attribute and every config field the model's code reads whose name says so
+  (:data:`STOCHASTIC_NAME`) and whose value is positive; the probe also refuses, by
+  behaviour, any module that draws random numbers in the mode it runs in
+  (:mod:`~treepack.trainer.hf.admission.draws`). With ``allow_stochastic=True`` the caller
+  accepts one draw per shared prefix (not exact);
 - **patched forwards and hooks** (:func:`patch_refusals`): a ``forward`` set on an
   instance, a library class whose ``forward`` was replaced (a monkeypatch), and forward
   or pre-forward hooks (per module or global), unless their code comes from a known
@@ -37,10 +47,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["dropout_refusals", "dropout_off", "patch_refusals", "trust_hook", "KNOWN_CODE", "DROPOUT_NAME"]
+__all__ = [
+    "dropout_refusals",
+    "dropout_off",
+    "stochastic_refusals",
+    "patch_refusals",
+    "trust_hook",
+    "KNOWN_CODE",
+    "DROPOUT_NAME",
+    "STOCHASTIC_NAME",
+]
 
 KNOWN_CODE = ("torch", "transformers", "peft", "accelerate", "trl", "treepack")
 DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_rate|drop_prob", re.I)
+# Random draws other than dropout that the forward makes while training, by the names HF
+# gives their rates: router jitter, layerdrop, stochastic depth, Gumbel or noisy gating.
+STOCHASTIC_NAME = re.compile(
+    r"jitter|layerdrop|layer_drop|drop_path|stochastic_depth|gumbel|noisy_gat|noise_std|noise_eps", re.I
+)
 # Dropout-named config fields that are not probabilities of the model's own forward.
 _NOT_A_RATE = re.compile(r"classifier|summary|^use_|_type$", re.I)
 
@@ -167,6 +191,51 @@ def dropout_refusals(model: torch.nn.Module, *, allow_dropout: bool = False) -> 
                         type(cfg).__name__,
                         f"{where}.{name}={v} while training: the model's dropout would give every sharer of a "
                         f"packed prefix one mask{hint}",
+                    )
+                )
+    return out
+
+
+def stochastic_refusals(model: torch.nn.Module, *, allow_stochastic: bool = False) -> list[Triple]:
+    """Random draws other than dropout while training, by name, as ``(path, class, reason)`` triples.
+
+    Every module attribute and every config field the model's code reads whose name says it
+    draws (:data:`STOCHASTIC_NAME`: ``router_jitter_noise``, ``moe_jitter_eps``,
+    ``layerdrop``, ``drop_path_rate`` ...) with a positive value, in training mode (empty in
+    eval mode, where HF's layers draw nothing). What no name gives away (a router that samples
+    whatever its fields say) the probe finds by behaviour
+    (:mod:`~treepack.trainer.hf.admission.draws`).
+
+    Args:
+        model: the unwrapped HF model.
+        allow_stochastic: accept one draw per shared prefix (not exact).
+    """
+    if allow_stochastic or not any(m.training for m in model.modules()):
+        return []
+    hint = (
+        "; call model.eval(), set it to 0, or pass allow_stochastic=True to accept one draw per shared prefix "
+        "(not exact)"
+    )
+    why = "every sharer of a packed prefix would get the same draw where each sequence alone draws its own"
+    out: list[Triple] = []
+    for path, mod in model.named_modules():
+        if not mod.training:
+            continue
+        for name, v in vars(mod).items():
+            if STOCHASTIC_NAME.search(name) and _rate(v) > 0 and not name.startswith("_"):
+                out.append((path, type(mod).__name__, f"{name}={v} draws random numbers while training: {why}{hint}"))
+    src = None
+    for where, cfg in _configs(model):
+        for name, v in vars(cfg).items():
+            if not STOCHASTIC_NAME.search(name) or _rate(v) <= 0:
+                continue
+            src = _source_of(model) if src is None else src
+            if re.search(rf"\b{re.escape(name)}\b", src):
+                out.append(
+                    (
+                        f"{where}.{name}",
+                        type(cfg).__name__,
+                        f"{where}.{name}={v} while training: the model draws random numbers with it: {why}{hint}",
                     )
                 )
     return out

@@ -1,10 +1,14 @@
-"""What the probe measures: log-probabilities and projected gradients, each sequence alone, padded, packed.
+"""What the probe measures: log-probabilities and projected gradients, each sequence alone, in other shapes, packed.
 
-Each sequence alone and all of them right-padded in one batch give the unpacked path's own
-noise (two batch shapes, the same mathematics); a fixed random weighting of every scored
+Every run goes through the callable the caller trains with (a PEFT, DDP, accelerate or
+``torch.compile`` wrapper), under the caller's autocast. Each sequence alone against the
+same sequences in another legal batch shape (:data:`SHAPES`: all right-padded into one
+batch; reordered into two batches of other sizes) gives the unpacked path's own noise (the
+same mathematics, reductions in another order); a fixed random weighting of every scored
 log-probability is backpropagated and every parameter's gradient is reduced to its norm and
-three random projections (so nothing of the model's size is kept twice). The random streams
-of torch are forked: the caller's draws are unchanged.
+three random projections (so nothing of the model's size is kept twice). Logits are read in
+float32, or float64 for a float64 model. The random streams of torch are forked: the
+caller's draws are unchanged.
 """
 
 from __future__ import annotations
@@ -18,14 +22,19 @@ import torch
 from treepack.trainer.hf.admission.probe_inputs import PROBE_SEED
 
 __all__ = [
+    "SHAPES",
     "own_random_stream",
     "seed",
+    "upcast",
     "alone_logprobs",
     "right_padded",
     "padded_logprobs",
     "weighted",
     "projected_grads",
 ]
+
+# The other legal batch shapes: name -> (batches, reversed order).
+SHAPES = {"right-padded": (1, False), "reordered, 2 batches": (2, True)}
 
 
 _PROJECTIONS = 3
@@ -38,22 +47,33 @@ def own_random_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
-def seed() -> None:
-    torch.manual_seed(PROBE_SEED)
+def seed(offset: int = 0) -> None:
+    torch.manual_seed(PROBE_SEED + offset)
 
 
-def alone_logprobs(hf: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per sequence [n]: NaN at 0, then log p(token i | tokens < i), each sequence run alone."""
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32, or float64 when they are float64 (the log-softmax's precision)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def alone_logprobs(call: Any, seqs: list[torch.Tensor], offset: int = 0) -> list[torch.Tensor]:
+    """Per sequence [n]: NaN at 0, then log p(token i | tokens < i), each sequence run alone.
+
+    Args:
+        call: the model as the caller runs it (wrappers included).
+        seqs: [n] token ids each.
+        offset: of the random seed each run starts from.
+    """
     out = []
     for s in seqs:
-        seed()
-        logits = hf(input_ids=s[None], use_cache=False).logits[0].float()
+        seed(offset)
+        logits = upcast(call(input_ids=s[None], use_cache=False).logits[0])
         out.append(_shifted(logits, s))
     return out
 
 
 def right_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, T]`` ids and attention mask of the sequences right-padded into one batch."""
+    """``[B, T]`` ids and attention mask of the sequences right-padded into one batch (T: the longest)."""
     n = max(s.shape[0] for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.int64, device=seqs[0].device)
     mask = torch.zeros_like(ids)
@@ -63,12 +83,28 @@ def right_padded(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def padded_logprobs(hf: Any, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The same as :func:`alone_logprobs`, all sequences right-padded into one batch."""
-    ids, mask = right_padded(seqs)
-    seed()
-    logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-    return [_shifted(logits[i, : s.shape[0]], s) for i, s in enumerate(seqs)]
+def padded_logprobs(call: Any, seqs: list[torch.Tensor], shape: str = "right-padded") -> list[torch.Tensor]:
+    """The same as :func:`alone_logprobs`, the sequences right-padded into the batches of ``shape``.
+
+    Args:
+        call: the model as the caller runs it.
+        seqs: [n] token ids each.
+        shape: a key of :data:`SHAPES`: ``right-padded`` (one batch, in order) or
+            ``reordered, 2 batches`` (reversed, dealt into two batches).
+    """
+    parts, rev = SHAPES[shape]
+    order = list(range(len(seqs)))[::-1] if rev else list(range(len(seqs)))
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for k in range(parts):
+        idx = order[k::parts]
+        if not idx:
+            continue
+        ids, mask = right_padded([seqs[i] for i in idx])
+        seed()
+        logits = upcast(call(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+        for row, i in enumerate(idx):
+            out[i] = _shifted(logits[row, : seqs[i].shape[0]], seqs[i])
+    return out
 
 
 def _shifted(logits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -2,42 +2,47 @@
 
 :func:`~treepack.trainer.hf.admission.check.check_static` reads a model's structure; it cannot see
 what runs (a layer that does not pass its context on, a mask a model builds for itself, a
-hook). So before the first packed step of a setup, :func:`~treepack.trainer.hf.packed_forward`
-runs a small probe on the model itself and refuses the setup unless packing is exact:
+hook, a random draw). So before the first packed step of a setup,
+:func:`~treepack.trainer.hf.packed_forward` runs a small probe on the model itself and refuses
+the setup unless packing is exact:
 
 - a tree batch built from the model's own config
-  (:func:`~treepack.trainer.hf.admission.probe_inputs.probe_sequences`): every
-  sequence longer than the largest window, chunk or convolution the config declares,
-  several trees in one row, a branch inside a chunk, shared scored tokens (a deep tree),
-  a strict prefix and a sequence of its own;
-- the packed forward (through :func:`~treepack.trainer.hf.packed_forward`, with the caller's backend) against
-  every sequence alone, with the model as the caller holds it: train or eval mode,
-  gradient checkpointing (reentrant or not), dtype, device;
+  (:func:`~treepack.trainer.hf.admission.probe_inputs.probe_sequences`): long sequences
+  crossing the largest window, chunk or convolution that applies to the caller's rows,
+  every sequence fitting those rows, several trees in one row, a branch inside a chunk,
+  shared scored tokens (a deep tree), a strict prefix and a sequence of its own;
+- one forward of one sequence alone watched operator by operator
+  (:mod:`~treepack.trainer.hf.admission.draws`): a module that draws random numbers in the
+  mode it runs in is refused by name (every sharer of a packed prefix would get one draw),
+  and the coarsest float dtype it computes in is the precision of the noise model;
+- the packed forward (with the caller's backend) against every sequence alone, both run
+  through the callable the caller trains with (PEFT, DDP, accelerate, ``torch.compile``
+  wrappers) under the caller's autocast, with the model as the caller holds it: train or
+  eval mode, gradient checkpointing (reentrant or not), dtype, device;
 - forward log-probabilities and gradients (:mod:`~treepack.trainer.hf.admission.measure`): a
   fixed random weighting of every scored log-probability is backpropagated, and every
   parameter's gradient is reduced to its norm and three random projections (so nothing of
   the model's size is kept twice);
-- tolerances from the dtype, measured rather than guessed
-  (:mod:`~treepack.trainer.hf.admission.tolerance`): the unpacked path's own noise
-  is the difference between each sequence alone and all of them right-padded in one
-  batch (two batch shapes, the same mathematics). Packed log-probabilities must lie within
-  4x that noise plus a floor of a few ulps of the dtype, each parameter's projected
-  gradient within 8x its noise plus a floor (the larger of 1024 ulps capped at 1e-3, and
-  two ulps) of its norm. When the two unpacked shapes
-  themselves differ by more than the dtype allows, something random runs (dropout) or
-  the model reads the batch shape, and the probe refuses too: it cannot prove anything.
+- the noise model (:mod:`~treepack.trainer.hf.admission.tolerance`): packed drift within
+  :data:`~treepack.trainer.hf.admission.tolerance.MULTIPLE` times the noise floor, the
+  drift between each sequence alone and the same sequences in another legal batch shape
+  (right-padded into one batch; when that is not enough, also reordered into two batches),
+  at least a few units of rounding of the compute dtype. The same sequence alone run twice
+  must agree to rounding, and two unpacked shapes must not differ beyond what rounding
+  explains (the model would read the batch shape): otherwise nothing can be proven.
 
 On a mismatch it raises :class:`~treepack.proto.errors.UnsupportedModelError` naming the
 first module whose output diverges (:mod:`~treepack.trainer.hf.admission.divergence`: a
 forward pass with every module's output hooked, compared module by module in the order they
 finish), or, when every output agrees but the gradients do not (a checkpoint replay that ran
 something else), the last module, in forward order, whose parameters' gradients differ,
-with the measured error and its bound.
+with the measured drift and its noise floor.
 
 A passing probe is remembered per model and :func:`probe_signature` (backend, layer
-patches, train/eval, checkpointing and its reentrancy, dtype, device), so each setup is
-proven once per process. The random streams of torch (CPU and the model's device) are
-forked: the caller's random draws are unchanged by the probe.
+patches, train/eval, checkpointing and its reentrancy, dtype, device, autocast, and what
+the caller adds: the wrappers, the rows' cap, what was accepted), so each setup is proven
+once per process. The random streams of torch (CPU and the model's device) are forked:
+the caller's random draws are unchanged by the probe.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer.hf.admission.divergence import (
+    alone_outputs,
     at_module,
     class_at,
     first_divergence,
@@ -60,19 +66,30 @@ from treepack.trainer.hf.admission.divergence import (
     packed_outputs,
     padded_outputs,
 )
+from treepack.trainer.hf.admission.draws import ForwardWatch, draw_refusals, draws_off, watch_forward
 from treepack.trainer.hf.admission.measure import (
+    SHAPES,
     alone_logprobs,
     own_random_stream,
     padded_logprobs,
     projected_grads,
     seed,
+    upcast,
     weighted,
 )
 from treepack.trainer.hf.admission.probe_inputs import PROBE_SEED, probe_sequences
-from treepack.trainer.hf.admission.tolerance import NOISE_CAP, grad_bound, logprob_bound, logprob_err, logprob_scale
+from treepack.trainer.hf.admission.tolerance import (
+    MULTIPLE,
+    NoiseFloor,
+    grad_floor,
+    logprob_err,
+    logprob_floor,
+    logprob_scale,
+    shape_noise_limit,
+)
 from treepack.trainer.hf.admission.walk_cache import forget_walks
 
-__all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes"]
+__all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes", "checkpointing"]
 
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]] = weakref.WeakKeyDictionary()
 _SIGNATURE_NAMES = ("backend", "patch_layers", "training", "checkpointing", "reentrant", "dtype", "device")
@@ -86,9 +103,11 @@ class ProbeReport:
         signature: the :func:`probe_signature` it proved.
         tokens: tokens of the probe's sequences (each alone).
         logprob_err: max |packed - alone| over every scored log-probability.
-        logprob_tol: the bound it had to stay under.
-        grad_err: max over parameters of |packed - alone| projected gradient / the bound.
+        logprob_tol: the bound it had to stay under (:data:`MULTIPLE` x the noise floor).
+        grad_err: max over parameters of |packed - alone| projected gradient / its bound.
         seconds: wall time of the probe.
+        noise: the :class:`~treepack.trainer.hf.admission.tolerance.NoiseFloor` measured
+            (compute dtype, floors, shapes); None in reports made without one.
     """
 
     signature: tuple
@@ -97,9 +116,10 @@ class ProbeReport:
     logprob_tol: float
     grad_err: float
     seconds: float
+    noise: NoiseFloor | None = None
 
 
-def _checkpointing(hf: torch.nn.Module) -> tuple[bool, Any]:
+def checkpointing(hf: torch.nn.Module) -> tuple[bool, Any]:
     """(whether checkpointing runs in this mode, use_reentrant of its function or None)."""
     on = hf.training and any(getattr(m, "gradient_checkpointing", False) is True for m in hf.modules())
     fn = next(
@@ -118,7 +138,7 @@ def probe_signature(hf: torch.nn.Module, *, backend: str, patch_layers: bool = T
     """What a passing probe proves for ``hf``: (backend, patch_layers, training, checkpointing,
     reentrant, dtype, device, gradients enabled, autocast dtype or None)."""
     p = next(hf.parameters(), None)
-    on, reentrant = _checkpointing(hf)
+    on, reentrant = checkpointing(hf)
     dev = p.device.type if p is not None else "cpu"
     autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
     return (
@@ -143,54 +163,139 @@ def forget_probes(hf: torch.nn.Module | None = None) -> None:
         _VERIFIED.pop(hf, None)
 
 
-def _measure(hf: Any, seqs: list[torch.Tensor], batch: Any, run_packed: Callable[[Any], torch.Tensor]) -> dict:
-    """Log-probabilities and projected gradients of each sequence alone, right-padded and packed."""
+@dataclass(slots=True)
+class _Runs:
+    """The probe's runs: how to run each, and what was measured (per sequence [n] log-probabilities,
+    ([P] norms, [P, 3] projections) of the gradients)."""
+
+    call: Any
+    hf: Any
+    seqs: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    reentrant: bool
+    grads: bool
+    alone: list[torch.Tensor]
+    g_alone: tuple[torch.Tensor, torch.Tensor]
+
+    def gradients(self, lps: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return projected_grads(self.hf, weighted(lps, self.weights), self.reentrant, self.grads)
+
+    def shape(self, name: str) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        lps = padded_logprobs(self.call, self.seqs, name)
+        return [x.detach() for x in lps], self.gradients(lps)
+
+
+def _alone(call: Any, hf: Any, seqs: list[torch.Tensor]) -> _Runs:
+    """Every sequence alone through ``call``, forward and projected gradients."""
     device = seqs[0].device
-    on, reentrant = _checkpointing(hf)
-    reentrant = bool(reentrant) if on else False
+    on, reentrant = checkpointing(hf)
     gen = torch.Generator().manual_seed(PROBE_SEED)
     weights = [torch.randn(s.shape[0], generator=gen).to(device) for s in seqs]
     # Gradients are proven where the caller computes them (a no-grad scoring call proves the forward).
     grads = torch.is_grad_enabled()
-    with own_random_stream(device):
-        alone = alone_logprobs(hf, seqs)
-        g_alone = projected_grads(hf, weighted(alone, weights), reentrant, grads)
-        padded = padded_logprobs(hf, seqs)
-        g_padded = projected_grads(hf, weighted(padded, weights), reentrant, grads)
-        seed()
-        lp = batch.target_logprobs(run_packed(batch).float())
-        packed = [x for x in batch.unpack_logprobs(lp)]
-        g_packed = projected_grads(hf, weighted(packed, weights), reentrant, grads)
-    return {
-        "alone": [x.detach() for x in alone],
-        "padded": [x.detach() for x in padded],
-        "packed": [x.detach() for x in packed],
-        "g_alone": g_alone,
-        "g_padded": g_padded,
-        "g_packed": g_packed,
-    }
+    runs = _Runs(call, hf, seqs, weights, bool(reentrant) if on else False, grads, [], (torch.zeros(0),) * 2)
+    alone = alone_logprobs(call, seqs)
+    runs.g_alone = runs.gradients(alone)
+    runs.alone = [x.detach() for x in alone]
+    return runs
 
 
-def _refuse_nondeterministic(hf: Any, seqs: list[torch.Tensor], what: str, noise: float) -> None:
-    path = first_divergence(hf, seqs, lambda: padded_outputs(hf, seqs), NOISE_CAP)
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """Packed drift against the noise floor: ``lp_err`` against its bound ``lp_tol``; ``ratio`` ([P]) and
+    ``grad_ratio`` (their max) are gradient drift / bound (<= 1 passes); ``shape_noise``, the largest
+    relative drift of the unpacked shapes, against ``limit`` (what rounding explains)."""
+
+    noise: NoiseFloor
+    lp_err: float
+    lp_tol: float
+    ratio: torch.Tensor
+    grad_ratio: float
+    shape_noise: float
+    limit: float
+
+    @property
+    def ok(self) -> bool:
+        return self.lp_err <= self.lp_tol and self.grad_ratio <= 1.0
+
+
+def _judge(runs: _Runs, packed: tuple, shapes: dict[str, tuple], dtype: torch.dtype) -> _Judged:
+    """Packed against every sequence alone, within :data:`MULTIPLE` x the noise floor of ``shapes``."""
+    eps = torch.finfo(dtype).eps
+    scale = logprob_scale(runs.alone)
+    lp_noise = max(logprob_err(runs.alone, lps) for lps, _ in shapes.values())
+    norms = runs.g_alone[0]
+    gscale = torch.clamp(norms, min=1e-3 * float(norms.max()) if norms.numel() else 0.0)
+    gnoise = torch.stack([(g[1] - runs.g_alone[1]).abs().amax(1) for _, g in shapes.values()]).amax(0)
+    floors, grel, grel_noise = grad_floor(gnoise, gscale, eps)
+    noise = NoiseFloor(
+        compute_dtype=str(dtype).removeprefix("torch."),
+        logprob=logprob_floor(lp_noise, scale, eps),
+        logprob_noise=lp_noise,
+        grad_rel=grel,
+        grad_rel_noise=grel_noise,
+        shapes=tuple(shapes),
+    )
+    ratio = (packed[1][1] - runs.g_alone[1]).abs().amax(1) / (MULTIPLE * floors) if norms.numel() else norms
+    return _Judged(
+        noise=noise,
+        lp_err=logprob_err(runs.alone, packed[0]),
+        lp_tol=MULTIPLE * noise.logprob,
+        ratio=ratio,
+        grad_ratio=float(ratio.max()) if ratio.numel() else 0.0,
+        shape_noise=max(lp_noise / scale, grel_noise),
+        limit=shape_noise_limit(eps),
+    )
+
+
+def _refuse_draws(hf: Any, watch: ForwardWatch, what: str, silenced: bool = False) -> None:
+    found = draw_refusals(hf, watch)
+    shown = "; ".join(f"{p or '<model>'} ({c}): {r}" for p, c, r in found[:4])
+    more = f" (+{len(found) - 4} more)" if len(found) > 4 else ""
+    lead = "even with the drawing modules in eval mode (allow_stochastic), " if silenced else ""
     raise UnsupportedModelError(
-        f"{what}: the unpacked model is not deterministic across batch shapes (each sequence alone vs right-padded: "
-        f"logprobs differ by {noise:.3g}); something random or batch-dependent "
-        f"runs{at_module(path, class_at(hf, path))}, "
-        "so packing cannot be verified (dropout while training? call model.eval() or set the dropout to 0)",
+        f"{what}: {lead}the model draws random numbers in the mode it runs in, so packed rows cannot equal "
+        f"each sequence alone: {shown}{more}",
+        path="$.model" + (f".{found[0][0]}" if found[0][0] else ""),
+        rule="stochastic",
+        refusals=tuple(found),
+    )
+
+
+def _refuse_twin(runs: _Runs, what: str, err: float, tol: float) -> None:
+    s = runs.seqs[-1:]
+    path = first_divergence(runs.call, runs.hf, s, lambda: alone_outputs(runs.call, runs.hf, s, offset=1), 0.0)
+    msg = (
+        f"{what}: the model is not a function of its inputs: the same sequence alone, run twice, differs by "
+        f"{err:.3g} (rounding allows {tol:.3g}); something random runs{at_module(path, class_at(runs.hf, path))}"
+    )
+    raise UnsupportedModelError(msg, path="$.model" + (f".{path}" if path else ""), rule="stochastic")
+
+
+def _refuse_nondeterministic(runs: _Runs, what: str, j: _Judged) -> None:
+    hf, seqs = runs.hf, runs.seqs
+    path = first_divergence(runs.call, hf, seqs, lambda: padded_outputs(runs.call, hf, seqs), j.limit)
+    raise UnsupportedModelError(
+        f"{what}: the unpacked model is not deterministic across batch shapes (each sequence alone vs "
+        f"{' / '.join(j.noise.shapes)}: logprobs differ by {j.noise.logprob_noise:.3g}, gradients by "
+        f"{j.noise.grad_rel_noise:.3g} of their norm, beyond the {j.limit:.3g} that {j.noise.compute_dtype} "
+        f"rounding explains); something batch-dependent runs{at_module(path, class_at(hf, path))}, so packing "
+        "cannot be verified",
         path="$.model" + (f".{path}" if path else ""),
         rule="probe_nondeterministic",
     )
 
 
-def _refuse_mismatch(hf: Any, seqs: list[torch.Tensor], what: str, found: dict, packed_run: Callable) -> None:
-    path = first_divergence(hf, seqs, packed_run, found["rel"])
+def _refuse_mismatch(runs: _Runs, what: str, j: _Judged, packed_run: Callable) -> None:
+    hf = runs.hf
+    path = first_divergence(runs.call, hf, runs.seqs, packed_run, j.lp_tol / logprob_scale(runs.alone))
     kind = "forward output"
-    if path is None and found["grad_ratio"] > 1.0:
-        path, kind = gradient_divergence(hf, found["ratio"]), "parameter gradients"
+    if path is None and j.grad_ratio > 1.0:
+        path, kind = gradient_divergence(hf, j.ratio), "parameter gradients"
     msg = (
-        f"{what}: packed rows differ from each sequence alone: logprobs by {found['lp_err']:.3g} "
-        f"(bound {found['lp_tol']:.3g}), gradients up to {found['grad_ratio']:.3g}x their bound; "
+        f"{what}: packed rows differ from each sequence alone beyond {MULTIPLE:g}x the {j.noise.compute_dtype} "
+        f"noise floor: logprobs by {j.lp_err:.3g} (noise floor {j.noise.logprob:.3g}, bound {j.lp_tol:.3g}; "
+        f"noise measured against {' / '.join(j.noise.shapes)}), gradients up to {j.grad_ratio:.3g}x their bound; "
         f"first diverging {kind}{at_module(path, class_at(hf, path))}"
     )
     raise UnsupportedModelError(
@@ -201,60 +306,89 @@ def _refuse_mismatch(hf: Any, seqs: list[torch.Tensor], what: str, found: dict, 
     )
 
 
+def _prove(runs: _Runs, batch: Any, run_packed: Callable, dtype: torch.dtype, what: str) -> _Judged:
+    """The same sequence alone twice within rounding, then packed against alone within the noise floor.
+
+    The second shape is measured only when the first is not enough: the verdict is the same as
+    with both measured, since a wider floor never refuses what a narrower one accepts.
+    """
+    with torch.no_grad():
+        twin = alone_logprobs(runs.call, runs.seqs[-1:], offset=1)
+    tol = MULTIPLE * logprob_floor(0.0, logprob_scale(runs.alone), torch.finfo(dtype).eps)
+    if (err := logprob_err(runs.alone[-1:], twin)) > tol:
+        _refuse_twin(runs, what, err, tol)
+    seed()
+    lp = [x for x in batch.unpack_logprobs(batch.target_logprobs(upcast(run_packed(batch))))]
+    packed = ([x.detach() for x in lp], runs.gradients(lp))
+    names = list(SHAPES)
+    shapes = {names[0]: runs.shape(names[0])}
+    j = _judge(runs, packed, shapes, dtype)
+    if not j.ok and j.shape_noise <= j.limit:
+        shapes[names[1]] = runs.shape(names[1])
+        j = _judge(runs, packed, shapes, dtype)
+    if j.shape_noise > j.limit:
+        _refuse_nondeterministic(runs, what, j)
+    if not j.ok:
+        _refuse_mismatch(runs, what, j, lambda: packed_outputs(runs.hf, batch, run_packed))
+    return j
+
+
 def run_probe(
     model: Any,
     *,
     run_packed: Callable[[Any], torch.Tensor],
     plan_and_batch: Callable[[list[np.ndarray]], tuple[Any, Any]],
+    call: Any = None,
+    row_len: int | None = None,
+    allow_stochastic: bool = False,
     signature: tuple = (),
 ) -> ProbeReport:
     """Run the probe once (no cache): packed vs every sequence alone, forward and gradients.
 
     Args:
         model: the unwrapped HF causal LM, in the caller's mode.
-        run_packed: batch -> [K, L, V] logits of the packed call (the caller's backend).
+        run_packed: batch -> [K, L, V] logits of the packed call (the caller's backend and wrappers).
         plan_and_batch: sequences -> (plan, PackedBatch) with every token after the first scored.
+        call: the model as the caller runs it (its wrappers); None: ``model``.
+        row_len: the caller's row length (the probe's sequences fit it); None: unknown.
+        allow_stochastic: the caller accepted random draws: the modules that draw run in eval
+            mode for the probe (it proves the rest).
         signature: recorded in the report.
 
     Returns:
         The :class:`ProbeReport`.
 
     Raises:
-        UnsupportedModelError: packed and alone differ beyond the measured bound (naming the
-            first diverging module), or the unpacked path is not deterministic.
+        UnsupportedModelError: a module draws random numbers; packed and alone differ beyond
+            the noise floor (naming the first diverging module); or the unpacked path is not
+            deterministic.
     """
     t0 = time.perf_counter()
     hf = model
+    call = hf if call is None else call
     first = next(hf.parameters())
-    dtype = first.dtype
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    arrays, _ = probe_sequences(hf)
+    arrays, _ = probe_sequences(hf, row_len)
     _, batch = plan_and_batch(arrays)
     seqs = [torch.as_tensor(a, device=first.device) for a in arrays]
-    m = _measure(hf, seqs, batch, run_packed)
-    scale = logprob_scale(m["alone"])
-    noise = logprob_err(m["alone"], m["padded"])
-    norms = m["g_alone"][0]
-    gscale = torch.clamp(norms, min=1e-3 * float(norms.max()) if norms.numel() else 0.0)
-    gnoise = (m["g_padded"][1] - m["g_alone"][1]).abs().amax(1) if norms.numel() else norms
     named = ", ".join(f"{k}={v}" for k, v in zip(_SIGNATURE_NAMES, signature))
     what = f"{type(hf).__name__} ({named})"
-    if noise > NOISE_CAP * scale or bool((gnoise > NOISE_CAP * gscale).any()):
-        _refuse_nondeterministic(hf, seqs, what, noise)
-    lp_tol = logprob_bound(noise, scale, eps)
-    lp_err = logprob_err(m["alone"], m["packed"])
-    ratio = (m["g_packed"][1] - m["g_alone"][1]).abs().amax(1) / grad_bound(gnoise, gscale, eps)
-    grad_ratio = float(ratio.max()) if ratio.numel() else 0.0
-    if lp_err > lp_tol or grad_ratio > 1.0:
-        found = {"rel": lp_tol / scale, "ratio": ratio, "grad_ratio": grad_ratio, "lp_err": lp_err, "lp_tol": lp_tol}
-        _refuse_mismatch(hf, seqs, what, found, lambda: packed_outputs(hf, batch, run_packed))
+    with own_random_stream(first.device):
+        watch = watch_forward(hf, seqs[-1])
+        if watch.draws and not allow_stochastic:
+            _refuse_draws(hf, watch, what)
+        with draws_off(hf, list(watch.draws)):
+            if watch.draws and (again := watch_forward(hf, seqs[-1])).draws:
+                _refuse_draws(hf, again, what, silenced=True)
+            runs = _alone(call, hf, seqs)
+            j = _prove(runs, batch, run_packed, watch.compute_dtype, what)
     return ProbeReport(
         signature=signature,
         tokens=int(sum(a.shape[0] for a in arrays)),
-        logprob_err=lp_err,
-        logprob_tol=lp_tol,
-        grad_err=grad_ratio,
+        logprob_err=j.lp_err,
+        logprob_tol=j.lp_tol,
+        grad_err=j.grad_ratio,
         seconds=time.perf_counter() - t0,
+        noise=j.noise,
     )
 
 
@@ -263,8 +397,9 @@ def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = 
 
     Args:
         hf: the unwrapped model; backend, patch_layers: as for ``packed_forward``.
-        extra: more of the setup, part of the signature.
-        **probe: ``run_packed`` and ``plan_and_batch`` of :func:`run_probe`.
+        extra: more of the setup, part of the signature (the wrappers, the rows' cap, what was accepted).
+        **probe: ``run_packed``, ``plan_and_batch``, ``call``, ``row_len`` and ``allow_stochastic``
+            of :func:`run_probe`.
 
     Raises:
         UnsupportedModelError: as :func:`run_probe` (a refused setup is probed again next call).

@@ -1,7 +1,8 @@
 """The probe's inputs: sequences built from the model's own config (:func:`probe_sequences`).
 
-Every sequence is longer than the largest window, chunk or convolution the config declares
-(:func:`declared_sizes`); several trees share one row, a branch falls inside a chunk, scored
+The long sequences cross the largest window, chunk or convolution the config declares
+that applies to the caller's rows (:func:`declared_sizes`, :func:`probe_shape`), and every
+sequence fits those rows; several trees share one row, a branch falls inside a chunk, scored
 tokens are shared (a deep tree), one sequence is a strict prefix and one stands alone.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PROBE_SEED", "probe_sequences", "declared_sizes", "probe_configs"]
+__all__ = ["PROBE_SEED", "probe_sequences", "probe_shape", "declared_sizes", "probe_configs"]
 
 
 PROBE_SEED = 1729
@@ -22,6 +23,9 @@ _MIN_SPAN = 16
 
 
 _SIZE_FIELD = re.compile(r"window|chunk|conv_kernel|d_conv|conv_L_cache|conv_width")
+
+
+_TOKEN_FIELD = re.compile(r"token_(id|index|ids)$")
 
 
 _SUBCONFIGS = ("text_config", "decoder", "language_config", "llm_config")
@@ -61,23 +65,72 @@ def declared_sizes(hf: Any) -> dict[str, int]:
     return out
 
 
-def probe_sequences(hf: Any) -> tuple[list[np.ndarray], int]:
+def _token_ids(hf: Any) -> np.ndarray | int:
+    """The ids the probe draws from: the model's real vocabulary range (the config's and the
+    input embedding's, the smaller), without the ids its configs name (``*_token_id``,
+    ``*_token_index``: image and video placeholders would ask for pixel values)."""
+    cfg = probe_configs(hf)[-1] if probe_configs(hf) else None
+    vocab = int(getattr(cfg, "vocab_size", 0) or getattr(getattr(hf, "config", None), "vocab_size", 0) or 2)
+    emb = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    vocab = min(vocab, int(rows)) if isinstance(rows, int) and rows > 1 else vocab
+    named: set[int] = set()
+    for c in probe_configs(hf):
+        for k, v in vars(c).items():
+            if _TOKEN_FIELD.search(k):
+                named.update(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, int))
+    named = {x for x in named if 0 <= x < vocab}
+    if not named or len(named) >= vocab - 1:
+        return vocab
+    return np.setdiff1d(np.arange(vocab, dtype=np.int64), np.fromiter(named, dtype=np.int64))
+
+
+def probe_shape(hf: Any, row_len: int | None = None) -> tuple[int, int | None]:
+    """(W, cap): the span the probe's sequences cross and the longest they may be.
+
+    W is the largest declared size (:func:`declared_sizes`) that applies to rows of
+    ``row_len`` tokens (a window or chunk of ``row_len`` or more never binds inside them:
+    Llama 4's chunk of 8192 on shorter rows), at least 16. The
+    cap is ``row_len`` when the probe's longest sequence (3W/2 + 8) would not fit a row,
+    else None; then W < cap.
+
+    Args:
+        hf: the HF model.
+        row_len: the caller's row length; None: unknown (no cap).
+    """
+    sizes = [v for v in declared_sizes(hf).values() if row_len is None or v < row_len]
+    span = max([_MIN_SPAN, *sizes])
+    if row_len is None or span + span // 2 + 8 <= row_len:
+        return span, None
+    cap = max(int(row_len), 2)
+    return min(span, cap - 1), cap
+
+
+def probe_sequences(hf: Any, row_len: int | None = None) -> tuple[list[np.ndarray], int]:
     """The probe's sequences for ``hf`` and the span W they cross.
 
-    W is the largest declared size (:func:`declared_sizes`), at least 16. Trees: a prompt
-    of W/2 + 3 tokens (its branch point falls inside a chunk) with a completion of W + 5
+    W and the cap on their length come from :func:`probe_shape`. Trees: a prompt of
+    W/2 + 3 tokens (its branch point falls inside a chunk) with a completion of W + 5
     tokens, a second completion that shares its first 3 scored tokens, a short one and a
     strict prefix of the prompt; a 7-token prompt with two completions; a sequence of
-    W + 3 tokens on its own.
+    W + 3 tokens on its own. Every sequence is cut to the cap (the longest still crosses
+    W). Tokens are drawn from the model's real vocabulary range, without its named
+    special ids.
+
+    Args:
+        hf: the HF model.
+        row_len: the caller's row length (None: unknown).
 
     Returns:
         (sequences as int64 arrays, W).
     """
-    cfg = probe_configs(hf)[-1] if probe_configs(hf) else None
-    vocab = int(getattr(cfg, "vocab_size", 0) or getattr(getattr(hf, "config", None), "vocab_size", 0) or 2)
-    span = max([_MIN_SPAN, *declared_sizes(hf).values()])
+    span, cap = probe_shape(hf, row_len)
+    ids = _token_ids(hf)
     rng = np.random.default_rng(PROBE_SEED)
-    r = lambda n: rng.integers(0, vocab, n, dtype=np.int64)  # noqa: E731
+    if isinstance(ids, int):
+        r = lambda n: rng.integers(0, ids, n, dtype=np.int64)  # noqa: E731
+    else:
+        r = lambda n: ids[rng.integers(0, ids.shape[0], n)]  # noqa: E731
     p = span // 2 + 3
     prompt = r(p)
     a0 = np.concatenate([prompt, r(span + 5)])
@@ -92,4 +145,4 @@ def probe_sequences(hf: Any) -> tuple[list[np.ndarray], int]:
         np.concatenate([q, r(3)]),
         r(span + 3),
     ]
-    return seqs, span
+    return ([s[:cap].copy() for s in seqs] if cap is not None else seqs), span

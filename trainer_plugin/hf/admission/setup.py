@@ -1,7 +1,8 @@
 """The forward's options as one object: :class:`PackedSetup`, created once per packed call.
 
 :func:`~treepack.trainer.hf.packed_forward` takes its options as keywords (``backend``,
-``output``, ``varlen_fn``, ``compile``, ``patch_layers``, ``verify``, ``allow_dropout``) and
+``output``, ``varlen_fn``, ``compile``, ``patch_layers``, ``verify``, ``allow_dropout``,
+``allow_stochastic``) and
 reads the rest of what the model's admission depends on from the batch (the row length, the
 plan's GDN ``conv_width``, the context-parallel split) and from the model-call keywords. They
 are validated here once, and the one frozen object travels through the admission (the
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import RequestError
+from treepack.trainer.hf.admission.probe_inputs import probe_shape
+from treepack.trainer.hf.wrapped import wrapper_chain
 from treepack.trainer.kernels.attention import BACKENDS
 
 __all__ = ["PackedSetup", "OUTPUTS", "kwargs_key", "numerics"]
@@ -66,6 +69,8 @@ class PackedSetup:
         patch_layers: patch the registry's layers for tree rows.
         verify: run the probe on the first call of a setup.
         allow_dropout: accept dropout outside attention while training (not exact).
+        allow_stochastic: accept other random draws while training (router jitter, sampling
+            routers, layerdrop; not exact).
         row_len: the packed rows' length (``batch.plan.seq_len``); None when no batch is known.
         conv_width: the plan's GDN conv width; None: not checked.
         cp_size: context-parallel ranks of the batch (0: no CP).
@@ -83,6 +88,7 @@ class PackedSetup:
     patch_layers: bool = True
     verify: bool = True
     allow_dropout: bool = False
+    allow_stochastic: bool = False
     row_len: int | None = None
     conv_width: int | None = None
     cp_size: int = 0
@@ -96,7 +102,7 @@ class PackedSetup:
             )
         if self.output not in OUTPUTS:
             raise RequestError(f"output must be one of {OUTPUTS}, got {self.output!r}", path="$.output", rule="enum")
-        for name in ("patch_layers", "verify", "allow_dropout", "cp_contiguous"):
+        for name in ("patch_layers", "verify", "allow_dropout", "allow_stochastic", "cp_contiguous"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     @classmethod
@@ -107,7 +113,7 @@ class PackedSetup:
             batch: the :class:`~treepack.trainer.data.packed_batch.PackedBatch` (its row
                 length, conv width and CP split are part of the setup).
             kwargs: the keywords passed to ``model(...)``.
-            **options: the forward's options (the fields ``backend`` ... ``allow_dropout``).
+            **options: the forward's options (the fields ``backend`` ... ``allow_stochastic``).
 
         Returns:
             The validated :class:`PackedSetup`.
@@ -132,14 +138,18 @@ class PackedSetup:
         (the kernel override, compilation, whether the probe runs)."""
         return dataclasses.replace(self, varlen_fn=None, compile=None, verify=True)
 
-    def probe_key(self, hf: torch.nn.Module) -> tuple:
+    def probe_key(self, hf: torch.nn.Module, model: Any = None) -> tuple:
         """The key of the probe: the options the probe runs with (backend, layer patches, conv
-        width, dropout accepted) and ``hf``'s :func:`numerics`; the rows, output, CP split and
-        call keywords of the caller's batch are not part of it."""
+        width, dropout and random draws accepted), the cap the rows put on the probe's
+        sequences (:func:`~treepack.trainer.hf.admission.probe_inputs.probe_shape`), the
+        wrappers of ``model`` it runs through and ``hf``'s :func:`numerics`; the output, CP
+        split and call keywords of the caller's batch are not part of it."""
         proven = PackedSetup(
             backend=self.backend,
             patch_layers=self.patch_layers,
             conv_width=self.conv_width,
             allow_dropout=self.allow_dropout,
+            allow_stochastic=self.allow_stochastic,
         )
-        return ("probe", proven, *numerics(hf))
+        cap = probe_shape(hf, self.row_len)[1]
+        return ("probe", proven, cap, wrapper_chain(hf if model is None else model), *numerics(hf))

@@ -13,7 +13,7 @@ walk; a later call whose fingerprint is equal skips the walk, any other runs it 
 The fingerprint holds, per module: its identity, class and the class's ``forward``, its
 training flag, an instance ``forward``, its checkpointing function and flag, how many
 attributes, children, parameters, buffers, forward hooks and pre-hooks it has, and the
-values of its dropout-like attributes; torch's count of hooks ever registered (any new
+values of its dropout-like and other random-draw attributes; torch's count of hooks ever registered (any new
 hook, global or per module, changes it) and the global hooks; every attribute of the model's
 configs (containers by their ``repr``); and the layer registry. What it does not see is
 an edit inside a module that changes none of these (a new value of a conv's kernel size,
@@ -31,7 +31,7 @@ import torch
 from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
-from treepack.trainer.hf.admission.guards import DROPOUT_NAME
+from treepack.trainer.hf.admission.guards import DROPOUT_NAME, STOCHASTIC_NAME
 from treepack.trainer.hf.layers import registered
 
 __all__ = ["model_state", "fingerprint", "walked", "walk_info", "remember_walk", "forget_walks"]
@@ -63,9 +63,12 @@ def _config_state(model: torch.nn.Module) -> tuple:
 
 
 def _dropout_attrs(model: torch.nn.Module) -> tuple:
-    """(module, attribute) pairs named like a dropout rate (what the dropout guard reads)."""
+    """(module, attribute) pairs named like a dropout rate or another random draw's (what the guards read)."""
     return tuple(
-        (m, name) for m in model.modules() for name in vars(m) if not name.startswith("_") and DROPOUT_NAME.search(name)
+        (m, name)
+        for m in model.modules()
+        for name in vars(m)
+        if not name.startswith("_") and (DROPOUT_NAME.search(name) or STOCHASTIC_NAME.search(name))
     )
 
 
