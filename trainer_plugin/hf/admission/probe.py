@@ -60,15 +60,9 @@ from treepack.trainer.hf.admission.divergence import (
     packed_outputs,
     padded_outputs,
 )
-from treepack.trainer.hf.admission.measure import (
-    alone_logprobs,
-    own_random_stream,
-    padded_logprobs,
-    projected_grads,
-    seed,
-    weighted,
-)
+from treepack.trainer.hf.admission.measure import own_random_stream, projected_grads, seed, weighted
 from treepack.trainer.hf.admission.probe_inputs import PROBE_SEED, probe_sequences
+from treepack.trainer.hf.admission.readout import readout
 from treepack.trainer.hf.admission.tolerance import NOISE_CAP, grad_bound, logprob_bound, logprob_err, logprob_scale
 from treepack.trainer.hf.admission.walk_cache import forget_walks
 
@@ -144,24 +138,26 @@ def forget_probes(hf: torch.nn.Module | None = None) -> None:
 
 
 def _measure(hf: Any, seqs: list[torch.Tensor], batch: Any, run_packed: Callable[[Any], torch.Tensor]) -> dict:
-    """Log-probabilities and projected gradients of each sequence alone, right-padded and packed."""
+    """The head's outputs (:mod:`~treepack.trainer.hf.admission.readout`: log-probabilities, values or
+    scores) and projected gradients of each sequence alone, right-padded and packed."""
     device = seqs[0].device
     on, reentrant = _checkpointing(hf)
     reentrant = bool(reentrant) if on else False
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    weights = [torch.randn(s.shape[0], generator=gen).to(device) for s in seqs]
+    ro = readout(hf)
     # Gradients are proven where the caller computes them (a no-grad scoring call proves the forward).
     grads = torch.is_grad_enabled()
     with own_random_stream(device):
-        alone = alone_logprobs(hf, seqs)
+        alone = ro.alone(hf, seqs)
+        weights = [torch.randn(a.shape, generator=gen).to(device) for a in alone]
         g_alone = projected_grads(hf, weighted(alone, weights), reentrant, grads)
-        padded = padded_logprobs(hf, seqs)
+        padded = ro.padded(hf, seqs)
         g_padded = projected_grads(hf, weighted(padded, weights), reentrant, grads)
         seed()
-        lp = batch.target_logprobs(run_packed(batch).float())
-        packed = [x for x in batch.unpack_logprobs(lp)]
+        packed = ro.packed(batch, run_packed(batch))
         g_packed = projected_grads(hf, weighted(packed, weights), reentrant, grads)
     return {
+        "name": ro.name,
         "alone": [x.detach() for x in alone],
         "padded": [x.detach() for x in padded],
         "packed": [x.detach() for x in packed],
@@ -189,7 +185,7 @@ def _refuse_mismatch(hf: Any, seqs: list[torch.Tensor], what: str, found: dict, 
     if path is None and found["grad_ratio"] > 1.0:
         path, kind = gradient_divergence(hf, found["ratio"]), "parameter gradients"
     msg = (
-        f"{what}: packed rows differ from each sequence alone: logprobs by {found['lp_err']:.3g} "
+        f"{what}: packed rows differ from each sequence alone: {found['name']} by {found['lp_err']:.3g} "
         f"(bound {found['lp_tol']:.3g}), gradients up to {found['grad_ratio']:.3g}x their bound; "
         f"first diverging {kind}{at_module(path, class_at(hf, path))}"
     )
@@ -247,6 +243,7 @@ def run_probe(
     grad_ratio = float(ratio.max()) if ratio.numel() else 0.0
     if lp_err > lp_tol or grad_ratio > 1.0:
         found = {"rel": lp_tol / scale, "ratio": ratio, "grad_ratio": grad_ratio, "lp_err": lp_err, "lp_tol": lp_tol}
+        found["name"] = m["name"]
         _refuse_mismatch(hf, seqs, what, found, lambda: packed_outputs(hf, batch, run_packed))
     return ProbeReport(
         signature=signature,

@@ -25,6 +25,7 @@ from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
 from treepack.trainer.hf.context import use_packed
 from treepack.trainer.hf.run import run_packed
+from treepack.trainer.hf.task_head import pad_rule
 
 __all__ = ["prove", "verify_model"]
 
@@ -82,7 +83,7 @@ def prove(hf: Any, setup: PackedSetup) -> ProbeReport:
         UnsupportedModelError: packed and alone differ beyond the measured bound.
     """
     # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext():
+    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), pad_rule(hf):
         return verify_packing(
             hf,
             backend=setup.backend,
