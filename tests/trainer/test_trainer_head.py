@@ -139,3 +139,39 @@ def test_bad_temperature_refused(case):
     for t in (0, -1.0, float("inf"), True):
         with pytest.raises(RequestError, match="temperature"):
             batch.target_logprobs(logits, temperature=t)
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,names",
+    [
+        ("falcon_h1", dict(lm_head_multiplier=0.37), ("lm_head_multiplier",)),
+        ("modernbert-decoder", {}, ("prediction_head",)),
+        ("llama4_text", {}, ()),
+        ("mllama", {}, ()),
+    ],
+)
+def test_output_head_of_heads_beyond_a_projection(case, model_type, overrides, names):
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier``; ModernBERT-decoder runs a prediction
+    head (dense, activation, norm) before its output embedding; Llama 4's and mllama's causal LMs have
+    ``base_model`` the model itself (``output="hidden"`` gave logits). Each: hidden + output_head ==
+    the packed logits == every sequence alone, gradients included."""
+    from helpers.families import model_support
+
+    ms = model_support()
+    _, batch = case
+    model = ms.perturb(ms._with_patches(ms.build_causal_lm(model_type, **overrides)))
+    head = output_head(model)
+    assert head.names == names
+    lp = batch.target_logprobs(packed_forward(model, batch))
+    lp.sum().backward()
+    want = _grads(model)
+    hidden = packed_forward(model, batch, output="hidden")
+    assert hidden.shape[-1] == model.config.get_text_config().hidden_size
+    lp2 = batch.target_logprobs_from_hidden(hidden, head, chunk_size=11)
+    assert_close("hidden + output_head logprobs", lp, lp2, atol=1e-6)
+    lp2.sum().backward()
+    assert_close("grad", want, _grads(model), ratio=1e-5, nonzero_ref=True)
+    if names:  # the step matters: the bare projection is off
+        with torch.no_grad():
+            bare = batch.target_logprobs_from_hidden(hidden.detach(), model.get_output_embeddings())
+        assert float((bare - lp.detach()).abs().max()) > 1e-2
