@@ -198,3 +198,13 @@ def test_last_token_positions_equal_the_naive_rule(seed):
             want.append(row * batch.seq_len + int(idx[naive_last_token(seq.tolist(), p)]))
         assert got.tolist() == want
     assert naive_last_token([PAD, PAD], PAD) == 0 and naive_last_token([5, PAD, 6, PAD], PAD) == 2
+
+
+def test_classification_heads_on_cp_shards_are_refused():
+    from treepack.trainer.hf.admission import PackedSetup, check_static
+
+    for head in ("sequence", "token"):
+        with pytest.raises(UnsupportedModelError, match=rf"a {head}-classification head on context-parallel shards"):
+            check_static(head_model("llama", head), PackedSetup(cp_size=2))
+    lm = ms.build_causal_lm("llama")
+    assert not [r for r in check_static(lm, PackedSetup(cp_size=2), raise_error=False).refusals if "head" in r.reason]

@@ -371,7 +371,7 @@ class PackedBatch:
 
         Args:
             x: [K, L, ...] per-position outputs of the rows (``packed_forward`` of a
-                ``*ForTokenClassification`` model); under CP this rank's shard, gathered over the group.
+                ``*ForTokenClassification`` model); whole rows (not a CP shard).
 
         Returns:
             S entries: [len(s), ...] for a sequence of these rows (its output at every one of
@@ -384,7 +384,7 @@ class PackedBatch:
         """[S_local, ...] outputs at each local sequence's pooled token (a reward model's scores).
 
         Args:
-            x: [K, L, ...] per-position outputs of the rows (under CP this rank's shard, gathered).
+            x: [K, L, ...] per-position outputs of the rows (whole rows, not a CP shard).
             pad_token_id: HF's rule: each sequence is read at its last token that is not this
                 id (None: at its last token; :func:`~treepack.trainer.data.values.last_token_positions`).
 
@@ -398,12 +398,10 @@ class PackedBatch:
         return rows.reshape(-1, *rows.shape[2:])[whole._cache[key].to(rows.device)]
 
     def _whole_rows(self, x: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
-        """(the whole-row batch, [K, seq_len, ...] ``x`` over whole rows): under CP the shards gathered."""
+        """(this batch, ``x`` checked as [K, L, ...]); a CP shard is refused (its heads are not proven)."""
+        self._whole_rows_only("a head's per-sequence outputs")
         self._check_rows_tensor(x, "outputs")
-        if self.cp is None:
-            return self, x
-        assert self.cp_full is not None, "CP batches carry their whole-row view"
-        return self.cp_full, self.cp_to_rows(gather_seq(x, self.cp))[:, : self.plan.seq_len]
+        return self, x
 
     def unpack_logprobs(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Per-sequence token log-probabilities, as if each sequence ran alone.

@@ -14,8 +14,8 @@ position's output is the same for every sharer (causal attention sees the same p
   or its last token when no pad id is set; :func:`naive_last_token` is the loop reference.
 
 Both read :class:`~treepack.trainer.data.packed_batch.PackedBatch`'s token map
-(``local_seqs``, ``seq_ptr``, ``seq_flat``); under context parallelism the caller hands the
-whole rows (the batch's methods gather the shards first).
+(``local_seqs``, ``seq_ptr``, ``seq_flat``) of whole rows (a context-parallel shard's heads are
+refused by the admission).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def _other_head(cls: type) -> str:
     )
 
 
-def head_refusals(hf: Any, output: str, kwargs: dict[str, Any]) -> list[tuple[str, str, str]]:
+def head_refusals(hf: Any, output: str, kwargs: dict[str, Any], cp_size: int = 0) -> list[tuple[str, str, str]]:
     """Why ``hf``'s head cannot give ``output`` exactly on tree rows: (path, class, reason) triples.
 
     Args:
@@ -126,6 +126,8 @@ def head_refusals(hf: Any, output: str, kwargs: dict[str, Any]) -> list[tuple[st
         output: the setup's output (``logits`` | ``hidden``).
         kwargs: the model-call keywords (``labels`` is refused for a classification head: HF's
             loss would read the rows, not the sequences).
+        cp_size: context-parallel ranks of the batch (a classification head on CP shards is
+            refused: its per-sequence reads over shards are not proven).
     """
     cls = _hf_class(hf)
     kind = _kind(cls)
@@ -139,6 +141,10 @@ def head_refusals(hf: Any, output: str, kwargs: dict[str, Any]) -> list[tuple[st
         out.append(("", name, f"a {kind}-classification head gives its outputs with output='logits', not {output!r}"))
     if "labels" in kwargs:
         out.append(("", name, "labels: HF's loss would read the rows; compute it from the unpacked outputs"))
+    if cp_size:
+        out.append(
+            ("", name, f"a {kind}-classification head on context-parallel shards (not proven; run it with cp=None)")
+        )
     if kind == "token":
         return out
     head = task_head(hf)

@@ -96,7 +96,7 @@ def check_static(
         UnsupportedModelError: naming each refused module's path, class and reason.
     """
     report = SupportReport()
-    report.refusals.extend(Refusal(*r) for r in head_refusals(model, setup.output, setup.kwargs))
+    report.refusals.extend(Refusal(*r) for r in head_refusals(model, setup.output, setup.kwargs, setup.cp_size))
     for config in model_configs(model):
         report.refusals.extend(
             config_refusals(
