@@ -13,8 +13,10 @@ runs a small probe on the model itself and refuses the setup unless packing is e
 - the packed forward (through :func:`~treepack.trainer.hf.packed_forward`, with the caller's backend) against
   every sequence alone, with the model as the caller holds it: train or eval mode,
   gradient checkpointing (reentrant or not), dtype, device;
-- forward log-probabilities and gradients (:mod:`~treepack.trainer.hf.admission.measure`): a
-  fixed random weighting of every scored log-probability is backpropagated, and every
+- forward log-probabilities (a classification head's per-token values or per-sequence
+  scores: :mod:`~treepack.trainer.hf.admission.readout`) and gradients
+  (:mod:`~treepack.trainer.hf.admission.measure`): a fixed random weighting of every scored
+  output is backpropagated, and every
   parameter's gradient is reduced to its norm and three random projections (so nothing of
   the model's size is kept twice);
 - tolerances from the dtype, measured rather than guessed
