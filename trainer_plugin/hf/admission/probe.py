@@ -81,7 +81,8 @@ class ProbeReport:
     Attributes:
         signature: the :func:`probe_signature` it proved.
         tokens: tokens of the probe's sequences (each alone).
-        logprob_err: max |packed - alone| over every scored log-probability.
+        logprob_err: max |packed - alone| over every scored log-probability (a classification
+            head's per-token values or per-sequence scores: :mod:`~treepack.trainer.hf.admission.readout`).
         logprob_tol: the bound it had to stay under.
         grad_err: max over parameters of |packed - alone| projected gradient / the bound.
         seconds: wall time of the probe.
