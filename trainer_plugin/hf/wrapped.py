@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -130,6 +130,10 @@ def forward_logits(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
 def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """[K, L, d] final hidden states of the base model, the forward running through ``model``.
 
+    The hidden states are the output of :func:`inner_model`; where the causal LM's forward
+    calls a model inside it instead (OPT calls ``self.model.decoder``, not ``self.model``),
+    the one child model of it that ran (whose output is what OPT's ``lm_head`` reads).
+
     Args:
         model: the model as held (possibly wrapped); its forward is what runs.
         hf: :func:`unwrap_model` of it.
@@ -137,7 +141,8 @@ def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
 
     Raises:
         RequestError: the causal LM's forward takes no ``logits_to_keep`` (it would compute
-            [K, L, V] logits that ``output="hidden"`` exists to avoid).
+            [K, L, V] logits that ``output="hidden"`` exists to avoid); neither the stack nor
+            exactly one child model of it ran exactly once.
     """
     base = inner_model(hf)
     if base is hf:  # a bare base model: its output is the hidden states
@@ -149,18 +154,27 @@ def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
             path="$.output",
             rule="unsupported",
         )
-    seen: list[torch.Tensor] = []
-
-    def grab(module: Any, args: Any, output: Any) -> None:
-        seen.append(_last_hidden(output))
-
-    with transient_hook(base, grab):
+    stacks = [base, *(m for m in base.children() if _is_hf_model(m))]
+    seen: list[list[torch.Tensor]] = [[] for _ in stacks]
+    with ExitStack() as hooks:
+        for m, got in zip(stacks, seen):
+            hooks.enter_context(transient_hook(m, lambda mod, args, out, got=got: got.append(_last_hidden(out))))
         keep = torch.zeros(0, dtype=torch.int64, device=inputs["input_ids"].device)
         model(**inputs, logits_to_keep=keep)
-    if len(seen) != 1:
-        raise RequestError(
-            f"the base model of {type(hf).__name__} ran {len(seen)} times in one forward",
-            path="$.model",
-            rule="unsupported",
-        )
-    return seen[0]
+    if len(seen[0]) == 1:
+        return seen[0][0]
+    ran = [got[0] for got in seen[1:] if len(got) == 1]
+    if not seen[0] and len(ran) == 1 and all(len(got) <= 1 for got in seen[1:]):
+        return ran[0]
+    counts = ", ".join(f"{type(m).__name__} {len(got)}" for m, got in zip(stacks, seen))
+    raise RequestError(
+        f"the decoder stack of {type(hf).__name__} is not one model run once in one forward (runs: {counts}); "
+        "use output='logits'",
+        path="$.model",
+        rule="unsupported",
+    )
+
+
+def _is_hf_model(m: Any) -> bool:
+    """Whether ``m`` is an HF model (a ``PreTrainedModel``: a config and a base-model prefix)."""
+    return hasattr(m, "config") and hasattr(m, "base_model_prefix")
