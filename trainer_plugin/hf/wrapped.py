@@ -8,7 +8,8 @@ LoRA adapters, accelerate's autocast) stay in the call.
 ``output="hidden"`` through a wrapper (:func:`forward_hidden`): the wrapper's forward is
 called as usual, with ``logits_to_keep`` an empty index tensor so the head runs on no
 position, and a forward hook on the inner base model (:func:`inner_model`) takes its final
-hidden states. Such a hook of treepack's own (:func:`transient_hook`) lives for one call and
+hidden states (or on the one model inside it that ran, where the causal LM calls that
+instead: OPT's ``model.decoder``). Such a hook of treepack's own (:func:`transient_hook`) lives for one call and
 leaves torch's hook counter as it found it, so the walk cache
 (:mod:`~treepack.trainer.hf.admission.walk_cache`, which reads that counter to see a hook the
 caller registers) does not take it for a change of the model.
