@@ -434,10 +434,12 @@ def unpacked_logprobs(model: torch.nn.Module, sequences: list[np.ndarray]) -> li
 
 
 def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
-    """Max |packed - unpacked| logprob over the trainable targets of :func:`small_case` (no gradients)."""
+    """Max |packed - unpacked| logprob over the trainable targets of :func:`small_case` (no gradients),
+    packed through the logits and through ``output="hidden"`` with the model's own head
+    (:func:`treepack.trainer.hf.output_head`, the chunked head)."""
     from treepack.service.planner import plan_batch
     from treepack.trainer import materialize, naive_varlen_attention
-    from treepack.trainer.hf import packed_forward
+    from treepack.trainer.hf import output_head, packed_forward
 
     c = small_case()
     plan = plan_batch(
@@ -448,18 +450,19 @@ def forward_oracle(model: torch.nn.Module, backend: str = "sdpa") -> float:
         groups=c["groups"],
     )
     batch = materialize(plan, c["sequences"], trainable=c["trainable"], groups=c["groups"])
+    kw = dict(backend=backend, varlen_fn=naive_varlen_attention, compile=False)
     with torch.no_grad():
         ref = unpacked_logprobs(model, c["sequences"])
-        got = batch.unpack_logprobs(
-            batch.target_logprobs(
-                packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, compile=False)
-            )
+        logits = batch.target_logprobs(packed_forward(model, batch, **kw))
+        hidden = batch.target_logprobs_from_hidden(
+            packed_forward(model, batch, output="hidden", **kw), output_head(model)
         )
     err = 0.0
-    for r, g, t in zip(ref, got, c["trainable"]):
-        g = g[1:]
-        keep = torch.arange(1, g.shape[0] + 1) >= max(t, 1)
-        err = max(err, float((g[keep] - r[keep]).abs().max()) if bool(keep.any()) else 0.0)
+    for lp in (logits, hidden):
+        for r, g, t in zip(ref, batch.unpack_logprobs(lp), c["trainable"]):
+            g = g[1:]
+            keep = torch.arange(1, g.shape[0] + 1) >= max(t, 1)
+            err = max(err, float((g[keep] - r[keep]).abs().max()) if bool(keep.any()) else 0.0)
     return err
 
 
@@ -596,7 +599,10 @@ def causal_lm_types() -> list[str]:
 
 #: What each status of the automatic sweep (``--auto``) means.
 SWEEP_STATUSES = {
-    "pass": "treepack ran it packed and its logprobs equal each sequence run alone (forward, sdpa)",
+    "pass": (
+        "treepack ran it packed and its logprobs equal each sequence run alone (forward, sdpa; "
+        "through the logits and through output='hidden' with the model's own head)"
+    ),
     "refused": "check_model refuses it before any compute, naming the module and why",
     "stock_fails": (
         "the stock model fails unpacked on the tiny config the sweep builds, so there is nothing to compare with"

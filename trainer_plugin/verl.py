@@ -16,6 +16,14 @@ position t belongs to token t + 1) that verl's loss reads back with
 3. the values land in verl's jagged layout at every response position (0 elsewhere:
    verl's loss reads only the response), and verl's own ``loss_function`` runs on them.
 
+:class:`TreepackFSDPValueEngine` does the same for the critic (verl's
+``FSDPEngineWithValueHead``, model type ``value_model``: a ``*ForTokenClassification`` with
+``num_labels=1``): the value head runs on the tree rows (``packed_forward`` gives its
+per-position values, :mod:`treepack.trainer.hf.task_head`) and every sequence's values at
+all its tokens land in verl's jagged ``values`` layout, read by verl's own ``value_loss``.
+TRL's ``AutoModelForCausalLMWithValueHead`` (a ``v_head`` on a causal LM, verl's fallback
+when the checkpoint is no token-classification model) is refused by name.
+
 verl's loss normalisation uses whole-mini-batch counts, so regrouping inside a micro-batch
 leaves gradients unchanged. What a micro-batch saves depends on whole groups arriving in
 it; docs/verl.md lists the verl settings that keep them together.
@@ -52,7 +60,7 @@ from torch.distributed.fsdp import FSDPModule
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.metric import AggregationType, Metric
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
 from treepack.proto.errors import RequestError
 from treepack.trainer import BACKENDS, materialize, output_head, packed_forward, parity_report
@@ -62,7 +70,7 @@ from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
 from treepack.trainer.planning.tally import PackingTally
 
-__all__ = ["VerlPacking", "TreepackFSDPEngine", "SUPPORTED_VERL"]
+__all__ = ["VerlPacking", "TreepackFSDPEngine", "TreepackFSDPValueEngine", "SUPPORTED_VERL"]
 
 SUPPORTED_VERL = "0.9.1"
 _WHO = "treepack.trainer.verl.TreepackFSDPEngine"
@@ -256,13 +264,8 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
                 assert forward_only, "forward_only must be True when loss_function is None"
                 loss = torch.tensor(1.0, device=device_name)
                 metrics = {}
-        stats = mb.plan.stats
-        self.packing_tally.add(stats, mb.plan_ms)
-        metrics = dict(metrics)
-        for k, v in (("saved_fraction", stats.saved_fraction), ("rows", stats.rows), ("plan_ms", mb.plan_ms)):
-            metrics[f"treepack/{k}"] = Metric(value=float(v), aggregation=AggregationType.MEAN)
-        detached = {k: v.detach() for k, v in model_output.items()}
-        return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
+        self.packing_tally.add(mb.plan.stats, mb.plan_ms)
+        return _step_result(loss, model_output, metrics, mb)
 
     def _plan_rows(
         self,
@@ -344,6 +347,63 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
                 root.set_reshard_after_forward(bool(self.engine_config.reshard_after_forward), recurse=False)
                 if not torch.is_grad_enabled():
                     root.reshard()
+
+
+class TreepackFSDPValueEngine(TreepackFSDPEngine, FSDPEngineWithValueHead):
+    """verl's critic engine, ``FSDPEngineWithValueHead``, with ``forward_step`` on tree-packed rows.
+
+    Constructed and registered as the stock value engine (:func:`treepack.trainer.verl_plugin.register`);
+    packs as :class:`TreepackFSDPEngine` does (its ``packing``).
+    """
+
+    def forward_step(
+        self, micro_batch: Any, loss_function: Any, forward_only: bool
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """verl's ``forward_step`` contract for the critic: ``model_output["values"]`` is jagged like
+        the input ids, every position's value (verl's loss reads the response's, shifted by one)."""
+        _check_supported(self, micro_batch)
+        if hasattr(unwrap_model(self.module), "v_head"):
+            raise _refuse(
+                "v_head",
+                "TRL's AutoModelForCausalLMWithValueHead; give the critic a *ForTokenClassification checkpoint",
+            )
+        micro_batch = micro_batch.to(get_device_id())
+        offsets = micro_batch["input_ids"].offsets()
+        device = micro_batch["input_ids"].values().device
+        sequences, seq_lens, prompt_lens = _read_sequences(micro_batch)
+        groups = prompt_groups([s[:p] for s, p in zip(sequences, prompt_lens.tolist())])
+        mb, batch = self._plan_rows(sequences, seq_lens, prompt_lens, groups, device)
+        assert np.array_equal(batch.local_seqs, np.arange(len(sequences))), "a micro-batch holds all its rows"
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        device_name = get_device_name()
+        autocast = (
+            nullcontext()
+            if autocast_dtype == torch.float32
+            else torch.autocast(device_type=device_name, dtype=autocast_dtype)
+        )
+        with self.packing_tally.first_step(unwrap_model(self.module), self.packing.backend), autocast:
+            values = packed_forward(self.module, batch, backend=self.packing.backend)  # [K, L, 1]
+            flat = values.squeeze(-1).reshape(-1)[batch.seq_flat.to(values.device)]  # sequences in order
+            model_output = {"values": torch.nested.nested_tensor_from_jagged(flat, offsets.to(values.device))}
+            if loss_function is not None:
+                loss, metrics = loss_function(
+                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+                )
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss, metrics = torch.tensor(1.0, device=device_name), {}
+        self.packing_tally.add(mb.plan.stats, mb.plan_ms)
+        return _step_result(loss, model_output, metrics, mb)
+
+
+def _step_result(loss: torch.Tensor, model_output: dict, metrics: dict, mb: Any) -> tuple[torch.Tensor, dict]:
+    """``(loss, {"model_output", "loss", "metrics"})`` with the plan's ``treepack/*`` metrics added."""
+    stats = mb.plan.stats
+    metrics = dict(metrics)
+    for k, v in (("saved_fraction", stats.saved_fraction), ("rows", stats.rows), ("plan_ms", mb.plan_ms)):
+        metrics[f"treepack/{k}"] = Metric(value=float(v), aggregation=AggregationType.MEAN)
+    detached = {k: v.detach() for k, v in model_output.items()}
+    return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
 
 
 def _read_sequences(micro_batch: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:

@@ -375,3 +375,79 @@ def group_shuffle_reference(batch: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = [v[i] for i in order]
     return out
+
+
+def tiny_reward_model(seed: int = 0, vocab: int = len(SPECIAL) + len(WORDS), hidden: int = 32) -> Any:
+    """A random Qwen3 reward model (``Qwen3ForSequenceClassification``, one label, pad 0), fp32."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        num_labels=1,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForSequenceClassification(cfg).float()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.3)  # scores of order 1: the pairwise loss and its gradients are not flat
+    return model
+
+
+def run_reward(trainer_cls: type, *, workdir: str, steps: int = 3, model: Any = None, **config: Any) -> dict[str, Any]:
+    """Train ``trainer_cls`` (RewardTrainer or a subclass) on preference pairs: 8 prompts of 20 words,
+    a chosen and a rejected completion of 2 to 6 words each (TRL appends EOS).
+
+    Returns:
+        {"loss": [steps], "grad_norm": [steps], "logs": log_history, "trainer": the trainer}.
+    """
+    from datasets import Dataset
+    from trl import RewardConfig
+
+    trainer_kwargs = config.pop("trainer_kwargs", {})
+    rng = random.Random(2)
+    words = lambda: " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))  # noqa: E731
+    ps = prompts(8, 20, seed=5)
+    data = Dataset.from_dict({"prompt": ps, "chosen": [words() for _ in ps], "rejected": [words() for _ in ps]})
+    base = dict(
+        output_dir=workdir,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        optim="sgd",  # as run_sft: SGD keeps later steps at rounding level
+        learning_rate=1e-1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=False,
+        center_rewards_coefficient=0.01,
+    )
+    base.update(config)
+    tok = tiny_tokenizer()
+    tok.padding_side = "right"
+    trainer = trainer_cls(
+        model=tiny_reward_model() if model is None else model,
+        args=RewardConfig(**base),
+        train_dataset=data,
+        processing_class=tok,
+        **trainer_kwargs,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {
+        "loss": [h["loss"] for h in logs],
+        "grad_norm": [h["grad_norm"] for h in logs],
+        "logs": trainer.state.log_history,
+        "trainer": trainer,
+    }

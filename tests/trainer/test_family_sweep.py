@@ -4,8 +4,9 @@ Rows come from ``benchmarks/model_support.py`` (:data:`FAMILIES`, tiny random fp
 every parameter perturbed by seeded noise so that no bias, norm or learned mask sits at its
 init value: a term dropped while its parameter is 0 at init would change nothing there).
 A ``pass`` row: packed logprobs within 1e-5 and gradients within 1e-4 relative of each
-sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), and the
-``flex`` forward (uncompiled; FlexAttention has no CPU backward). A refused row raises
+sequence alone, on ``sdpa`` and the ``flash`` reference (naive varlen kernel), through
+``output="hidden"`` with the model's own head (:func:`output_head`, the chunked head) on
+``sdpa``, and the ``flex`` forward (uncompiled; FlexAttention has no CPU backward). A refused row raises
 :class:`UnsupportedModelError` matching its reason, and the model is left untouched.
 Training mode: gradient checkpointing (reentrant and not) on both backends with a CPU
 backward, for a representative subset here (:data:`TRAIN_SUBSET`) and for every row by
@@ -26,7 +27,7 @@ import torch
 
 from treepack.proto.errors import UnsupportedModelError
 from treepack.trainer import check_model, materialize, naive_varlen_attention
-from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf import output_head, packed_forward
 from treepack.trainer.losses import naive_sft_loss, sft_loss
 
 from helpers.families import model_support
@@ -68,11 +69,14 @@ def _grads(model):
     return out
 
 
-def _packed(model, c, backend):
+def _packed(model, c, backend, output="logits"):
     batch = c["batch"]
-    lp = batch.target_logprobs(
-        packed_forward(model, batch, backend=backend, varlen_fn=naive_varlen_attention, verify=False)
+    out = packed_forward(
+        model, batch, backend=backend, varlen_fn=naive_varlen_attention, output=output, verify=False
     )  # the sweep is its own oracle
+    lp = (
+        batch.target_logprobs(out) if output == "logits" else batch.target_logprobs_from_hidden(out, output_head(model))
+    )
     loss = sft_loss(lp, batch, normalization="sequence")
     loss.backward()
     return [x.detach() for x in batch.unpack_logprobs(lp)], loss.detach(), _grads(model)
@@ -122,8 +126,10 @@ def test_family(case, row):
     ms.perturb(model)
     ref_lp, ref_loss, ref_grads = _reference(model, case)
     assert len(ref_grads) > 0 and abs(float(ref_loss)) > 1e-3
-    for backend in ("sdpa", "flash"):
-        lp, loss, grads = _packed(model, case, backend)
+    # output="hidden" + output_head: the chunked head on the decoder stack's hidden states.
+    for backend, output in (("sdpa", "logits"), ("flash", "logits"), ("sdpa", "hidden")):
+        lp, loss, grads = _packed(model, case, backend, output)
+        backend = backend if output == "logits" else "hidden + output_head"
         assert_close(f"{backend} logprobs", ref_lp, lp, atol=LOGPROB_TOL)
         assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7), (
             backend,

@@ -64,6 +64,25 @@ def test_an_unchanged_model_is_walked_once(batch, walks):
     assert torch.equal(first, again)
 
 
+def test_the_heads_own_hooks_do_not_walk_again(batch, walks):
+    """``output="hidden"`` and a reward model's scores read the model through a hook of their own for
+    one call; it leaves torch's hook counter as found, so the next call is not taken for a changed
+    model (every ``output="hidden"`` call walked the model again before), while a caller's hook is."""
+    from helpers.heads import head_model
+
+    for model, kw in ((_model(), {"output": "hidden"}), (head_model("qwen3", "sequence"), {})):
+        with torch.no_grad():
+            packed_forward(model, batch, **kw)
+            n = len(walks)
+            packed_forward(model, batch, **kw)
+            packed_forward(model, batch, **kw)
+            assert len(walks) == n, "the model was walked again after its own hook"
+            model.get_submodule("model.norm").register_forward_hook(lambda m, a, o: None)
+            with pytest.raises(UnsupportedModelError, match=r"model\.norm \(Qwen3RMSNorm\): forward hook"):
+                packed_forward(model, batch, **kw)  # walked again, and judged
+        assert len(walks) == n + 1
+
+
 def test_forgetting_walks_walks_again(batch, walks):
     model = _model()
     with torch.no_grad():

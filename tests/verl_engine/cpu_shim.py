@@ -3,7 +3,9 @@
 - a CPU platform (verl picks CUDA / NPU / ROCm by detection; ``set_platform`` overrides it);
 - a gloo process group (verl's default is ``cpu:gloo,cuda:nccl``);
 - an engine registry entry for device ``cpu`` (stock verl registers ``cuda`` / ``npu``);
-- FSDP2, ``attn_implementation`` eager, no ``torch.compile``, fp32.
+- FSDP2, ``attn_implementation`` eager, no ``torch.compile``, fp32;
+- the critic's model loaded with the configured (eager) attention: verl's ``load_valuehead_model``
+  asks for ``flash_attention_2``, which a CPU has not, and then falls back to TRL.
 """
 
 from __future__ import annotations
@@ -110,9 +112,21 @@ def install(rank: int = 0, world_size: int = 1, init_file: str | None = None) ->
         os.environ.setdefault("WORLD_SIZE", str(world_size))
         url = f"file://{init_file}" if init_file else "tcp://127.0.0.1:29533"
         dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world_size)
+    import verl.utils.model as verl_model
     from verl.workers.engine.base import EngineRegistry
 
-    table = EngineRegistry._engines["language_model"]
-    for backend in ("fsdp", "fsdp2"):
-        if "cpu" not in table[backend]:
-            table[backend]["cpu"] = table[backend]["cuda"]
+    for model_type in ("language_model", "value_model"):
+        table = EngineRegistry._engines[model_type]
+        for backend in ("fsdp", "fsdp2"):
+            if "cpu" not in table[backend]:
+                table[backend]["cpu"] = table[backend]["cuda"]
+    verl_model.load_valuehead_model = _load_value_model
+
+
+def _load_value_model(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's ``load_valuehead_model`` for a ``*ForTokenClassification`` checkpoint, without flash attention."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        local_path, torch_dtype=torch_dtype, config=model_config, trust_remote_code=trust_remote_code
+    )

@@ -1,7 +1,9 @@
-"""Tiny verl FSDP2 engines (stock and treepack) on one CPU gloo rank, and GRPO batches for them."""
+"""Tiny verl FSDP2 engines (stock and treepack) on one CPU gloo rank, GRPO batches for the actor,
+PPO batches for the critic."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from typing import Any
@@ -13,7 +15,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 from verl.workers.config.actor import FSDPActorConfig
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.losses import ppo_loss, value_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
 VOCAB = 64
@@ -40,6 +42,31 @@ def model_dir() -> str:
     )
     d = tempfile.mkdtemp(prefix="treepack-verl-model-")
     Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@functools.cache
+def critic_dir() -> str:
+    """A random tiny Qwen2 value model (``Qwen2ForTokenClassification``, one label) saved once per session."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        classifier_dropout=0.0,
+    )
+    model = Qwen2ForTokenClassification(cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)  # values far from 0, so their errors show
+    d = tempfile.mkdtemp(prefix="treepack-verl-critic-")
+    model.save_pretrained(d)
     return d
 
 
@@ -76,6 +103,55 @@ def build(cls: type, *, grad_ckpt: bool = False, path: str | None = None) -> FSD
     eng = cls(**configs(grad_ckpt=grad_ckpt, path=path))
     eng.initialize()
     return eng
+
+
+def build_critic(cls: type, *, grad_ckpt: bool = False) -> FSDPEngineWithLMHead:
+    """An initialized critic engine (model type ``value_model``) of class ``cls`` on :func:`critic_dir`."""
+    cfg = configs(grad_ckpt=grad_ckpt, path=critic_dir())
+    cfg["model_config"].model_type = "value_model"
+    eng = cls(**cfg)
+    eng.initialize()
+    return eng
+
+
+def critic_batch(seed: int = 0) -> TensorDict:
+    """:func:`grpo_batch` as the critic's update reads it: old ``values`` and ``returns`` per response token."""
+    td = grpo_batch(seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    B, R = td["responses"].shape
+    td["values"] = torch.randn(B, R, generator=g)
+    td["returns"] = torch.randn(B, R, generator=g)
+    return td
+
+
+def value_loss_fn(loss_agg_mode: str = "token-mean", cliprange_value: float = 0.5):
+    """verl's own critic loss, as the critic worker binds it."""
+    from verl.workers.config import FSDPCriticConfig
+
+    cfg = FSDPCriticConfig(
+        strategy="fsdp2",
+        ppo_micro_batch_size_per_gpu=4,
+        loss_agg_mode=loss_agg_mode,
+        cliprange_value=cliprange_value,
+        rollout_n=4,
+        use_dynamic_bsz=False,
+    )
+    return functools.partial(value_loss, config=cfg)
+
+
+@contextlib.contextmanager
+def stock_registry():
+    """verl's engine registry as it is now, put back on the way out (``verl_plugin.register()`` swaps entries)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    saved = {t: {b: dict(v) for b, v in EngineRegistry._engines[t].items()} for t in ("language_model", "value_model")}
+    try:
+        yield
+    finally:
+        for t, tables in saved.items():
+            for b, entries in tables.items():
+                EngineRegistry._engines[t][b].clear()
+                EngineRegistry._engines[t][b].update(entries)
 
 
 def grpo_batch(

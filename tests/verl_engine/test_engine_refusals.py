@@ -9,14 +9,14 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from engines import build, flags, grpo_batch
+from engines import build, build_critic, critic_batch, flags, grpo_batch, stock_registry
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
 from treepack.proto.errors import RequestError
 from treepack.trainer import verl_plugin
-from treepack.trainer.verl import TreepackFSDPEngine
+from treepack.trainer.verl import TreepackFSDPEngine, TreepackFSDPValueEngine
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +66,25 @@ def test_ulysses_refused(tree):
         tree.use_ulysses_sp = False
 
 
+def test_critic_with_trl_value_head_is_refused():
+    """verl's fallback critic (TRL's AutoModelForCausalLMWithValueHead: a ``v_head`` on a causal LM)
+    is refused by name before the model runs; the critic on tree rows takes a token-classification model."""
+    eng = build_critic(TreepackFSDPValueEngine)
+    eng.module.v_head = torch.nn.Linear(4, 1)
+    _refused(eng, flags(critic_batch(), dynamic=False, rmpad=True, compute_loss=False), "v_head")
+
+
 def test_entry_point_registers_in_place_of_stock():
     """The ``verl.plugins`` entry point is installed; register() swaps every stock fsdp/fsdp2 entry."""
     eps = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
     assert eps.get("treepack") == "treepack.trainer.verl_plugin", eps
-    table = EngineRegistry._engines["language_model"]
-    saved = {b: dict(table[b]) for b in ("fsdp", "fsdp2")}
-    try:
+    with stock_registry():
         assert not verl_plugin.registered()
         assert verl_plugin.register() is TreepackFSDPEngine and verl_plugin.registered()
         assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is TreepackFSDPEngine
-    finally:
-        for b, entries in saved.items():
-            table[b].clear()
-            table[b].update(entries)
+        assert EngineRegistry.get_engine_cls("value_model", "fsdp2") is TreepackFSDPValueEngine
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("value_model", "fsdp2") is FSDPEngineWithValueHead
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])

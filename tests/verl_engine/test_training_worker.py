@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines import PARITY, configs, grpo_batch, loss_fn, params
+from engines import PARITY, configs, grpo_batch, loss_fn, params, stock_registry
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import TrainingWorkerConfig
-from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
@@ -31,17 +30,11 @@ from helpers.tolerance import assert_close, assert_not_close
 def _worker(treepack: bool) -> TrainingWorker:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # Worker.__init__ reads them (the group already exists)
     os.environ.setdefault("MASTER_PORT", "29533")
-    table = EngineRegistry._engines["language_model"]
-    saved = {b: dict(table[b]) for b in ("fsdp", "fsdp2")}
-    try:
+    with stock_registry():
         if treepack:
             verl_plugin.register()
         cfg = TrainingWorkerConfig(model_type="language_model", **configs(use_remove_padding=True))
         worker = TrainingWorker(cfg)
-    finally:
-        for b, entries in saved.items():
-            table[b].clear()
-            table[b].update(entries)
     worker.reset()
     worker.set_loss_fn(loss_fn("token-mean"))
     return worker

@@ -30,6 +30,7 @@ from treepack.proto.index import local_row_index, row_segments
 from treepack.proto.plan import Plan
 from treepack.trainer.data.advice import warn_dense_mask
 from treepack.trainer.data.logprobs import check_temperature, chunked_target_stats, target_stats
+from treepack.trainer.data.values import last_token_positions, token_values
 from treepack.trainer.kernels.cp import gather_seq
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
@@ -364,6 +365,43 @@ class PackedBatch:
             self._cache[key] = torch.argsort(flat, dim=1)
         idx = self._cache[key].to(x.device)
         return x.gather(1, idx.view(*idx.shape, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:]))
+
+    def unpack_values(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per-sequence outputs of a per-position head (a value head's values), as if each sequence ran alone.
+
+        Args:
+            x: [K, L, ...] per-position outputs of the rows (``packed_forward`` of a
+                ``*ForTokenClassification`` model); whole rows (not a CP shard).
+
+        Returns:
+            S entries: [len(s), ...] for a sequence of these rows (its output at every one of
+            its tokens), None for one not materialized here (:func:`~treepack.trainer.data.values.token_values`).
+        """
+        whole, rows = self._whole_rows(x)
+        return token_values(whole, rows)
+
+    def sequence_values(self, x: torch.Tensor, pad_token_id: int | None = None) -> torch.Tensor:
+        """[S_local, ...] outputs at each local sequence's pooled token (a reward model's scores).
+
+        Args:
+            x: [K, L, ...] per-position outputs of the rows (whole rows, not a CP shard).
+            pad_token_id: HF's rule: each sequence is read at its last token that is not this
+                id (None: at its last token; :func:`~treepack.trainer.data.values.last_token_positions`).
+
+        Returns:
+            One entry per sequence of :attr:`local_seqs`, in that order.
+        """
+        whole, rows = self._whole_rows(x)
+        key = ("last_token", pad_token_id)
+        if key not in whole._cache:
+            whole._cache[key] = last_token_positions(whole, pad_token_id)
+        return rows.reshape(-1, *rows.shape[2:])[whole._cache[key].to(rows.device)]
+
+    def _whole_rows(self, x: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
+        """(this batch, ``x`` checked as [K, L, ...]); a CP shard is refused (its heads are not proven)."""
+        self._whole_rows_only("a head's per-sequence outputs")
+        self._check_rows_tensor(x, "outputs")
+        return self, x
 
     def unpack_logprobs(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Per-sequence token log-probabilities, as if each sequence ran alone.

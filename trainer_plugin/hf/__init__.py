@@ -19,7 +19,10 @@
 - :mod:`~treepack.trainer.hf.layer_masks`: the per-layer-type mask mapping handed to models
   that take one;
 - :mod:`~treepack.trainer.hf.head`: :func:`output_head`, the model's head with its final logit
-  transforms, for the chunked head.
+  transforms, for the chunked head;
+- :mod:`~treepack.trainer.hf.task_head`: what each head class gives on tree rows (a causal LM's
+  logits, a token head's per-position values, a sequence head's per-sequence scores) and the
+  refusal of any other head.
 
 transformers itself is imported only when a model is first prepared (``register_tree_attention``).
 """

@@ -78,9 +78,11 @@ def packed_forward(
     (mask, varlen metadata, tree schedule) is built once per batch, before the first layer.
 
     Args:
-        model: an HF ``*ForCausalLM`` (or any model returning ``.logits``) whose layers
-            dispatch attention through ``AttentionInterface``; bare or wrapped (DDP, FSDP2,
-            PEFT, accelerate, ``torch.compile``): the forward runs through the wrapper.
+        model: an HF ``*ForCausalLM`` (or any model returning ``.logits``), a
+            ``*ForTokenClassification`` (value head) or a ``*ForSequenceClassification``
+            (reward model; :mod:`treepack.trainer.hf.task_head`) whose layers dispatch
+            attention through ``AttentionInterface``; bare or wrapped (DDP, FSDP2, PEFT,
+            accelerate, ``torch.compile``): the forward runs through the wrapper.
         batch: the packed batch; one rank's CP shard (``materialize(..., cp=...)``) runs
             with the CP collectives inside (attention: Ulysses) and gives this shard's
             logits [K, shard_len, vocab].
@@ -104,7 +106,10 @@ def packed_forward(
         **kwargs: passed to ``model(...)``.
 
     Returns:
-        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
+        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows; a token
+        head's [K, L, num_labels] values (:meth:`PackedBatch.unpack_values`); a sequence
+        head's [S_local, num_labels] scores, one per sequence of ``batch.local_seqs``, each
+        read at the sequence's own last non-pad token.
 
     Raises:
         UnsupportedModelError: the admission refuses the model (:func:`~treepack.trainer.hf.admission.admit`:

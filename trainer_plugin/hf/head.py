@@ -8,9 +8,17 @@ after its base model, and several families do more than ``lm_head``:
 - Cohere / Cohere2: ``logits * self.logit_scale``;
 - Granite (and its MoE / hybrid variants): ``logits / config.logits_scaling``; HyperCLOVA X
   multiplies by the same field instead;
+- Falcon-H1: ``logits * config.lm_head_multiplier``;
 - Gemma 2 / 3 / 4, VaultGemma, Nanochat, Mistral-Large-4 ...: final soft-capping
   ``cap * tanh(logits / cap)`` (``config.final_logit_softcapping``, or the model's own
-  ``logit_softcap`` module).
+  ``logit_softcap`` module);
+- ModernBERT-decoder: a prediction head (dense, activation, norm: the model's ``lm_head``)
+  before the output embedding (its ``decoder``): a model whose ``lm_head`` is a module other
+  than its output embeddings runs it first.
+
+The hidden states are those of the model's decoder stack
+(:func:`~treepack.trainer.hf.wrapped.inner_model`: HF's ``base_model``, or the stack itself
+where ``base_model`` is the whole model, as in Llama 4's and mllama's causal LMs).
 
 :func:`output_head` builds the head from those fields and then *checks it*: on a short probe
 input it must reproduce the model's own logits (unpacked, the model's own attention), else
@@ -27,7 +35,7 @@ from typing import Any
 import torch
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.hf.wrapped import unwrap_model
+from treepack.trainer.hf.wrapped import inner_model, unwrap_model
 
 __all__ = ["OutputHead", "output_head"]
 
@@ -42,22 +50,26 @@ class OutputHead:
     Attributes:
         lm_head: the output embedding module ([n, d] -> [n, V]).
         transforms: (name, fn) applied in order to the [n, V] logits.
+        prediction: a module run on the hidden states before ``lm_head`` ([n, d] -> [n, d]:
+            ModernBERT-decoder's prediction head), or None.
     """
 
     lm_head: torch.nn.Module
     transforms: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = ()
+    prediction: torch.nn.Module | None = None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] hidden states -> [..., V] logits, as the causal LM's forward computes them."""
-        x = self.lm_head(hidden)
+        x = self.lm_head(hidden if self.prediction is None else self.prediction(hidden))
         for _, fn in self.transforms:
             x = fn(x)
         return x
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The transforms' names, in order (``()`` for a plain projection)."""
-        return tuple(n for n, _ in self.transforms)
+        """The steps beyond the plain projection, in order: ``prediction_head`` first when there
+        is one, then the transforms' names (``()`` for a plain projection)."""
+        return ("prediction_head",) * (self.prediction is not None) + tuple(n for n, _ in self.transforms)
 
 
 def _field(hf: Any, name: str) -> Any:
@@ -81,9 +93,10 @@ def _candidates(hf: Any, lm_head: torch.nn.Module) -> list[OutputHead]:
         pre = [p + [("logits_scaling", lambda x, s=ls: x / s)] for p in pre] + [
             p + [("logits_scaling*", lambda x, s=ls: x * s)] for p in pre
         ]
-    mult = _field(hf, "output_multiplier")
-    if mult is not None and mult != 1:
-        pre = [p + [("output_multiplier", lambda x, m=mult: x * m)] for p in pre]
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        mult = _field(hf, name)
+        if isinstance(mult, (int, float)) and mult != 1:
+            pre = [p + [(name, lambda x, m=mult: x * m)] for p in pre]
     module_cap = getattr(hf, "logit_softcap", None)
     cap = _field(hf, "final_logit_softcapping")
     post: list[tuple[str, Callable]] = []
@@ -91,7 +104,10 @@ def _candidates(hf: Any, lm_head: torch.nn.Module) -> list[OutputHead]:
         post = [("logit_softcap", module_cap)]
     elif cap is not None:
         post = [("final_logit_softcapping", lambda x, c=float(cap): torch.tanh(x / c) * c)]
-    return [OutputHead(lm_head, tuple(p + post)) for p in pre]
+    prediction = getattr(hf, "lm_head", None)
+    if not isinstance(prediction, torch.nn.Module) or prediction is lm_head:
+        prediction = None
+    return [OutputHead(lm_head, tuple(p + post), prediction) for p in pre]
 
 
 def _probe(hf: Any, heads: list[OutputHead]) -> OutputHead | None:
@@ -104,7 +120,7 @@ def _probe(hf: Any, heads: list[OutputHead]) -> OutputHead | None:
     try:
         with torch.no_grad():
             want = hf(input_ids=x, use_cache=False).logits
-            base = hf.base_model(input_ids=x, use_cache=False)
+            base = inner_model(hf)(input_ids=x, use_cache=False)
             hidden = base.last_hidden_state if hasattr(base, "last_hidden_state") else base[0]
             for head in heads:
                 got = head(hidden)

@@ -4,8 +4,10 @@
 layers read (:func:`build_mask`: the tree mask, varlen metadata, the tree schedule of the
 recurrent / conv layers), hands the batch to the model as the ``treepack_context`` keyword
 and the current packed context (:mod:`treepack.trainer.hf.context`), and calls the model
-through its wrappers (:mod:`treepack.trainer.hf.wrapped`). The model must have been admitted
-for the setup first (:func:`~treepack.trainer.hf.admission.admit`).
+through its wrappers (:mod:`treepack.trainer.hf.wrapped`). What it returns follows the
+model's head (:mod:`treepack.trainer.hf.task_head`): a sequence-classification head's scores
+are read at each sequence's own pooled token, every other head's outputs per row position.
+The model must have been admitted for the setup first (:func:`~treepack.trainer.hf.admission.admit`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.layer_masks import attention_mask_for
+from treepack.trainer.hf.task_head import sequence_scores, task_head
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import forward_hidden, forward_logits
 from treepack.trainer.kernels.cp_attention import shard_mask
@@ -70,8 +73,11 @@ def run_packed(
         kwargs: passed to ``model(...)``.
 
     Returns:
-        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows.
+        [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows; a
+        token-classification head's [K, L, num_labels] logits; a sequence-classification
+        head's [S_local, num_labels] scores, one per sequence of ``batch.local_seqs``.
     """
+    head = task_head(hf)
     mm = image_inputs(hf, batch, kwargs)
     with record_function("treepack::metadata"):
         mask = build_mask(batch, setup.backend, scans=scans)
@@ -89,4 +95,6 @@ def run_packed(
     with use_packed(ctx):
         if setup.output == "hidden":
             return forward_hidden(model, hf, inputs)
+        if head.kind == "sequence":
+            return sequence_scores(model, hf, head, inputs, batch)
         return forward_logits(model, inputs)

@@ -7,20 +7,36 @@ LoRA adapters, accelerate's autocast) stay in the call.
 
 ``output="hidden"`` through a wrapper (:func:`forward_hidden`): the wrapper's forward is
 called as usual, with ``logits_to_keep`` an empty index tensor so the head runs on no
-position, and a forward hook on the inner base model takes its final hidden states.
+position, and a forward hook on the inner base model (:func:`inner_model`) takes its final
+hidden states (or on the one model inside it that ran, where the causal LM calls that
+instead: OPT's ``model.decoder``). Such a hook of treepack's own (:func:`transient_hook`) lives for one call and
+leaves torch's hook counter as it found it, so the walk cache
+(:mod:`~treepack.trainer.hf.admission.walk_cache`, which reads that counter to see a hook the
+caller registers) does not take it for a change of the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from treepack.proto.errors import RequestError
 
-__all__ = ["unwrap_model", "wrapper_chain", "no_sync", "forward_hidden", "forward_logits"]
+__all__ = [
+    "unwrap_model",
+    "wrapper_chain",
+    "no_sync",
+    "inner_model",
+    "transient_hook",
+    "forward_hidden",
+    "forward_logits",
+]
 
 _MAX_DEPTH = 16
 
@@ -90,6 +106,49 @@ def no_sync(model: Any) -> Any:
     return contextlib.nullcontext()
 
 
+def inner_model(hf: Any) -> Any:
+    """The decoder stack whose final hidden states ``hf``'s head reads (``hf`` itself for a bare base model).
+
+    HF's ``base_model`` is that module, except where a model's ``base_model_prefix`` names
+    no attribute of it (Llama 4's and mllama's causal LMs: ``language_model`` while the stack
+    is ``model``) and ``base_model`` is the model itself; a model with output embeddings is
+    then read through its one child that carries an HF config.
+
+    Args:
+        hf: the unwrapped HF model.
+
+    Raises:
+        RequestError: a model with output embeddings whose stack is not found that way.
+    """
+    base = getattr(hf, "base_model", hf)
+    get_out = getattr(hf, "get_output_embeddings", None)
+    if base is not hf or not callable(get_out) or get_out() is None:
+        return base
+    stacks = [m for m in hf.children() if hasattr(m, "config")]
+    if len(stacks) != 1:
+        raise RequestError(
+            f"{type(hf).__name__}: its base_model is the model itself and {len(stacks)} of its children carry a "
+            "config, so its decoder stack is not known; use output='logits'",
+            path="$.model",
+            rule="unsupported",
+        )
+    return stacks[0]
+
+
+@contextmanager
+def transient_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> Iterator[None]:
+    """``module.register_forward_hook(hook)`` for the block only; torch's hook counter is put
+    back when no other hook was registered meanwhile (module docstring)."""
+    before = RemovableHandle.next_id
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if RemovableHandle.next_id == before + 1:
+            RemovableHandle.next_id = before
+
+
 def _last_hidden(out: Any) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
@@ -103,6 +162,10 @@ def forward_logits(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
 def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """[K, L, d] final hidden states of the base model, the forward running through ``model``.
 
+    The hidden states are the output of :func:`inner_model`; where the causal LM's forward
+    calls a model inside it instead (OPT calls ``self.model.decoder``, not ``self.model``),
+    the one child model of it that ran (whose output is what OPT's ``lm_head`` reads).
+
     Args:
         model: the model as held (possibly wrapped); its forward is what runs.
         hf: :func:`unwrap_model` of it.
@@ -110,9 +173,10 @@ def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
 
     Raises:
         RequestError: the causal LM's forward takes no ``logits_to_keep`` (it would compute
-            [K, L, V] logits that ``output="hidden"`` exists to avoid).
+            [K, L, V] logits that ``output="hidden"`` exists to avoid); neither the stack nor
+            exactly one child model of it ran exactly once.
     """
-    base = getattr(hf, "base_model", hf)
+    base = inner_model(hf)
     if base is hf:  # a bare base model: its output is the hidden states
         return _last_hidden(model(**inputs))
     if "logits_to_keep" not in inspect.signature(type(hf).forward).parameters:
@@ -122,21 +186,27 @@ def forward_hidden(model: Any, hf: Any, inputs: dict[str, Any]) -> torch.Tensor:
             path="$.output",
             rule="unsupported",
         )
-    seen: list[torch.Tensor] = []
-
-    def grab(module: Any, args: Any, output: Any) -> None:
-        seen.append(_last_hidden(output))
-
-    handle = base.register_forward_hook(grab)
-    try:
+    stacks = [base, *(m for m in base.children() if _is_hf_model(m))]
+    seen: list[list[torch.Tensor]] = [[] for _ in stacks]
+    with ExitStack() as hooks:
+        for m, got in zip(stacks, seen):
+            hooks.enter_context(transient_hook(m, lambda mod, args, out, got=got: got.append(_last_hidden(out))))
         keep = torch.zeros(0, dtype=torch.int64, device=inputs["input_ids"].device)
         model(**inputs, logits_to_keep=keep)
-    finally:
-        handle.remove()
-    if len(seen) != 1:
-        raise RequestError(
-            f"the base model of {type(hf).__name__} ran {len(seen)} times in one forward",
-            path="$.model",
-            rule="unsupported",
-        )
-    return seen[0]
+    if len(seen[0]) == 1:
+        return seen[0][0]
+    ran = [got[0] for got in seen[1:] if len(got) == 1]
+    if not seen[0] and len(ran) == 1 and all(len(got) <= 1 for got in seen[1:]):
+        return ran[0]
+    counts = ", ".join(f"{type(m).__name__} {len(got)}" for m, got in zip(stacks, seen))
+    raise RequestError(
+        f"the decoder stack of {type(hf).__name__} is not one model run once in one forward (runs: {counts}); "
+        "use output='logits'",
+        path="$.model",
+        rule="unsupported",
+    )
+
+
+def _is_hf_model(m: Any) -> bool:
+    """Whether ``m`` is an HF model (a ``PreTrainedModel``: a config and a base-model prefix)."""
+    return hasattr(m, "config") and hasattr(m, "base_model_prefix")

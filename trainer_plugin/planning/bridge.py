@@ -179,7 +179,7 @@ def _runs(mask: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
         raise RequestError(f"{what} must hold 0/1 (or bool)", path=f"$.{what}", rule="value")
     m = m.astype(bool)
     n = m.sum(1).astype(np.int64)
-    start = np.where(n > 0, m.argmax(1), 0).astype(np.int64)
+    start = np.where(n > 0, m.argmax(1) if m.shape[1] else 0, 0).astype(np.int64)  # width 0: no runs
     width = m.shape[1]
     cols = np.arange(width)[None, :]
     run = (cols >= start[:, None]) & (cols < (start + n)[:, None])

@@ -37,6 +37,13 @@ replays the packed layers in backward.
 :class:`TreepackSFTTrainer` does the same for ``trl.SFTTrainer``'s loss forward (one fused-head
 call on ``[B, T]`` ids and labels, read by :func:`~treepack.trainer.planning.bridge.from_labeled`).
 
+:class:`TreepackRewardTrainer` does it for ``trl.RewardTrainer``'s one call on ``[2B, T]``
+preference pairs: a chosen and a rejected sequence share their prompt in one tree, and the
+reward model (a ``*ForSequenceClassification``) scores each sequence at its own last non-pad
+token (:mod:`treepack.trainer.hf.task_head`), so TRL's pairwise loss runs on scores equal to
+stock's. TRL 1.16 has no PPO trainer (no value model anywhere in it): a PPO critic on tree
+rows runs through ``packed_forward`` directly, or verl (:mod:`treepack.trainer.verl`).
+
 Vision-language models (TRL's multimodal path: a ``ProcessorMixin`` as ``processing_class``,
 an ``image``/``images`` column), in both trainers: TRL hands the forward the batch's
 ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (GRPO also ``num_images``);
@@ -56,7 +63,7 @@ Logged into TRL's metrics: ``treepack/saved_fraction``, ``treepack/rows``,
 The package's rooms: :mod:`~treepack.trainer.trl.config` (:class:`PackingConfig`,
 :func:`choose_seq_len`), :mod:`~treepack.trainer.trl.step` (what both trainers share: the
 plan, the images, the packed fused-head call), :mod:`~treepack.trainer.trl.grpo` and
-:mod:`~treepack.trainer.trl.sft` (the trainers).
+:mod:`~treepack.trainer.trl.sft`, :mod:`~treepack.trainer.trl.reward` (the trainers).
 """
 
 try:
@@ -68,6 +75,7 @@ except ImportError as exc:
 
 from treepack.trainer.trl.config import PackingConfig, choose_seq_len  # noqa: E402  (after the check above)
 from treepack.trainer.trl.grpo import TreepackGRPOTrainer
+from treepack.trainer.trl.reward import TreepackRewardTrainer
 from treepack.trainer.trl.sft import TreepackSFTTrainer
 
-__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "choose_seq_len"]
+__all__ = ["PackingConfig", "TreepackGRPOTrainer", "TreepackSFTTrainer", "TreepackRewardTrainer", "choose_seq_len"]

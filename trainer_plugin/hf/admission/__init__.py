@@ -16,6 +16,7 @@ One entry, :func:`admit` (model, :class:`PackedSetup`) -> :class:`Verdict`, comp
   the model walk (checks, dispatch hooks, layer patches of :mod:`treepack.trainer.hf.layers`),
   once per model state and setup;
 - the run-time probe: :mod:`~treepack.trainer.hf.admission.probe_inputs` (the sequences),
+  :mod:`~treepack.trainer.hf.admission.readout` (what is compared, by the model's head),
   :mod:`~treepack.trainer.hf.admission.measure` (what is measured),
   :mod:`~treepack.trainer.hf.admission.tolerance` (the noise model),
   :mod:`~treepack.trainer.hf.admission.divergence` (the first diverging module),

@@ -32,7 +32,10 @@ only by class name:
 - logit post-processing (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``):
   applied by the model for ``output="logits"``; refused for ``output="hidden"`` unless the
   caller applies them (``hidden_applies_logit_transforms=True``, which ``packed_forward``
-  passes: :func:`~treepack.trainer.hf.head.output_head` applies them).
+  passes: :func:`~treepack.trainer.hf.head.output_head` applies them);
+- the head (:func:`~treepack.trainer.hf.task_head.head_refusals`): a causal LM, per-token values
+  (``*ForTokenClassification``) or per-sequence scores (``*ForSequenceClassification`` that pools
+  at the last non-pad token) with ``output="logits"``; any other head is refused by name.
 
 Vision towers of known VLM classes mix only within one image and run once per distinct
 image outside the rows (:mod:`treepack.trainer.hf.vision`); other towers are judged like any
@@ -66,6 +69,7 @@ from treepack.trainer.hf.admission.positions import position_refusals
 from treepack.trainer.hf.admission.report import Refusal, SupportReport, refused_error
 from treepack.trainer.hf.admission.setup import PackedSetup, kwargs_key
 from treepack.trainer.hf.admission.structure import classify, conv_width_refusals, layer_type_refusals
+from treepack.trainer.hf.task_head import head_refusals
 from treepack.trainer.hf.vision import vision_refusals, vision_towers
 
 __all__ = ["check_model", "check_static", "SupportReport", "Refusal"]
@@ -93,6 +97,7 @@ def check_static(
         UnsupportedModelError: naming each refused module's path, class and reason.
     """
     report = SupportReport()
+    report.refusals.extend(Refusal(*r) for r in head_refusals(model, setup.output, setup.kwargs, setup.cp_size))
     for config in model_configs(model):
         report.refusals.extend(
             config_refusals(

@@ -19,8 +19,10 @@ the setup unless packing is exact:
   through the callable the caller trains with (PEFT, DDP, accelerate, ``torch.compile``
   wrappers) under the caller's autocast, with the model as the caller holds it: train or
   eval mode, gradient checkpointing (reentrant or not), dtype, device;
-- forward log-probabilities and gradients (:mod:`~treepack.trainer.hf.admission.measure`): a
-  fixed random weighting of every scored log-probability is backpropagated, and every
+- forward log-probabilities (a classification head's per-token values or per-sequence
+  scores: :mod:`~treepack.trainer.hf.admission.readout`) and gradients
+  (:mod:`~treepack.trainer.hf.admission.measure`): a fixed random weighting of every scored
+  output is backpropagated, and every
   parameter's gradient is reduced to its norm and three random projections (so nothing of
   the model's size is kept twice);
 - the noise model (:mod:`~treepack.trainer.hf.admission.tolerance`): packed drift within
@@ -69,15 +71,13 @@ from treepack.trainer.hf.admission.divergence import (
 from treepack.trainer.hf.admission.draws import ForwardWatch, draw_refusals, draws_off, watch_forward
 from treepack.trainer.hf.admission.measure import (
     SHAPES,
-    alone_logprobs,
     own_random_stream,
-    padded_logprobs,
     projected_grads,
     seed,
-    upcast,
     weighted,
 )
 from treepack.trainer.hf.admission.probe_inputs import PROBE_SEED, probe_sequences
+from treepack.trainer.hf.admission.readout import Readout, readout
 from treepack.trainer.hf.admission.tolerance import (
     MULTIPLE,
     NoiseFloor,
@@ -102,7 +102,8 @@ class ProbeReport:
     Attributes:
         signature: the :func:`probe_signature` it proved.
         tokens: tokens of the probe's sequences (each alone).
-        logprob_err: max |packed - alone| over every scored log-probability.
+        logprob_err: max |packed - alone| over every scored log-probability (a classification
+            head's per-token values or per-sequence scores: :mod:`~treepack.trainer.hf.admission.readout`).
         logprob_tol: the bound it had to stay under (:data:`MULTIPLE` x the noise floor).
         grad_err: max over parameters of |packed - alone| projected gradient / its bound.
         seconds: wall time of the probe.
@@ -165,11 +166,13 @@ def forget_probes(hf: torch.nn.Module | None = None) -> None:
 
 @dataclass(slots=True)
 class _Runs:
-    """The probe's runs: how to run each, and what was measured (per sequence [n] log-probabilities,
-    ([P] norms, [P, 3] projections) of the gradients)."""
+    """The probe's runs: how to run each, and what was measured (per sequence the head's outputs:
+    [n] log-probabilities, [n, labels] values or [labels] scores (``ro``); ([P] norms, [P, 3]
+    projections) of the gradients)."""
 
     call: Any
     hf: Any
+    ro: Readout
     seqs: list[torch.Tensor]
     weights: list[torch.Tensor]
     reentrant: bool
@@ -181,7 +184,7 @@ class _Runs:
         return projected_grads(self.hf, weighted(lps, self.weights), self.reentrant, self.grads)
 
     def shape(self, name: str) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        lps = padded_logprobs(self.call, self.seqs, name)
+        lps = self.ro.padded(self.call, self.seqs, name)
         return [x.detach() for x in lps], self.gradients(lps)
 
 
@@ -190,11 +193,12 @@ def _alone(call: Any, hf: Any, seqs: list[torch.Tensor]) -> _Runs:
     device = seqs[0].device
     on, reentrant = checkpointing(hf)
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    weights = [torch.randn(s.shape[0], generator=gen).to(device) for s in seqs]
+    ro = readout(hf)
     # Gradients are proven where the caller computes them (a no-grad scoring call proves the forward).
     grads = torch.is_grad_enabled()
-    runs = _Runs(call, hf, seqs, weights, bool(reentrant) if on else False, grads, [], (torch.zeros(0),) * 2)
-    alone = alone_logprobs(call, seqs)
+    runs = _Runs(call, hf, ro, seqs, [], bool(reentrant) if on else False, grads, [], (torch.zeros(0),) * 2)
+    alone = ro.alone(call, seqs, 0)
+    runs.weights = [torch.randn(a.shape, generator=gen).to(device) for a in alone]
     runs.g_alone = runs.gradients(alone)
     runs.alone = [x.detach() for x in alone]
     return runs
@@ -294,7 +298,7 @@ def _refuse_mismatch(runs: _Runs, what: str, j: _Judged, packed_run: Callable) -
         path, kind = gradient_divergence(hf, j.ratio), "parameter gradients"
     msg = (
         f"{what}: packed rows differ from each sequence alone beyond {MULTIPLE:g}x the {j.noise.compute_dtype} "
-        f"noise floor: logprobs by {j.lp_err:.3g} (noise floor {j.noise.logprob:.3g}, bound {j.lp_tol:.3g}; "
+        f"noise floor: {runs.ro.name} by {j.lp_err:.3g} (noise floor {j.noise.logprob:.3g}, bound {j.lp_tol:.3g}; "
         f"noise measured against {' / '.join(j.noise.shapes)}), gradients up to {j.grad_ratio:.3g}x their bound; "
         f"first diverging {kind}{at_module(path, class_at(hf, path))}"
     )
@@ -313,12 +317,12 @@ def _prove(runs: _Runs, batch: Any, run_packed: Callable, dtype: torch.dtype, wh
     with both measured, since a wider floor never refuses what a narrower one accepts.
     """
     with torch.no_grad():
-        twin = alone_logprobs(runs.call, runs.seqs[-1:], offset=1)
+        twin = runs.ro.alone(runs.call, runs.seqs[-1:], 1)
     tol = MULTIPLE * logprob_floor(0.0, logprob_scale(runs.alone), torch.finfo(dtype).eps)
     if (err := logprob_err(runs.alone[-1:], twin)) > tol:
         _refuse_twin(runs, what, err, tol)
     seed()
-    lp = [x for x in batch.unpack_logprobs(batch.target_logprobs(upcast(run_packed(batch))))]
+    lp = runs.ro.packed(batch, run_packed(batch))
     packed = ([x.detach() for x in lp], runs.gradients(lp))
     names = list(SHAPES)
     shapes = {names[0]: runs.shape(names[0])}

@@ -28,6 +28,7 @@ from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
 from treepack.trainer.hf.context import use_packed
 from treepack.trainer.hf.run import run_packed
+from treepack.trainer.hf.task_head import pad_rule
 from treepack.trainer.hf.wrapped import no_sync, unwrap_model, wrapper_chain
 
 __all__ = ["prove", "verify_model"]
@@ -97,7 +98,7 @@ def prove(hf: Any, setup: PackedSetup, model: Any = None) -> ProbeReport:
     accepted = tuple(k for k in ("allow_dropout", "allow_stochastic") if getattr(setup, k))
     extra = (*accepted, probe_shape(hf, setup.row_len)[1], wrapper_chain(call))
     # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), no_sync(call):
+    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), no_sync(call), pad_rule(hf):
         return verify_packing(
             hf,
             backend=setup.backend,
