@@ -333,6 +333,12 @@ FAMILIES: tuple[Family, ...] = (
         refused=r"length-dependent RoPE 'dynamic'",
     ),
     F(
+        "HunYuan, fixed-alpha NTK",
+        "hunyuan_v1_dense",
+        "RoPE labelled 'dynamic' with a fixed alpha (a static base)",
+        dict(head_dim=8, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0}),
+    ),
+    F(
         "Phi-3, LongRoPE",
         "phi3",
         "length-dependent RoPE",
