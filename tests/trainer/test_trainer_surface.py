@@ -80,6 +80,7 @@ SURFACE = {
         "handled_layer",
         "patch_layers",
         "unpatch_layers",
+        "reference_rules",
     ],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],
 }

@@ -24,6 +24,7 @@ from treepack.trainer.hf.admission.probe import ProbeReport, verify_packing
 from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
 from treepack.trainer.hf.context import use_packed
+from treepack.trainer.hf.layers import reference_rules
 from treepack.trainer.hf.run import run_packed
 
 __all__ = ["prove", "verify_model"]
@@ -81,8 +82,9 @@ def prove(hf: Any, setup: PackedSetup) -> ProbeReport:
     Raises:
         UnsupportedModelError: packed and alone differ beyond the measured bound.
     """
-    # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext():
+    # Outside any packed context of the caller: the probe's unpacked runs must be plain ones,
+    # settling what a stock layer leaves open (DSA top-k ties) as tree rows do.
+    with use_packed(None), reference_rules(), dropout_off(hf) if setup.allow_dropout else nullcontext():
         return verify_packing(
             hf,
             backend=setup.backend,
