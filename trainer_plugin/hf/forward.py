@@ -155,7 +155,7 @@ def packed_forward(
     setup = PackedSetup.of_call(
         batch, kwargs, patch_layers=patch_layers, verify=verify, allow_dropout=allow_dropout, **options
     )
-    verdict = admit(hf, setup)
+    verdict = admit(model, setup)  # as held: PEFT's adapters are judged on its wrapper
     return run_packed(model, hf, batch, setup, scans=verdict.scans, kwargs=kwargs)
 
 

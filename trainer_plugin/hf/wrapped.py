@@ -13,13 +13,14 @@ position, and a forward hook on the inner base model takes its final hidden stat
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from treepack.proto.errors import RequestError
 
-__all__ = ["unwrap_model", "forward_hidden", "forward_logits"]
+__all__ = ["unwrap_model", "wrapper_chain", "forward_hidden", "forward_logits"]
 
 _MAX_DEPTH = 16
 
@@ -37,6 +38,16 @@ def _inner(m: Any) -> Any | None:
     return None
 
 
+def wrapper_chain(model: Any) -> Iterator[Any]:
+    """``model``, then each model one wrapper level down (DDP, ``torch.compile``, PEFT), innermost last."""
+    m = model
+    for _ in range(_MAX_DEPTH):
+        yield m
+        m = _inner(m)
+        if m is None:
+            return
+
+
 def unwrap_model(model: Any) -> Any:
     """The HF ``PreTrainedModel`` inside DDP / DataParallel / ``torch.compile`` / PEFT wrappers.
 
@@ -52,12 +63,7 @@ def unwrap_model(model: Any) -> Any:
     Raises:
         RequestError: no HF model inside (nothing with a ``config``).
     """
-    m = model
-    for _ in range(_MAX_DEPTH):
-        nxt = _inner(m)
-        if nxt is None:
-            break
-        m = nxt
+    *_, m = wrapper_chain(model)
     if not hasattr(m, "config") or not isinstance(m, torch.nn.Module):
         raise RequestError(
             f"{type(model).__name__} holds no HF model (no .config inside its wrappers)",

@@ -121,7 +121,7 @@ class PackedRows:
         # What packed_forward admits is admitted here too (the checks, the dispatch hooks and
         # patches, the probe under the step's autocast), before the first step computes anything.
         with self.accelerator.autocast():
-            admit(hf, setup)
+            admit(model, setup)  # as held: PEFT's adapters are judged on its wrapper
         mask = batch.dense_mask() if backend == "sdpa" else batch.block_mask() if backend == "flex" else None
         ctx = PackedContext(batch=batch, backend=backend, options={TREE_MASK_OPTION: mask})
         shift = batch.targets.masked_fill(~batch.loss_mask, -100)
