@@ -35,6 +35,7 @@ from helpers.trainer_cases import mixed_batch, plan_of, reference_logprobs, tiny
 peft = require("peft")
 
 T = ["q_proj", "v_proj", "down_proj"]
+S0 = mixed_batch()["sequences"][0]  # its tokens pick aLoRA's invocation (deterministic)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 BEGIN, END = "<!-- peft-methods:begin -->", "<!-- peft-methods:end -->"
 
@@ -161,6 +162,10 @@ EXACT: dict[str, Case] = {
         lambda tmp: peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], init_lora_weights="mica")
     ),
     "KasaLinearVariant": Case(_lora(kasa_config=_lora_sub("KasaConfig"))),
+    # aLoRA: the invocation in sequence 0's completion only (on from there for it, off for the
+    # others of its row), and in the prompt the first tree's sequences share (on from there for all).
+    "ALoraLinearVariant": Case(_lora(alora_invocation_tokens=[int(S0[22]), int(S0[23])]), backends=("sdpa", "flash")),
+    "ALoraLinearVariant-prompt": Case(_lora(alora_invocation_tokens=[int(S0[3]), int(S0[4])])),
 }
 
 
@@ -183,7 +188,6 @@ REFUSED: dict[str, Case] = {
     "POLY": Case(lambda tmp: peft.PolyConfig(r=4, target_modules=T, n_tasks=2, task_type="CAUSAL_LM")),
     "LILY": Case(lambda tmp: peft.LilyConfig(r=4, target_modules=T, task_type="CAUSAL_LM")),
     "SHADOW": Case(lambda tmp: peft.ShadowConfig(task_type="CAUSAL_LM", shadow_dropout=0.0)),
-    "ALoraLinearVariant": Case(_lora(alora_invocation_tokens=[24, 59])),
 }
 # Refused without a case: only buildable on bases this environment does not have.
 REFUSED_UNBUILT = {
@@ -307,21 +311,59 @@ def _unchecked(monkeypatch):
     monkeypatch.setattr(admit, "peft_refusals", lambda model, hf: [])
 
 
-@pytest.mark.parametrize("name", ["ALoraLinearVariant", "LILY", "SHADOW"])
+@pytest.mark.parametrize("name", ["LILY", "SHADOW"])
 def test_negative_control_refused_methods_are_silently_wrong_unchecked(case, tmp_path, monkeypatch, name):
-    """What the refusal prevents: aLoRA (PEFT finds the invocation once per packed row), Lily (its
-    router averages over the whole call) and ShadowPEFT (its backbone attends over the whole
-    row, here on flash) give other logprobs than each sequence alone."""
+    """What the refusal prevents: Lily (its router averages over the whole call) and ShadowPEFT (its
+    backbone attends over the whole row, here on flash) give other logprobs than each sequence alone."""
     c, batch, flags = case
     model = _build(name, REFUSED[name], tmp_path)
-    if name == "ALoraLinearVariant":  # the invocation tokens occur in sequence 0 only, in its completion
-        s0 = c["sequences"][0]
-        model.peft_config["default"].alora_invocation_tokens = [int(s0[22]), int(s0[23])]
     with torch.no_grad():
         ref = reference_logprobs(model, c["sequences"], flags)
         _unchecked(monkeypatch)
         got = batch.unpack_logprobs(_packed_logprobs(model, batch, "flash" if name == "SHADOW" else "sdpa"))
     assert_not_close(f"{name} unchecked", ref, got, atol=1e-3)
+
+
+def test_negative_control_alora_with_peft_s_own_offsets_is_wrong(case, tmp_path, monkeypatch):
+    """Without the per-sequence activation PEFT finds the invocation once per packed row (from
+    sequence 0's completion on, for every later sequence of its row): other logprobs than alone."""
+    import importlib
+
+    c, batch, flags = case
+    model = _build("ALoraLinearVariant", EXACT["ALoraLinearVariant"], tmp_path)
+    with torch.no_grad():
+        ref = reference_logprobs(model, c["sequences"], flags)
+        monkeypatch.setattr(importlib.import_module("treepack.trainer.hf.run"), "alora_inputs", lambda m, b: {})
+        got = batch.unpack_logprobs(_packed_logprobs(model, batch, "sdpa"))
+    assert_not_close("aLoRA with PEFT's per-row offsets", ref, got, atol=1e-2)
+
+
+def test_alora_sharers_that_disagree_are_refused_and_alora_keys_split_them(tmp_path):
+    """A prompt holding the invocation, shared by a completion that holds it again (on from its own
+    later match) and one that does not (on from the prompt's): refused before the model runs,
+    naming both; planned with alora_keys the two no longer share those positions, and run exact."""
+    import numpy as np
+
+    from treepack.proto.errors import RequestError
+    from treepack.trainer.hf.alora import alora_keys
+
+    rng = np.random.default_rng(5)
+    inv = [7, 8]
+    prompt = np.concatenate([rng.integers(10, 97, 6), inv, rng.integers(10, 97, 8)])
+    seqs = [
+        np.concatenate([prompt, rng.integers(10, 97, 3), inv, rng.integers(10, 97, 3)]),
+        np.concatenate([prompt, rng.integers(10, 97, 8)]),
+    ]
+    c = dict(sequences=seqs, trainable=[16, 16], groups=[0, 0], seq_len=64, min_shared_len=4)
+    model = _build("aLoRA", Case(_lora(alora_invocation_tokens=inv)), tmp_path)
+    with pytest.raises(RequestError, match=r"aLoRA activation: sequences 1 and 0 share row position"):
+        packed_forward(model, materialize(plan_of(c), seqs), verify=False)
+    keyed = materialize(plan_of(c, keys=alora_keys(seqs, inv)), seqs)
+    ref = reference_logprobs(model, seqs, trainable_flags(c))
+    with torch.no_grad():
+        got = keyed.unpack_logprobs(_packed_logprobs(model, keyed, "sdpa"))
+    assert_close("aLoRA planned with alora_keys", ref, got, atol=1e-5)
+    assert int(keyed.plan.stats.tree_tokens) < sum(len(s) for s in seqs)  # still shares the prompt's start
 
 
 def test_negative_control_prompt_tuning_unchecked_crashes_mid_forward(case, tmp_path, monkeypatch):

@@ -70,6 +70,11 @@ RESERVED_KWARGS: dict[str, str] = {
         "batch.target_logprobs_from_hidden to skip the [K, L, vocab] logits"
     ),
     BATCH_KWARG: "packed_forward sets the packed batch itself: pass the batch as packed_forward's batch",
+    "alora_offsets": (
+        "PEFT's aLoRA offsets count from a row's end, one per row; packed_forward computes each sequence's "
+        "activation from the batch (treepack.trainer.hf.alora)"
+    ),
+    "adapter_names": "PEFT picks one adapter per input row, and a packed row holds several sequences; run unpacked",
 }
 
 

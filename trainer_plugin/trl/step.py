@@ -2,8 +2,9 @@
 
 :class:`PackedRows` is the mixin :class:`~treepack.trainer.trl.grpo.TreepackGRPOTrainer` and
 :class:`~treepack.trainer.trl.sft.TreepackSFTTrainer` put before TRL's trainer: the plan of
-a padded batch (logged into TRL's metrics), each sequence's image inputs with the planner
-keys that tell images apart, and the call of the model on the packed rows through TRL's
+a padded batch (logged into TRL's metrics, with planner keys that tell a PEFT aLoRA
+adapter's activation apart), each sequence's image inputs with the planner keys that tell
+images apart, and the call of the model on the packed rows through TRL's
 fused LM head (after the model's admission).
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf.admission import PackedSetup, admit
+from treepack.trainer.hf.alora import alora_inputs, alora_invocation, alora_keys
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.vision import image_inputs
@@ -49,6 +51,10 @@ class PackedRows:
         groups: list[int] | None,
         keys: list[np.ndarray] | None = None,
     ) -> Any:
+        invocation = alora_invocation(self.model)
+        if invocation is not None:  # never share a position on which aLoRA's activation differs
+            on = alora_keys(padded.sequences, invocation)
+            keys = on if keys is None else [k * np.uint64(2) + a for k, a in zip(keys, on)]
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
@@ -136,6 +142,7 @@ class PackedRows:
                     fused_lm_head=True,
                     **{BATCH_KWARG: ctx},
                     **mm,
+                    **alora_inputs(model, batch),
                 )
 
 

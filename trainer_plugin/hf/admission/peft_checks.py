@@ -140,10 +140,9 @@ LORA_VARIANTS: dict[str, PeftMethod] = {
     "DoraConv2dVariant": _refused(_UNTESTED.format(what="DoRA on a Conv2d")),
     "DoraConv3dVariant": _refused(_UNTESTED.format(what="DoRA on a Conv3d")),
     "QALoraLinearVariant": _refused(_UNTESTED.format(what="QA-LoRA needs a GPTQ-quantized base")),
-    "ALoraLinearVariant": _refused(
-        "aLoRA switches its adapter on from the last invocation-token match of each input row, which PEFT looks "
-        "for once per packed row (calculate_alora_offsets), not per sequence: a row's other sequences would be "
-        "adapted from another sequence's match on"
+    "ALoraLinearVariant": _exact(
+        "aLoRA: the adapter switches on from each sequence's own last invocation match, computed per sequence "
+        "and mapped into the rows (treepack.trainer.hf.alora); sharers that disagree are refused at run time"
     ),
     "ArrowLinearVariant": _exact("Arrow: per-token top-k routing over task adapters"),
     "BdLoraLinearVariant": _exact("BD-LoRA: block-diagonal LoRA factors, per token"),
