@@ -224,3 +224,44 @@ def test_learned_positions_stock_left_padding_differs_from_alone_treepack_does_n
     assert e_stock > 0.1 and e_packed < 1e-5, (e_stock, e_packed)  # docs/trl.md: 0.23 and 4.8e-7
     e_stock, e_packed = errors(tiny_model().eval())
     assert e_stock < 1e-5 and e_packed < 1e-5, (e_stock, e_packed)
+
+
+def test_alora_matches_stock(tmp_path, monkeypatch):
+    """aLoRA through TRL: stock TRL finds the invocation per (left-padded) row, which is per
+    sequence; treepack activates each sequence from its own match and plans with keys that keep
+    sharers of a position on the same side of their activation. The invocation ("w34") occurs in
+    both prompts of the first step and in some of their completions, so sequences of one prompt
+    disagree after the prompt's match (the adapter trains from the first step). Negative controls:
+    planned without the keys, the step is refused (naming two sequences) before the model runs;
+    with PEFT's own per-row offsets, the loss and grad_norm differ from stock."""
+    import numpy as np
+    from peft import LoraConfig
+
+    from treepack.trainer.data.payloads import PayloadMismatchError
+    from treepack.trainer.trl import step
+
+    cfg = dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False,
+        alora_invocation_tokens=[tiny_tokenizer().convert_tokens_to_ids("w34")], task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+    def run(name, cls, steps=2):
+        return run_grpo(cls, workdir=str(tmp_path / name), steps=steps, beta=0.0, peft_config=LoraConfig(**cfg))
+
+    stock, packed = run("stock", trl.GRPOTrainer), run("packed", TreepackGRPOTrainer)
+    assert packed["completions"] == stock["completions"]
+    assert packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
+    assert packed["loss"] == pytest.approx(stock["loss"], **TOL)
+    assert min(stock["grad_norm"]) > 0.01, stock["grad_norm"]  # the adapter is on somewhere at every step
+    saved = [h["treepack/saved_fraction"] for h in packed["logs"] if "treepack/saved_fraction" in h]
+    assert saved and min(saved) > 0.1, saved  # prompts were still shared
+
+    with monkeypatch.context() as m:  # the keys matter: without them sharers disagree
+        m.setattr(step, "alora_keys", lambda seqs, inv: [np.zeros(len(x), dtype=np.uint64) for x in seqs])
+        with pytest.raises(PayloadMismatchError, match=r"aLoRA activation: sequences \d+ and \d+ share row position"):
+            run("unkeyed", TreepackGRPOTrainer, steps=1)
+    with monkeypatch.context() as m:  # the per-sequence activation matters
+        m.setattr(step, "alora_inputs", lambda model, batch: {})
+        per_row = run("per_row", TreepackGRPOTrainer, steps=1)
+    assert per_row["completions"] == stock["completions"][: len(per_row["completions"])]
+    assert per_row["grad_norm"][0] != pytest.approx(stock["grad_norm"][0], rel=1e-3), (per_row, stock["grad_norm"])
