@@ -333,6 +333,12 @@ FAMILIES: tuple[Family, ...] = (
         refused=r"length-dependent RoPE 'dynamic'",
     ),
     F(
+        "HunYuan, fixed-alpha NTK",
+        "hunyuan_v1_dense",
+        "RoPE labelled 'dynamic' with a fixed alpha (a static base)",
+        dict(head_dim=8, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0}),
+    ),
+    F(
         "Phi-3, LongRoPE",
         "phi3",
         "length-dependent RoPE",
@@ -370,10 +376,12 @@ def build_family(row: Family, seed: int = 0, keep_dropout: bool = False) -> torc
 
 
 def _with_patches(model: torch.nn.Module) -> torch.nn.Module:
-    """Install the layer patches up front, as any packed call does: a patched DSA indexer breaks
-    top-k ties by the key's position on unpacked calls too (SPEC section 7), so the unpacked
-    reference uses the same rule as the packed run. Without it, HF's arbitrary tie order (ReLU
-    scores are often exactly 0) makes the reference differ from itself under any packing."""
+    """Install the layer patches up front, as any packed call does: inside
+    :func:`~treepack.trainer.hf.layers.reference_rules` (:func:`unpacked_logprobs`) a patched DSA
+    indexer breaks top-k ties by the key's position on unpacked calls too (SPEC section 7), so
+    the unpacked reference uses the same rule as the packed run. Without it, HF's arbitrary tie
+    order (ReLU scores are often exactly 0) makes the reference differ from itself under any
+    packing."""
     from treepack.trainer.hf.layers import patch_layers
 
     patch_layers(model)
@@ -424,12 +432,16 @@ def small_case() -> dict[str, Any]:
 
 
 def unpacked_logprobs(model: torch.nn.Module, sequences: list[np.ndarray]) -> list[torch.Tensor]:
-    """[n_i - 1] logprob of token t given tokens < t, each sequence alone through the stock model."""
+    """[n_i - 1] logprob of token t given tokens < t, each sequence alone through the stock model
+    (patched layers under :func:`~treepack.trainer.hf.layers.reference_rules`: DSA ties by position)."""
+    from treepack.trainer.hf.layers import reference_rules
+
     out = []
-    for s in sequences:
-        x = torch.as_tensor(np.asarray(s), dtype=torch.int64)[None]
-        logits = model(input_ids=x, use_cache=False).logits[0].float()
-        out.append(torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None]).squeeze(1))
+    with reference_rules():
+        for s in sequences:
+            x = torch.as_tensor(np.asarray(s), dtype=torch.int64)[None]
+            logits = model(input_ids=x, use_cache=False).logits[0].float()
+            out.append(torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None]).squeeze(1))
     return out
 
 

@@ -151,7 +151,7 @@ def run_grpo(
     Args:
         trainer_cls: the trainer class; extra constructor keywords go in ``config["trainer_kwargs"]``.
         steps: optimizer steps (``max_steps``).
-        lora: wrap the model in a LoRA adapter (peft).
+        lora: wrap the model in a LoRA adapter (peft); ``config["peft_config"]``: another PEFT config.
         between_steps: callable(trainer) run after every optimizer step (a callback).
         before_train: callable(trainer) run once the trainer is built, before ``train()``.
         workdir: output directory.
@@ -169,6 +169,7 @@ def run_grpo(
     from trl import GRPOConfig
 
     trainer_kwargs = config.pop("trainer_kwargs", {})
+    peft_config = config.pop("peft_config", None)
     seen: list[tuple[str, float]] = []
 
     def reward(completions: list[str], **kw: Any) -> list[float]:
@@ -207,7 +208,6 @@ def run_grpo(
     if model is None:
         model = f"{workdir}/init"
         tiny_model().save_pretrained(model)
-    peft_config = None
     if lora:
         from peft import LoraConfig
 
@@ -262,6 +262,7 @@ def run_sft(
         model, train_dataset, processing_class: default :func:`tiny_model`, 6 prompts of 24
             words with 4 completions each, :func:`tiny_tokenizer` (right padding).
         callbacks: ``TrainerCallback`` list.
+        **config: ``SFTConfig`` fields over the defaults below; ``config["peft_config"]``: a PEFT config.
 
     Returns:
         {"loss": [steps], "grad_norm": [steps], "logs": log_history, "trainer": the trainer}.
@@ -270,6 +271,7 @@ def run_sft(
     from trl import SFTConfig
 
     trainer_kwargs = config.pop("trainer_kwargs", {})
+    peft_config = config.pop("peft_config", None)
     rng = random.Random(1)
     ps, cs = [], []
     for p in prompts(6, 24, seed=3):
@@ -310,6 +312,7 @@ def run_sft(
         train_dataset=train_dataset,
         processing_class=processing_class,
         callbacks=callbacks,
+        peft_config=peft_config,
         **trainer_kwargs,
     )
     trainer.train()

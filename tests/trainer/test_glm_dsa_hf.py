@@ -2,8 +2,8 @@
 
 Layers ``full, shared, full, shared``: a shared layer has no indexer and attends to the
 top-k its previous full layer picked. Packed (the DSA layers patched) against every
-sequence alone through the stock model (indexers breaking exact ties towards lower
-positions, as for DeepSeek-V3.2): logprobs <= 1e-5, parameter gradients <= 1e-4 relative.
+sequence alone through the stock model (inside ``reference_rules()``: indexers breaking
+exact ties towards lower positions, as for DeepSeek-V3.2): logprobs <= 1e-5, parameter gradients <= 1e-4 relative.
 Checks: each shared layer attends with its full layer's very selection; a shared layer
 handed a stock selection is refused; off-chain picks (negative control) change the result;
 ties straddle the top-k boundary, so the tie rule is exercised.
@@ -19,7 +19,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.admission.guards import trust_hook
-from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.layers import patch_layers, reference_rules
 
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_plan
@@ -65,7 +65,7 @@ def tiny_glm_moe_dsa(seed: int = 0):
 
 
 def _alone(model, seqs, grad=False):
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), reference_rules():
         return [
             torch.log_softmax(
                 model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0], -1

@@ -2,10 +2,11 @@
 
 Packed (``packed_forward`` with the DSA layers patched) against every sequence alone
 through the stock model, whose indexers break exact score ties towards lower positions
-(the stock ``torch.topk`` order among ties is unspecified; the test checks that the rule
-only reorders ties). Controls: letting the indexer pick keys off the query's ancestor
-chain changes the result, and ties do straddle the top-k boundary in this model, so the
-tie rule is exercised. A loss on one leaf gives exactly zero gradient off its chain.
+inside ``reference_rules()`` (the stock ``torch.topk`` order among ties is unspecified; the
+test checks that the rule only reorders ties, and that outside it the indexers run
+stock). Controls: letting the indexer pick keys off the query's ancestor chain changes the
+result, and ties do straddle the top-k boundary in this model, so the tie rule is exercised.
+A loss on one leaf gives exactly zero gradient off its chain.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import treepack.trainer.hf.layers.dsa as dsa
 from treepack.trainer import materialize
 from treepack.trainer.hf import packed_forward
 from treepack.trainer.hf.admission.guards import trust_hook
-from treepack.trainer.hf.layers import patch_layers
+from treepack.trainer.hf.layers import patch_layers, reference_rules
 
 from helpers.tolerance import assert_close, assert_not_close
 from helpers.trees import param_grads, per_sequence_logprobs, scored_loss_pair, tree_features, tree_plan
@@ -62,12 +63,13 @@ def tiny_deepseek_v32(seed: int = 0):
 
 
 def _unpacked(model, seqs):
-    return [
-        torch.log_softmax(
-            model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1
-        )
-        for s in seqs
-    ]
+    with reference_rules():
+        return [
+            torch.log_softmax(
+                model(input_ids=torch.as_tensor(s, dtype=torch.int64)[None], use_cache=False).logits[0].float(), -1
+            )
+            for s in seqs
+        ]
 
 
 def _packed(model, batch):
@@ -140,10 +142,14 @@ def test_tiebreak_only_reorders_ties(case):
     pe = model.model.rotary_emb(h, pos)
     mask = torch.ones(40, 40, dtype=torch.bool).tril()[None].expand(2, -1, -1)
     with torch.no_grad():
-        a = ind(h, q_resid, pe, mask, pos).long()
+        with reference_rules():
+            a = ind(h, q_resid, pe, mask, pos).long()
         b = stock(h, q_resid, pe, mask, pos).long()
+        outside = ind(h, q_resid, pe, mask, pos).long()
         sc = dsa.dsa_indexer_scores(ind, h, q_resid, pe).masked_fill(~mask, float("-inf"))
     assert torch.equal(sc.gather(-1, a).sort(-1).values, sc.gather(-1, b).sort(-1).values)
+    assert torch.equal(outside, b)  # outside the rule the patched indexer is the stock one, bitwise
+    assert not torch.equal(a, b)  # vacuity guard: the rule did reorder ties here
 
 
 def test_packed_gradients_equal_unpacked(case):
@@ -191,7 +197,7 @@ def test_tiebreak_indexer_with_a_cache_matches_the_full_forward(case):
     seqs, *_ = case
     model = case[3]
     x = torch.as_tensor(seqs[1][:50], dtype=torch.int64)[None]
-    with torch.no_grad():
+    with torch.no_grad(), reference_rules():
         full = model(input_ids=x, use_cache=False).logits[0]
         pre = model(input_ids=x[:, :-1], use_cache=True)
         step = model(input_ids=x[:, -1:], cache=pre.cache, use_cache=True).logits[0, -1]

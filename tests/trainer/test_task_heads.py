@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from treepack.proto.errors import UnsupportedModelError
+from treepack.proto.errors import RequestError, UnsupportedModelError
 from treepack.trainer import materialize
 from treepack.trainer.data.values import naive_last_token
 from treepack.trainer.hf import packed_forward
@@ -154,7 +154,7 @@ def test_classification_heads_refuse_hidden_output_and_labels(case):
         model = head_model("llama", head)
         with pytest.raises(UnsupportedModelError, match=rf"a {head}-classification head gives its outputs with"):
             packed_forward(model, batch, output="hidden")
-        with pytest.raises(UnsupportedModelError, match="labels: HF's loss would read the rows"):
+        with pytest.raises(RequestError, match="labels= passed to packed_forward: HF's loss shifts labels"):
             packed_forward(model, batch, labels=torch.zeros(batch.num_rows, dtype=torch.int64))
 
 

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from treepack.proto.errors import RequestError
 from treepack.trainer import materialize, naive_varlen_attention
-from treepack.trainer.hf import packed_forward
+from treepack.trainer.hf import packed, packed_forward
+from treepack.trainer.hf.admission import trust_hook
+from treepack.trainer.hf.forward import RESERVED_KWARGS
 from treepack.trainer.losses import naive_ppo_clip_loss, ppo_clip_loss
 
 from helpers.tolerance import assert_close, assert_not_close
@@ -196,3 +199,32 @@ def test_oracle_with_shared_trainable_positions(backend):
     assert_close("logprobs", ref_lp, batch.unpack_logprobs(lp), atol=LOGPROB_TOL)
     assert torch.allclose(loss.detach().double(), ref.detach().double(), rtol=1e-6, atol=1e-7)
     _assert_grads_equal(_grads(model), want)
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_KWARGS))
+def test_reserved_model_kwargs_are_refused_by_name_before_any_compute(case, name):
+    """``use_cache=True`` / ``attention_mask=`` / ``position_ids=`` used to collide with what
+    packed_forward passes (Python's ``dict() got multiple values``); ``labels`` and
+    ``logits_to_keep`` ran with a meaning tree rows do not have."""
+    model = tiny_model("qwen3")
+    calls = []
+    handle = model.register_forward_hook(trust_hook(lambda m, a, o: calls.append(1)))
+    value = {"use_cache": True, "logits_to_keep": 1}.get(name, case["batch"].input_ids)
+    try:
+        with pytest.raises(RequestError, match=rf"^{name}= passed to packed_forward: ") as err:
+            packed_forward(model, case["batch"], **{name: value})
+    finally:
+        handle.remove()
+    assert err.value.path == f"$.kwargs.{name}" and calls == []
+    # The context-manager form refuses it the same way.
+    with pytest.raises(RequestError, match=rf"^{name}= passed"), packed(model, case["batch"]) as run:
+        run(**{name: value})
+
+
+def test_unreserved_model_kwargs_still_reach_the_model(case):
+    """Negative control for the refusal: a keyword packed_forward does not set goes through."""
+    model = tiny_model("qwen3")
+    with torch.no_grad():
+        want = packed_forward(model, case["batch"])
+        got = packed_forward(model, case["batch"], output_attentions=False, return_dict=True)
+    assert torch.equal(want, got)

@@ -109,3 +109,72 @@ def test_context_manager_form(batch):
     assert torch.equal(want, got)
     assert hidden.shape == (batch.num_rows, batch.seq_len, model.config.hidden_size)
     assert model.config._attn_implementation == "sdpa"
+
+
+# Every kind of the layer registry, by the model-support row whose tiny model holds it.
+KIND_FAMILY = {
+    "gdn": "Qwen3.5",
+    "gdn_olmo": "OLMo-hybrid",
+    "kda": "Kimi-Linear",
+    "mamba": "Jamba",
+    "mamba2": "Bamba",
+    "short_conv": "LFM2",
+    "dsa": "DeepSeek-V3.2",
+    "dsa_indexer": "DeepSeek-V3.2",
+    "glm_dsa": "GLM-MoE-DSA",
+}
+
+
+def test_every_registered_layer_kind_has_an_as_found_case():
+    """A kind added to the registry without a case here fails: its patch must be shown to leave
+    unpacked calls as they were."""
+    from treepack.trainer.hf.layers import registered
+
+    assert sorted(KIND_FAMILY) == sorted(layer.kind for layer in registered())
+
+
+def _stock_family(name):
+    """The row's tiny model as a user holds it: eager attention, nothing of treepack installed yet."""
+    from helpers.families import model_support
+
+    ms = model_support()
+    row = next(r for r in ms.FAMILIES if r.name == name)
+    model = ms.build_causal_lm(row.model_type, **row.overrides)
+    model.set_attn_implementation("eager")
+    return ms, model
+
+
+# Slow (about 2 minutes on 2 CPU cores in all): eight hybrid tiny models, each probed on its
+# first packed call, since what runs in that call (patches, probe, backward) is what must
+# leave no trace.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(set(KIND_FAMILY.values())))
+def test_every_patched_layer_kind_leaves_unpacked_calls_bitwise_as_found(family):
+    """Unpacked logits before the first packed call (the layers still stock) and after a packed
+    step (patches installed, the probe run, forward and backward) are bitwise equal."""
+    from treepack.service.planner import plan_batch
+    from treepack.trainer.hf.layers import handled_layer, reference_rules
+
+    ms, model = _stock_family(family)
+    x = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = model(input_ids=x, use_cache=False).logits
+    c = ms.small_case()
+    plan = plan_batch(
+        c["sequences"], seq_len=c["seq_len"], min_shared_len=c["min_shared_len"], trainable=c["trainable"]
+    )
+    packed_batch = materialize(plan, c["sequences"], trainable=c["trainable"])
+    packed_batch.target_logprobs(packed_forward(model, packed_batch)).sum().backward()
+    kinds = {layer.kind for m in model.modules() if (layer := handled_layer(m)) is not None}
+    assert {k for k, f in KIND_FAMILY.items() if f == family} <= kinds  # the row does hold its kinds
+    with torch.no_grad():
+        after = model(input_ids=x, use_cache=False).logits
+        with reference_rules():
+            ruled = model(input_ids=x, use_cache=False).logits
+    assert torch.equal(before, after)
+    if "dsa_indexer" in kinds:
+        # Negative control: the reference rule (ties by position) does change this model's
+        # unpacked logits, so a rule left switched on after the packed call would show above.
+        assert not torch.equal(before, ruled)
+    else:
+        assert torch.equal(before, ruled)

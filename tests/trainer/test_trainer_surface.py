@@ -29,6 +29,8 @@ SURFACE = {
         "resolve_packed",
         "packed",
         "output_head",
+        "parity_report",
+        "ParityReport",
         "TreepackWarning",
         "check_model",
         "calibrate",
@@ -80,6 +82,7 @@ SURFACE = {
         "handled_layer",
         "patch_layers",
         "unpatch_layers",
+        "reference_rules",
     ],
     "treepack.trainer.distributed": ["RankPlan", "obtain_plan", "encode_plan", "decode_plan", "plan_and_broadcast"],
 }

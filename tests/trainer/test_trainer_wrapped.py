@@ -89,6 +89,34 @@ def test_compiled_wrapper_unwraps(case):
     assert unwrap_model(torch.nn.DataParallel(model)) is model
 
 
+def _reordered(c, order):
+    return dict(c, **{k: [c[k][i] for i in order] for k in ("sequences", "trainable", "groups")})
+
+
+# Slow (about 40 s on 2 CPU cores): inductor compiles the model's graphs to C++; the crash it
+# guards against happened only under inductor, not under the eager or aot_eager backends.
+@pytest.mark.slow
+def test_inductor_compiled_model_on_flash_runs_tree_after_tree_exact():
+    """``torch.compile(model)`` (inductor) with ``backend="flash"``: the varlen path runs eager
+    inside the compiled model, so a second tree of the same row shape (data-dependent gather
+    sizes) neither recompiles it with symbolic sizes (inductor used to fail there with
+    ``Exponent must be non-negative``) nor reuses the first tree's metadata."""
+    from treepack.trainer.kernels.varlen import varlen_attention
+
+    model = tiny_model("qwen3")
+    compiled = torch.compile(model)  # inductor
+    first = mixed_batch()
+    second = _reordered(first, [3, 0, 1, 2, 4, 10, 11, 5, 6, 7, 8, 9])
+    batches = [materialize(plan_of(c), c["sequences"]) for c in (first, second)]
+    assert batches[0].input_ids.shape == batches[1].input_ids.shape  # the same row shape ...
+    assert not torch.equal(batches[0].subtree_end, batches[1].subtree_end)  # ... another tree
+    for c, batch in zip((first, second, first), batches + batches[:1]):
+        with torch.no_grad():
+            ref = reference_logprobs(model, c["sequences"], trainable_flags(c))
+            lp = batch.target_logprobs(packed_forward(compiled, batch, backend="flash", varlen_fn=varlen_attention))
+        assert_close("compiled flash logprobs", ref, batch.unpack_logprobs(lp), atol=1e-5)
+
+
 def test_not_a_model_refused():
     with pytest.raises(RequestError, match="holds no HF model"):
         unwrap_model(torch.nn.Linear(2, 2))

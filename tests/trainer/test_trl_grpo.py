@@ -180,3 +180,98 @@ def test_several_micro_batches_per_generation_match_stock(tmp_path, monkeypatch)
     assert stock_grouped["loss"] != pytest.approx(stock["loss"], **TOL), (
         "the shuffle's order changed nothing: the test cannot see it"
     )
+
+
+def test_learned_positions_stock_left_padding_differs_from_alone_treepack_does_not():
+    """The docs' parity caveat, measured: stock TRL calls the policy on left-padded prompt rows
+    without position_ids; for learned absolute positions (GPT-2) a shorter prompt's tokens then
+    sit at shifted positions, while treepack scores each sequence at its own positions. RoPE
+    (Qwen3) is the control: the shift changes nothing but rounding there."""
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    from treepack.service.planner import plan_batch
+    from treepack.trainer import materialize
+    from treepack.trainer.hf import packed_forward
+
+    from helpers.tiny_trl import tiny_model
+
+    torch.manual_seed(0)
+    gpt2 = tf.GPT2LMHeadModel(
+        tf.GPT2Config(vocab_size=43, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=None,
+                      eos_token_id=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ).eval()  # fmt: skip
+    rng = np.random.default_rng(0)
+    seqs, starts = [], []
+    for n in (5, 12, 20):  # prompts of different lengths, four completions each
+        p = rng.integers(3, 43, n)
+        for _ in range(4):
+            seqs.append(np.concatenate([p, rng.integers(3, 43, 6)]))
+            starts.append(n)
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s) :], mask[i, T - len(s) :] = torch.as_tensor(s), 1
+    batch = materialize(plan_batch(seqs, seq_len=128, min_shared_len=4, trainable=starts), seqs, trainable=starts)
+
+    def errors(model):
+        with torch.no_grad():
+            stock = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)  # TRL's call
+            packed = batch.unpack_logprobs(batch.target_logprobs(packed_forward(model, batch)))
+            e_stock = e_packed = 0.0
+            for i, s in enumerate(seqs):
+                x = torch.as_tensor(s)
+                alone = torch.log_softmax(model(input_ids=x[None]).logits[0].float(), -1)[:-1].gather(1, x[1:, None])
+                left = stock[i, T - len(s) : -1].gather(1, x[1:, None])
+                done = slice(starts[i] - 1, None)  # the completion's targets
+                e_stock = max(e_stock, float((left - alone)[done].abs().max()))
+                e_packed = max(e_packed, float((packed[i][starts[i] :] - alone[done, 0]).abs().max()))
+        return e_stock, e_packed
+
+    e_stock, e_packed = errors(gpt2)
+    assert e_stock > 0.1 and e_packed < 1e-5, (e_stock, e_packed)  # docs/trl.md: 0.23 and 4.8e-7
+    e_stock, e_packed = errors(tiny_model().eval())
+    assert e_stock < 1e-5 and e_packed < 1e-5, (e_stock, e_packed)
+
+
+def test_alora_matches_stock(tmp_path, monkeypatch):
+    """aLoRA through TRL: stock TRL finds the invocation per (left-padded) row, which is per
+    sequence; treepack activates each sequence from its own match and plans with keys that keep
+    sharers of a position on the same side of their activation. The invocation ("w34") occurs in
+    both prompts of the first step and in some of their completions, so sequences of one prompt
+    disagree after the prompt's match (the adapter trains from the first step). Negative controls:
+    planned without the keys, the step is refused (naming two sequences) before the model runs;
+    with PEFT's own per-row offsets, the loss and grad_norm differ from stock."""
+    import numpy as np
+    from peft import LoraConfig
+
+    from treepack.trainer.data.payloads import PayloadMismatchError
+    from treepack.trainer.trl import step
+
+    cfg = dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False,
+        alora_invocation_tokens=[tiny_tokenizer().convert_tokens_to_ids("w34")], task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+    def run(name, cls, steps=2):
+        return run_grpo(cls, workdir=str(tmp_path / name), steps=steps, beta=0.0, peft_config=LoraConfig(**cfg))
+
+    stock, packed = run("stock", trl.GRPOTrainer), run("packed", TreepackGRPOTrainer)
+    assert packed["completions"] == stock["completions"]
+    assert packed["grad_norm"] == pytest.approx(stock["grad_norm"], **TOL)
+    assert packed["loss"] == pytest.approx(stock["loss"], **TOL)
+    assert min(stock["grad_norm"]) > 0.01, stock["grad_norm"]  # the adapter is on somewhere at every step
+    saved = [h["treepack/saved_fraction"] for h in packed["logs"] if "treepack/saved_fraction" in h]
+    assert saved and min(saved) > 0.1, saved  # prompts were still shared
+
+    with monkeypatch.context() as m:  # the keys matter: without them sharers disagree
+        m.setattr(step, "alora_keys", lambda seqs, inv: [np.zeros(len(x), dtype=np.uint64) for x in seqs])
+        with pytest.raises(PayloadMismatchError, match=r"aLoRA activation: sequences \d+ and \d+ share row position"):
+            run("unkeyed", TreepackGRPOTrainer, steps=1)
+    with monkeypatch.context() as m:  # the per-sequence activation matters
+        m.setattr(step, "alora_inputs", lambda model, batch: {})
+        per_row = run("per_row", TreepackGRPOTrainer, steps=1)
+    assert per_row["completions"] == stock["completions"][: len(per_row["completions"])]
+    assert per_row["grad_norm"][0] != pytest.approx(stock["grad_norm"][0], rel=1e-3), (per_row, stock["grad_norm"])

@@ -40,13 +40,59 @@ from typing import Any
 
 import torch
 
+from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.admission import PackedSetup, admit
-from treepack.trainer.hf.context import PackedContext, use_packed
+from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.run import run_packed
 from treepack.trainer.hf.wrapped import unwrap_model
 
-__all__ = ["packed_forward", "packed"]
+__all__ = ["packed_forward", "packed", "RESERVED_KWARGS"]
+
+_ROWS = "packed_forward passes the packed rows' own"
+#: Model-call keywords ``packed_forward`` sets itself or that have no meaning on tree rows:
+#: name -> why, and what to do instead. Passed in ``**kwargs`` they are refused by name
+#: before any compute (else Python's ``dict() got multiple values``, or a silently wrong call).
+RESERVED_KWARGS: dict[str, str] = {
+    "input_ids": f"{_ROWS} tokens (batch.input_ids); put the tokens in the batch (materialize)",
+    "position_ids": f"{_ROWS} positions, each token's position in its own sequence (batch.position_ids)",
+    "attention_mask": f"{_ROWS} tree mask (the mask contract of the plan); there is no padding mask to pass",
+    "inputs_embeds": f"{_ROWS} tokens as input_ids; embeddings computed elsewhere have no tree-row form",
+    "use_cache": "a packed forward keeps no KV cache (packed_forward passes use_cache=False); generate unpacked",
+    "past_key_values": "a packed forward starts from no cache: every row runs whole; generate unpacked",
+    "cache_position": "a packed forward keeps no cache; positions come from the batch (batch.position_ids)",
+    "labels": (
+        "HF's loss shifts labels along the row, but after a branch a token's next token is in a child segment, "
+        "not at the next row index; score the logits with batch.target_logprobs and treepack's losses"
+    ),
+    "logits_to_keep": (
+        "the last row positions are no sequence's last tokens; use output='hidden' with "
+        "batch.target_logprobs_from_hidden to skip the [K, L, vocab] logits"
+    ),
+    BATCH_KWARG: "packed_forward sets the packed batch itself: pass the batch as packed_forward's batch",
+    "alora_offsets": (
+        "PEFT's aLoRA offsets count from a row's end, one per row; packed_forward computes each sequence's "
+        "activation from the batch (treepack.trainer.hf.alora)"
+    ),
+    "adapter_names": "PEFT picks one adapter per input row, and a packed row holds several sequences; run unpacked",
+}
+
+
+def refuse_reserved_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse model-call keywords that ``packed_forward`` sets itself or that tree rows give no meaning.
+
+    Args:
+        kwargs: the keywords meant for ``model(...)``.
+
+    Raises:
+        RequestError: naming the first reserved keyword (:data:`RESERVED_KWARGS`), why, and what
+            to do instead.
+    """
+    for name, why in RESERVED_KWARGS.items():
+        if name in kwargs:
+            raise RequestError(
+                f"{name}= passed to packed_forward: {why}", path=f"$.kwargs.{name}", rule="reserved_kwarg"
+            )
 
 
 def packed_forward(
@@ -103,7 +149,10 @@ def packed_forward(
         allow_stochastic: accept other random draws while training (router jitter, sampling
             routers, layerdrop, stochastic depth), knowing that every sharer of a packed prefix
             then gets one draw (not exact; default False: refused by name).
-        **kwargs: passed to ``model(...)``.
+        **kwargs: passed to ``model(...)``; what ``packed_forward`` sets itself (the rows'
+            ``input_ids``, ``position_ids``, tree ``attention_mask``, ``use_cache=False``) and
+            what tree rows give no meaning (``labels``, ``logits_to_keep``, a cache) are
+            refused (:data:`RESERVED_KWARGS`).
 
     Returns:
         [K, L, vocab] logits, or [K, L, hidden] hidden states, of the packed rows; a token
@@ -117,11 +166,12 @@ def packed_forward(
             the first diverging module).
         RequestError: ``backend`` or ``output`` is not a known value.
     """
+    refuse_reserved_kwargs(kwargs)
     hf = unwrap_model(model)
     options = {"backend": backend, "output": output, "varlen_fn": varlen_fn, "compile": compile}
     accepted = {"allow_dropout": allow_dropout, "allow_stochastic": allow_stochastic}
     setup = PackedSetup.of_call(batch, kwargs, patch_layers=patch_layers, verify=verify, **accepted, **options)
-    verdict = admit(model, setup)
+    verdict = admit(model, setup)  # as held: PEFT's adapters are judged on its wrapper
     return run_packed(model, hf, batch, setup, scans=verdict.scans, kwargs=kwargs)
 
 

@@ -4,7 +4,8 @@
 layers read (:func:`build_mask`: the tree mask, varlen metadata, the tree schedule of the
 recurrent / conv layers), hands the batch to the model as the ``treepack_context`` keyword
 and the current packed context (:mod:`treepack.trainer.hf.context`), and calls the model
-through its wrappers (:mod:`treepack.trainer.hf.wrapped`). What it returns follows the
+through its wrappers (:mod:`treepack.trainer.hf.wrapped`), with a PEFT aLoRA adapter's
+per-sequence activation (:mod:`treepack.trainer.hf.alora`). What it returns follows the
 model's head (:mod:`treepack.trainer.hf.task_head`): a sequence-classification head's scores
 are read at each sequence's own pooled token, every other head's outputs per row position.
 The model must have been admitted for the setup first (:func:`~treepack.trainer.hf.admission.admit`).
@@ -19,6 +20,7 @@ from torch.profiler import record_function
 
 from treepack.trainer.data.packed_batch import PackedBatch
 from treepack.trainer.hf.admission.setup import PackedSetup
+from treepack.trainer.hf.alora import alora_inputs
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.layer_masks import attention_mask_for
@@ -90,6 +92,7 @@ def run_packed(
         use_cache=False,
         **{BATCH_KWARG: ctx},
         **mm,
+        **alora_inputs(model, batch),
         **kwargs,
     )
     with use_packed(ctx):

@@ -30,6 +30,7 @@ from treepack.proto.errors import RequestError
 
 __all__ = [
     "unwrap_model",
+    "wrapper_levels",
     "wrapper_chain",
     "no_sync",
     "inner_model",
@@ -54,6 +55,16 @@ def _inner(m: Any) -> Any | None:
     return None
 
 
+def wrapper_levels(model: Any) -> Iterator[Any]:
+    """``model``, then each model one wrapper level down (DDP, ``torch.compile``, PEFT), innermost last."""
+    m = model
+    for _ in range(_MAX_DEPTH):
+        yield m
+        m = _inner(m)
+        if m is None:
+            return
+
+
 def unwrap_model(model: Any) -> Any:
     """The HF ``PreTrainedModel`` inside DDP / DataParallel / ``torch.compile`` / PEFT wrappers.
 
@@ -69,12 +80,7 @@ def unwrap_model(model: Any) -> Any:
     Raises:
         RequestError: no HF model inside (nothing with a ``config``).
     """
-    m = model
-    for _ in range(_MAX_DEPTH):
-        nxt = _inner(m)
-        if nxt is None:
-            break
-        m = nxt
+    *_, m = wrapper_levels(model)
     if not hasattr(m, "config") or not isinstance(m, torch.nn.Module):
         raise RequestError(
             f"{type(model).__name__} holds no HF model (no .config inside its wrappers)",
@@ -87,15 +93,8 @@ def unwrap_model(model: Any) -> Any:
 def wrapper_chain(model: Any) -> str:
     """The classes of the wrappers around the HF model, outermost first (``"DistributedDataParallel>PeftModel..."``;
     ``""`` for a bare model): what a proof through ``model`` holds for."""
-    names = []
-    m = model
-    for _ in range(_MAX_DEPTH):
-        nxt = _inner(m)
-        if nxt is None:
-            break
-        names.append(type(m).__name__)
-        m = nxt
-    return ">".join(names)
+    *wrappers, _ = wrapper_levels(model)
+    return ">".join(type(m).__name__ for m in wrappers)
 
 
 def no_sync(model: Any) -> Any:

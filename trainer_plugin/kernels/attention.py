@@ -259,6 +259,11 @@ def _differentiable_lse(
     return lse.detach().float() + (t - t.detach()).transpose(0, 1)
 
 
+# Eager inside a compiled model: the gathers' sizes are the tree's (data-dependent), so
+# dynamo would recompile them with symbolic sizes on the next tree of the same row shape,
+# which inductor cannot lower (``Exponent must be non-negative``). The projections around
+# it still compile; the varlen kernel itself is a compiled kernel already.
+@torch.compiler.disable
 def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_self=None, v_self=None):
     """Varlen attention over ``meta``: ``q`` [K, H, L, D]; ``k``, ``v`` [K, Hkv, Lk, D]
     (``meta.k_index`` flat in [K * Lk]); ``k_self``, ``v_self`` [K, Hkv, L, D] the keys and

@@ -2,8 +2,9 @@
 
 :class:`PackedRows` is the mixin :class:`~treepack.trainer.trl.grpo.TreepackGRPOTrainer` and
 :class:`~treepack.trainer.trl.sft.TreepackSFTTrainer` put before TRL's trainer: the plan of
-a padded batch (logged into TRL's metrics), each sequence's image inputs with the planner
-keys that tell images apart, and the call of the model on the packed rows through TRL's
+a padded batch (logged into TRL's metrics, with planner keys that tell a PEFT aLoRA
+adapter's activation apart), each sequence's image inputs with the planner keys that tell
+images apart, and the call of the model on the packed rows through TRL's
 fused LM head (after the model's admission). On the main process (``PackingConfig(verbose=True)``,
 the default) it says when the first packed step verifies packing on the model and how long
 that took, and after ``train()`` what packing saved over the run
@@ -19,6 +20,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.hf.admission import PackedSetup, admit
+from treepack.trainer.hf.alora import alora_inputs, alora_invocation, alora_keys
 from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.parity import parity_report, sample_on_every_rank
@@ -69,6 +71,10 @@ class PackedRows:
         keys: list[np.ndarray] | None = None,
     ) -> Any:
         tag = record_tag(self.packing, getattr(self, "args", None))
+        invocation = alora_invocation(self.model)
+        if invocation is not None:  # never share a position on which aLoRA's activation differs
+            on = alora_keys(padded.sequences, invocation)
+            keys = on if keys is None else [k * np.uint64(2) + a for k, a in zip(keys, on)]
         mb = plan_microbatches(
             padded.sequences,
             num_microbatches=num_microbatches,
@@ -143,7 +149,7 @@ class PackedRows:
         # patches, the probe through the model's wrappers under the step's autocast), before
         # the first step computes anything.
         with self.accelerator.autocast(), self.packing_tally.first_step(hf, backend, verify=self.packing.verify):
-            admit(model, setup)
+            admit(model, setup)  # as held: PEFT's adapters are judged on its wrapper
             if self.packing.report_parity and not getattr(self, "_parity_logged", False):
                 self._parity_logged = True
                 report = parity_report(model, batch, backend=backend, sequences=sample_on_every_rank(batch))
@@ -163,6 +169,7 @@ class PackedRows:
                     fused_lm_head=True,
                     **{BATCH_KWARG: ctx},
                     **mm,
+                    **alora_inputs(model, batch),
                 )
 
 

@@ -1,6 +1,7 @@
 """The model's admission: may it run packed under a setup, and is it proven (:func:`admit` -> :class:`Verdict`).
 
-:func:`admit` takes the model as the caller holds it (wrapped or not) and the
+:func:`admit` takes the model as the caller holds it (wrapped or not: PEFT's adapters are
+judged on the wrappers, :mod:`~treepack.trainer.hf.admission.peft_checks`) and the
 :class:`~treepack.trainer.hf.admission.setup.PackedSetup`, and either refuses it, naming every
 reason (:class:`~treepack.proto.errors.UnsupportedModelError`, or with ``raise_error=False`` a
 refused :class:`Verdict`), or admits it: the model walk
@@ -19,9 +20,10 @@ from typing import Any
 from torch.profiler import record_function
 
 from treepack.trainer.hf.admission.check import check_static
+from treepack.trainer.hf.admission.peft_checks import peft_refusals
 from treepack.trainer.hf.admission.probe import ProbeReport
 from treepack.trainer.hf.admission.prove import prove
-from treepack.trainer.hf.admission.report import Refusal, SupportReport
+from treepack.trainer.hf.admission.report import Refusal, SupportReport, refused_error
 from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
 from treepack.trainer.hf.admission.walk_cache import remember_walk, walk_info, walked
@@ -60,9 +62,10 @@ class Verdict:
         return f"probe (logprob error {self.probe.logprob_err:.3g} of {self.probe.logprob_tol:.3g})"
 
 
-def _refused(hf: Any, setup: PackedSetup) -> Verdict | None:
-    """The refused verdict of the static check, or None when it refuses nothing."""
+def _refused(model: Any, hf: Any, setup: PackedSetup) -> Verdict | None:
+    """The refused verdict of the static check and the PEFT check, or None when they refuse nothing."""
     report: SupportReport = check_static(hf, setup, hidden_applies_logit_transforms=True, raise_error=False)
+    report.refusals[:0] = peft_refusals(model, hf)
     if not report.refusals:
         return None
     return Verdict(setup=setup, admitted=False, handled=dict(report.handled), refusals=tuple(report.refusals))
@@ -82,12 +85,18 @@ def admit(model: Any, setup: PackedSetup, *, raise_error: bool = True) -> Verdic
         The :class:`Verdict`: admitted, with what is handled and the probe report (or None).
 
     Raises:
-        UnsupportedModelError: the static check, the CP check or the probe refuses the model
-            (messages and ``refusals`` name each module, its class and why).
+        UnsupportedModelError: the static check, the PEFT check
+            (:mod:`~treepack.trainer.hf.admission.peft_checks`: adapters of ``model`` and its
+            wrappers), the CP check or the probe refuses the model (messages and ``refusals``
+            name each module or adapter, its class and why).
     """
     hf = unwrap_model(model)
-    if not raise_error and (refused := _refused(hf, setup)) is not None:
+    if not raise_error and (refused := _refused(model, hf, setup)) is not None:
         return refused
+    # Judged on every call, not cached with the walk: adapters are added, switched and put
+    # in train or eval mode without changing anything the walk's fingerprint reads.
+    if peft := peft_refusals(model, hf):
+        raise refused_error(hf, SupportReport(refusals=peft))
     with record_function("treepack::walk"):
         found, state = walk(hf, setup)
         key, probed = setup.walk_key(), setup.probe_key(hf, model)

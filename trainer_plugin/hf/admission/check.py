@@ -21,9 +21,10 @@ only by class name:
   ``conv_width`` (:func:`~treepack.trainer.kernels.tree_scan.conv_width_refusal`);
 - ``config.layer_types``: a layer of a type that is neither attention nor per-token work
   (MLP / MoE) must contain a handled mixer;
-- length-dependent RoPE (``dynamic`` NTK, ``longrope``): HF picks the scaling from the
-  longest position of the whole call, so one long sequence would change the others'
-  rotary embedding. Refused (decision, see docs/models.md): exact needs every
+- length-dependent RoPE (``dynamic`` NTK, ``longrope``, judged by the type each rotary
+  module resolved, so HunYuan's fixed-``alpha`` "dynamic" passes): HF picks the scaling
+  from the longest position of the whole call, so one long sequence would change the
+  others' rotary embedding. Refused (decision, see docs/models.md): exact needs every
   sequence's scaling regime in the plan's keys, and a packed row would still need one
   rotary table per sequence, which HF's rotary module does not take;
 - MoE auxiliary losses (``output_router_logits``): HF's load-balancing loss averages over

@@ -1,8 +1,9 @@
 """Static checks of the model's config: settings with no tree-exact path.
 
-Length-dependent RoPE (``dynamic`` NTK, ``longrope``), Llama4's NoPE temperature tuning on
-rows at least ``floor_scale`` long, ALiBi, MoE auxiliary losses (``output_router_logits``)
-and, for ``output="hidden"`` unless the caller applies them, the final logit transforms.
+Llama4's NoPE temperature tuning on rows at least ``floor_scale`` long, ALiBi, MoE auxiliary
+losses (``output_router_logits``) and, for ``output="hidden"`` unless the caller applies
+them, the final logit transforms. (Length-dependent RoPE is a check of positions:
+:mod:`~treepack.trainer.hf.admission.positions`.)
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from typing import Any
 
 from treepack.trainer.hf.admission.report import Refusal
 
-__all__ = ["config_refusals", "model_configs"]
-
-
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+__all__ = ["config_refusals", "model_configs", "rope_dicts"]
 
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -23,21 +21,10 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 def config_refusals(
     config: Any, *, output: str, hidden_transforms: bool, kwargs: dict, row_len: int | None = None
 ) -> list[Refusal]:
-    """Model-wide settings with no tree-exact path (RoPE scaling, chunked attention, ALiBi, aux losses,
+    """Model-wide settings with no tree-exact path (NoPE temperature tuning, ALiBi, aux losses,
     logit transforms)."""
     out: list[Refusal] = []
     name = type(config).__name__
-    for rope in _rope_dicts(config):
-        kind = str(rope.get("rope_type", rope.get("type", "default")))
-        if kind in _LENGTH_DEPENDENT_ROPE or "dynamic" in kind:
-            out.append(
-                Refusal(
-                    "config.rope_parameters",
-                    name,
-                    f"length-dependent RoPE {kind!r}: HF scales it by the longest position of the whole packed "
-                    "call, so sequences would change each other's rotary embedding",
-                )
-            )
     floor_scale = getattr(config, "floor_scale", None)
     if (
         getattr(config, "attn_temperature_tuning", False)
@@ -83,14 +70,16 @@ def config_refusals(
     return out
 
 
-def _rope_dicts(config: Any) -> list[dict]:
-    out = []
+def rope_dicts(config: Any) -> list[dict]:
+    """The RoPE settings of ``config`` (``rope_parameters`` / ``rope_scaling``), one dict per layer
+    type, each once (``rope_scaling`` is often an alias of ``rope_parameters``)."""
+    out: list[dict] = []
     for attr in ("rope_parameters", "rope_scaling"):
         v = getattr(config, attr, None)
         if not isinstance(v, dict) or not v:
             continue
         per_layer_type = all(isinstance(x, dict) for x in v.values())
-        out.extend(v.values()) if per_layer_type else out.append(v)
+        out.extend(d for d in (v.values() if per_layer_type else [v]) if d not in out)
     return out
 
 

@@ -229,7 +229,9 @@ def _judge(runs: _Runs, packed: tuple, shapes: dict[str, tuple], dtype: torch.dt
     scale = logprob_scale(runs.alone)
     lp_noise = max(logprob_err(runs.alone, lps) for lps, _ in shapes.values())
     norms = runs.g_alone[0]
-    gscale = torch.clamp(norms, min=1e-3 * float(norms.max()) if norms.numel() else 0.0)
+    # Away from 0: a model whose probe gradients are all 0 (an adapter the probe never activates) compares
+    # them exactly, not 0/0.
+    gscale = torch.clamp(norms, min=max(1e-3 * float(norms.max()), 1e-30) if norms.numel() else 0.0)
     gnoise = torch.stack([(g[1] - runs.g_alone[1]).abs().amax(1) for _, g in shapes.values()]).amax(0)
     floors, grel, grel_noise = grad_floor(gnoise, gscale, eps)
     noise = NoiseFloor(

@@ -8,12 +8,14 @@ signature). Every run goes through the callable the caller trains with (its wrap
 accelerate, ``torch.compile``; DDP without gradient synchronisation), under the caller's
 autocast. Outside any packed context of the caller, so the probe's unpacked runs are plain
 ones; with dropout accepted, every rate at 0 (:func:`~treepack.trainer.hf.admission.guards.dropout_off`).
+A PEFT aLoRA adapter under gradient checkpointing is proven with its checkpointed layers run
+plainly (:func:`_plain_layers_for_alora`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -26,12 +28,37 @@ from treepack.trainer.hf.admission.probe import ProbeReport, verify_packing
 from treepack.trainer.hf.admission.probe_inputs import probe_shape
 from treepack.trainer.hf.admission.setup import PackedSetup
 from treepack.trainer.hf.admission.walk import walk
+from treepack.trainer.hf.alora import alora_invocation
 from treepack.trainer.hf.context import use_packed
+from treepack.trainer.hf.layers import reference_rules
 from treepack.trainer.hf.run import run_packed
 from treepack.trainer.hf.task_head import pad_rule
 from treepack.trainer.hf.wrapped import no_sync, unwrap_model, wrapper_chain
 
 __all__ = ["prove", "verify_model"]
+
+
+@contextmanager
+def _plain_layers_for_alora(call: Any, hf: Any) -> Iterator[None]:
+    """Checkpointed layers run plainly while an aLoRA adapter is probed.
+
+    PEFT's aLoRA takes one forward per backward under gradient checkpointing (its replay hooks
+    carry one call's ``alora_offsets`` and it refuses a second forward before the backward),
+    and the probe runs several; the replay recomputes each layer on the same inputs and the
+    same offsets, so the probe proves the adapter's per-sequence activation with the layers'
+    checkpointing off (restored after). Nothing changes for any other model.
+    """
+    if alora_invocation(call) is None:
+        yield
+        return
+    layers = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def _plan_and_batch(hf: Any, setup: PackedSetup) -> Callable[[list], tuple[Any, PackedBatch]]:
@@ -98,7 +125,9 @@ def prove(hf: Any, setup: PackedSetup, model: Any = None) -> ProbeReport:
     accepted = tuple(k for k in ("allow_dropout", "allow_stochastic") if getattr(setup, k))
     extra = (*accepted, probe_shape(hf, setup.row_len)[1], wrapper_chain(call))
     # Outside any packed context of the caller: the probe's unpacked runs must be plain ones.
-    with use_packed(None), dropout_off(hf) if setup.allow_dropout else nullcontext(), no_sync(call), pad_rule(hf):
+    # Settling what a stock layer leaves open (DSA top-k ties) as tree rows do.
+    dropout = dropout_off(hf) if setup.allow_dropout else nullcontext()
+    with use_packed(None), reference_rules(), dropout, no_sync(call), pad_rule(hf), _plain_layers_for_alora(call, hf):
         return verify_packing(
             hf,
             backend=setup.backend,

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -51,6 +53,7 @@ __all__ = [
     "handled_layer",
     "patch_layers",
     "unpatch_layers",
+    "reference_rules",
 ]
 
 _INFRASTRUCTURE = frozenset({"spec", "stock"})
@@ -170,6 +173,24 @@ def unpatch_layers(model: torch.nn.Module) -> int:
             del mod.__dict__["forward"]
             n += 1
     return n
+
+
+@contextmanager
+def reference_rules() -> Iterator[None]:
+    """Inside the block, unpacked calls of patched layers settle what their stock layer leaves
+    open the way tree rows do (every registered kind's ``reference``: DSA indexers order equal
+    top-k scores by position). Outside it they run stock, so packed calls leave the model as
+    found.
+
+    For reference runs that must equal the packed run exactly: the probe's alone runs, and
+    a caller's own check of a model with such layers (run the reference's backward inside the
+    block too when checkpointing replays it).
+    """
+    with ExitStack() as stack:
+        for layer in _REGISTRY.values():
+            if layer.reference is not None:
+                stack.enter_context(layer.reference())
+        yield
 
 
 def _discover() -> None:

@@ -29,16 +29,22 @@ head) and its picks equal the whole row's; attention is Ulysses over the query h
 
 Ties: the stock indexer ends in ``torch.topk``, whose order among equal scores is
 unspecified (on CPU it differs between a row and the same sequence alone), and ReLU-sum
-scores tie at exactly 0 often. So a patched model also gives its indexers, for unpacked
-calls, the same rule (:func:`position_tiebreak_indexer_forward`: a stable sort, lower
-position first). That only reorders equal scores: the picked score values are those of
-``torch.topk``. With it, the packed run of a sequence equals its unpacked run.
+scores tie at exactly 0 often. Tree rows break them towards the lower position. Unpacked
+calls keep the stock order, so the patches leave the model as found, bitwise; inside
+:func:`position_ties` (the kind's ``reference``: the probe's alone runs enter it, through
+:func:`~treepack.trainer.hf.layers.reference_rules`) a patched indexer breaks ties on
+unpacked calls by the same rule (:func:`position_tiebreak_indexer_forward`: a stable sort,
+lower position first), so the packed run of a sequence equals its unpacked run. That only
+reorders equal scores: the picked score values are those of ``torch.topk``.
 """
 
 from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +64,7 @@ __all__ = [
     "dsa_forward",
     "glm_dsa_forward",
     "position_tiebreak_indexer_forward",
+    "position_ties",
     "LAYERS",
     "DSA",
     "GLM_DSA",
@@ -67,6 +74,24 @@ __all__ = [
 # Indexer class -> the RoPE function of its modeling module. Only the indexers of the DSA
 # layers patched here are listed: no other class reaches here.
 _INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+# Unpacked calls of a patched indexer break top-k ties by position only inside position_ties().
+_POSITION_TIES: ContextVar[bool] = ContextVar("treepack_position_ties", default=False)
+
+
+@contextmanager
+def position_ties() -> Iterator[None]:
+    """Inside the block, unpacked calls of patched DSA indexers order equal top-k scores by
+    key position, lower first: the rule of tree rows (outside it they run stock).
+
+    For reference runs that must equal the packed run exactly (the probe's alone runs, tests):
+    HF's ``torch.topk`` leaves the order of ties open, and ReLU-sum scores tie at exactly 0
+    often. Run the reference's backward inside the block too when checkpointing replays it.
+    """
+    token = _POSITION_TIES.set(True)
+    try:
+        yield
+    finally:
+        _POSITION_TIES.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +176,16 @@ def position_tiebreak_indexer_forward(
     cache: Any = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """The stock indexer's forward with ties broken towards lower positions (unpacked calls).
+    """The patched indexer's forward on unpacked calls: stock, or inside :func:`position_ties`
+    the stock scores with ties broken towards lower positions.
 
     Same inputs (including a cache of earlier keys) and output as the stock ``forward``
-    ([B, S, topk] int32 key indices); equal scores are ordered by key index, which is the
-    key's position in an unpacked sequence.
+    ([B, S, topk] int32 key indices); with the rule, equal scores are ordered by key index,
+    which is the key's position in an unpacked sequence.
     """
+    if not _POSITION_TIES.get():
+        stock = getattr(self, STOCK_ATTR)
+        return stock(hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=cache, **kwargs)
     scores = dsa_indexer_scores(self, hidden_states, q_resid, position_embeddings, cache)
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
@@ -365,9 +394,13 @@ def _heads_refusal(attn: torch.nn.Module, cp_size: int) -> str | None:
 _SHARD = ContextShard(refusal=_heads_refusal)
 DSA = TreeLayer(kind="dsa", classes=("DeepseekV32Attention",), patch=dsa_forward, shard=_SHARD)
 GLM_DSA = TreeLayer(kind="glm_dsa", classes=("GlmMoeDsaAttention",), patch=glm_dsa_forward, shard=_SHARD)
-# The indexers of patched DSA layers break ties by position on unpacked calls too; on tree
-# rows (and under CP) their DSA layer computes the scores itself.
+# The indexers of patched DSA layers run stock on unpacked calls, or break ties by position
+# inside position_ties(); on tree rows (and under CP) their DSA layer computes the scores itself.
 DSA_INDEXER = TreeLayer(
-    kind="dsa_indexer", classes=tuple(_INDEXER_ROPE), patch=position_tiebreak_indexer_forward, shard=ContextShard()
+    kind="dsa_indexer",
+    classes=tuple(_INDEXER_ROPE),
+    patch=position_tiebreak_indexer_forward,
+    shard=ContextShard(),
+    reference=position_ties,
 )
 LAYERS = (DSA, GLM_DSA, DSA_INDEXER)

@@ -7,14 +7,15 @@ ranks. The registry (:mod:`treepack.trainer.hf.layers`) holds one per kind; the 
 check, the patching and the schedules read it.
 
 A patched module keeps its bound stock forward in ``module.__dict__[STOCK_ATTR]`` (outside
-``nn.Module``'s registries) and runs it whenever no packed batch is active, so an unpacked
-call is unchanged.
+``nn.Module``'s registries) and runs it whenever no packed batch is active (and no
+``reference`` rule of its kind is entered), so an unpacked call is unchanged, bitwise.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -126,6 +127,12 @@ class TreeLayer:
         shard: how the kind runs on one context-parallel rank's shard of every row (a
             :class:`ContextShard`), or :data:`NOT_SHARDED` (None): context parallelism
             refuses the kind by name.
+        reference: a context manager under which the kind's patched layers, on unpacked
+            calls, settle what the stock layer leaves open the way tree rows settle it
+            (DSA indexers: top-k ties to the lower position); None when the stock layer
+            leaves nothing open. Outside it a patched layer runs its stock forward on
+            unpacked calls. The probe's alone runs enter every kind's
+            (:func:`~treepack.trainer.hf.layers.reference_rules`).
     """
 
     kind: str
@@ -138,6 +145,7 @@ class TreeLayer:
     chunk_size: Callable[[torch.nn.Module], int] | None = None
     refusal: Callable[[torch.nn.Module], str | None] | None = None
     shard: ContextShard | None = NOT_SHARDED
+    reference: Callable[[], AbstractContextManager[Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.tree_forward is None) == (self.patch is None):
