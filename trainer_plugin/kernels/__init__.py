@@ -7,6 +7,8 @@ for mamba_ssm's ``selective_scan_fn``); ``tree_*`` runs on tree rows.
 
 - :mod:`~treepack.trainer.kernels.masks`: the tree mask (dense, FlexAttention BlockMask,
   varlen ancestor metadata), built from arrays (``subtree_end``, positions, segment tables);
+  the BlockMask itself, pruned to the blocks the tree, the window and the chunk leave
+  visible, in :mod:`~treepack.trainer.kernels.blocks`;
 - :mod:`~treepack.trainer.kernels.attention`: :func:`tree_attention` (sdpa | flex | flash);
 - :mod:`~treepack.trainer.kernels.gdn` and :mod:`~treepack.trainer.kernels.gdn_ref`:
   Gated DeltaNet per tree depth level, and its pure-torch kernels;
