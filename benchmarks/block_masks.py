@@ -185,7 +185,10 @@ def main() -> None:
     masks = [(None, None)] + [(w, None) for w in WINDOWS] + [(None, c) for c in CHUNKS]
     results = []
     print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}")
-    print("| rows L | workload | block | mask | needed | touched | touched / needed | full | previous / needed | build ms |")
+    print(
+        "| rows L | workload | block | mask | needed | touched | touched / needed | full | "
+        "previous / needed | build ms |"
+    )
     print("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for L in a.rows:
         for name, case in workloads(L).items():
