@@ -49,6 +49,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from treepack.proto.errors import RequestError
 from treepack.trainer import BACKENDS, materialize, output_head, packed_forward
+from treepack.trainer.kernels.attention import AUTO, resolve_backend
 from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
 
@@ -63,23 +64,27 @@ class VerlPacking:
     """How :class:`TreepackFSDPEngine` packs a micro-batch.
 
     Attributes:
-        backend: tree attention backend, ``sdpa`` | ``flex`` | ``flash``.
+        backend: tree attention backend, ``auto`` (default: ``flash`` on a CPU, the copy-free
+            varlen path, and on a GPU where flash-attn imports; ``sdpa`` elsewhere) | ``sdpa`` |
+            ``flex`` | ``flash``.
         min_shared_len: shortest shared run the planner keeps.
         max_seq_len: row length cap (never below the longest sequence).
         planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
         head_chunk: positions per chunk of the output head.
     """
 
-    backend: str = "sdpa"
+    backend: str = AUTO
     min_shared_len: int = 16
     max_seq_len: int = 8192
     planner: Any = None
     head_chunk: int = 4096
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        if self.backend not in (*BACKENDS, AUTO):
             raise RequestError(
-                f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+                f"backend must be one of {(*BACKENDS, AUTO)}, got {self.backend!r}",
+                path="$.packing.backend",
+                rule="enum",
             )
 
     @classmethod
@@ -88,7 +93,7 @@ class VerlPacking:
         ``TREEPACK_VERL_MAX_SEQ_LEN``."""
         env = os.environ
         return cls(
-            backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
+            backend=env.get("TREEPACK_VERL_BACKEND", AUTO),
             min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
         )
@@ -147,11 +152,12 @@ def _lengths(mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _row_len(seq_lens: np.ndarray, prompt_lens: np.ndarray, groups: np.ndarray, packing: VerlPacking) -> int:
-    """Room for the largest group's tree (prompt once, all its responses), capped, never below a sequence."""
+    """Room for the largest group's tree (prompt once, all its responses, each with its own copy of
+    the prompt's last token: the join token), capped, never below a sequence."""
     resp = seq_lens - prompt_lens
-    tree = np.bincount(groups, weights=resp, minlength=1)
+    tree = np.bincount(groups, weights=resp + 1, minlength=1)
     first = np.unique(groups, return_index=True)[1]
-    tree[groups[first]] += prompt_lens[first]
+    tree[groups[first]] += prompt_lens[first] - 1
     need = max(int(seq_lens.max(initial=1)), min(int(tree.max(initial=1)), packing.max_seq_len))
     step = 128 if packing.backend == "flex" else 16
     return -(-need // step) * step
@@ -273,7 +279,8 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             root.unshard()
         try:
             with autocast:
-                hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
+                backend = resolve_backend(packing.backend, batch.device)
+                hidden = packed_forward(self.module, batch, backend=backend, output="hidden")
                 return batch.target_logprobs_from_hidden(
                     hidden,
                     output_head(self.module),

@@ -50,10 +50,11 @@ from torch.profiler import record_function
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta
+from treepack.trainer.kernels.varlen import CPU_SPLIT, varlen_attention
 from treepack.trainer.kernels.varlen_levels import VarlenLevels
 from treepack.trainer.kernels.varlen_merge import NAIVE_SPLIT, SplitVarlen, levels_attention, register_split, split_of
 
-__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS", "TreeMasks"]
+__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS", "TreeMasks", "AUTO", "resolve_backend"]
 
 
 class TreeMasks(Protocol):
@@ -79,6 +80,28 @@ class TreeMasks(Protocol):
 
 
 BACKENDS = ("sdpa", "flex", "flash")
+#: The trainers' default backend choice, resolved per device by :func:`resolve_backend`.
+AUTO = "auto"
+
+
+def resolve_backend(backend: str, device: Any) -> str:
+    """``backend``, or for ``"auto"`` the fastest exact backend on ``device``.
+
+    ``auto`` is ``flash`` on a CPU (the copy-free varlen path with the batched CPU kernel:
+    only the attended pairs, no dense ``[rows, 1, L, L]`` mask) and on a CUDA device where
+    flash-attn imports; ``sdpa`` elsewhere.
+    """
+    if backend != AUTO:
+        return backend
+    if torch.device(device).type == "cpu":
+        return "flash"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash"
+
+
 _COMPILED_FLEX: dict[str, Callable] = {}
 
 
@@ -127,12 +150,13 @@ def tree_attention(
         k: [K, Hkv, L, D] keys, H a multiple of Hkv (grouped-query attention).
         v: [K, Hkv, L, Dv] values.
         batch: the rows' masks (a :class:`~treepack.trainer.data.PackedBatch`).
-        backend: ``sdpa`` | ``flex`` | ``flash``.
+        backend: ``sdpa`` | ``flex`` | ``flash`` | ``auto`` (:func:`resolve_backend`).
         scale: softmax scale (default ``D ** -0.5``).
         sliding_window: optional window w (keys at most w-1 positions back).
         softcap: optional logit soft-capping ``c * tanh(s / c)``.
-        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func``;
-            :func:`naive_varlen_attention` on CPU).
+        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func`` on
+            CUDA, the batched CPU kernel :func:`~treepack.trainer.kernels.varlen.varlen_attention`
+            on a CPU; :func:`naive_varlen_attention` is the loop reference).
         compile: ``flex`` only: run ``torch.compile(flex_attention)`` (default: on CUDA).
         sinks: optional [H] attention-sink logits (GPT-OSS ``s_aux``; module docstring).
         chunk_size: optional chunk size c of chunked attention (Llama4; module docstring).
@@ -149,6 +173,7 @@ def tree_attention(
             f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = resolve_backend(backend, q.device)
     if backend == "sdpa":
         dense = batch.dense_mask(sliding_window=sliding_window, chunk_size=chunk_size)
         return _sdpa(q, k, v, dense, scale, softcap, sinks)
@@ -255,8 +280,8 @@ def _flash_varlen() -> Callable:
         from flash_attn import flash_attn_varlen_func
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError(
-            "backend='flash' needs the flash-attn package (pip install 'treepack[gpu]' on a CUDA machine); "
-            "use backend='sdpa' or 'flex', or pass varlen_fn=naive_varlen_attention"
+            "backend='flash' on a CUDA device needs the flash-attn package (pip install 'treepack[gpu]'); "
+            "use backend='sdpa', 'flex' or 'auto'"
         ) from e
     return flash_attn_varlen_func
 
@@ -281,13 +306,16 @@ def _differentiable_lse(
 def _split(varlen_fn: Callable | None, q: torch.Tensor) -> SplitVarlen | None:
     """The split pair the copy-free path runs for ``varlen_fn`` (None: the gathered path).
 
-    ``varlen_fn`` None means flash-attn: its pair when it imports with a known signature
-    and the inputs suit it (CUDA, fp16/bf16, head dim a multiple of 8); else the pair
-    registered for ``varlen_fn`` (:func:`~treepack.trainer.kernels.varlen_merge.split_of`).
+    ``varlen_fn`` None means flash-attn on CUDA (its pair when it imports with a known
+    signature and the inputs suit it: fp16/bf16, head dim a multiple of 8) and the batched
+    CPU kernel on a CPU; else the pair registered for ``varlen_fn``
+    (:func:`~treepack.trainer.kernels.varlen_merge.split_of`).
     """
     if varlen_fn is not None:
         return split_of(varlen_fn)
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8:
+    if not q.is_cuda:
+        return CPU_SPLIT
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8:
         return None
     from treepack.trainer.kernels.gpu_flash import flash_split
 
@@ -313,7 +341,7 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
     values at the query positions, which padding attends (default ``k``, ``v``: Lk == L)."""
     if sinks is not None and softcap is not None:
         raise RequestError(_SINK_SOFTCAP.format(backend="flash"), path="$.backend", rule="unsupported")
-    fn = varlen_fn if varlen_fn is not None else _flash_varlen()
+    fn = varlen_fn if varlen_fn is not None else varlen_attention if not q.is_cuda else _flash_varlen()
     K, H, L, D = q.shape
     Hkv, Dv, Lk = k.shape[1], v.shape[-1], k.shape[2]
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)

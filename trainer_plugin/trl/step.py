@@ -20,6 +20,7 @@ from treepack.trainer.hf.attention import TREE_MASK_OPTION
 from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
+from treepack.trainer.kernels.attention import resolve_backend
 from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.microbatch import plan_microbatches
@@ -113,7 +114,7 @@ class PackedRows:
         image) and, for mRoPE models, each sequence's own 3-D positions
         (:func:`~treepack.trainer.hf.vision.image_inputs`).
         """
-        backend = self.packing.backend
+        backend = resolve_backend(self.packing.backend, batch.device)
         hf = unwrap_model(model)
         setup = PackedSetup.of_call(
             batch, {}, backend=backend, verify=self.packing.verify, allow_dropout=self.packing.allow_dropout
