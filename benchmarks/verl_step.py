@@ -13,7 +13,13 @@ during the run and a markdown row: median times (min-max), the ratio, and the to
 
 The stock engine is timed in both of its layouts in the same run: remove-padding (verl's
 default: the micro-batch as one row) and padded (``use_remove_padding=False``: one row per
-sequence).
+sequence); the treepack engine under each ``--backends`` entry (default ``sdpa``, the dense
+tree mask, and ``auto``, the default: the copy-free varlen path on a CPU).
+
+Where an update's time goes (printed under the table): per engine, the median
+over repeats of ``forward_step`` (all micro-batches: the forward and the loss; for treepack
+also, inside it, ``plan + materialize`` and ``packed forward + head``) and the rest of
+``train_batch`` (backward, optimizer step, verl's own bookkeeping).
 """
 
 from __future__ import annotations
@@ -35,7 +41,28 @@ import torch  # noqa: E402
 from engines import build, flags, grpo_batch, loss_fn, params, restore  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
 
-from treepack.trainer.verl import TreepackFSDPEngine  # noqa: E402
+from treepack.trainer.verl import TreepackFSDPEngine, VerlPacking  # noqa: E402
+
+PARTS: dict[str, float] = {}
+
+
+def _timed(cls, name: str, label: str) -> None:
+    fn = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PARTS[label] = PARTS.get(label, 0.0) + time.perf_counter() - t0
+
+    setattr(cls, name, wrapper)
+
+
+_timed(FSDPEngineWithLMHead, "forward_step", "forward_step")
+_timed(TreepackFSDPEngine, "forward_step", "forward_step")
+_timed(TreepackFSDPEngine, "_plan_rows", "plan + materialize")
+_timed(TreepackFSDPEngine, "_packed_logprobs", "packed forward + head")
 
 
 def main() -> None:
@@ -47,6 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", nargs="+", default=["sdpa", "auto"], help="treepack engine backends to time")
     a = ap.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -72,24 +100,30 @@ def main() -> None:
     )  # noqa: E731
     stock, tree = build(FSDPEngineWithLMHead, path=path), build(TreepackFSDPEngine, path=path)
     # name -> (engine, use_remove_padding); the treepack engine packs whatever the flag says.
-    engines = {"stock remove-padding": (stock, True), "stock padded": (stock, False), "treepack": (tree, True)}
+    engines = {"stock remove-padding": (stock, True), "stock padded": (stock, False)}
+    engines.update({f"treepack {b}": (tree, True) for b in a.backends})
     start = {id(e): params(e) for e in (stock, tree)}
     times: dict[str, list[float]] = {k: [] for k in engines}
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in engines}
     saved = []
     loads = []
     for rep in range(a.repeats + 1):  # repeat 0 warms both up; the order alternates per repeat
         order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
         for name in order:
             eng, rmpad = engines[name]
+            if eng is tree:
+                eng.packing = VerlPacking(backend=name.removeprefix("treepack "))
             td = batch(rmpad)
             loads.append(os.getloadavg()[0])
+            PARTS.clear()
             t0 = time.perf_counter()
             with eng.train_mode():
                 out = eng.train_batch(td, loss_function=loss_fn("token-mean"))
             if rep:
                 times[name].append(time.perf_counter() - t0)
+                parts[name].append(dict(PARTS, rest=times[name][-1] - PARTS.get("forward_step", 0.0)))
             restore(eng, start[id(eng)])
-            if name == "treepack":
+            if eng is tree:
                 saved = out["metrics"]["treepack/saved_fraction"].values
     med = {k: statistics.median(v) for k, v in times.items()}
     token_ratio = 1 / (1 - statistics.mean(saved))
@@ -99,13 +133,21 @@ def main() -> None:
         f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, "
         f"vocab {a.vocab}; {a.repeats} repeats"
     )
-    print("| stock layout | stock | treepack | stock / treepack | token ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| stock layout | stock | treepack backend | treepack | stock / treepack | / token ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for k in ("stock remove-padding", "stock padded"):
-        print(
-            f"| {k.removeprefix('stock ')} | {cell(k)} | {cell('treepack')} | "
-            f"{med[k] / med['treepack']:.2f}x | {token_ratio:.2f}x |"
-        )
+        for b in a.backends:
+            t = f"treepack {b}"
+            print(
+                f"| {k.removeprefix('stock ')} | {cell(k)} | {b} | {cell(t)} | {med[k] / med[t]:.2f}x | "
+                f"{med[k] / med[t] / token_ratio:.2f} (token ratio {token_ratio:.2f}x) |"
+            )
+    labels = ("forward_step", "plan + materialize", "packed forward + head", "rest")
+    print("\n| engine (s per update, median) | " + " | ".join(labels) + " |")
+    print("| --- |" + " ---: |" * len(labels))
+    for k, runs in parts.items():
+        cells = [f"{statistics.median(r.get(x, 0.0) for r in runs):.2f}" for x in labels]
+        print(f"| {k} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
