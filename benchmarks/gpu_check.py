@@ -21,7 +21,7 @@ as not run):
 - ``attention``: ``benchmarks/gpu_attention.py``: flex / flash-gather tree (and unpacked
   FlashAttention when flash-attn imports) checked against the dense-mask SDPA reference
   at golden / 8, then timed on the golden example (FlexAttention compiles longest);
-- ``windows``: ``benchmarks/gpu_windows.py``: sliding-window and chunked tree attention
+- ``windows``: ``benchmarks/gpu_windows.py``: sliding-window (4,096) and chunked (8,192) tree attention
   (FlexAttention with the BlockMask pruned by the window or chunk, and under the previous
   unpruned one) and the copy-free varlen path, bf16 at rows of 8,192 and 32,768, checked and
   timed against the unpacked sequences in the same run;
