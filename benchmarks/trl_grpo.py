@@ -108,7 +108,8 @@ def run(trainer_cls, a: argparse.Namespace, workdir: str, **extra) -> dict:
     )
     t0 = time.perf_counter()
     trainer.train()
-    return {"s": time.perf_counter() - t0, "gen_s": trainer_cls.gen_s, "logs": trainer.state.log_history}
+    end = time.perf_counter()
+    return {"s": end - t0, "end": end, "gen_s": trainer_cls.gen_s, "logs": trainer.state.log_history}
 
 
 def main() -> None:

@@ -16,7 +16,14 @@ timers around the parts of a step:
   BlockMask or the varlen calls, built once per batch), ``model`` (the packed forward through
   TRL's fused head), ``to padded``;
 - ``backward`` (``accelerator.backward``) and ``optimizer step``;
-- ``rest``: the step's wall time minus all of these (TRL's scoring, advantages, logging).
+- ``rest``: the step's wall time (from one ``training_step`` start to the next) minus all of
+  these (TRL's scoring and advantages, zeroing the gradients, logging).
+
+Three trainers per repeat, their order rotating (a first repeat warms them up and is not
+counted): ``stock``, ``treepack`` (the current
+default, or ``--backend``) and ``treepack previous``: the step as it was before its
+profile-driven fixes (the dense-mask ``sdpa`` backend and the row length that left out the
+join tokens, :func:`previous_seq_len`), the baseline in the same run.
 
 Figures per step (ms): in each run the median over its steps after the first (``first step``:
 the first one's wall time, which pays the imports and treepack's one-time admission and
@@ -97,7 +104,7 @@ def instrument() -> None:
 def _train(cls, a, workdir: str, **extra) -> dict:
     """One training run; per-step ms by part, the median over the steps after the first
     (the first pays one-time costs: imports, the model's admission and probe)."""
-    steps: list[dict[str, float]] = []
+    marks: list[tuple[float, dict[str, float]]] = []  # (time, timers) at each step's start
 
     class Profiled(cls):
         def create_optimizer(self, *args, **kwargs):
@@ -109,16 +116,19 @@ def _train(cls, a, workdir: str, **extra) -> dict:
             if not getattr(self.accelerator, "_timed", False):
                 _wrap(self.accelerator, "backward", "backward")
                 self.accelerator._timed = True
-            before, t0 = dict(TIMES), time.perf_counter()
-            try:
-                return super().training_step(*args, **kwargs)
-            finally:
-                step = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in TIMES.items()}
-                step["wall"] = (time.perf_counter() - t0) * 1e3
-                steps.append(step)
+            marks.append((time.perf_counter(), dict(TIMES)))
+            return super().training_step(*args, **kwargs)
 
     TIMES.clear()
     r = run(Profiled, a, workdir, **extra)
+    # A step runs from one training_step's start to the next (the optimizer step and TRL's
+    # logging come after training_step returns); the last one ends with train().
+    marks.append((r["end"], dict(TIMES)))
+    steps = []
+    for (t0, before), (t1, after) in zip(marks, marks[1:]):
+        step = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in after.items()}
+        step["wall"] = (t1 - t0) * 1e3
+        steps.append(step)
     kept = steps[1:] or steps
     keys = {k for st in kept for k in st}
     parts = {k: statistics.median(st.get(k, 0.0) for st in kept) for k in keys}
@@ -168,6 +178,33 @@ def _cell(xs: list[float]) -> str:
     return f"{statistics.median(xs):,.0f} ({min(xs):,.0f}-{max(xs):,.0f})"
 
 
+def previous_seq_len(padded, config) -> int:
+    """The row-length rule before the join tokens were counted (prompt + completions)."""
+    import numpy as np
+
+    if config.seq_len is not None:
+        return int(config.seq_len)
+    lens = padded.lengths
+    tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
+    first = np.unique(padded.groups, return_index=True)[1]
+    tree[padded.groups[first]] += padded.prompt_lens[first]
+    need = max(int(lens.max(initial=1)), min(int(tree.max(initial=1)), config.max_seq_len))
+    return -(-need // 16) * 16
+
+
+@contextlib.contextmanager
+def previous_version():
+    """The TRL step as it was: the dense-mask sdpa backend (given by the caller) and the row-length rule above."""
+    import treepack.trainer.trl.step as tstep
+
+    current = tstep.choose_seq_len
+    tstep.choose_seq_len = previous_seq_len
+    try:
+        yield
+    finally:
+        tstep.choose_seq_len = current
+
+
 def main() -> None:
     import trl
 
@@ -184,6 +221,7 @@ def main() -> None:
     p.add_argument("--words", type=int, default=1000)
     p.add_argument("--bf16", action="store_true", help="TRL's bf16 autocast on both sides (default: fp32)")
     p.add_argument("--backend", default=None, help="PackingConfig.backend (default: PackingConfig's)")
+    p.add_argument("--no-previous", action="store_true", help="skip the previous version (sdpa, old row length)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json")
     a = p.parse_args()
@@ -191,39 +229,53 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     instrument()
     packing = PackingConfig(min_shared_len=16, **({} if a.backend is None else {"backend": a.backend}))
-    results: dict[str, list[dict]] = {"stock": [], "treepack": []}
+    runs = {
+        "stock": lambda d: _train(trl.GRPOTrainer, a, d),
+        "treepack": lambda d: _train(TreepackGRPOTrainer, a, d, packing=packing),
+    }
+    if not a.no_previous:
+        previous = PackingConfig(min_shared_len=16, backend="sdpa")
+
+        def run_previous(d):
+            with previous_version():
+                return _train(TreepackGRPOTrainer, a, d, packing=previous)
+
+        runs["treepack previous"] = run_previous
+    results: dict[str, list[dict]] = {k: [] for k in runs}
+    names = list(runs)
     with tempfile.TemporaryDirectory() as d:
-        for rep in range(a.repeats):
-            order = ["stock", "treepack"] if rep % 2 == 0 else ["treepack", "stock"]
-            for who in order:
-                if who == "stock":
-                    results[who].append(_train(trl.GRPOTrainer, a, f"{d}/s{rep}"))
-                else:
-                    results[who].append(_train(TreepackGRPOTrainer, a, f"{d}/t{rep}", packing=packing))
-                print(f"repeat {rep} {who}: training {results[who][-1]['training']:.0f} ms/step", flush=True)
-    same = all(s["rewards"] == t["rewards"] for s, t in zip(results["stock"], results["treepack"]))
-    speed = [s["training"] / t["training"] for s, t in zip(results["stock"], results["treepack"])]
+        for rep in range(a.repeats + 1):  # repeat 0 warms every trainer up (imports, first calls): not counted
+            for who in names[rep % len(names) :] + names[: rep % len(names)]:
+                r = runs[who](f"{d}/{who.replace(' ', '_')}{rep}")
+                print(f"repeat {rep} {who}: training {r['training']:.0f} ms/step", flush=True)
+                if rep:
+                    results[who].append(r)
     ratio = statistics.median(t["token ratio"] for t in results["treepack"])
     print(
         f"\nmachine: {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), trl {trl.__version__}; backend {packing.backend}; "
-        f"{a.prompts} x 8, P {a.prompt_len} / C {a.completion_len}, Qwen3 {a.layers}x{a.hidden}; "
-        f"same rewards: {same}"
+        f"({torch.get_num_threads()} threads), trl {trl.__version__}; treepack backend {packing.backend}; "
+        f"{a.prompts} x 8, P {a.prompt_len} / C {a.completion_len}, Qwen3 {a.layers}x{a.hidden}, "
+        f"{'bf16' if a.bf16 else 'fp32'}; {a.repeats} repeats x {a.steps} steps"
     )
-    print("\n| part (ms / step) | stock | treepack |\n|---|---:|---:|")
+    packed = [k for k in names if k != "stock"]
+    print("\n| part (ms / step) | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for row in ROWS:
-        s = [x[row] for x in results["stock"] if row in x]
-        t = [x[row] for x in results["treepack"] if row in x]
-        if s or t:
-            print(f"| {row} | {_cell(s)} | {_cell(t)} |")
-    print(
-        f"\ntraining speedup {statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}), "
-        f"token ratio {ratio:.2f}, speedup / token ratio {statistics.median(speed) / ratio:.2f} "
-        f"({min(speed) / ratio:.2f}-{max(speed) / ratio:.2f})"
-    )
+        cells = [[x[row] for x in results[k] if row in x] for k in names]
+        if any(cells):
+            print(f"| {row} | " + " | ".join(_cell(c) for c in cells) + " |")
+    summary = {}
+    for k in packed:
+        same = all(s["rewards"] == t["rewards"] for s, t in zip(results["stock"], results[k]))
+        speed = [s["training"] / t["training"] for s, t in zip(results["stock"], results[k])]
+        summary[k] = dict(speedup=speed, same_rewards=same)
+        print(
+            f"\n{k}: training speedup {statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}), "
+            f"token ratio {ratio:.2f}, speedup / token ratio {statistics.median(speed) / ratio:.2f} "
+            f"({min(speed) / ratio:.2f}-{max(speed) / ratio:.2f}); same rewards as stock: {same}"
+        )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": results, "speedup": speed, "token_ratio": ratio}, f, indent=1)
+            json.dump({"args": vars(a), "results": results, "summary": summary, "token_ratio": ratio}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ on i's ancestor chain).
   and :func:`naive_block_mask`; named here too, beside the other forms).
 - :func:`varlen_meta`: per segment, its queries and the gathered keys of its ancestor chain,
   for FlashAttention's varlen kernel with bottom-right causal alignment; with a chunk
-  size, per (segment, chunk) piece, its chain cut to the chunk.
+  size, per (segment, chunk) piece, its chain cut to the chunk. The ``flash`` backend runs
+  this gathered layout for windowed and chunked layers and as the reference; full
+  attention reads the rows in place instead
+  (:mod:`~treepack.trainer.kernels.varlen_levels`).
 
 Each has a slow reference beside it (``naive_*``) that tests compare against. All are built
 from arrays (``subtree_end``, ``position_ids``, the plan's segment table and ancestor
