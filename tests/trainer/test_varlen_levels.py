@@ -21,12 +21,33 @@ from treepack.trainer.kernels.varlen_merge import NAIVE_SPLIT, SplitVarlen, leve
 
 from helpers.flash_standin import make_old_pair, make_pair
 from helpers.tolerance import assert_close, assert_not_close
-from helpers.trainer_cases import mixed_batch, plan_of, random_batch
+from helpers.trainer_cases import VOCAB, mixed_batch, plan_of, random_batch
 
 
 def _batch(case):
     plan = plan_of(case)
     return materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"], advise=False)
+
+
+def _tree_case(seed: int) -> dict:
+    """A random prefix tree: 1-3 roots, up to 3 levels of branching (a loop, not recursion), each
+    node a random segment; leaves (and some inner nodes) are sequences, trainable after their
+    ancestors' tokens, so every inner node is a shared, untrained prefix."""
+    rng = np.random.default_rng(seed)
+    seqs: list[np.ndarray] = []
+    trainable: list[int] = []
+    stack = [(np.zeros(0, np.int64), 0) for _ in range(int(rng.integers(1, 4)))]
+    while stack and len(seqs) < 12:
+        prefix, depth = stack.pop()
+        node = np.concatenate([prefix, rng.integers(0, VOCAB, int(rng.integers(1, 16)))])
+        kids = int(rng.integers(0, 4)) if depth < 3 else 0
+        if kids == 0 or rng.random() < 0.2:
+            seqs.append(node)
+            trainable.append(prefix.shape[0])
+        stack.extend((node, depth + 1) for _ in range(kids))
+    seq_len = int(max(s.shape[0] for s in seqs) + rng.integers(0, 24))
+    msl = int(rng.integers(1, 6))
+    return dict(sequences=seqs, trainable=trainable, groups=None, seq_len=seq_len, min_shared_len=msl)
 
 
 def _qkv(batch, seed=0, heads=(4, 2), dim=8, dtype=torch.float32):
@@ -37,12 +58,16 @@ def _qkv(batch, seed=0, heads=(4, 2), dim=8, dtype=torch.float32):
 
 
 def _run(batch, split, seed=0, dtype=torch.float32, **kw):
-    """(output, grads of q, k, v (and sinks)) of the levels path through ``split`` (None: dense SDPA)."""
+    """(output, grads of q, k, v (and sinks)) of the levels path through ``split`` (None: dense SDPA;
+    ``"gathered"``: the gathered-keys layout through the loop kernel)."""
     q, k, v = _qkv(batch, seed, dtype=dtype)
     sinks = kw.pop("sinks", None)
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
     if split is None:
         out = tree_attention(q, k, v, batch, backend="sdpa", sinks=sinks, **kw)
+    elif split == "gathered":  # the reference layout: every segment over its gathered ancestor keys
+        fn = naive_varlen_attention
+        out = tree_attention(q, k, v, batch, backend="flash", varlen_fn=fn, gather_keys=True, sinks=sinks, **kw)
     else:
         K, H, L, D = q.shape
         flat = lambda x: x.transpose(1, 2).reshape(K * L, x.shape[1], D)  # noqa: E731
@@ -108,6 +133,33 @@ def test_levels_equal_dense_forward_and_backward(pair, variant):
         out, g = _run(batch, PAIRS[pair], seed, **dict(kw))
         assert_close(f"{pair} {variant} out", ref, out, atol=2e-5)
         assert_close(f"{pair} {variant} grads", list(ref_g), list(g), atol=2e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([_tree_case, random_batch]),
+    st.sampled_from(list(PAIRS)),
+    st.sampled_from(["plain", "softcap", "sinks"]),
+)
+def test_copy_free_equals_gathered_and_dense_on_random_trees(seed, case, pair, variant):
+    """Random trees: the copy-free levels, the gathered layout (the reference kept beside it) and
+    the dense mask give the same outputs and gradients (q, k, v, sinks); dropping the ancestor
+    levels (where a row shares anything) does not."""
+    batch = _batch(case(seed))
+    kw = {"softcap": dict(softcap=2.5), "plain": {}}.get(variant) or dict(sinks=torch.randn(4).requires_grad_())
+    ref, ref_g = _run(batch, None, seed % 1000, **dict(kw))
+    gathered, gathered_g = _run(batch, "gathered", seed % 1000, **dict(kw))
+    out, g = _run(batch, PAIRS[pair], seed % 1000, **dict(kw))
+    assert_close(f"{pair} {variant} gathered vs dense", ref, gathered, atol=2e-5)
+    assert_close(f"{pair} {variant} gathered vs dense grads", list(ref_g), list(gathered_g), atol=2e-5)
+    assert_close(f"{pair} {variant} copy-free vs gathered", gathered, out, atol=2e-5)
+    assert_close(f"{pair} {variant} copy-free vs gathered grads", list(gathered_g), list(g), atol=2e-5)
+    full = batch.varlen_levels()
+    if sum(lv.pairs for lv in full.levels[1:]):  # a shared segment with keys seen by other segments
+        batch._cache["varlen_levels"] = type(full)(size=full.size, levels=full.levels[:1])
+        cut, _ = _run(batch, PAIRS[pair], seed % 1000, **dict(kw))
+        assert_not_close(f"{pair} {variant} own level only", ref, cut, atol=1e-4)
 
 
 def test_levels_equal_dense_in_float64():
