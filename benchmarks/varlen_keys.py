@@ -17,9 +17,11 @@ Bytes are for one layer of a realistic shape (8 KV heads x 128, bf16: 2 KiB per 
 the same per value row). Workloads: the golden example (SPEC 4) at full size and divided by
 64, and GRPO batches (prompts shared by 8 completions).
 
-``--time N``: also times one attention layer's forward + backward on the CPU (the batched
-CPU kernel, fp32, 8 / 2 heads x 64) on the golden example / 64 and the small GRPO batch,
-both layouts interleaved N times (median and min-max, ms), and checks they agree.
+``--time N``: also times one attention layer's forward + backward on the CPU (fp32, 8 / 2
+heads x 64, one thread) on the golden example / 64 and GRPO batches with rows of 512 to
+4,096: the dense tree mask (``sdpa``), the gathered layout and the copy-free levels (both
+through the batched CPU kernel), interleaved N times (median and min-max, ms), and checks
+that they agree.
 """
 
 from __future__ import annotations
@@ -81,34 +83,52 @@ def _plan(case: dict):
     )
 
 
+LAYOUTS = ("dense", "gathered", "copy-free")
+
+# Timed with --time (besides the two small workloads above): GRPO rows long enough that the
+# dense mask's L x L work shows (P = 8 C, as in the TRL and verl benchmarks).
+TIMED = {
+    "golden example / 64": WORKLOADS["golden example / 64"],
+    "GRPO 2 x 8, prompt 256 / completion 32": WORKLOADS["GRPO 2 x 8, prompt 256 / completion 32"],
+    "GRPO 2 x 8, prompt 1,024 / completion 128": lambda: grpo(2, 1024, 128),
+    "GRPO 2 x 8, prompt 2,048 / completion 256": lambda: grpo(2, 2048, 256),
+}
+
+
 def time_layer(name: str, case: dict, repeats: int) -> dict:
-    """One attention layer, forward + backward, gathered vs copy-free, interleaved (CPU kernel)."""
+    """One attention layer, forward + backward, interleaved: the dense tree mask (``sdpa``), the
+    gathered varlen layout and the copy-free levels (both through the batched CPU kernel)."""
     plan = _plan(case)
     batch = materialize(plan, case["sequences"], trainable=case["trainable"], groups=case["groups"], advise=False)
     K, L = batch.num_rows, batch.seq_len
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(K, L, h, 64, generator=g).transpose(1, 2) for h in (8, 2, 2)]
 
-    def step(gather: bool):
+    def step(layout: str):
         q, k, v = (t.detach().requires_grad_() for t in base)
+        kw = dict(backend="flash", varlen_fn=varlen_attention, gather_keys=layout == "gathered")
         t0 = time.perf_counter()
-        out = tree_attention(q, k, v, batch, backend="flash", varlen_fn=varlen_attention, gather_keys=gather)
+        out = tree_attention(q, k, v, batch, **(dict(backend="sdpa") if layout == "dense" else kw))
         out.square().sum().backward()
         return (time.perf_counter() - t0) * 1e3, out.detach(), q.grad
 
-    times: dict[bool, list[float]] = {True: [], False: []}
-    step(True), step(False)  # warm-up: metadata built, kernels touched
+    times: dict[str, list[float]] = {x: [] for x in LAYOUTS}
+    for x in LAYOUTS:  # warm-up: metadata built, kernels touched
+        step(x)
     for r in range(repeats):
-        for gather in (True, False) if r % 2 == 0 else (False, True):
-            times[gather].append(step(gather)[0])
-    _, a, ga = step(True)
-    _, b, gb = step(False)
+        for x in LAYOUTS[r % 3 :] + LAYOUTS[: r % 3]:  # the order rotates
+            times[x].append(step(x)[0])
+    _, ref, gref = step("dense")
+    diffs = {}
+    for x in LAYOUTS[1:]:
+        _, o, go = step(x)
+        diffs[x] = (float((o - ref).abs().max()), float((go - gref).abs().max() / gref.abs().max()))
     return dict(
         workload=name,
-        gathered_ms=times[True],
-        levels_ms=times[False],
-        max_out_diff=float((a - b).abs().max()),
-        max_grad_diff=float((ga - gb).abs().max() / ga.abs().max()),
+        rows=f"{K} x {L:,}",
+        ms=times,
+        max_out_diff=max(d[0] for d in diffs.values()),
+        max_grad_diff=max(d[1] for d in diffs.values()),
     )
 
 
@@ -156,15 +176,21 @@ def main() -> None:
     timed = []
     if a.time:
         torch.set_num_threads(1)
-        print("\n| workload (CPU, 1 thread) | gathered ms | copy-free ms | max out diff | max grad diff (rel) |")
-        print("|---|---:|---:|---:|---:|")
-        for name in ("golden example / 64", "GRPO 2 x 8, prompt 256 / completion 32"):
-            t = time_layer(name, WORKLOADS[name](), a.time)
+        print(
+            "\n| workload (CPU, 1 thread) | rows x L | dense mask (sdpa) ms | gathered ms | copy-free ms | "
+            "dense / copy-free | max out diff | max grad diff (rel) |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        cell = lambda xs: f"{statistics.median(xs):,.0f} ({min(xs):,.0f}-{max(xs):,.0f})"  # noqa: E731
+        for name, make in TIMED.items():
+            t = time_layer(name, make(), a.time)
             timed.append(t)
-            cell = lambda xs: f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"  # noqa: E731
+            ms = t["ms"]
+            ratio = statistics.median(ms["dense"]) / statistics.median(ms["copy-free"])
             print(
-                f"| {name} | {cell(t['gathered_ms'])} | {cell(t['levels_ms'])} | {t['max_out_diff']:.1e} | "
-                f"{t['max_grad_diff']:.1e} |"
+                f"| {name} | {t['rows']} | {cell(ms['dense'])} | {cell(ms['gathered'])} | {cell(ms['copy-free'])} | "
+                f"{ratio:.2f} | {t['max_out_diff']:.1e} | {t['max_grad_diff']:.1e} |",
+                flush=True,
             )
     if a.json:
         with open(a.json, "w") as f:

@@ -9,7 +9,7 @@ update each; each update is undone before the next. Prints the 1-minute load ave
 during the run and a markdown row: median times (min-max), the ratio, and the token ratio
 (tokens of the sequences / tokens the tree rows hold).
 
-    .venv-verl/bin/python benchmarks/verl_step.py --groups 4 --prompt-len 384 --response-len 48
+    .venv-verl/bin/python benchmarks/verl_step.py --groups 4 --prompt-len 384 --response-len 48 --threads 1
 
 The stock engine is timed in both of its layouts in the same run: remove-padding (verl's
 default: the micro-batch as one row) and padded (``use_remove_padding=False``: one row per
@@ -93,8 +93,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["sdpa", "auto"], help="treepack engine backends to time")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-previous", action="store_true", help="skip the previous version (sdpa, old row length)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -154,7 +157,10 @@ def main() -> None:
     token_ratio = 1 / (1 - statistics.mean(saved[f"treepack {a.backends[-1]}"]))
     packed = [k for k in engines if k.startswith("treepack")]
     cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
-    print(f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(
         f"{a.groups}x{n} sequences, P~{a.prompt_len}, R<={a.response_len}, Qwen2 {a.layers}x{a.hidden}, "
         f"vocab {a.vocab}; {a.repeats} repeats"
