@@ -14,6 +14,9 @@ Variants, timed in the same run:
 - ``flash unpacked`` (baseline): ``flash_attn_varlen_func`` over the 32 sequences, causal;
 - ``flex tree``: compiled ``flex_attention`` on the packed rows with the BlockMask built
   from ``subtree_end``;
+- ``flash copy-free tree``: the packed rows, one varlen call per tree level over keys and
+  values read in place, merged by log-sum-exp (``copy_free`` says whether flash-attn's split
+  forward/backward was found; without it this runs the gathered layout);
 - ``flash gather tree``: the packed rows, one varlen sequence per segment whose keys are
   gathered from its ancestor chain (causal, bottom-right), gather included in the time;
 - ``sdpa dense tree`` (``--dense``, or automatically when rows are <= 16,384): SDPA with the
@@ -141,10 +144,20 @@ def run(args: argparse.Namespace) -> dict:
         )
     )
     if varlen is not None:
+        # The CPU smoke's loop kernel has its own split pair; on CUDA None picks flash-attn's.
+        split_fn = varlen if args.cpu_smoke else None
+        variants.append(
+            (
+                "flash copy-free tree",
+                lambda: tree_attention(q, k, v, batch, backend="flash", varlen_fn=split_fn),
+                [q, k, v],
+                True,
+            )
+        )
         variants.append(
             (
                 "flash gather tree",
-                lambda: tree_attention(q, k, v, batch, backend="flash", varlen_fn=varlen),
+                lambda: tree_attention(q, k, v, batch, backend="flash", varlen_fn=varlen, gather_keys=True),
                 [q, k, v],
                 True,
             )
@@ -168,9 +181,15 @@ def run(args: argparse.Namespace) -> dict:
         toks = packed_tokens if packed else unpacked_tokens
         if base_time is None:
             base_time, base_out = t, out
+        extra = {}
+        if name == "flash copy-free tree" and dev.type == "cuda":
+            from treepack.trainer.kernels.gpu_flash import flash_split
+
+            extra["copy_free"] = flash_split() is not None
         results.append(
             dict(
                 variant=name,
+                **extra,
                 time_ms=1e3 * t,
                 tokens=toks,
                 tokens_per_s=toks / t,

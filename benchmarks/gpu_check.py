@@ -21,6 +21,10 @@ as not run):
 - ``attention``: ``benchmarks/gpu_attention.py``: flex / flash-gather tree (and unpacked
   FlashAttention when flash-attn imports) checked against the dense-mask SDPA reference
   at golden / 8, then timed on the golden example (FlexAttention compiles longest);
+- ``windows``: ``benchmarks/gpu_windows.py``: sliding-window (4,096) and chunked (8,192) tree attention
+  (FlexAttention with the BlockMask pruned by the window or chunk, and under the previous
+  unpruned one) and the copy-free varlen path, bf16 at rows of 8,192 and 32,768, checked and
+  timed against the unpacked sequences in the same run;
 - ``cp``: ``benchmarks/gpu_check_cp.py``: context parallelism (Ulysses and all-gather) on
   up to 4 GPUs against one, then timed; with at most one GPU the section says so (``ok``
   None, ``skipped`` naming the GPU count) instead of running;
@@ -218,6 +222,21 @@ def attention(args) -> dict:
     return out
 
 
+def windows(args) -> dict:
+    """``benchmarks/gpu_windows.py``: window / chunk tree attention (pruned BlockMask) and the
+    copy-free varlen path at 8k-32k rows, bf16, against the unpacked baseline in the same run."""
+    import gpu_windows
+
+    argv = ["--cpu-smoke"] if args.cpu_smoke else ["--iters", str(args.iters), "--warmup", str(args.warmup)]
+    out = gpu_windows.main(argv)
+    tol = 1e-4 if args.cpu_smoke else 5e-2
+    rows = out["results"]
+    errors = [r for r in rows if "error" in r]
+    worst = max((r["max_abs_diff"] for r in rows if "max_abs_diff" in r), default=float("nan"))
+    out["ok"] = not errors and worst <= tol
+    return out
+
+
 def gdn(args) -> dict:
     import gpu_gdn
 
@@ -299,6 +318,7 @@ SECTIONS = {
     "kernels": kernels,
     "gdn": gdn,
     "sparse": sparse,
+    "windows": windows,
     "attention": attention,
     "cp": cp,
     "megatron": megatron,

@@ -93,6 +93,9 @@ def run(trainer_cls, a: argparse.Namespace, workdir: str, **extra) -> dict:
         seed=0,
         use_cpu=True,
         disable_tqdm=True,
+        # fp32 on both sides (TRL's GRPOConfig defaults to bf16 autocast): the timings compare
+        # the same arithmetic, and the packed step's probe takes its bound from fp32.
+        bf16=getattr(a, "bf16", False),
     )
     model = _model(a.words + 3, a.hidden, a.layers, f"{workdir}/init")
     trainer = trainer_cls(
@@ -105,7 +108,8 @@ def run(trainer_cls, a: argparse.Namespace, workdir: str, **extra) -> dict:
     )
     t0 = time.perf_counter()
     trainer.train()
-    return {"s": time.perf_counter() - t0, "gen_s": trainer_cls.gen_s, "logs": trainer.state.log_history}
+    end = time.perf_counter()
+    return {"s": end - t0, "end": end, "gen_s": trainer_cls.gen_s, "logs": trainer.state.log_history}
 
 
 def main() -> None:
@@ -121,6 +125,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--words", type=int, default=1000)
+    p.add_argument("--bf16", action="store_true", help="TRL's bf16 autocast on both sides (default: fp32)")
     a = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as d:

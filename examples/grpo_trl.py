@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--check", action="store_true", help="also train stock TRL and compare every step; exit 1 on a mismatch"
     )
-    ap.add_argument("--backend", default="sdpa", choices=("sdpa", "flex", "flash"), help="tree attention backend")
+    ap.add_argument(
+        "--backend", default="auto", choices=("auto", "sdpa", "flex", "flash"), help="tree attention backend"
+    )
     ap.add_argument("--seq-len", type=int, default=None, help="row length (default: chosen per batch)")
     ap.add_argument("--min-shared-len", type=int, default=16)
     ap.add_argument("--beta", type=float, default=0.05, help="KL weight (> 0: reference log-probabilities too)")

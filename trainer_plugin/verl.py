@@ -66,6 +66,7 @@ from treepack.proto.errors import RequestError
 from treepack.trainer import BACKENDS, materialize, output_head, packed_forward, parity_report
 from treepack.trainer.hf import unwrap_model
 from treepack.trainer.hf.parity import sample_on_every_rank
+from treepack.trainer.kernels.attention import AUTO, resolve_backend
 from treepack.trainer.planning import plan_microbatches
 from treepack.trainer.planning.bridge import prompt_groups
 from treepack.trainer.planning.tally import PackingTally
@@ -81,7 +82,9 @@ class VerlPacking:
     """How :class:`TreepackFSDPEngine` packs a micro-batch.
 
     Attributes:
-        backend: tree attention backend, ``sdpa`` | ``flex`` | ``flash``.
+        backend: tree attention backend, ``auto`` (default: ``flash`` on a CPU, the copy-free
+            varlen path, and on a GPU where flash-attn imports; ``sdpa`` elsewhere) | ``sdpa`` |
+            ``flex`` | ``flash``.
         min_shared_len: shortest shared run the planner keeps.
         max_seq_len: row length cap (never below the longest sequence).
         planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).
@@ -96,7 +99,7 @@ class VerlPacking:
             gradients; every rank runs it, rank 0 prints).
     """
 
-    backend: str = "sdpa"
+    backend: str = AUTO
     min_shared_len: int = 16
     max_seq_len: int = 8192
     planner: Any = None
@@ -106,9 +109,11 @@ class VerlPacking:
     report_parity: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        if self.backend not in (*BACKENDS, AUTO):
             raise RequestError(
-                f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+                f"backend must be one of {(*BACKENDS, AUTO)}, got {self.backend!r}",
+                path="$.packing.backend",
+                rule="enum",
             )
         if not isinstance(self.tag, str) or len(self.tag) > 256:
             raise RequestError(
@@ -124,7 +129,7 @@ class VerlPacking:
         ``TREEPACK_VERL_REPORT_PARITY`` (``1``: on)."""
         env = os.environ
         return cls(
-            backend=env.get("TREEPACK_VERL_BACKEND", "sdpa"),
+            backend=env.get("TREEPACK_VERL_BACKEND", AUTO),
             min_shared_len=int(env.get("TREEPACK_VERL_MIN_SHARED_LEN", 16)),
             max_seq_len=int(env.get("TREEPACK_VERL_MAX_SEQ_LEN", 8192)),
             tag=env.get("TREEPACK_VERL_TAG", "verl"),
@@ -192,11 +197,12 @@ def _lengths(mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _row_len(seq_lens: np.ndarray, prompt_lens: np.ndarray, groups: np.ndarray, packing: VerlPacking) -> int:
-    """Room for the largest group's tree (prompt once, all its responses), capped, never below a sequence."""
+    """Room for the largest group's tree (prompt once, all its responses, each with its own copy of
+    the prompt's last token: the join token), capped, never below a sequence."""
     resp = seq_lens - prompt_lens
-    tree = np.bincount(groups, weights=resp, minlength=1)
+    tree = np.bincount(groups, weights=resp + 1, minlength=1)
     first = np.unique(groups, return_index=True)[1]
-    tree[groups[first]] += prompt_lens[first]
+    tree[groups[first]] += prompt_lens[first] - 1
     need = max(int(seq_lens.max(initial=1)), min(int(tree.max(initial=1)), packing.max_seq_len))
     step = 128 if packing.backend == "flex" else 16
     return -(-need // step) * step
@@ -249,7 +255,8 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             if autocast_dtype == torch.float32
             else torch.autocast(device_type=device_name, dtype=autocast_dtype)
         )
-        with self.packing_tally.first_step(unwrap_model(self.module), self.packing.backend):
+        shown = resolve_backend(self.packing.backend, batch.device, batch.seq_len)
+        with self.packing_tally.first_step(unwrap_model(self.module), shown):
             out = self._packed_logprobs(batch, autocast, temperature=temperature, with_entropy=calc_entropy)
         with autocast:
             lp, ent = out if calc_entropy else (out, None)
@@ -327,14 +334,15 @@ class TreepackFSDPEngine(FSDPEngineWithLMHead):
             root.unshard()
         try:
             with autocast:
+                backend = resolve_backend(packing.backend, batch.device, batch.seq_len)
                 if packing.report_parity and not getattr(self, "_parity_logged", False):
                     self._parity_logged = True
                     n = sample_on_every_rank(batch)
                     if n:
-                        rep = parity_report(self.module, batch, backend=packing.backend, sequences=n, grads=False)
+                        rep = parity_report(self.module, batch, backend=backend, sequences=n, grads=False)
                         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                             print(rep.table(), flush=True)
-                hidden = packed_forward(self.module, batch, backend=packing.backend, output="hidden")
+                hidden = packed_forward(self.module, batch, backend=backend, output="hidden")
                 return batch.target_logprobs_from_hidden(
                     hidden,
                     output_head(self.module),
@@ -381,8 +389,9 @@ class TreepackFSDPValueEngine(TreepackFSDPEngine, FSDPEngineWithValueHead):
             if autocast_dtype == torch.float32
             else torch.autocast(device_type=device_name, dtype=autocast_dtype)
         )
-        with self.packing_tally.first_step(unwrap_model(self.module), self.packing.backend), autocast:
-            values = packed_forward(self.module, batch, backend=self.packing.backend)  # [K, L, 1]
+        backend = resolve_backend(self.packing.backend, batch.device, batch.seq_len)
+        with self.packing_tally.first_step(unwrap_model(self.module), backend), autocast:
+            values = packed_forward(self.module, batch, backend=backend)  # [K, L, 1]
             flat = values.squeeze(-1).reshape(-1)[batch.seq_flat.to(values.device)]  # sequences in order
             model_output = {"values": torch.nested.nested_tensor_from_jagged(flat, offsets.to(values.device))}
             if loss_function is not None:

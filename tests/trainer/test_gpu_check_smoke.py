@@ -24,7 +24,7 @@ def test_gpu_check_cpu_smoke_report(tmp_path):
     report = _load().main(["--cpu-smoke", "--json", str(path)])
     assert json.loads(path.read_text())["ok"] is report["ok"] is True
     sections = report["sections"]
-    assert set(sections) == {"probe", "kernels", "attention", "gdn", "sparse", "cp", "megatron"}
+    assert set(sections) == {"probe", "kernels", "attention", "windows", "gdn", "sparse", "cp", "megatron"}
     # The CP section needs several GPUs and says so, the Megatron one megatron and a GPU; every
     # other section says ok, none is silent.
     assert sections["cp"]["ok"] is None and "needs more than one GPU" in sections["cp"]["skipped"]
@@ -38,6 +38,14 @@ def test_gpu_check_cpu_smoke_report(tmp_path):
         assert r["ok"] and r["out_rel_err"] < 1e-6 and r["grad_rel_err"] < 1e-6, (name, r)
         assert r["timing"]["tokens_unpacked_over_tree"] > 1.5 and r["timing"]["tree"]["fwd_bwd_ms"] > 0
     assert sections["sparse"]["check"]["topk_equal"]
+    # Window / chunk tree attention and the copy-free varlen path, each checked against the
+    # sequences alone; the pruned BlockMask never lists fewer blocks than the previous one.
+    win = {(r["mask"], r["variant"]): r for r in sections["windows"]["results"]}
+    assert {m for m, _ in win} == {"window 32", "chunk 64", "full"}
+    assert ("full", "flash tree copy-free") in win and ("window 32", "flash tree gathered") in win
+    assert all(r["max_abs_diff"] < 1e-4 for r in win.values())
+    for m in ("window 32", "chunk 64"):
+        assert win[(m, "flex tree, every tree block")]["blocks"] >= win[(m, "flex tree")]["blocks"] > 0
     assert set(sections["probe"]["kernels"]) == {
         "fla.chunk_gated_delta_rule",
         "fla.chunk_kda",

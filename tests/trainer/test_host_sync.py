@@ -4,8 +4,9 @@ or data-dependent shapes (``nonzero``, boolean indexing, ``unique``, ``masked_se
 
 On a GPU each of these stalls the stream; on the CPU they are free, so the test counts them:
 a TorchFunctionMode sees the Tensor methods, a TorchDispatchMode the aten ops. The varlen
-kernel stand-in (the CPU reference that takes flash-attn's place) reads ``cu_seqlens`` on the
-host by design and is the one place left out.
+kernel stand-ins (the CPU kernels that take flash-attn's place, whole or as the split
+forward/backward pair of the copy-free path) read ``cu_seqlens`` on the host by design and are
+the one place left out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from treepack.trainer.losses import sft_loss
 
 SYNC_METHODS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "aten.equal")
-STAND_INS = {"varlen_attention", "naive_varlen_attention"}
+STAND_INS = {
+    "varlen_attention",
+    "naive_varlen_attention",
+    "split_forward",
+    "split_backward",
+    "_naive_forward",
+    "_naive_backward",
+}
 
 
 def _site() -> tuple[str, int, str] | None:

@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 
 from treepack.trainer import materialize, naive_varlen_attention, tree_attention
 from treepack.trainer.kernels.masks import (
-    block_mask,
-    naive_block_mask,
     naive_dense_mask,
     naive_varlen_meta,
     varlen_meta,
@@ -32,48 +30,6 @@ def _qkv(batch, heads=4, kv_heads=2, dim=8, grad=False, seed=0):
     k = torch.randn(K, kv_heads, L, dim, generator=g, requires_grad=grad)
     v = torch.randn(K, kv_heads, L, dim, generator=g, requires_grad=grad)
     return q, k, v
-
-
-def _block_sets(bm):
-    """(partial, full) as dense [K, nq, nk] bool from a BlockMask's kv lists."""
-
-    def dense(num, idx):
-        K, _, nq, nk = idx.shape
-        out = torch.zeros(K, nq, nk, dtype=torch.bool)
-        for b in range(K):
-            for q in range(nq):
-                out[b, q, idx[b, 0, q, : int(num[b, 0, q])].long()] = True
-        return out
-
-    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([4, 8, 16]), st.sampled_from([None, 3]))
-def test_block_mask_equals_create_block_mask(seed, block, window):
-    """Block classification from subtree_end min/max == FlexAttention evaluating every pair."""
-    batch = _batch(random_batch(seed))
-    fast = block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
-    ref = naive_block_mask(batch.subtree_end, batch.position_ids, block_size=block, sliding_window=window)
-    fp, ff = _block_sets(fast)
-    rp, rf = _block_sets(ref)
-    if window is None:
-        assert torch.equal(fp, rp) and torch.equal(ff, rf)
-    else:
-        # With a window nothing is marked full, and every block with an allowed pair is kept.
-        assert not ff.any() and not ((rp | rf) & ~fp).any()
-    assert torch.equal(_token_mask(fast, batch.num_rows, batch.seq_len, block), batch.dense_mask(window)[:, 0])
-
-
-def _token_mask(bm, K, L, block):
-    """What FlexAttention computes from a BlockMask: full blocks, or partial blocks where mask_mod holds."""
-    partial, full = _block_sets(bm)
-    b = torch.arange(K)[:, None, None]
-    qi = torch.arange(L)[None, :, None]
-    ki = torch.arange(L)[None, None, :]
-    mm = bm.mask_mod(b, 0, qi, ki)
-    up = lambda m: m.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :L, :L]  # noqa: E731
-    return up(full) | (up(partial) & mm)
 
 
 @settings(max_examples=40, deadline=None)

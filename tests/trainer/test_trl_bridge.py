@@ -209,3 +209,27 @@ def test_the_record_tag_is_the_config_s_then_the_run_s():
     assert record_tag(PackingConfig(), None) is None
     with pytest.raises(RequestError, match="tag"):
         PackingConfig(tag=7)
+
+
+def test_chosen_row_length_holds_a_whole_prompt_tree():
+    """``choose_seq_len``: each GRPO group (a prompt and its 8 completions) fits one row, join tokens
+    included (every completion holds its own copy of the prompt's last token), and no more rows
+    than groups are planned; a row one join token short of that needs more rows (negative control)."""
+    from treepack.trainer.trl.config import PackingConfig, choose_seq_len
+
+    rng = np.random.default_rng(3)
+    prompts, completions = [], []
+    for _ in range(2):
+        p = rng.integers(3, 90, 40).tolist()
+        for _ in range(8):
+            prompts.append(p)
+            completions.append(rng.integers(3, 90, 13).tolist())
+    ps = from_padded(*_padded(prompts, completions))
+    cfg = PackingConfig(min_shared_len=4, max_seq_len=4096)
+    L = choose_seq_len(ps, cfg)
+    assert L == -(-(40 + 8 * (13 + 1) - 1) // 16) * 16
+    plan = lambda n: Packer().pack(
+        ps.sequences, seq_len=n, trainable=ps.trainable, groups=ps.groups.tolist(), min_shared_len=4
+    )  # noqa: E731
+    assert plan(L).num_rows == 2
+    assert plan(40 + 8 * 13).num_rows > 2

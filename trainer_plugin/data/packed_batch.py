@@ -35,6 +35,7 @@ from treepack.trainer.kernels.cp import gather_seq
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta, block_mask, dense_mask, varlen_meta
 from treepack.trainer.kernels.tree_scan import TreeSchedule, conv_width_refusal, tree_schedule
+from treepack.trainer.kernels.varlen_levels import VarlenLevels, varlen_levels
 
 __all__ = ["PackedBatch"]
 
@@ -202,6 +203,14 @@ class PackedBatch:
         if key not in self._cache:
             self._cache[key] = varlen_meta(self.plan, self.rows, self.device, chunk_size=chunk_size)
         return self._cache[key]
+
+    def varlen_levels(self) -> VarlenLevels:
+        """The copy-free varlen calls (own level, one per depth); see
+        :func:`~treepack.trainer.kernels.varlen_levels.varlen_levels`."""
+        self._whole_rows_only("the attention mask")
+        if "varlen_levels" not in self._cache:
+            self._cache["varlen_levels"] = varlen_levels(self.plan, self.rows, self.device)
+        return self._cache["varlen_levels"]
 
     def tree_schedule(self, kernel_width: int | None = None, who: str = "a layer") -> TreeSchedule:
         """The rows' :class:`~treepack.trainer.kernels.tree_scan.TreeSchedule` (built on first use, cached).

@@ -56,7 +56,9 @@ def build_mask(batch: PackedBatch, backend: str, scans: bool = False) -> Any:
     if backend == "flex":
         return batch.block_mask()
     # No mask for varlen kernels; their metadata is built (and on the device) now, before
-    # the first layer runs, not inside layer 0's attention mid-forward.
+    # the first layer runs, not inside layer 0's attention mid-forward: the copy-free levels
+    # (full attention) and the gathered chains (windowed and chunked layers).
+    batch.varlen_levels()
     batch.varlen_meta()
     return None
 

@@ -7,7 +7,14 @@ for mamba_ssm's ``selective_scan_fn``); ``tree_*`` runs on tree rows.
 
 - :mod:`~treepack.trainer.kernels.masks`: the tree mask (dense, FlexAttention BlockMask,
   varlen ancestor metadata), built from arrays (``subtree_end``, positions, segment tables);
+  the BlockMask itself, pruned to the blocks the tree, the window and the chunk leave
+  visible, in :mod:`~treepack.trainer.kernels.blocks`;
 - :mod:`~treepack.trainer.kernels.attention`: :func:`tree_attention` (sdpa | flex | flash);
+  the flash backend's copy-free calls, one per tree level
+  (:mod:`~treepack.trainer.kernels.varlen_levels`), merged by log-sum-exp through a split
+  forward/backward pair (:mod:`~treepack.trainer.kernels.varlen_merge`; the batched CPU
+  kernel :mod:`~treepack.trainer.kernels.varlen`, flash-attn's in
+  :mod:`~treepack.trainer.kernels.gpu_flash`);
 - :mod:`~treepack.trainer.kernels.gdn` and :mod:`~treepack.trainer.kernels.gdn_ref`:
   Gated DeltaNet per tree depth level, and its pure-torch kernels;
 - :mod:`~treepack.trainer.kernels.sparse`: top-k indexer attention on the ancestor chain;

@@ -7,18 +7,25 @@ allows (:mod:`treepack.trainer.kernels.masks`), so they agree within float toler
   everywhere, forward and backward; memory O(L^2) per row: the reference and the CPU path.
 - ``flex``: ``flex_attention`` with the BlockMask built from ``subtree_end`` (compiled on
   CUDA by default; PyTorch has no CPU backward for it).
-- ``flash``: FlashAttention-2 ``flash_attn_varlen_func`` over gathered ancestor K/V: each
-  segment is one varlen sequence whose keys are its ancestor chain plus itself, causal
-  aligned bottom-right. ``flash_attn`` is imported only when this backend runs;
-  :func:`naive_varlen_attention` has the same signature and runs on CPU, so the gather
-  and the metadata are tested without a GPU.
+- ``flash``: FlashAttention-2 varlen calls that read every key and value in place: one call
+  over the segments themselves (causal) and one per tree depth over each shared segment's
+  keys and its subtree's queries, merged by log-sum-exp
+  (:mod:`~treepack.trainer.kernels.varlen_levels`, :mod:`~treepack.trainer.kernels.varlen_merge`;
+  flash-attn's split forward/backward, :mod:`~treepack.trainer.kernels.gpu_flash`). Layers
+  with a sliding window or a chunk size, kernels without a split pair, and
+  ``gather_keys=True`` run the reference layout instead: each segment one varlen sequence
+  whose keys are its gathered ancestor chain plus itself, causal aligned bottom-right
+  (``flash_attn_varlen_func``). ``flash_attn`` is imported only when this backend runs;
+  :func:`naive_varlen_attention` has the same signature and runs on CPU (with its loop pair
+  for the copy-free path), so both layouts are tested without a GPU.
 
 Two attention variants, exact on every backend:
 
 - **attention sinks** (GPT-OSS ``s_aux``): one learned logit per head that joins every
   query's softmax denominator (``exp(sink)`` added to it) and has no value. Written
   through the log-sum-exp of the plain attention: ``out_sink = out * sigmoid(lse - sink)``.
-  SDPA appends the sink as an extra logit column; flex and varlen use the kernel's LSE,
+  SDPA appends the sink as an extra logit column; the copy-free varlen path merges it as
+  one more log-sum-exp term; flex and the gathered varlen layout use the kernel's LSE,
   made differentiable exactly by one more call with the keys as values
   (:func:`_differentiable_lse`: FlashAttention does not back-propagate through its LSE,
   and flex's LSE gradient is not relied on either). Sinks with a logit soft-cap run on
@@ -43,8 +50,11 @@ from torch.profiler import record_function
 from treepack.proto.errors import RequestError
 from treepack.trainer.kernels.index import scatter_filled
 from treepack.trainer.kernels.masks import VarlenMeta
+from treepack.trainer.kernels.varlen import CPU_SPLIT, varlen_attention
+from treepack.trainer.kernels.varlen_levels import VarlenLevels
+from treepack.trainer.kernels.varlen_merge import NAIVE_SPLIT, SplitVarlen, levels_attention, register_split, split_of
 
-__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS", "TreeMasks"]
+__all__ = ["tree_attention", "naive_varlen_attention", "BACKENDS", "TreeMasks", "AUTO", "resolve_backend"]
 
 
 class TreeMasks(Protocol):
@@ -66,8 +76,44 @@ class TreeMasks(Protocol):
 
     def varlen_meta(self, chunk_size: int | None = None) -> VarlenMeta: ...
 
+    def varlen_levels(self) -> VarlenLevels: ...
+
 
 BACKENDS = ("sdpa", "flex", "flash")
+#: The trainers' default backend choice, resolved per device by :func:`resolve_backend`.
+AUTO = "auto"
+
+
+#: Row length from which ``auto`` takes the copy-free varlen path on a CPU: below it the
+#: dense mask's L x L work is small and SDPA measured as fast or faster (rows of 512 tie,
+#: the varlen path wins from 2,048: BENCHMARKS.md, "Keys read in place").
+CPU_FLASH_MIN_LEN = 2048
+
+
+def resolve_backend(backend: str, device: Any, seq_len: int | None = None) -> str:
+    """``backend``, or for ``"auto"`` the fastest exact backend on ``device``.
+
+    ``auto`` is ``flash`` on a CUDA device where flash-attn imports, else ``sdpa``; on a CPU
+    it is ``flash`` (the copy-free varlen path with the batched CPU kernel: only the attended
+    pairs, no dense ``[rows, 1, L, L]`` mask) for rows of at least :data:`CPU_FLASH_MIN_LEN`
+    tokens, else ``sdpa``.
+
+    Args:
+        backend: ``sdpa`` | ``flex`` | ``flash`` | ``auto``.
+        device: where the rows live.
+        seq_len: the rows' length L; None: unknown (a CPU then takes ``flash``).
+    """
+    if backend != AUTO:
+        return backend
+    if torch.device(device).type == "cpu":
+        return "flash" if seq_len is None or seq_len >= CPU_FLASH_MIN_LEN else "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash"
+
+
 _COMPILED_FLEX: dict[str, Callable] = {}
 
 
@@ -107,6 +153,7 @@ def tree_attention(
     compile: bool | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    gather_keys: bool = False,
 ) -> torch.Tensor:
     """Attention of packed rows under the tree mask.
 
@@ -115,15 +162,18 @@ def tree_attention(
         k: [K, Hkv, L, D] keys, H a multiple of Hkv (grouped-query attention).
         v: [K, Hkv, L, Dv] values.
         batch: the rows' masks (a :class:`~treepack.trainer.data.PackedBatch`).
-        backend: ``sdpa`` | ``flex`` | ``flash``.
+        backend: ``sdpa`` | ``flex`` | ``flash`` | ``auto`` (:func:`resolve_backend`).
         scale: softmax scale (default ``D ** -0.5``).
         sliding_window: optional window w (keys at most w-1 positions back).
         softcap: optional logit soft-capping ``c * tanh(s / c)``.
-        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func``;
-            :func:`naive_varlen_attention` on CPU).
+        varlen_fn: ``flash`` only: the varlen kernel (default ``flash_attn_varlen_func`` on
+            CUDA, the batched CPU kernel :func:`~treepack.trainer.kernels.varlen.varlen_attention`
+            on a CPU; :func:`naive_varlen_attention` is the loop reference).
         compile: ``flex`` only: run ``torch.compile(flex_attention)`` (default: on CUDA).
         sinks: optional [H] attention-sink logits (GPT-OSS ``s_aux``; module docstring).
         chunk_size: optional chunk size c of chunked attention (Llama4; module docstring).
+        gather_keys: ``flash`` only: run every segment over its gathered ancestor keys (the
+            reference layout) even where the copy-free levels would run.
 
     Returns:
         [K, H, L, Dv] attention output.
@@ -135,6 +185,7 @@ def tree_attention(
             f"sinks must be one logit per query head [{q.shape[1]}], got {shape}", path="$.sinks", rule="shape"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = resolve_backend(backend, q.device, q.shape[2])
     if backend == "sdpa":
         dense = batch.dense_mask(sliding_window=sliding_window, chunk_size=chunk_size)
         return _sdpa(q, k, v, dense, scale, softcap, sinks)
@@ -142,6 +193,11 @@ def tree_attention(
         blocks = batch.block_mask(sliding_window=sliding_window, chunk_size=chunk_size)
         return _flex(q, k, v, blocks, scale, softcap, compile, sinks)
     if backend == "flash":
+        split = None if gather_keys or sliding_window is not None or chunk_size is not None else _split(varlen_fn, q)
+        if split is not None:
+            if sinks is not None and softcap is not None:
+                raise RequestError(_SINK_SOFTCAP.format(backend="flash"), path="$.backend", rule="unsupported")
+            return _levels(q, k, v, batch.varlen_levels(), split, scale, softcap, sinks)
         return _flash(
             q, k, v, batch.varlen_meta(chunk_size=chunk_size), scale, sliding_window, softcap, varlen_fn, sinks
         )
@@ -236,8 +292,8 @@ def _flash_varlen() -> Callable:
         from flash_attn import flash_attn_varlen_func
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError(
-            "backend='flash' needs the flash-attn package (pip install 'treepack[gpu]' on a CUDA machine); "
-            "use backend='sdpa' or 'flex', or pass varlen_fn=naive_varlen_attention"
+            "backend='flash' on a CUDA device needs the flash-attn package (pip install 'treepack[gpu]'); "
+            "use backend='sdpa', 'flex' or 'auto'"
         ) from e
     return flash_attn_varlen_func
 
@@ -259,6 +315,39 @@ def _differentiable_lse(
     return lse.detach().float() + (t - t.detach()).transpose(0, 1)
 
 
+def _split(varlen_fn: Callable | None, q: torch.Tensor) -> SplitVarlen | None:
+    """The split pair the copy-free path runs for ``varlen_fn`` (None: the gathered path).
+
+    ``varlen_fn`` None means flash-attn on CUDA (its pair when it imports with a known
+    signature and the inputs suit it: fp16/bf16, head dim a multiple of 8) and the batched
+    CPU kernel on a CPU; else the pair registered for ``varlen_fn``
+    (:func:`~treepack.trainer.kernels.varlen_merge.split_of`).
+    """
+    if varlen_fn is not None:
+        return split_of(varlen_fn)
+    if not q.is_cuda:
+        return CPU_SPLIT
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8:
+        return None
+    from treepack.trainer.kernels.gpu_flash import flash_split
+
+    return flash_split()
+
+
+@torch.compiler.disable  # eager inside a compiled model, as _flash below: its calls have the tree's sizes
+def _levels(q, k, v, levels, split, scale, softcap, sinks):
+    """Copy-free varlen attention (:mod:`~treepack.trainer.kernels.varlen_merge`) of
+    ``q`` [K, H, L, D], ``k``, ``v`` [K, Hkv, L, D]: the rows are read in place."""
+    K, H, L, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    with record_function("treepack::layout"):
+        qf = q.transpose(1, 2).reshape(K * L, H, D)
+        kf = k.transpose(1, 2).reshape(K * L, Hkv, D)
+        vf = v.transpose(1, 2).reshape(K * L, Hkv, Dv)
+    out = levels_attention(qf, kf, vf, levels, split, scale=scale, softcap=softcap, sinks=sinks)
+    return out.view(K, L, H, Dv).transpose(1, 2)
+
+
 # Eager inside a compiled model: the gathers' sizes are the tree's (data-dependent), so
 # dynamo would recompile them with symbolic sizes on the next tree of the same row shape,
 # which inductor cannot lower (``Exponent must be non-negative``). The projections around
@@ -270,7 +359,7 @@ def _flash(q, k, v, meta, scale, sliding_window, softcap, varlen_fn, sinks, k_se
     values at the query positions, which padding attends (default ``k``, ``v``: Lk == L)."""
     if sinks is not None and softcap is not None:
         raise RequestError(_SINK_SOFTCAP.format(backend="flash"), path="$.backend", rule="unsupported")
-    fn = varlen_fn if varlen_fn is not None else _flash_varlen()
+    fn = varlen_fn if varlen_fn is not None else varlen_attention if not q.is_cuda else _flash_varlen()
     K, H, L, D = q.shape
     Hkv, Dv, Lk = k.shape[1], v.shape[-1], k.shape[2]
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)
@@ -386,3 +475,6 @@ def naive_varlen_attention(
     if not return_attn_probs:
         return out
     return out, torch.cat(lses, dim=1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32), None
+
+
+register_split(naive_varlen_attention, NAIVE_SPLIT)

@@ -8,11 +8,16 @@ sequence's own positions (on a tree row both are positions of i's sequence, sinc
 on i's ancestor chain).
 
 - :func:`dense_mask`: [K, 1, L, L] bool, the reference (SDPA on CPU).
-- :func:`block_mask`: a FlexAttention ``BlockMask`` built from per-block minima and maxima
-  of ``subtree_end``, never from a dense L x L mask (see its docstring for the argument).
+- :func:`block_mask`: a FlexAttention ``BlockMask`` holding exactly the blocks with a
+  visible pair, windows and chunks included (defined in
+  :mod:`~treepack.trainer.kernels.blocks`, with :func:`key_floor`, :func:`tree_mask_mod`
+  and :func:`naive_block_mask`; named here too, beside the other forms).
 - :func:`varlen_meta`: per segment, its queries and the gathered keys of its ancestor chain,
   for FlashAttention's varlen kernel with bottom-right causal alignment; with a chunk
-  size, per (segment, chunk) piece, its chain cut to the chunk.
+  size, per (segment, chunk) piece, its chain cut to the chunk. The ``flash`` backend runs
+  this gathered layout for windowed and chunked layers and as the reference; full
+  attention reads the rows in place instead
+  (:mod:`~treepack.trainer.kernels.varlen_levels`).
 
 Each has a slow reference beside it (``naive_*``) that tests compare against. All are built
 from arrays (``subtree_end``, ``position_ids``, the plan's segment table and ancestor
@@ -28,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from treepack.proto.errors import RequestError
 from treepack.proto.index import csr_gather, local_row_index, localize_flat, ragged_arange, row_segments, segment_tokens
 from treepack.proto.plan import Plan
+from treepack.trainer.kernels.blocks import block_mask, check_chunk, key_floor, naive_block_mask, tree_mask_mod
 from treepack.trainer.kernels.index import index_tensor
 
 __all__ = [
@@ -38,16 +43,12 @@ __all__ = [
     "naive_dense_mask",
     "block_mask",
     "naive_block_mask",
+    "key_floor",
     "tree_mask_mod",
     "VarlenMeta",
     "varlen_meta",
     "naive_varlen_meta",
 ]
-
-
-def _check_chunk(chunk_size: int | None) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise RequestError(f"chunk_size must be a positive int, got {chunk_size!r}", path="$.chunk_size", rule="range")
 
 
 def dense_mask(
@@ -64,7 +65,7 @@ def dense_mask(
         sliding_window: optional window w: keys at most w-1 positions back.
         chunk_size: optional chunk size c: keys in the query's chunk of positions only.
     """
-    _check_chunk(chunk_size)
+    check_chunk(chunk_size)
     L = subtree_end.shape[1]
     idx = torch.arange(L, device=subtree_end.device)
     m = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
@@ -135,135 +136,6 @@ def naive_dense_mask(
     return torch.from_numpy(out)[:, None].to(device)
 
 
-def tree_mask_mod(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    chunk_size: int | None = None,
-) -> Any:
-    """FlexAttention ``mask_mod`` of the contract, reading ``subtree_end`` (and positions).
-
-    Args:
-        subtree_end: [K, Lp] int64, Lp >= L; entries past L must be 0 (nothing visible).
-        position_ids: [K, Lp] int64, needed with a sliding window or a chunk size.
-        sliding_window: optional window w.
-        chunk_size: optional chunk size c (same chunk of positions only).
-    """
-    w = None if sliding_window is None else int(sliding_window)
-    c = None if chunk_size is None else int(chunk_size)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        ok = (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
-        if w is not None:
-            ok = ok & ((position_ids[b, q_idx] - position_ids[b, kv_idx]) < w)
-        if c is not None:
-            ok = ok & ((position_ids[b, q_idx] // c) == (position_ids[b, kv_idx] // c))
-        return ok
-
-    return mask_mod
-
-
-def _padded(x: torch.Tensor, length: int, fill: int) -> torch.Tensor:
-    out = torch.full((x.shape[0], length), fill, dtype=x.dtype, device=x.device)
-    out[:, : x.shape[1]] = x
-    return out
-
-
-def _block_lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[K, nq, nk] bool -> (num [K, 1, nq] int32, indices [K, 1, nq, nk] int32, true blocks first in order)."""
-    num = m.sum(-1, dtype=torch.int32)
-    idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num[:, None], idx[:, None]
-
-
-def block_mask(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    *,
-    block_size: int = 128,
-    sliding_window: int | None = None,
-    chunk_size: int | None = None,
-) -> Any:
-    """FlexAttention ``BlockMask`` of the tree mask, O(L + (L / block)^2) work per row.
-
-    A key block [k0, k1) lets query i through iff some key j of it has
-    ``j <= i < subtree_end[j]``. Every interval ``[j, subtree_end[j])`` contains j, and the
-    j cover [k0, k1) without gaps, so their union is exactly ``[k0, max_j subtree_end[j])``:
-    a query block [q0, q1) is touched iff ``k0 < q1`` and ``max subtree_end > q0``. It is
-    full (every pair allowed, no mask_mod needed) iff ``k1 - 1 <= q0`` and
-    ``min subtree_end >= q1`` (and neither block reaches past L). With a sliding window or
-    a chunk size no block is marked full (``mask_mod`` then checks the window or the chunk
-    in every touched block).
-
-    Args:
-        subtree_end: [K, L] int64 the rows' subtree ends.
-        position_ids: [K, L] int64, needed with a sliding window.
-        block_size: FlexAttention's sparse block size (both axes).
-        sliding_window: optional window w.
-        chunk_size: optional chunk size c (Llama4 chunked attention).
-
-    Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` for [K, 1, L, L].
-    """
-    _check_chunk(chunk_size)
-    from torch.nn.attention.flex_attention import BlockMask
-
-    K, L = subtree_end.shape
-    nb = -(-L // block_size)
-    Lp = nb * block_size
-    dev = subtree_end.device
-    se = _padded(subtree_end, Lp, 0)
-    blocks_max = se.view(K, nb, block_size).amax(-1)
-    blocks_min = _padded(subtree_end, Lp, Lp + 1).view(K, nb, block_size).amin(-1)
-    start = torch.arange(nb, device=dev) * block_size
-    end = torch.clamp(start + block_size, max=L)
-    q0, q1 = start[None, :, None], end[None, :, None]
-    k0, k1 = start[None, None, :], end[None, None, :]
-    touched = (k0 < q1) & (blocks_max[:, None, :] > q0)
-    full = (k1 - 1 <= q0) & (blocks_min[:, None, :] >= q1)
-    # A block reaching past L is never full: out-of-range pairs then go through mask_mod
-    # (which sees subtree_end 0 there) instead of relying on the kernel's bounds checks.
-    whole = start + block_size <= L
-    full &= whole[None, :, None] & whole[None, None, :]
-    positional = sliding_window is not None or chunk_size is not None
-    if positional:
-        full = torch.zeros_like(full)
-    partial = touched & ~full
-    kv_num, kv_idx = _block_lists(partial)
-    full_num, full_idx = _block_lists(full)
-    assert position_ids is not None or not positional, "a sliding window or a chunk size needs position_ids"
-    pos = _padded(position_ids, Lp, 0) if positional and position_ids is not None else None
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(se, pos, sliding_window, chunk_size),
-        seq_lengths=(L, L),
-    )
-
-
-def naive_block_mask(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    *,
-    block_size: int = 128,
-    sliding_window: int | None = None,
-    chunk_size: int | None = None,
-) -> Any:
-    """Reference for :func:`block_mask` (same arguments): FlexAttention's own
-    ``create_block_mask``, which evaluates ``mask_mod`` on every (query, key) pair."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    K, L = subtree_end.shape
-    nb = -(-L // block_size)
-    se = _padded(subtree_end, nb * block_size, 0)
-    pos = _padded(position_ids, nb * block_size, 0) if position_ids is not None else None
-    mod = tree_mask_mod(se, pos, sliding_window, chunk_size)
-    return create_block_mask(mod, K, None, L, L, device=subtree_end.device, BLOCK_SIZE=block_size)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VarlenMeta:
     """Varlen attention over gathered ancestor keys: one varlen sequence per segment.
@@ -327,7 +199,7 @@ def varlen_meta(plan: Plan, rows: np.ndarray, device: Any = None, chunk_size: in
             chain from the chunk's first position (``segments`` then lists each piece's
             segment, one entry per piece).
     """
-    _check_chunk(chunk_size)
+    check_chunk(chunk_size)
     seg, att = plan.segments, plan.attention
     L = plan.seq_len
     segs, _ = row_segments(seg.row_ptr, rows)

@@ -1,15 +1,22 @@
 """A varlen attention kernel for the CPU: :func:`varlen_attention`, ``flash_attn_varlen_func``'s signature.
 
-The ``flash`` backend runs one varlen sequence per segment (queries = the segment, keys =
-its ancestor chain, causal aligned bottom-right). :func:`~treepack.trainer.kernels.attention.naive_varlen_attention`
-is the loop reference: one set of small ops per sequence, and each slice's backward
-zero-fills a full-size gradient, so on a CPU its cost says more about the loop than about
-the plan. This kernel gathers the sequences into buckets of similar (query, key) lengths
-(each padded to at most ~25% more than its longest member, per dimension), runs one
-batched ``scaled_dot_product_attention`` per bucket under a [b, 1, q, k] mask that holds
-the causal alignment and the padding, and scatters the results back in one index pass.
-Soft-capping and the log-sum-exp output (sinks) run the same buckets through plain
-batched ops. Equal to the reference within float tolerance (tests compare them).
+The ``flash`` backend's gathered layout runs one varlen sequence per segment (queries = the
+segment, keys = its ancestor chain, causal aligned bottom-right).
+:func:`~treepack.trainer.kernels.attention.naive_varlen_attention` is the loop reference: one
+set of small ops per sequence, and each slice's backward zero-fills a full-size gradient, so
+on a CPU its cost says more about the loop than about the plan. This kernel gathers the
+sequences into buckets of similar (query, key) lengths (each padded to at most ~25% more
+than its longest member, per dimension), runs one batched ``scaled_dot_product_attention``
+per bucket under a [b, 1, q, k] mask that holds the causal alignment and the padding, and
+scatters the results back in one index pass. Soft-capping and the log-sum-exp output
+(sinks) run the same buckets through plain batched ops. Equal to the reference within
+float tolerance (tests compare them).
+
+The copy-free layout (:mod:`~treepack.trainer.kernels.varlen_merge`) runs the same buckets
+as a split pair, :data:`CPU_SPLIT` (registered as this kernel's): :func:`split_forward`
+returns the LSE (PyTorch's CPU flash kernel, ``_scaled_dot_product_flash_attention_for_cpu``,
+per bucket; plain ops under a soft-cap) and :func:`split_backward` runs that kernel's
+backward from the merged output and LSE it is given.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from treepack.proto.errors import RequestError
+from treepack.trainer.kernels.varlen_merge import SplitVarlen, register_split
 
-__all__ = ["varlen_attention", "length_buckets"]
+__all__ = ["varlen_attention", "length_buckets", "split_forward", "split_backward", "CPU_SPLIT"]
 
 
 def _size_class(n: np.ndarray) -> np.ndarray:
@@ -168,3 +176,107 @@ def varlen_attention(
     if not return_attn_probs:
         return out
     return out, torch.cat(lses, dim=1)[:, inv], None
+
+
+def _bucket_rows(cq: np.ndarray, ck: np.ndarray, members: np.ndarray, Q: int, K: int, causal: bool, dev: Any):
+    """Index tensors of one bucket: (q rows [b, Q], k rows [b, K], q_ok, k_ok, additive-mask maker).
+
+    Padding slots index row 0 and are masked (keys) or zeroed and dropped (queries).
+    """
+    nq, nk = np.diff(cq)[members], np.diff(ck)[members]
+    q_ok, k_ok, ok = _bucket_mask(nq, nk, Q, K, causal, (-1, -1))
+    qi = torch.as_tensor(np.where(q_ok, cq[members, None] + np.arange(Q), 0), device=dev)
+    ki = torch.as_tensor(np.where(k_ok, ck[members, None] + np.arange(K), 0), device=dev)
+    return qi, ki, torch.as_tensor(q_ok, device=dev), torch.as_tensor(k_ok, device=dev), torch.as_tensor(ok, device=dev)
+
+
+def _live_buckets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[np.ndarray, np.ndarray, list]:
+    """(cq, ck, buckets of the sequences that have queries and keys) for a split call."""
+    cq = cu_q.detach().cpu().numpy().astype(np.int64)
+    ck = cu_k.detach().cpu().numpy().astype(np.int64)
+    nq, nk = np.diff(cq), np.diff(ck)
+    live = np.flatnonzero((nq > 0) & (nk > 0))
+    return cq, ck, [(live[m], Q, K) for m, Q, K in length_buckets(nq[live], nk[live])]
+
+
+def _gathered(x: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, n_rep: int = 1) -> torch.Tensor:
+    """x [T, h, d] rows idx [b, n] -> [b, h * n_rep, n, d], zero where not ok."""
+    g = torch.where(ok[..., None, None], x[idx], 0).transpose(1, 2)
+    return g.repeat_interleave(n_rep, 1) if n_rep > 1 else g
+
+
+def _plain_scores(qb, kb, scale, softcap, ok):
+    wide = torch.promote_types(qb.dtype, torch.float32)
+    s = torch.matmul(qb.to(wide), kb.to(wide).transpose(-1, -2)) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    return s.masked_fill(~ok[:, None], -math.inf), t
+
+
+def split_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap):
+    """Forward of the batched CPU pair (:mod:`~treepack.trainer.kernels.varlen_merge` contract):
+    per bucket, PyTorch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``,
+    which returns the LSE), or plain ops under a soft-cap."""
+    H, n_rep = q.shape[1], q.shape[1] // k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape[0], H, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((H, q.shape[0]), -math.inf, dtype=wide, device=q.device)
+    cq, ck, buckets = _live_buckets(cu_q, cu_k)
+    for members, Q, K in buckets:
+        qi, ki, q_ok, k_ok, ok = _bucket_rows(cq, ck, members, Q, K, causal, q.device)
+        qb, kb, vb = _gathered(q, qi, q_ok), _gathered(k, ki, k_ok, n_rep), _gathered(v, ki, k_ok, n_rep)
+        if softcap:
+            s, _ = _plain_scores(qb, kb, scale, softcap, ok)
+            lb = torch.logsumexp(s, -1)
+            ob = torch.matmul(torch.exp(s - lb[..., None]), vb.to(wide)).to(q.dtype)
+        else:
+            mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, -math.inf)[:, None]
+            ob, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[qi[q_ok]] = ob.transpose(1, 2)[q_ok]
+        lse[:, qi[q_ok]] = lb.to(wide).permute(1, 0, 2)[:, q_ok]
+    return out, lse
+
+
+def split_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, softcap):
+    """Backward of the batched CPU pair from the output and LSE it is given (the merged ones)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    n_rep = H // Hkv
+    wide = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    dk = torch.zeros(k.shape, dtype=wide, device=q.device)
+    dv = torch.zeros(v.shape, dtype=wide, device=q.device)
+    cq, ck, buckets = _live_buckets(cu_q, cu_k)
+    for members, Q, K in buckets:
+        qi, ki, q_ok, k_ok, ok = _bucket_rows(cq, ck, members, Q, K, causal, q.device)
+        qb, kb, vb = _gathered(q, qi, q_ok), _gathered(k, ki, k_ok, n_rep), _gathered(v, ki, k_ok, n_rep)
+        dob, ob = _gathered(dout, qi, q_ok), _gathered(out, qi, q_ok)
+        # Padding query slots: q = dout = out = 0 and lse 0, so their one visible key gets P = 1, dS = 0.
+        lb = torch.where(q_ok[:, None], lse[:, qi].permute(1, 0, 2), 0).to(wide).contiguous()
+        if softcap:
+            s, t = _plain_scores(qb, kb, scale, softcap, ok)
+            p = torch.exp(s - lb[..., None])
+            dvb = torch.matmul(p.transpose(-1, -2), dob.to(wide))
+            ds = p * (
+                torch.matmul(dob.to(wide), vb.to(wide).transpose(-1, -2))
+                - (dob.to(wide) * ob.to(wide)).sum(-1)[..., None]
+            )
+            ds = ds * (1 - t * t)
+            dqb, dkb = torch.matmul(ds, kb.to(wide)) * scale, torch.matmul(ds.transpose(-1, -2), qb.to(wide)) * scale
+        else:
+            mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, -math.inf)[:, None]
+            dqb, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dob, qb, kb, vb, ob, lb, 0.0, False, attn_mask=mask, scale=scale
+            )
+        b = dkb.shape[0]
+        fold = lambda g: g.reshape(b, Hkv, n_rep, *g.shape[2:]).sum(2) if n_rep > 1 else g  # noqa: E731
+        dq.index_add_(0, qi[q_ok], dqb.to(wide).transpose(1, 2)[q_ok])
+        dk.index_add_(0, ki[k_ok], fold(dkb.to(wide)).transpose(1, 2)[k_ok])
+        dv.index_add_(0, ki[k_ok], fold(dvb.to(wide)).transpose(1, 2)[k_ok])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+#: The batched CPU pair, registered as :func:`varlen_attention`'s.
+CPU_SPLIT = SplitVarlen(forward=split_forward, backward=split_backward, name="cpu")
+register_split(varlen_attention, CPU_SPLIT)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from treepack.proto.errors import RequestError
-from treepack.trainer.kernels.attention import BACKENDS
+from treepack.trainer.kernels.attention import AUTO, BACKENDS
 from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.planner import PlannerArg
 
@@ -24,8 +24,9 @@ class PackingConfig:
         seq_len: row length L; None picks one per batch (:func:`choose_seq_len`).
         min_shared_len: shortest shared run the planner keeps (GRPO prompts are the
             shared runs; the planner's default 64 hides short prompts, so 16 here).
-        backend: tree attention backend, ``sdpa`` (dense mask, CPU and GPU) | ``flex`` |
-            ``flash``.
+        backend: tree attention backend, ``auto`` (default: ``flash`` on a CPU, the copy-free
+            varlen path with the batched CPU kernel, and on a GPU where flash-attn imports;
+            ``sdpa`` elsewhere) | ``sdpa`` (dense mask, CPU and GPU) | ``flex`` | ``flash``.
         placement: the planner's placement (``auto`` ...).
         planner: as :func:`~treepack.trainer.planning.planner.obtain_plan`: a
             ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
@@ -60,7 +61,7 @@ class PackingConfig:
 
     seq_len: int | None = None
     min_shared_len: int = 16
-    backend: str = "sdpa"
+    backend: str = AUTO
     placement: str = "auto"
     planner: PlannerArg = None
     max_seq_len: int = 8192
@@ -74,9 +75,11 @@ class PackingConfig:
     verbose: bool = True
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        if self.backend not in (*BACKENDS, AUTO):
             raise RequestError(
-                f"backend must be one of {BACKENDS}, got {self.backend!r}", path="$.packing.backend", rule="enum"
+                f"backend must be one of {(*BACKENDS, AUTO)}, got {self.backend!r}",
+                path="$.packing.backend",
+                rule="enum",
             )
         if self.tag is not None and (not isinstance(self.tag, str) or len(self.tag) > 256):
             raise RequestError(
@@ -121,7 +124,9 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
     """Row length for ``padded``: ``config.seq_len``, or room for the largest prompt tree.
 
     A tree (one prompt and its group's completions) needs at most prompt + all its
-    completions tokens; L is that for the largest group (without groups, as from
+    completions tokens, plus one per completion but the first: the prompt's last token
+    predicts each completion's first token, so every branch holds its own copy of it (the
+    join token, SPEC 2 rule 3); L is that for the largest group (without groups, as from
     :func:`~treepack.trainer.planning.bridge.from_labeled`: all tokens of the batch), capped at
     ``max_seq_len`` but never below the longest sequence, rounded up to 128 (``flex``'s
     block) or 16.
@@ -136,9 +141,10 @@ def choose_seq_len(padded: PaddedSequences, config: PackingConfig) -> int:
         # No groups known (SFT): any rows may share, so room for the whole batch.
         tree = np.array([lens.sum()])
     else:
-        tree = np.bincount(padded.groups, weights=padded.completion_lens, minlength=1)
+        # Each completion with its own copy of the join token; the prompt's copy is the first's.
+        tree = np.bincount(padded.groups, weights=padded.completion_lens + 1, minlength=1)
         first = np.unique(padded.groups, return_index=True)[1]
-        tree[padded.groups[first]] += padded.prompt_lens[first]
+        tree[padded.groups[first]] += padded.prompt_lens[first] - 1
     need = max(int(lens.max(initial=1)), min(int(tree.max(initial=1)), config.max_seq_len))
     step = 128 if config.backend == "flex" else 16
     return -(-need // step) * step

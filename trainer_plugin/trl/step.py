@@ -26,6 +26,7 @@ from treepack.trainer.hf.context import BATCH_KWARG, PackedContext, use_packed
 from treepack.trainer.hf.parity import parity_report, sample_on_every_rank
 from treepack.trainer.hf.vision import image_inputs
 from treepack.trainer.hf.wrapped import unwrap_model
+from treepack.trainer.kernels.attention import resolve_backend
 from treepack.trainer.planning.bridge import PaddedSequences
 from treepack.trainer.planning.images import image_keys
 from treepack.trainer.planning.microbatch import plan_microbatches
@@ -141,7 +142,7 @@ class PackedRows:
         image) and, for mRoPE models, each sequence's own 3-D positions
         (:func:`~treepack.trainer.hf.vision.image_inputs`).
         """
-        backend = self.packing.backend
+        backend = resolve_backend(self.packing.backend, batch.device, batch.seq_len)
         hf = unwrap_model(model)
         accepted = {"allow_dropout": self.packing.allow_dropout, "allow_stochastic": self.packing.allow_stochastic}
         setup = PackedSetup.of_call(batch, {}, backend=backend, verify=self.packing.verify, **accepted)
