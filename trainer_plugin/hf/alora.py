@@ -4,7 +4,7 @@ An aLoRA adapter runs only from the start of the *last* occurrence of its invoca
 in an input (``alora_invocation_tokens``), onwards. PEFT's ``PeftModelForCausalLM`` finds it
 once per input row (``calculate_alora_offsets``) and hands every LoRA layer an offset from
 the row's end; on a packed row that is one match for all the sequences the row holds, so
-they would be adapted from another sequence's match on (0.22 off each sequence alone in a
+they would be adapted from another sequence's match on (0.09 off each sequence alone in a
 tiny Qwen3).
 
 Here the activation is computed per sequence, from the sequence's own tokens, and mapped
