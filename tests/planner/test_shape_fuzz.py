@@ -118,4 +118,8 @@ def test_every_trainer_shape_plans_validly(monkeypatch):
     assert all(seen[k] for k in KINDS), seen
     for what in ("100+ leaves a row", "1000+ sequences", "shared", "deep", "above the bound"):
         assert seen[what] >= 2, (what, seen)
-    assert handed[0] >= 2048, handed  # deeper than Hypothesis' raised recursion limit (~2,000)
+    # The exact search handed a neighbourhood of many short leaves. The batches that used to hand it
+    # 2,048+ at once (deeper than Hypothesis' raised recursion limit) are now proven optimal by the
+    # count bound and skip the repair pass; tests/planner/test_exact_scale.py drives the search with
+    # 1,000+ leaves explicitly.
+    assert handed[0] >= 32, handed
