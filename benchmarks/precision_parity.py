@@ -41,6 +41,7 @@ from treepack.service.planner import plan_batch, validate_plan  # noqa: E402
 from treepack.trainer import PackedBatch, materialize, naive_varlen_attention, parity_report  # noqa: E402
 from treepack.trainer.hf.admission.tolerance import MULTIPLE  # noqa: E402
 from treepack.trainer.kernels import masks  # noqa: E402
+from treepack.trainer.kernels.varlen_levels import VarlenLevels, _level  # noqa: E402
 
 PRECISIONS = {
     "float32": (torch.float32, None),
@@ -75,13 +76,23 @@ def broken_mask() -> Iterator[None]:
         lens = np.bincount(rows, minlength=self.num_rows)
         return masks._meta(self.num_rows * self.seq_len, self.device, np.arange(self.num_rows), q, q, lens, lens)
 
+    def causal_levels(self: PackedBatch) -> VarlenLevels:
+        # The copy-free path's own level as one causal sequence per row, and no ancestor levels.
+        L = self.seq_len
+        starts = np.arange(self.num_rows, dtype=np.int64) * L
+        own = _level(starts, starts + L, starts, starts + L, True, self.device)
+        return VarlenLevels(size=self.num_rows * L, levels=(own,))
+
+    levels = PackedBatch.varlen_levels
     PackedBatch.dense_mask = lambda self, *a, **k: dense(causal(self), *a, **k)  # type: ignore[method-assign]
     PackedBatch.block_mask = lambda self, *a, **k: block(causal(self), *a, **k)  # type: ignore[method-assign]
     PackedBatch.varlen_meta = causal_varlen  # type: ignore[method-assign]
+    PackedBatch.varlen_levels = causal_levels  # type: ignore[method-assign]
     try:
         yield
     finally:
         PackedBatch.dense_mask, PackedBatch.block_mask, PackedBatch.varlen_meta = dense, block, varlen
+        PackedBatch.varlen_levels = levels  # type: ignore[method-assign]
 
 
 def build(vocab: int, hidden: int, layers: int, dtype: torch.dtype) -> torch.nn.Module:

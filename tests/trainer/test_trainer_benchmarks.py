@@ -19,7 +19,13 @@ def _load(name: str):
 def test_gpu_attention_cpu_smoke():
     out = _load("gpu_attention").main(["--cpu-smoke"])
     res = {r["variant"]: r for r in out["results"]}
-    assert set(res) == {"flash unpacked", "flex tree (forward only)", "flash gather tree", "sdpa dense tree"}
+    assert set(res) == {
+        "flash unpacked",
+        "flex tree (forward only)",
+        "flash gather tree",
+        "flash copy-free tree",
+        "sdpa dense tree",
+    }
     for r in res.values():
         assert r["max_abs_diff"] <= 1e-5
     assert res["sdpa dense tree"]["token_ratio"] < 0.5 and math.isfinite(res["flash gather tree"]["time_ms"])

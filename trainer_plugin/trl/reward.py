@@ -23,6 +23,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from treepack.proto.errors import RequestError
 from treepack.trainer.data.materialize import materialize
 from treepack.trainer.hf.forward import packed_forward
+from treepack.trainer.kernels.attention import resolve_backend
 from treepack.trainer.planning.bridge import from_padded
 from treepack.trainer.trl.config import PackingConfig
 from treepack.trainer.trl.step import PackedRows
@@ -103,7 +104,7 @@ class TreepackRewardTrainer(PackedRows, trl.RewardTrainer):
             scores = packed_forward(
                 model,
                 batch,
-                backend=self.packing.backend,
+                backend=resolve_backend(self.packing.backend, batch.device, batch.seq_len),
                 verify=self.packing.verify,
                 allow_dropout=self.packing.allow_dropout,
             )
