@@ -45,10 +45,17 @@ patches, train/eval, checkpointing and its reentrancy, dtype, device, autocast, 
 the caller adds: the wrappers, the rows' cap, what was accepted), so each setup is proven
 once per process. The random streams of torch (CPU and the model's device) are forked:
 the caller's random draws are unchanged by the probe.
+
+A model whose parameters are sharded over the ranks (FSDP, FSDP2, tensor parallel) runs
+each forward as a collective, so its probe runs on every rank or on none: whether any rank
+needs one is agreed by one all-reduce per call (a rank's row length, and so the probe's
+cap, depends on its own micro-batch), and such a probe measures both unpacked shapes, so
+that every rank runs the same forwards whatever its own measurements say.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -92,6 +99,7 @@ from treepack.trainer.hf.admission.walk_cache import forget_walks
 __all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes", "checkpointing"]
 
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]] = weakref.WeakKeyDictionary()
+_LOCKSTEP: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 _SIGNATURE_NAMES = ("backend", "patch_layers", "training", "checkpointing", "reentrant", "dtype", "device")
 
 
@@ -312,11 +320,14 @@ def _refuse_mismatch(runs: _Runs, what: str, j: _Judged, packed_run: Callable) -
     )
 
 
-def _prove(runs: _Runs, batch: Any, run_packed: Callable, dtype: torch.dtype, what: str) -> _Judged:
+def _prove(
+    runs: _Runs, batch: Any, run_packed: Callable, dtype: torch.dtype, what: str, lockstep: bool = False
+) -> _Judged:
     """The same sequence alone twice within rounding, then packed against alone within the noise floor.
 
-    The second shape is measured only when the first is not enough: the verdict is the same as
-    with both measured, since a wider floor never refuses what a narrower one accepts.
+    The second shape is measured only when the first is not enough (always with ``lockstep``:
+    every rank runs the same forwards): the verdict is the same as with both measured, since a
+    wider floor never refuses what a narrower one accepts.
     """
     with torch.no_grad():
         twin = runs.ro.alone(runs.call, runs.seqs[-1:], 1)
@@ -329,7 +340,7 @@ def _prove(runs: _Runs, batch: Any, run_packed: Callable, dtype: torch.dtype, wh
     names = list(SHAPES)
     shapes = {names[0]: runs.shape(names[0])}
     j = _judge(runs, packed, shapes, dtype)
-    if not j.ok and j.shape_noise <= j.limit:
+    if lockstep or (not j.ok and j.shape_noise <= j.limit):
         shapes[names[1]] = runs.shape(names[1])
         j = _judge(runs, packed, shapes, dtype)
     if j.shape_noise > j.limit:
@@ -348,6 +359,7 @@ def run_probe(
     row_len: int | None = None,
     allow_stochastic: bool = False,
     signature: tuple = (),
+    lockstep: bool = False,
 ) -> ProbeReport:
     """Run the probe once (no cache): packed vs every sequence alone, forward and gradients.
 
@@ -360,6 +372,8 @@ def run_probe(
         allow_stochastic: the caller accepted random draws: the modules that draw run in eval
             mode for the probe (it proves the rest).
         signature: recorded in the report.
+        lockstep: every rank runs this probe (a sharded model): the forwards it runs do not
+            depend on what it measures.
 
     Returns:
         The :class:`ProbeReport`.
@@ -386,7 +400,7 @@ def run_probe(
             if watch.draws and (again := watch_forward(hf, seqs[-1])).draws:
                 _refuse_draws(hf, again, what, silenced=True)
             runs = _alone(call, hf, seqs)
-            j = _prove(runs, batch, run_packed, watch.compute_dtype, what)
+            j = _prove(runs, batch, run_packed, watch.compute_dtype, what, lockstep)
     return ProbeReport(
         signature=signature,
         tokens=int(sum(a.shape[0] for a in arrays)),
@@ -401,6 +415,10 @@ def run_probe(
 def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = (), **probe: Any) -> ProbeReport:
     """:func:`run_probe` once per (model, :func:`probe_signature` + ``extra``); later calls return the first report.
 
+    For a sharded model (:func:`lockstep_ranks`) every rank probes when any rank meets a new
+    signature (one all-reduce per call), since its forwards are collectives: every rank
+    must call this as often as the others, as it must call the model.
+
     Args:
         hf: the unwrapped model; backend, patch_layers: as for ``packed_forward``.
         extra: more of the setup, part of the signature (the wrappers, the rows' cap, what was accepted).
@@ -412,6 +430,44 @@ def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = 
     """
     sig = probe_signature(hf, backend=backend, patch_layers=patch_layers) + tuple(extra)
     done = _VERIFIED.setdefault(hf, {})
-    if sig not in done:
-        done[sig] = run_probe(hf, signature=sig, **probe)
+    lockstep = lockstep_ranks(hf)
+    need = sig not in done
+    if lockstep:
+        need = _on_any_rank(need)
+    if need:
+        done[sig] = run_probe(hf, signature=sig, lockstep=lockstep, **probe)
     return done[sig]
+
+
+def lockstep_ranks(hf: torch.nn.Module) -> bool:
+    """Whether ``hf``'s forwards are collectives over the default process group: more than one
+    rank, and its parameters sharded (FSDP, FSDP2 or DTensor parameters). Read once per model."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if hf not in _LOCKSTEP:
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        kinds = tuple(
+            k
+            for k in (
+                getattr(fsdp, "FSDPModule", None),
+                getattr(fsdp, "FullyShardedDataParallel", None),
+            )
+            if k is not None
+        )
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        _LOCKSTEP[hf] = (
+            bool(kinds)
+            and any(isinstance(m, kinds) for m in hf.modules())
+            or (dtensor is not None and any(isinstance(p, dtensor) for p in hf.parameters()))
+        )
+    return _LOCKSTEP[hf]
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """``flag`` OR-ed over the ranks of the default process group (one all-reduce)."""
+    dist = torch.distributed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
