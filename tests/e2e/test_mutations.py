@@ -66,6 +66,22 @@ MUTANTS = (
         ("tests/planner/test_planner_exact.py", "-k", "auto_is_optimal"),
     ),
     Mutant(
+        "lower bound: min_copies counts one token more room below each node",
+        "service/planner/bounds.py",
+        r"^\s+room = np\.maximum\(seq_len - end, 1\)$",
+        "seq_len - end",
+        "seq_len - end + 1",
+        ("tests/planner/test_bounds.py",),
+    ),
+    Mutant(
+        "lower bound: the count bound's threshold (the shortest leaf) dropped",
+        "service/planner/bounds.py",
+        r"^\s+ts\.append\(max\(int\(tree\.end\[leaves\]\.min\(\)\), 1\)\)",
+        "ts.append(",
+        "[].append(",
+        ("tests/planner/test_bounds.py",),
+    ),
+    Mutant(
         "in_order: a row filled to seq_len closed early",
         "service/planner/baselines.py",
         r"^\s+if r < 0 or m > room:$",
