@@ -6,7 +6,8 @@ mini-batch: G prompts of about P tokens, 8 responses each of at most R tokens, m
 of one group (8 sequences). Both engines start from the same checkpoint and are built before
 any timing; the repeats interleave the two engines (the order alternates), after one warm-up
 update each; each update is undone before the next. Prints the 1-minute load average seen
-during the run and a markdown row: median times (min-max), the ratio, and the token ratio
+during the run and a markdown row: median times (min-max), the
+stock / treepack ratio per repeat (median, min-max), and it over the token ratio
 (tokens of the sequences / tokens the tree rows hold).
 
     .venv-verl/bin/python benchmarks/verl_step.py --groups 4 --prompt-len 384 --response-len 48 --threads 1
@@ -156,7 +157,10 @@ def main() -> None:
     # Tokens of the sequences / tokens the tree rows hold (the same plan under every backend).
     token_ratio = 1 / (1 - statistics.mean(saved[f"treepack {a.backends[-1]}"]))
     packed = [k for k in engines if k.startswith("treepack")]
-    cell = lambda k: f"{med[k]:.2f} s ({min(times[k]):.2f}-{max(times[k]):.2f})"  # noqa: E731
+    cell = lambda k: f"{med[k] * 1e3:,.0f} ms ({min(times[k]) * 1e3:,.0f}-{max(times[k]) * 1e3:,.0f})"  # noqa: E731
+    # Stock / treepack per repeat (both timed in the same repeat): the speedup's median and spread.
+    paired = lambda k, t: [s / p for s, p in zip(times[k], times[t])]  # noqa: E731
+    spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"  # noqa: E731
     print(
         f"1-min load average during the run: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -169,16 +173,16 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for k in ("stock remove-padding", "stock padded"):
         for t in packed:
+            speed = paired(k, t)
             print(
                 f"| {k.removeprefix('stock ')} | {cell(k)} | {t.removeprefix('treepack ')} | {cell(t)} | "
-                f"{med[k] / med[t]:.2f}x | "
-                f"{med[k] / med[t] / token_ratio:.2f} (token ratio {token_ratio:.2f}x) |"
+                f"{spread(speed)}x | {spread([x / token_ratio for x in speed])} (token ratio {token_ratio:.2f}x) |"
             )
     labels = ("forward_step", "plan + materialize", "packed forward + head", "rest")
-    print("\n| engine (s per update, median) | " + " | ".join(labels) + " |")
+    print("\n| engine (ms per update, median) | " + " | ".join(labels) + " |")
     print("| --- |" + " ---: |" * len(labels))
     for k, runs in parts.items():
-        cells = [f"{statistics.median(r.get(x, 0.0) for r in runs):.2f}" for x in labels]
+        cells = [f"{statistics.median(r.get(x, 0.0) for r in runs) * 1e3:,.1f}" for x in labels]
         print(f"| {k} | " + " | ".join(cells) + " |")
 
 

@@ -82,9 +82,10 @@ class VerlPacking:
     """How :class:`TreepackFSDPEngine` packs a micro-batch.
 
     Attributes:
-        backend: tree attention backend, ``auto`` (default: ``flash`` on a CPU, the copy-free
-            varlen path, and on a GPU where flash-attn imports; ``sdpa`` elsewhere) | ``sdpa`` |
-            ``flex`` | ``flash``.
+        backend: tree attention backend, ``auto`` (default: ``flash``, the copy-free
+            varlen path, on a GPU where flash-attn imports and on a CPU for rows of at least
+            2,048 tokens; ``sdpa`` elsewhere: :func:`~treepack.trainer.kernels.attention.resolve_backend`)
+            | ``sdpa`` | ``flex`` | ``flash``.
         min_shared_len: shortest shared run the planner keeps.
         max_seq_len: row length cap (never below the longest sequence).
         planner: a ``treepack.client.Packer``, a sidecar URL, or None (embedded).

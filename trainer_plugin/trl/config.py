@@ -24,9 +24,11 @@ class PackingConfig:
         seq_len: row length L; None picks one per batch (:func:`choose_seq_len`).
         min_shared_len: shortest shared run the planner keeps (GRPO prompts are the
             shared runs; the planner's default 64 hides short prompts, so 16 here).
-        backend: tree attention backend, ``auto`` (default: ``flash`` on a CPU, the copy-free
-            varlen path with the batched CPU kernel, and on a GPU where flash-attn imports;
-            ``sdpa`` elsewhere) | ``sdpa`` (dense mask, CPU and GPU) | ``flex`` | ``flash``.
+        backend: tree attention backend, ``auto`` (default: ``flash``, the copy-free
+            varlen path, on a GPU where flash-attn imports and on a CPU for rows of at least
+            2,048 tokens, with the batched CPU kernel; ``sdpa`` elsewhere:
+            :func:`~treepack.trainer.kernels.attention.resolve_backend`) | ``sdpa`` (dense mask,
+            CPU and GPU) | ``flex`` | ``flash``.
         placement: the planner's placement (``auto`` ...).
         planner: as :func:`~treepack.trainer.planning.planner.obtain_plan`: a
             ``treepack.client.Packer`` (any :class:`~treepack.trainer.planning.planner.Planner`),
