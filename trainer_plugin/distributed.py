@@ -106,7 +106,9 @@ def decode_plan(buf: bytes) -> tuple[Plan, dict[str, np.ndarray]]:
     return _decode(obj)
 
 
-def _comm_device(group: Any) -> torch.device:
+def comm_device(group: Any = None) -> torch.device:
+    """Where a tensor handed to a collective of ``group`` (None: the default group) must live:
+    the current CUDA device under nccl, else the CPU."""
     import torch.distributed as dist
 
     if dist.get_backend(group) == "nccl":
@@ -117,7 +119,7 @@ def _comm_device(group: Any) -> torch.device:
 def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     import torch.distributed as dist
 
-    dev = _comm_device(group)
+    dev = comm_device(group)
     mine = dist.get_rank() == src
     assert data is not None or not mine, "the source rank sends the payload"
     sent = data if mine and data is not None else b""

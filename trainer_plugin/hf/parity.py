@@ -37,6 +37,7 @@ import torch
 
 from treepack.proto.errors import RequestError
 from treepack.trainer.data.packed_batch import PackedBatch
+from treepack.trainer.distributed import comm_device
 from treepack.trainer.hf.admission.draws import watch_forward
 from treepack.trainer.hf.admission.measure import SHAPES, alone_logprobs, own_random_stream, padded_logprobs, seed
 from treepack.trainer.hf.admission.measure import upcast as _upcast
@@ -246,8 +247,7 @@ def sample_on_every_rank(batch: PackedBatch, most: int = 16) -> int:
     rank must run as many as the others."""
     n = torch.tensor([min(most, len(batch.local_seqs))], dtype=torch.int64)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_backend() == "nccl":
-            n = n.cuda()
+        n = n.to(comm_device())
         torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
     return int(n.item())
 

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
+from treepack.trainer.distributed import comm_device
 from treepack.trainer.hf.admission.divergence import (
     alone_outputs,
     at_module,
@@ -99,7 +100,6 @@ from treepack.trainer.hf.admission.walk_cache import forget_walks
 __all__ = ["ProbeReport", "verify_packing", "run_probe", "probe_signature", "forget_probes", "checkpointing"]
 
 _VERIFIED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, ProbeReport]] = weakref.WeakKeyDictionary()
-_LOCKSTEP: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 _SIGNATURE_NAMES = ("backend", "patch_layers", "training", "checkpointing", "reentrant", "dtype", "device")
 
 
@@ -441,33 +441,21 @@ def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = 
 
 def lockstep_ranks(hf: torch.nn.Module) -> bool:
     """Whether ``hf``'s forwards are collectives over the default process group: more than one
-    rank, and its parameters sharded (FSDP, FSDP2 or DTensor parameters). Read once per model."""
+    rank, and its parameters sharded (FSDP or FSDP2 modules, or DTensor parameters). Read on
+    every call: sharding wraps a model in place, after any earlier call."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    if hf not in _LOCKSTEP:
-        fsdp = sys.modules.get("torch.distributed.fsdp")
-        kinds = tuple(
-            k
-            for k in (
-                getattr(fsdp, "FSDPModule", None),
-                getattr(fsdp, "FullyShardedDataParallel", None),
-            )
-            if k is not None
-        )
-        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        _LOCKSTEP[hf] = (
-            bool(kinds)
-            and any(isinstance(m, kinds) for m in hf.modules())
-            or (dtensor is not None and any(isinstance(p, dtensor) for p in hf.parameters()))
-        )
-    return _LOCKSTEP[hf]
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if k)
+    if kinds and any(isinstance(m, kinds) for m in hf.modules()):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in hf.parameters())
 
 
 def _on_any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over the ranks of the default process group (one all-reduce)."""
-    dist = torch.distributed
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=comm_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
