@@ -43,6 +43,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     import treepack.trainer.hf.admission.probe as probe
     from treepack.trainer.hf import packed_forward
+    from treepack.trainer.hf.admission.lockstep import lockstep_ranks
     from treepack.trainer.hf.admission.probe_inputs import probe_shape
 
     from helpers.trainer_cases import tiny_model
@@ -73,7 +74,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 got = packed_forward(model, batch)
                 want = packed_forward(ref, batch, verify=False)
             errs.append(float((got - want).abs().max()))
-        result = {"runs": runs[0], "own": len(own), "errs": errs, "lockstep": probe.lockstep_ranks(model)}
+        result = {"runs": runs[0], "own": len(own), "errs": errs, "lockstep": lockstep_ranks(model)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()

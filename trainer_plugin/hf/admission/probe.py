@@ -55,7 +55,6 @@ that every rank runs the same forwards whatever its own measurements say.
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -66,7 +65,6 @@ import numpy as np
 import torch
 
 from treepack.proto.errors import UnsupportedModelError
-from treepack.trainer.distributed import comm_device
 from treepack.trainer.hf.admission.divergence import (
     alone_outputs,
     at_module,
@@ -77,6 +75,7 @@ from treepack.trainer.hf.admission.divergence import (
     padded_outputs,
 )
 from treepack.trainer.hf.admission.draws import ForwardWatch, draw_refusals, draws_off, watch_forward
+from treepack.trainer.hf.admission.lockstep import lockstep_ranks, on_any_rank
 from treepack.trainer.hf.admission.measure import (
     SHAPES,
     own_random_stream,
@@ -415,9 +414,10 @@ def run_probe(
 def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = (), **probe: Any) -> ProbeReport:
     """:func:`run_probe` once per (model, :func:`probe_signature` + ``extra``); later calls return the first report.
 
-    For a sharded model (:func:`lockstep_ranks`) every rank probes when any rank meets a new
-    signature (one all-reduce per call), since its forwards are collectives: every rank
-    must call this as often as the others, as it must call the model.
+    For a sharded model (:func:`~treepack.trainer.hf.admission.lockstep.lockstep_ranks`) every
+    rank probes when any rank meets a new signature (one all-reduce per call), since its
+    forwards are collectives: every rank must call this as often as the others, as it must
+    call the model.
 
     Args:
         hf: the unwrapped model; backend, patch_layers: as for ``packed_forward``.
@@ -433,29 +433,7 @@ def verify_packing(hf: Any, *, backend: str, patch_layers: bool, extra: tuple = 
     lockstep = lockstep_ranks(hf)
     need = sig not in done
     if lockstep:
-        need = _on_any_rank(need)
+        need = on_any_rank(need)
     if need:
         done[sig] = run_probe(hf, signature=sig, lockstep=lockstep, **probe)
     return done[sig]
-
-
-def lockstep_ranks(hf: torch.nn.Module) -> bool:
-    """Whether ``hf``'s forwards are collectives over the default process group: more than one
-    rank, and its parameters sharded (FSDP or FSDP2 modules, or DTensor parameters). Read on
-    every call: sharding wraps a model in place, after any earlier call."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if k)
-    if kinds and any(isinstance(m, kinds) for m in hf.modules()):
-        return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and any(isinstance(p, dtensor) for p in hf.parameters())
-
-
-def _on_any_rank(flag: bool) -> bool:
-    """``flag`` OR-ed over the ranks of the default process group (one all-reduce)."""
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=comm_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
