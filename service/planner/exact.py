@@ -7,7 +7,7 @@ tests and the benchmarks ask it for the optimum of whole small batches
 (:func:`~.optimum.exact_min_rows`, beside its brute-force reference).
 
 The search assigns leaves to rows in a fixed order (:func:`~.exact_order.leaf_orders`:
-largest first; or tree by tree, largest tree first), trying first the rows where the
+largest first; or tree by tree, the tree with the largest leaf first), trying first the rows where the
 leaf's marginal cost is least (the rows sharing most of its prefix), then the fullest of
 those (best fit). It is exact: every assignment is reachable except those equal to
 another up to
@@ -18,12 +18,17 @@ another up to
   (a run of identical leaves can be re-sorted without changing any row);
 
 and it prunes a branch when the tokens still needed exceed the room left in all rows
-together, the room of the rows too full for the smallest remaining leaf's own segment not
-counted (no remaining leaf can go there). The tokens still needed are every remaining
-leaf's own segment plus, for every chain node v, its length times the copies of v that
-the rows must still gain: v sits in at least K(v) rows in any placement of these leaves
-(:func:`~.exact_order.min_copies`, the duplication bound of :mod:`.bounds` over these
-leaves), and in as many as hold it now at least.
+together, the room of the *closed* rows not counted: rows that no remaining leaf fits
+(:meth:`_Search._closed`: less room than the smallest own segment left, or than every
+remaining leaf costs there, which for a row not holding a leaf's root is its whole cost;
+a row only gains chain nodes by taking a leaf, so a closed row stays closed). The tokens
+still needed are every remaining leaf's own segment plus, for every chain node v, its
+length times the copies of v that the rows must still gain: v sits in at least K(v) rows
+in any placement of these leaves (:func:`~.exact_order.min_copies`, the duplication bound
+of :mod:`.bounds` over these leaves), and in as many as hold it now at least. Before any
+search, a decision whose tokens at the root (every own segment and K(v) copies of each
+chain node) exceed its rows is refuted without sorting its leaves: most of the
+neighbourhoods the repair pass forms end there.
 
 The search first looks for a fit that leaves the preferred row of at most one leaf per
 branch (one *discrepancy*: a limited discrepancy search), then searches every branch: a
@@ -40,9 +45,9 @@ level by level).
 The search is depth-first on an explicit stack, one frame per placed leaf, so any number of
 leaves (the repair pass hands it several rows of them: about 100 short leaves fit one row
 of 8,192 tokens) costs heap, never Python's stack. Its work is bounded whatever the input:
-at most ``node_limit`` nodes, each ``O(m + chain x rows holding a chain node)`` (trying
-the leaf in every row, its cost there found from the rows holding each ancestor, and
-moving it in and out), after an ``O(leaves x chain)`` set-up that only runs when there are
+at most ``node_limit`` nodes, each ``O(m x roots + chain x rows holding a chain node)``
+(trying the leaf in every row, its cost there found from the rows holding each ancestor,
+the closed rows, and moving it in and out), after an ``O(leaves x chain)`` set-up that only runs when there are
 at most ``node_limit`` leaves (a fit takes a node per leaf: with more, the answer is
 "unknown" at once); the deadline is read every :data:`CLOCK_EVERY` nodes (the clock costs
 about as much as a node), so a search with one stops within a few nodes of it.
@@ -50,6 +55,7 @@ about as much as a node), so a search with one stops within a few nodes of it.
 
 from __future__ import annotations
 
+import bisect
 import time
 
 from treepack.service.planner.exact_order import leaf_orders, min_copies
@@ -79,7 +85,7 @@ class _Limit(Exception):
 class _Search:
     """State of one search over ``items`` in the given order (see module docstring)."""
 
-    def __init__(self, items: list[Item], m: int, capacity: int, node_len) -> None:
+    def __init__(self, items: list[Item], m: int, capacity: int, node_len, copies: dict[int, int]) -> None:
         self.items = items
         self.m, self.C, self.node_len = m, capacity, node_len
         self.limit: int = 0  # set by run()
@@ -92,21 +98,43 @@ class _Search:
         self.capped = False  # this pass skipped a branch for its discrepancies
         self.load = [0] * m
         self.count = [0] * m
+        self.open_rows = 0  # rows holding a leaf: always rows 0..open_rows-1
         self.held: list[dict[int, int]] = [{} for _ in range(m)]  # node -> leaves of the row using it
         self.holders: dict[int, set[int]] = {}  # node -> rows holding it (len: how many)
-        self.copies = min_copies(items, capacity, node_len)
+        self.copies = copies  # K(v) of each chain node (min_copies over these leaves)
         self.missing = sum(node_len[v] * k for v, k in self.copies.items())  # copies no row holds yet
         self.tails = sum(it.tail for it in items)
         self.room = m * capacity
         self.row_of = [-1] * len(items)
-        # [n + 1] the smallest own segment among leaves i.. (0 past the last): a row with less
-        # room than that can take none of them, so its room is lost to the rest of the search.
-        self.min_tail = [0] * (len(items) + 1)
-        least = None
-        for i in range(len(items) - 1, -1, -1):
-            t = items[i].tail
-            least = t if least is None or t < least else least
-            self.min_tail[i] = least
+        # [n + 1] the smallest own segment and the smallest cost among leaves i.. (0 past the
+        # last): a row with less room than the first can take none of them, and one with less
+        # than the second only a leaf whose root it holds (see _closed).
+        n = len(items)
+        self.min_tail = [0] * (n + 1)
+        self.min_cost = [0] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            t, c = items[i].tail, items[i].cost
+            self.min_tail[i] = t if i == n - 1 or t < self.min_tail[i + 1] else self.min_tail[i + 1]
+            self.min_cost[i] = c if i == n - 1 or c < self.min_cost[i + 1] else self.min_cost[i + 1]
+        # Per root: its chains by their last leaf, latest first (the positions negated, for
+        # bisect), and the least own segment of any leaf on those chains so far (a running
+        # minimum). The chains with a leaf at i or later are a prefix, so the least own
+        # segment below the root among leaves i.. is at least that prefix's minimum (see
+        # _takes_one; the minimum over a chain's leaves, placed or not: a bound, exact in
+        # both leaf orders, which place a chain's leaves largest first).
+        last: dict[tuple[int, ...], int] = {}
+        least: dict[tuple[int, ...], int] = {}
+        for i, it in enumerate(items):
+            if it.chain:
+                last[it.chain] = i
+                least[it.chain] = min(least.get(it.chain, it.tail), it.tail)
+        self.roots: dict[int, tuple[list[int], list[int]]] = {}
+        for chain, j in sorted(last.items(), key=lambda x: -x[1]):
+            lasts, smallest = self.roots.setdefault(chain[0], ([], []))
+            lasts.append(-j)
+            smallest.append(min(smallest[-1], least[chain]) if smallest else least[chain])
+        # [n] leaf i is identical to leaf i - 1 (same chain, same cost): its row is not below that one's
+        self.same = [False] + [(a.chain, a.cost) == (b.chain, b.cost) for a, b in zip(items, items[1:])]
         self.ends = []  # per leaf: tokens of its chain up to and including each chain node
         for it in items:
             acc, e = 0, []
@@ -115,45 +143,55 @@ class _Search:
                 e.append(acc)
             self.ends.append(e)
 
-    def _move(self, i: int, r: int, marg: int, sign: int) -> None:
-        """Put leaf i into row r (sign 1) or take it out again (sign -1).
+    def _put(self, i: int, r: int, marg: int) -> None:
+        """Put leaf i into row r, at marginal cost ``marg``.
 
         ``missing`` counts, per chain node v, ``len(v)`` times the copies of v the rows still
         lack (``K(v)`` less the rows holding v, when positive): a row that starts holding v
-        while fewer than ``K(v)`` do removes one; one that stops holding it, leaving fewer
-        than ``K(v)``, adds one back.
+        while fewer than ``K(v)`` do removes one; one that stops holding it (:meth:`_take`),
+        leaving fewer than ``K(v)``, adds one back.
         """
         it = self.items[i]
-        held, holders, node_len, copies = self.held[r], self.holders, self.node_len, self.copies
-        missing = self.missing
-        if sign > 0:
-            for v in it.chain:
-                h = held.get(v, 0)
-                held[v] = h + 1
-                if h == 0:
-                    rows = holders.get(v)
-                    if rows is None:
-                        rows = holders[v] = set()
-                    if len(rows) < copies[v]:
-                        missing -= node_len[v]
-                    rows.add(r)
-        else:
-            for v in it.chain:
-                h = held[v] - 1
-                if h:
-                    held[v] = h
-                else:
-                    del held[v]
-                    rows = holders[v]
-                    rows.discard(r)
-                    if len(rows) < copies[v]:
-                        missing += node_len[v]
-        self.missing = missing
-        self.load[r] += sign * marg
-        self.count[r] += sign
-        self.tails -= sign * it.tail
-        self.room -= sign * marg
-        self.row_of[i] = r if sign > 0 else -1
+        held, holders = self.held[r], self.holders
+        for v in it.chain:
+            h = held.get(v, 0)
+            held[v] = h + 1
+            if not h:
+                rows = holders.get(v)
+                if rows is None:
+                    rows = holders[v] = set()
+                if len(rows) < self.copies[v]:
+                    self.missing -= self.node_len[v]
+                rows.add(r)
+        self.load[r] += marg
+        self.count[r] += 1
+        if self.count[r] == 1:
+            self.open_rows += 1
+        self.tails -= it.tail
+        self.room -= marg
+        self.row_of[i] = r
+
+    def _take(self, i: int, r: int, marg: int) -> None:
+        """Take leaf i out of row r again (:meth:`_put` undone)."""
+        it = self.items[i]
+        held, holders = self.held[r], self.holders
+        for v in it.chain:
+            h = held[v] - 1
+            if h:
+                held[v] = h
+            else:
+                del held[v]
+                rows = holders[v]
+                rows.discard(r)
+                if len(rows) < self.copies[v]:
+                    self.missing += self.node_len[v]
+        self.load[r] -= marg
+        self.count[r] -= 1
+        if not self.count[r]:
+            self.open_rows -= 1
+        self.tails += it.tail
+        self.room += marg
+        self.row_of[i] = -1
 
     def _options(self, i: int) -> list[tuple[int, int, int]]:
         """Leaf i's rows, least marginal cost first, then best fit: (its marginal cost there,
@@ -166,8 +204,7 @@ class _Search:
         """
         it = self.items[i]
         cost, chain, ends, holders = it.cost, it.chain, self.ends[i], self.holders
-        prev = self.items[i - 1] if i else None
-        lo = self.row_of[i - 1] if prev is not None and prev.chain == it.chain and prev.cost == it.cost else 0
+        lo = self.row_of[i - 1] if self.same[i] else 0
         marginal: dict[int, int] = {}
         for j in range(len(chain) - 1, -1, -1):
             rows = holders.get(chain[j])
@@ -176,18 +213,21 @@ class _Search:
                 for r in rows:
                     if r not in marginal:
                         marginal[r] = m
-        C, load, count = self.C, self.load, self.count
+        C, load, used = self.C, self.load, self.open_rows
+        # Rows in use are rows 0..used-1 (a leaf opens the lowest-numbered empty row, and
+        # leaves leave in the reverse order they came), so the one empty row to try is
+        # ``used``. Comprehensions: this is the search's innermost loop.
+        rest = load[lo:used]  # a copy: the rows holding none of the chain pay the whole cost
         options = []
-        opened = False
-        for r in range(lo, self.m):
-            if count[r] == 0:
-                if opened:
-                    continue
-                opened = True
-            marg = marginal.get(r, cost)
-            left = C - load[r] - marg
-            if left >= 0:
-                options.append((marg, left, r))
+        for r, m in marginal.items():
+            if r >= lo:
+                rest[r - lo] = C + 1  # (not among those)
+                if load[r] + m <= C:
+                    options.append((m, C - load[r] - m, r))
+        room = C - cost
+        options += [(cost, left, r) for r, x in enumerate(rest, lo) if (left := room - x) >= 0]
+        if used < self.m and cost <= C:
+            options.append((cost, C - cost, used))
         options.sort()
         return options
 
@@ -207,16 +247,65 @@ class _Search:
         slack = self.room - self.missing - self.tails
         if slack < 0:
             return []
-        floor = self.min_tail[i]
-        if slack < self.m * floor:  # else less than floor lost in every row cannot prune
-            C = self.C
-            lost = 0
-            for load in self.load:
-                if C - load < floor:
-                    lost += C - load
-            if slack < lost:
-                return []
+        if self._closed(i, slack):
+            return []
         return self._options(i)
+
+    def _closed(self, i: int, slack: int) -> bool:
+        """Whether the rows that can take none of leaves i.. (*closed*) have more room than
+        ``slack``: their room is lost to the rest of the search, so the tokens still needed
+        cannot fit in the rest.
+
+        A row with at least ``cheap`` room left (the least cost among those leaves) may
+        take one; a row with less than their least own segment is closed. In between, a
+        row may take only a leaf whose root it holds (any other costs it its whole cost),
+        and such a leaf costs it its own segment at least (:meth:`_takes_one`). A closed
+        row stays closed: it gains chain nodes only by taking a leaf. Where every chain
+        starts at one root, a row in between holds that root or only leaves without a
+        chain, and telling those apart would prune too rarely to pay: only the rows with
+        less room than the least own segment are counted there. Cost: O(open rows) per
+        node, and O(roots the row holds) per row in between.
+        """
+        C = self.C
+        cheap = self.min_cost[i] if len(self.roots) > 1 else self.min_tail[i]
+        if slack >= self.open_rows * cheap:
+            return False  # (each row loses less than cheap)
+        load = self.load
+        over = C - cheap
+        short = [x for x in load[: self.open_rows] if x > over]
+        unsure = len(short) * C - sum(short)
+        if unsure <= slack:
+            return False
+        floor, held_of = self.min_tail[i], self.held
+        lost = 0
+        for r in range(self.open_rows):
+            x = load[r]
+            if x <= over:
+                continue
+            left = C - x
+            unsure -= left
+            if left < floor or not self._takes_one(i, held_of[r], left):
+                lost += left
+                if lost > slack:
+                    return True
+            elif lost + unsure <= slack:
+                return False
+        return False
+
+    def _takes_one(self, i: int, held: dict[int, int], left: int) -> bool:
+        """Whether a row holding ``held``, with less room left (``left``) than any of leaves
+        i.. costs in full, may take one: some root it holds has a leaf among them whose own
+        segment fits (see :meth:`_closed`)."""
+        roots = self.roots
+        for v in roots if len(roots) < len(held) else held:
+            got = roots.get(v)
+            if got is None or v not in held:
+                continue
+            lasts, least = got
+            k = bisect.bisect_right(lasts, -i)  # its chains with a leaf at i or later
+            if k and least[k - 1] <= left:
+                return True
+        return False
 
     def run(self, limit: int, deadline: float | None) -> bool:
         """Search over the leaves in order, on an explicit stack (one frame per placed leaf,
@@ -256,7 +345,7 @@ class _Search:
                 options, k = frame
                 if k >= 0:  # the branch below option k failed: take the leaf out again
                     marg, _, r = options[k]
-                    self._move(i, r, marg, -1)
+                    self._take(i, r, marg)
                 k += 1
                 if k == len(options):
                     stack.pop()
@@ -270,7 +359,7 @@ class _Search:
                     self.used += 1
                 frame[1] = k
                 marg, _, r = options[k]
-                self._move(i, r, marg, 1)
+                self._put(i, r, marg)
                 if i + 1 == n:
                     return True
                 self.pending = True
@@ -305,7 +394,18 @@ class RowFit:
         node_len: per node id, its length (indexable: a list or an array).
     """
 
-    __slots__ = ("items", "num_rows", "capacity", "node_len", "status", "assign", "nodes", "_searches", "_orders")
+    __slots__ = (
+        "items",
+        "num_rows",
+        "capacity",
+        "node_len",
+        "status",
+        "assign",
+        "nodes",
+        "_searches",
+        "_orders",
+        "_copies",
+    )
 
     def __init__(self, items: list[Item], num_rows: int, capacity: int, node_len) -> None:
         self.items, self.num_rows, self.capacity, self.node_len = items, num_rows, capacity, node_len
@@ -314,6 +414,7 @@ class RowFit:
         self.nodes = 0  # search nodes visited in all runs, both orders
         self._searches: list[_Search] = []
         self._orders: list[list[Item]] = []  # leaf orders not searched yet
+        self._copies: dict[int, int] = {}  # K(v) of each chain node, shared by the orders' searches
         if not items:
             self.status = FIT
         elif num_rows <= 0:
@@ -321,12 +422,14 @@ class RowFit:
 
     def _start(self) -> None:
         """Set up the first order's search; NO_FIT at once when its root bound refutes it."""
+        copies = min_copies(self.items, self.capacity, self.node_len)
+        need = sum(it.tail for it in self.items) + sum(self.node_len[v] * k for v, k in copies.items())
+        if need > self.num_rows * self.capacity:
+            self.status = NO_FIT  # (before the orders are sorted: most groups the repair pass tries end here)
+            return
+        self._copies = copies
         first, *self._orders = leaf_orders(self.items)
-        search = _Search(first, self.num_rows, self.capacity, self.node_len)
-        if search.missing + search.tails > search.room:
-            self.status = NO_FIT
-        else:
-            self._searches = [search]
+        self._searches = [_Search(first, self.num_rows, self.capacity, self.node_len, copies)]
 
     def run(self, node_limit: int, deadline: float | None = None) -> str:
         """Search up to ``node_limit`` nodes in all (a FIT or NO_FIT answer is final).
@@ -356,7 +459,8 @@ class RowFit:
             if self.status != UNKNOWN:
                 return self.status
         if self._orders and node_limit >= 2 * n:
-            self._searches += [_Search(o, self.num_rows, self.capacity, self.node_len) for o in self._orders]
+            m, C = self.num_rows, self.capacity
+            self._searches += [_Search(o, m, C, self.node_len, self._copies) for o in self._orders]
             self._orders = []
         searches = self._searches
         while True:  # each turn visits a node at least, or returns

@@ -7,10 +7,14 @@ batches, so :class:`~.exact.RowFit` runs both where they differ:
 
 - *largest first* (cost, then chain): the classic order of bin packing, which packs the
   hard leaves while the rows still have room, and refutes fastest;
-- *tree by tree*, largest tree first (by the cost of its leaves), largest leaf first in
-  each: where rows rarely mix trees (a curriculum's or a distillation batch's prompts of
+- *tree by tree*, largest leaf first in each, the trees in the order of their largest
+  leaf: where rows rarely mix trees (a curriculum's or a distillation batch's prompts of
   thousands of tokens), a decision is a bin packing per tree, and this order packs one
-  tree's leaves together instead of interleaving the trees' decisions.
+  tree's leaves together instead of interleaving the trees' decisions, while still
+  placing the largest leaves early. (Ordering the trees by their total size instead put
+  a tree of many small leaves before one holding a leaf of most of a row; on the
+  planner's benchmark sets the largest-leaf order settles more decisions, and a third
+  order beside these two cost more than it settled: ``BENCHMARKS.md``, *The last rows*.)
 
 Identical leaves (same chain, same cost) stay adjacent in both, which the search's
 symmetry rule needs.
@@ -42,16 +46,16 @@ def leaf_orders(items: list[Item]) -> list[list[Item]]:
         by tree]. A tree is a chain's root node; leaves without a chain count as one tree.
     """
     first = sorted(items, key=lambda it: (-it.cost, it.chain, it.seq))
-    size: dict[int, int] = {}
+    largest: dict[int, int] = {}  # tree -> the cost of its largest leaf
     for it in items:
         root = it.chain[0] if it.chain else -1
-        size[root] = size.get(root, 0) + it.cost
-    if len(size) < 2:
+        largest[root] = max(largest.get(root, 0), it.cost)
+    if len(largest) < 2:
         return [first]
 
     def by_tree(it: Item) -> tuple:
         root = it.chain[0] if it.chain else -1
-        return (-size[root], root, -it.cost, it.chain, it.seq)
+        return (-largest[root], root, -it.cost, it.chain, it.seq)
 
     return [first, sorted(items, key=by_tree)]
 

@@ -25,9 +25,10 @@ where a row pays for a long chain of shared turns (several trees sharing rows, G
 of 80+ completions), and a wide group gathers that slack; on a batch of up to 48 rows it
 is the whole batch. Subtree and wide groups are formed for the two lightest rows. The
 levels run cheap first: every kind with small node limits (:data:`FIRST_LIMIT`, then
-:data:`QUICK_LIMIT`: a group that fits usually fits quickly), then with
-:data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches the wide
-groups; last, the lightest row's wide group once more with :data:`DEEP_LIMIT` (on a batch
+:data:`QUICK_LIMIT`: a group that fits usually fits quickly; the wide groups of 24 rows
+before those of 48, which on a batch of more than 24 rows is a larger and slower search),
+then with :data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches
+the wide groups; last, the lightest row's wide group once more with :data:`DEEP_LIMIT` (on a batch
 of up to 48 rows, a re-packing of the whole batch that a budget sized by a cost model can
 afford). A removed row starts again at the first level. A group that ran out of nodes is
 tried again only under a larger node limit, and its search goes on where it stopped
@@ -83,9 +84,11 @@ WIDE_ROWS = 48  # largest subtree or wide neighbourhood
 LEVELS = (
     ("near", MAX_ROWS, FIRST_LIMIT, LIGHT_ROWS),
     ("subtree", WIDE_ROWS, FIRST_LIMIT, 2),
+    ("wide", 24, FIRST_LIMIT, 2),
     ("wide", WIDE_ROWS, FIRST_LIMIT, 2),
     ("near", MAX_ROWS, QUICK_LIMIT, LIGHT_ROWS),
     ("subtree", WIDE_ROWS, QUICK_LIMIT, 2),
+    ("wide", 24, QUICK_LIMIT, 2),
     ("wide", WIDE_ROWS, QUICK_LIMIT, 2),
     ("near", MAX_ROWS, NODE_LIMIT, LIGHT_ROWS),
     ("subtree", WIDE_ROWS, NODE_LIMIT, 2),

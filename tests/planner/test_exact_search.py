@@ -3,10 +3,12 @@
 - the copies bound (``exact_order.min_copies``): equal to its one-node-at-a-time reference,
   never above the rows that hold a node in a found fit, reached there, and refuting at the
   root what the search without it has to search for;
-- the pass with one discrepancy per branch, and the second leaf order (tree by tree): each
-  finds fits the plain depth-first search in one order needs far more nodes for;
-- the subtree neighbourhoods of the repair pass: a row found there that the other
-  neighbourhoods miss within the same node limits.
+- the pass with one discrepancy per branch, and the second leaf order (tree by tree, the
+  trees by their largest leaf): each finds fits the plain depth-first search in one order
+  needs far more nodes for;
+- the closed rows: rows that no remaining leaf fits lose their room, prompts counted;
+- the subtree neighbourhoods of the repair pass, and the 24-row wide groups among its quick
+  levels: a row found there that the other neighbourhoods miss within the same node limits.
 
 The suite-level checks (every answer against the subset DP, ``auto`` at the optimum) are in
 ``test_planner_exact.py``; the searches at scale in ``test_exact_scale.py``.
@@ -103,7 +105,7 @@ def test_copies_bound_refutes_at_the_root():
     fit = RowFit(items, m, 100, node_len)
     assert fit.run(20_000) == NO_FIT and fit.nodes == 0
     # Negative control: the search counting each missing prompt once (K = 1) has to search.
-    blind = exact._Search(leaf_orders(items)[0], m, 100, node_len)
+    blind = exact._Search(leaf_orders(items)[0], m, 100, node_len, min_copies(items, 100, node_len))
     blind.copies = dict.fromkeys(blind.copies, 1)
     blind.missing = 60
     with pytest.raises(exact._Limit):
@@ -141,19 +143,75 @@ def row_costs_from(items: list[Item], assign: dict[int, int], node_len: list[int
 
 
 def test_tree_by_tree_order_finds_what_largest_first_misses(monkeypatch):
-    # A distillation batch of 30 leaves behind 4 prompts, 8 rows greedy and 7 exist: tree by
-    # tree it is a bin packing per prompt, settled in a few hundred nodes; largest first
-    # interleaves the prompts and does not find it in 20,000.
-    w = workloads.distillation(4, seed=18, seq_len=16384)  # benchmarks/placement_quality.py's instance 110
+    # A distillation batch of 77 leaves behind 7 prompts, 24 rows greedy and 23 exist: tree
+    # by tree, the trees in the order of their largest leaf, the first dive fits (77 nodes);
+    # largest first interleaves the prompts, and the trees by their total size put a tree of
+    # many small leaves before one with a leaf of most of a row: neither finds it in 20,000.
+    w = workloads.distillation(7, seed=11, seq_len=16384)
     kw = dict(sequences=w.sequences, trainable=w.trainable, groups=w.groups, seq_len=w.seq_len, min_shared_len=64)
     items, m, C, node_len = _whole(kw)
-    assert (len(items), m) == (30, 7)
+    assert (len(items), m) == (77, 23)
     assert len(leaf_orders(items)) == 2
     fit = RowFit(items, m, C, node_len)
-    assert fit.run(20_000) == FIT and fit.nodes < 1_000, fit.nodes
+    assert fit.run(20_000) == FIT and fit.nodes < 300, fit.nodes
     assert max(row_costs_from(items, fit.assign, node_len, m)) <= C
-    monkeypatch.setattr(exact, "leaf_orders", lambda its: leaf_orders(its)[:1])  # negative control
+    first = leaf_orders(items)[0]
+    monkeypatch.setattr(exact, "leaf_orders", lambda its: [first])  # negative control: largest first only
     assert RowFit(items, m, C, node_len).run(20_000) == UNKNOWN
+    total: dict[int, int] = {}
+    for it in items:
+        total[it.chain[0]] = total.get(it.chain[0], 0) + it.cost
+    by_total = sorted(items, key=lambda it: (-total[it.chain[0]], it.chain[0], -it.cost, it.chain, it.seq))
+    monkeypatch.setattr(exact, "leaf_orders", lambda its: [first, by_total])  # ... and trees by total size
+    assert RowFit(items, m, C, node_len).run(20_000) == UNKNOWN
+
+
+def test_rows_no_remaining_leaf_fits_are_closed(monkeypatch):
+    # Leaves behind 5 prompts (15-39 tokens) with own segments of 8-39, rows of 100: by
+    # volume and copies 8 rows could hold them, with 8 tokens to spare. A row holding some
+    # prompts with room left for one more own segment of those but not for any other
+    # prompt with its leaf can take nothing more: its room is lost, and the search refutes
+    # the 8 rows in about a hundred nodes. Counting only the rows with less room than the
+    # smallest own segment (the rule before prompts were looked at) it does not settle
+    # in 20,000.
+    rng = np.random.default_rng(377)
+    prompts = rng.integers(15, 40, int(rng.integers(3, 6))).tolist()
+    items: list[Item] = []
+    for p, length in enumerate(prompts):
+        for _ in range(int(rng.integers(2, 7))):
+            t = int(rng.integers(8, 40))
+            items.append(Item(len(items), (p,), length + t, t))
+    copies = min_copies(items, 100, prompts)
+    need = sum(it.tail for it in items) + sum(prompts[v] * k for v, k in copies.items())
+    m = 8
+    assert (len(items), len(prompts), need) == (25, 5, 792)  # the root's bound leaves room
+    fit = RowFit(items, m, 100, prompts)
+    assert fit.run(20_000) == NO_FIT and fit.nodes < 200, fit.nodes
+    # Negative control: every row in between counted open.
+    monkeypatch.setattr(exact._Search, "_takes_one", lambda self, i, held, left: True)
+    assert RowFit(items, m, 100, prompts).run(20_000) == UNKNOWN
+
+
+def test_wide_groups_of_24_rows_in_the_quick_levels(monkeypatch):
+    # GRPO, 117 completions behind 13 prompts: 26 rows greedy, 25 exist (the bound). The 24-row
+    # wide group of a light row fits in a few hundred nodes; the whole batch (the 48-row wide
+    # group of a 26-row batch) does not within the quick levels' limits, and neither do the
+    # 12-row or subtree groups.
+    kw = hard_instance("grpo", 11, 0)
+    batch, tree = _tree(kw)
+    C = kw["seq_len"]
+    greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
+    bound = lower_bound_rows(tree, C)
+    assert (len(kw["sequences"]), greedy.num_rows, bound) == (117, 26, 25)
+    quick = tuple(lv for lv in repair.LEVELS if lv[2] <= repair.QUICK_LIMIT)
+    monkeypatch.setattr(repair, "LEVELS", quick)
+    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    assert res.num_rows == bound and not res.out_of_time
+    assert (row_costs(tree, res.row_of, res.num_rows) <= C).all()
+    narrow = tuple(lv for lv in quick if lv[:2] != ("wide", 24))  # negative control
+    monkeypatch.setattr(repair, "LEVELS", narrow)
+    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    assert res.num_rows == greedy.num_rows
 
 
 def test_subtree_neighbourhoods_find_a_row_the_others_miss(monkeypatch):
