@@ -120,8 +120,8 @@ class _Search:
         # bisect), and the least own segment of any leaf on those chains so far (a running
         # minimum). The chains with a leaf at i or later are a prefix, so the least own
         # segment below the root among leaves i.. is at least that prefix's minimum (see
-        # _takes_one; the minimum over a chain's leaves, placed or not: a bound, exact in
-        # both leaf orders, which place a chain's leaves largest first).
+        # _closed; the minimum over a chain's leaves, placed or not: a bound, exact in both
+        # leaf orders, which place a chain's leaves largest first).
         last: dict[tuple[int, ...], int] = {}
         least: dict[tuple[int, ...], int] = {}
         for i, it in enumerate(items):
@@ -152,20 +152,24 @@ class _Search:
         leaving fewer than ``K(v)``, adds one back.
         """
         it = self.items[i]
-        held, holders = self.held[r], self.holders
-        for v in it.chain:
-            h = held.get(v, 0)
-            held[v] = h + 1
-            if not h:
-                rows = holders.get(v)
-                if rows is None:
-                    rows = holders[v] = set()
-                if len(rows) < self.copies[v]:
-                    self.missing -= self.node_len[v]
-                rows.add(r)
+        if it.chain:
+            held, holders, copies, node_len = self.held[r], self.holders, self.copies, self.node_len
+            missing = self.missing
+            for v in it.chain:
+                h = held.get(v, 0)
+                held[v] = h + 1
+                if not h:
+                    rows = holders.get(v)
+                    if rows is None:
+                        rows = holders[v] = set()
+                    if len(rows) < copies[v]:
+                        missing -= node_len[v]
+                    rows.add(r)
+            self.missing = missing
         self.load[r] += marg
-        self.count[r] += 1
-        if self.count[r] == 1:
+        count = self.count
+        count[r] += 1
+        if count[r] == 1:
             self.open_rows += 1
         self.tails -= it.tail
         self.room -= marg
@@ -174,20 +178,24 @@ class _Search:
     def _take(self, i: int, r: int, marg: int) -> None:
         """Take leaf i out of row r again (:meth:`_put` undone)."""
         it = self.items[i]
-        held, holders = self.held[r], self.holders
-        for v in it.chain:
-            h = held[v] - 1
-            if h:
-                held[v] = h
-            else:
-                del held[v]
-                rows = holders[v]
-                rows.discard(r)
-                if len(rows) < self.copies[v]:
-                    self.missing += self.node_len[v]
+        if it.chain:
+            held, holders, copies, node_len = self.held[r], self.holders, self.copies, self.node_len
+            missing = self.missing
+            for v in it.chain:
+                h = held[v] - 1
+                if h:
+                    held[v] = h
+                else:
+                    del held[v]
+                    rows = holders[v]
+                    rows.discard(r)
+                    if len(rows) < copies[v]:
+                        missing += node_len[v]
+            self.missing = missing
         self.load[r] -= marg
-        self.count[r] -= 1
-        if not self.count[r]:
+        count = self.count
+        count[r] -= 1
+        if not count[r]:
             self.open_rows -= 1
         self.tails += it.tail
         self.room += marg
@@ -259,7 +267,8 @@ class _Search:
         A row with at least ``cheap`` room left (the least cost among those leaves) may
         take one; a row with less than their least own segment is closed. In between, a
         row may take only a leaf whose root it holds (any other costs it its whole cost),
-        and such a leaf costs it its own segment at least (:meth:`_takes_one`). A closed
+        and such a leaf costs it its own segment at least (:attr:`roots` tells the least own
+        segment of the leaves i.. under each root). A closed
         row stays closed: it gains chain nodes only by taking a leaf. Where every chain
         starts at one root, a row in between holds that root or only leaves without a
         chain, and telling those apart would prune too rarely to pay: only the rows with
@@ -276,7 +285,7 @@ class _Search:
         unsure = len(short) * C - sum(short)
         if unsure <= slack:
             return False
-        floor, held_of = self.min_tail[i], self.held
+        floor, held_of, roots = self.min_tail[i], self.held, self.roots
         lost = 0
         for r in range(self.open_rows):
             x = load[r]
@@ -284,26 +293,23 @@ class _Search:
                 continue
             left = C - x
             unsure -= left
-            if left < floor or not self._takes_one(i, held_of[r], left):
-                lost += left
-                if lost > slack:
-                    return True
-            elif lost + unsure <= slack:
-                return False
-        return False
-
-    def _takes_one(self, i: int, held: dict[int, int], left: int) -> bool:
-        """Whether a row holding ``held``, with less room left (``left``) than any of leaves
-        i.. costs in full, may take one: some root it holds has a leaf among them whose own
-        segment fits (see :meth:`_closed`)."""
-        roots = self.roots
-        for v in roots if len(roots) < len(held) else held:
-            got = roots.get(v)
-            if got is None or v not in held:
-                continue
-            lasts, least = got
-            k = bisect.bisect_right(lasts, -i)  # its chains with a leaf at i or later
-            if k and least[k - 1] <= left:
+            if left >= floor:  # open if a root it holds has a leaf whose own segment fits
+                held = held_of[r]
+                for v in roots if len(roots) < len(held) else held:
+                    got = roots.get(v)
+                    if got is not None and v in held:
+                        k = bisect.bisect_right(got[0], -i)  # its chains with a leaf at i or later
+                        if k and got[1][k - 1] <= left:
+                            break
+                else:
+                    left = -left  # (closed)
+                if left > 0:
+                    if lost + unsure <= slack:
+                        return False
+                    continue
+                left = -left
+            lost += left
+            if lost > slack:
                 return True
         return False
 

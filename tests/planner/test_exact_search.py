@@ -187,8 +187,14 @@ def test_rows_no_remaining_leaf_fits_are_closed(monkeypatch):
     assert (len(items), len(prompts), need) == (25, 5, 792)  # the root's bound leaves room
     fit = RowFit(items, m, 100, prompts)
     assert fit.run(20_000) == NO_FIT and fit.nodes < 200, fit.nodes
-    # Negative control: every row in between counted open.
-    monkeypatch.setattr(exact._Search, "_takes_one", lambda self, i, held, left: True)
+    # Negative control: the rule before, every row with room for the smallest own segment open.
+    set_up = exact._Search.__init__
+
+    def before(self, *args):
+        set_up(self, *args)
+        self.min_cost = self.min_tail
+
+    monkeypatch.setattr(exact._Search, "__init__", before)
     assert RowFit(items, m, 100, prompts).run(20_000) == UNKNOWN
 
 
