@@ -7,9 +7,9 @@ tests and the benchmarks ask it for the optimum of whole small batches
 (:func:`~.optimum.exact_min_rows`, beside its brute-force reference).
 
 The search assigns leaves to rows in a fixed order (:func:`~.exact_order.leaf_orders`:
-largest first; or tree by tree, the tree with the largest leaf first), trying first the rows where the
-leaf's marginal cost is least (the rows sharing most of its prefix), then the fullest of
-those (best fit). It is exact: every assignment is reachable except those equal to
+largest first; or tree by tree, the tree with the largest leaf first), trying first the
+rows where the leaf's marginal cost is least (the rows sharing most of its prefix), then
+the fullest of those (best fit). It is exact: every assignment is reachable except those equal to
 another up to
 
 - renaming rows: a leaf opens at most one empty row, the lowest-numbered one (rows are
@@ -47,8 +47,8 @@ leaves (the repair pass hands it several rows of them: about 100 short leaves fi
 of 8,192 tokens) costs heap, never Python's stack. Its work is bounded whatever the input:
 at most ``node_limit`` nodes, each ``O(m x roots + chain x rows holding a chain node)``
 (trying the leaf in every row, its cost there found from the rows holding each ancestor,
-the closed rows, and moving it in and out), after an ``O(leaves x chain)`` set-up that only runs when there are
-at most ``node_limit`` leaves (a fit takes a node per leaf: with more, the answer is
+the closed rows, and moving it in and out), after an ``O(leaves x chain)`` set-up that
+only runs when there are at most ``node_limit`` leaves (a fit takes a node per leaf: with more, the answer is
 "unknown" at once); the deadline is read every :data:`CLOCK_EVERY` nodes (the clock costs
 about as much as a node), so a search with one stops within a few nodes of it.
 """
@@ -267,13 +267,13 @@ class _Search:
         A row with at least ``cheap`` room left (the least cost among those leaves) may
         take one; a row with less than their least own segment is closed. In between, a
         row may take only a leaf whose root it holds (any other costs it its whole cost),
-        and such a leaf costs it its own segment at least (:attr:`roots` tells the least own
-        segment of the leaves i.. under each root). A closed
-        row stays closed: it gains chain nodes only by taking a leaf. Where every chain
-        starts at one root, a row in between holds that root or only leaves without a
-        chain, and telling those apart would prune too rarely to pay: only the rows with
-        less room than the least own segment are counted there. Cost: O(open rows) per
-        node, and O(roots the row holds) per row in between.
+        and such a leaf costs it its own segment at least (``roots`` tells the least own
+        segment of the leaves i.. under each root). A closed row stays closed: it gains
+        chain nodes only by taking a leaf. Where every chain starts at one root, a row in
+        between holds that root or only leaves without a chain, and telling those apart
+        would prune too rarely to pay: only the rows with less room than the least own
+        segment are counted there. Cost: O(open rows) per node, and O(roots the row
+        holds) per row in between.
         """
         C = self.C
         cheap = self.min_cost[i] if len(self.roots) > 1 else self.min_tail[i]
@@ -293,24 +293,23 @@ class _Search:
                 continue
             left = C - x
             unsure -= left
-            if left >= floor:  # open if a root it holds has a leaf whose own segment fits
+            closed = left < floor
+            if not closed:  # open if a root it holds has a leaf i.. whose own segment fits
                 held = held_of[r]
+                closed = True
                 for v in roots if len(roots) < len(held) else held:
                     got = roots.get(v)
                     if got is not None and v in held:
                         k = bisect.bisect_right(got[0], -i)  # its chains with a leaf at i or later
                         if k and got[1][k - 1] <= left:
+                            closed = False
                             break
-                else:
-                    left = -left  # (closed)
-                if left > 0:
-                    if lost + unsure <= slack:
-                        return False
-                    continue
-                left = -left
-            lost += left
-            if lost > slack:
-                return True
+            if closed:
+                lost += left
+                if lost > slack:
+                    return True
+            elif lost + unsure <= slack:
+                return False
         return False
 
     def run(self, limit: int, deadline: float | None) -> bool:
