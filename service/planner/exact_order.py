@@ -1,4 +1,4 @@
-"""What the exact search (:mod:`.exact`) knows of a decision before it starts: its leaf orders
+"""What the exact search (:mod:`.exact`, :mod:`.exact_search`) knows of a decision before it starts: its leaf orders
 and the fewest rows each chain node must sit in.
 
 **Leaf orders.** A depth-first search settles a decision fast when its first branches are

@@ -28,9 +28,9 @@ levels run cheap first: every kind with small node limits (:data:`FIRST_LIMIT`, 
 :data:`QUICK_LIMIT`: a group that fits usually fits quickly; the wide groups of 24 rows
 before those of 48, which on a batch of more than 24 rows is a larger and slower search),
 then with :data:`NODE_LIMIT`, so that a small budget (the default 10 ms) already reaches
-the wide groups; last, the lightest row's wide group once more with :data:`DEEP_LIMIT` (on a batch
-of up to 48 rows, a re-packing of the whole batch that a budget sized by a cost model can
-afford). A removed row starts again at the first level. A group that ran out of nodes is
+the wide groups; last, the lightest row's wide group once more with :data:`DEEP_LIMIT`
+(on a batch of up to 48 rows, a re-packing of the whole batch that a budget sized by a
+cost model can afford). A removed row starts again at the first level. A group that ran out of nodes is
 tried again only under a larger node limit, and its search goes on where it stopped
 (:class:`~.exact.RowFit`: the cheap levels cost a later level nothing it would not have
 searched anyway); one refuted never again (until one of its rows changes).
@@ -40,11 +40,11 @@ row, so the result never has more rows than its input. The search order depends 
 input only (rows by load then index, neighbours by shared tokens, load, index; the node
 limit counts search nodes), so it is deterministic as long as the budget lasts. The budget
 is CPU time of the planning thread (``time.thread_time``), checked while forming
-neighbourhoods and every few search nodes (:data:`~.exact.CLOCK_EVERY`): a loaded machine, or other plans running in
-other threads, do not eat it, so the same batch gets the same plan there too; only a run
-that spends the whole budget may stop earlier on a slower CPU. Setting up is linear in the
-batch and lazy (rows and nodes are indexed when first looked at), about 10 ms at 267k
-completions.
+neighbourhoods and every few search nodes (:data:`~.exact_search.CLOCK_EVERY`): a loaded
+machine, or other plans running in other threads, do not eat it, so the same batch gets
+the same plan there too; only a run that spends the whole budget may stop earlier on a
+slower CPU. Setting up is linear in the batch and lazy (rows and nodes are indexed when
+first looked at), about 10 ms at 267k completions.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from treepack.proto.batch import normalize_batch
-from treepack.service.planner import build_tree, exact, lower_bound_rows, plan_batch, repair, validate_plan
+from treepack.service.planner import build_tree, exact_search, lower_bound_rows, plan_batch, repair, validate_plan
 from treepack.service.planner.auto import unit_place
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, RowFit, fit_rows
 from treepack.service.planner.exact_order import leaf_orders, min_copies
@@ -130,10 +130,10 @@ def test_rows_too_full_for_any_leaf_left_lose_their_room():
     fit = RowFit(items, m, 100, [])
     assert fit.run(20_000) == NO_FIT and not fit._searches  # settled: no search state kept
     # Negative control: the same search without the rule does not settle it in 20,000 nodes.
-    blind = exact._Search(leaf_orders(items)[0], m, 100, [], min_copies(items, 100, []))
+    blind = exact_search._Search(leaf_orders(items)[0], m, 100, [], min_copies(items, 100, []))
     blind.min_tail = [0] * (len(items) + 1)
     blind.min_cost = [0] * (len(items) + 1)
-    with pytest.raises(exact._Limit):
+    with pytest.raises(exact_search._Limit):
         blind.run(20_000, None)
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from treepack.proto.batch import normalize_batch
 from treepack.service.cli import workloads
-from treepack.service.planner import build_tree, exact, lower_bound_rows, place_leaves, repair
+from treepack.service.planner import build_tree, exact, exact_search, lower_bound_rows, place_leaves, repair
 from treepack.service.planner.exact import FIT, NO_FIT, UNKNOWN, RowFit, fit_rows
 from treepack.service.planner.exact_order import leaf_orders, min_copies, naive_min_copies_items
 from treepack.service.planner.items import Item, leaf_items
@@ -105,10 +105,10 @@ def test_copies_bound_refutes_at_the_root():
     fit = RowFit(items, m, 100, node_len)
     assert fit.run(20_000) == NO_FIT and fit.nodes == 0
     # Negative control: the search counting each missing prompt once (K = 1) has to search.
-    blind = exact._Search(leaf_orders(items)[0], m, 100, node_len, min_copies(items, 100, node_len))
+    blind = exact_search._Search(leaf_orders(items)[0], m, 100, node_len, min_copies(items, 100, node_len))
     blind.copies = dict.fromkeys(blind.copies, 1)
     blind.missing = 60
-    with pytest.raises(exact._Limit):
+    with pytest.raises(exact_search._Limit):
         blind.run(20_000, None)
 
 
@@ -120,6 +120,24 @@ def _whole(kw: dict) -> tuple[list[Item], int, int, list[int]]:
     return leaf_items(tree, np.flatnonzero(tree.leaf_of >= 0)), rows - 1, C, tree.length.tolist()
 
 
+def _quick_repair(kw: dict, levels: tuple):
+    """(greedy placement, bound, repair pass over it under ``levels`` with an unreachable budget)
+    of a batch: the repair tests' common set-up."""
+    batch, tree = _tree(kw)
+    C = kw["seq_len"]
+    greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
+    bound = lower_bound_rows(tree, C)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(repair, "LEVELS", levels)
+        res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    assert (row_costs(tree, res.row_of, res.num_rows) <= C).all()
+    return greedy, bound, res
+
+
+def _quick_levels() -> tuple:
+    return tuple(lv for lv in repair.LEVELS if lv[2] <= repair.QUICK_LIMIT)
+
+
 def test_one_discrepancy_pass_finds_fits_the_plain_search_misses(monkeypatch):
     # An agent tree (35 leaves, 16 rows greedy, 15 exist): one leaf off its preferred row
     # on one branch, and the fit is there; depth first alone, the early choices cost whole
@@ -128,7 +146,7 @@ def test_one_discrepancy_pass_finds_fits_the_plain_search_misses(monkeypatch):
     fit = RowFit(items, m, C, node_len)
     assert fit.run(2_000) == FIT and fit.nodes < 500, fit.nodes
     assert max(row_costs_from(items, fit.assign, node_len, m)) <= C
-    monkeypatch.setattr(exact, "DISCREPANCIES", 10**9)  # negative control: the first pass is the whole search
+    monkeypatch.setattr(exact_search, "DISCREPANCIES", 10**9)  # negative control: the first pass is the whole search
     plain = RowFit(items, m, C, node_len)
     assert plain.run(2_000) == UNKNOWN
 
@@ -188,52 +206,36 @@ def test_rows_no_remaining_leaf_fits_are_closed(monkeypatch):
     fit = RowFit(items, m, 100, prompts)
     assert fit.run(20_000) == NO_FIT and fit.nodes < 200, fit.nodes
     # Negative control: the rule before, every row with room for the smallest own segment open.
-    set_up = exact._Search.__init__
+    set_up = exact_search._Search.__init__
 
     def before(self, *args):
         set_up(self, *args)
         self.min_cost = self.min_tail
 
-    monkeypatch.setattr(exact._Search, "__init__", before)
+    monkeypatch.setattr(exact_search._Search, "__init__", before)
     assert RowFit(items, m, 100, prompts).run(20_000) == UNKNOWN
 
 
-def test_wide_groups_of_24_rows_in_the_quick_levels(monkeypatch):
+def test_wide_groups_of_24_rows_in_the_quick_levels():
     # GRPO, 117 completions behind 13 prompts: 26 rows greedy, 25 exist (the bound). The 24-row
     # wide group of a light row fits in a few hundred nodes; the whole batch (the 48-row wide
     # group of a 26-row batch) does not within the quick levels' limits, and neither do the
     # 12-row or subtree groups.
     kw = hard_instance("grpo", 11, 0)
-    batch, tree = _tree(kw)
-    C = kw["seq_len"]
-    greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
-    bound = lower_bound_rows(tree, C)
+    greedy, bound, res = _quick_repair(kw, _quick_levels())
     assert (len(kw["sequences"]), greedy.num_rows, bound) == (117, 26, 25)
-    quick = tuple(lv for lv in repair.LEVELS if lv[2] <= repair.QUICK_LIMIT)
-    monkeypatch.setattr(repair, "LEVELS", quick)
-    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
     assert res.num_rows == bound and not res.out_of_time
-    assert (row_costs(tree, res.row_of, res.num_rows) <= C).all()
-    narrow = tuple(lv for lv in quick if lv[:2] != ("wide", 24))  # negative control
-    monkeypatch.setattr(repair, "LEVELS", narrow)
-    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
-    assert res.num_rows == greedy.num_rows
+    narrow = tuple(lv for lv in _quick_levels() if lv[:2] != ("wide", 24))  # negative control
+    assert _quick_repair(kw, narrow)[2].num_rows == greedy.num_rows
 
 
-def test_subtree_neighbourhoods_find_a_row_the_others_miss(monkeypatch):
+def test_subtree_neighbourhoods_find_a_row_the_others_miss():
     # Agent trees with deep chains (31 leaves, 15 rows greedy): re-pairing the branches below
     # one shared turn frees a row; the rows holding that turn fit one fewer at once, the
     # 12-row and wide neighbourhoods do not within the same node limits.
     kw = hard_instance("deep", 12, 2)
-    batch, tree = _tree(kw)
-    C = kw["seq_len"]
-    greedy = place_leaves(tree, batch, C, "auto", repair_ms=0)
-    bound = lower_bound_rows(tree, C)
-    levels = tuple(lv for lv in repair.LEVELS if lv[2] <= repair.QUICK_LIMIT)
-    monkeypatch.setattr(repair, "LEVELS", levels)
-    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    greedy, _, res = _quick_repair(kw, _quick_levels())
     assert res.num_rows == greedy.num_rows - 1 == 14 and not res.out_of_time
-    assert (row_costs(tree, res.row_of, res.num_rows) <= C).all()
-    monkeypatch.setattr(repair, "LEVELS", tuple(lv for lv in levels if lv[0] != "subtree"))  # negative control
-    res = repair_rows(tree, greedy.row_of, greedy.num_rows, C, bound, budget_ms=60_000.0)
+    narrow = tuple(lv for lv in _quick_levels() if lv[0] != "subtree")  # negative control
+    res = _quick_repair(kw, narrow)[2]
     assert res.num_rows == greedy.num_rows and not res.out_of_time
